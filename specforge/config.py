@@ -1,0 +1,294 @@
+"""Typed run configuration.
+
+One dataclass per concern; a YAML file's keys are the field names, and dotted command-line
+overrides (``train.lr=1e-4``) address the same fields. An unknown key or a value of the wrong
+type is a ``ValueError`` that names the dotted key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+EMBEDDED_DATA = "embedded:sharegpt"
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target model."""
+
+    target_path: str = EMBEDDED_TARGET  # local HF folder, hub id, or the embedded default
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Target layer outputs fused by the draft; None = [1, L//2 - 1, L - 4].
+    aux_layer_ids: Optional[list[int]] = None
+    chat_template: Optional[str] = None  # overrides the tokenizer's own template
+    trust_remote_code: bool = False
+    cache_dir: str = "~/.cache/specforge"  # converted embedded model, tokenized data
+    argmax_chunk_tokens: int = 1024  # tokens per lm_head chunk when taking the target argmax
+
+
+@dataclass
+class DataConfig:
+    """ShareGPT-style conversations rendered with the target's chat template."""
+
+    path: str = EMBEDDED_DATA  # JSON/JSONL file, folder of them, or the embedded default
+    max_length: int = 2048
+    max_samples: Optional[int] = None  # first N usable conversations (None = all)
+    num_eval: int = 64  # held-out conversations (taken from the end, never trained on)
+    num_proc: int = 1
+    shuffle_seed: int = 0
+
+
+@dataclass
+class DraftConfig:
+    """The EAGLE-3 draft (LlamaForCausalLMEagle3 layout)."""
+
+    vocab_size: int = 32000  # draft vocabulary (most frequent assistant tokens)
+    hidden_size: Optional[int] = None  # None = the target's
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rope_theta: Optional[float] = None
+    rms_norm_eps: Optional[float] = None
+    init_lm_head_from_target: bool = True
+    ttt_length: int = 7
+    ttt_decay: float = 0.8
+    attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = 0.5
+    batch_size: int = 1  # sequences per data-parallel rank per micro-step
+    grad_accum: int = 1
+    max_steps: int = 1000
+    max_minutes: Optional[float] = None  # wall-clock budget; stops cleanly and saves
+    epochs: int = 1
+    seed: int = 0
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    num_threads: Optional[int] = None  # torch intra-op threads (None = leave as is)
+    num_workers: int = 1  # data-parallel train workers (Ray mode)
+    log_every: int = 10
+    eval_every: int = 100
+    output_dir: str = "runs/default"
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1  # target workers in disaggregated mode
+    tp_size: int = 1  # tensor-parallel size of one rollout worker (GPU only)
+
+
+@dataclass
+class PlacementConfig:
+    mode: Literal["colocated", "disaggregated", "offline"] = "colocated"
+    transport: Literal["p2p", "object_store"] = "p2p"
+    max_inflight_mb: float = 512.0  # backpressure: features sent but not yet trained on
+    feature_dir: Optional[str] = None  # offline mode: where features live on disk
+
+
+@dataclass
+class ParallelConfig:
+    sp_ulysses: int = 1
+    sp_ring: int = 1
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = 300.0  # every process group and remote call
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None = start a local Ray; "auto" or host:port = join
+    num_cpus: Optional[int] = None
+    temp_dir: Optional[str] = None
+
+
+@dataclass
+class TrackingConfig:
+    wandb: bool = True
+    wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
+    project: str = "specforge"
+    run_name: Optional[str] = None
+    jsonl: bool = True
+    tensorboard: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None = <train.output_dir>/checkpoints
+    every_steps: int = 200
+    keep_last: int = 2
+    resume: bool = True  # resume from the newest checkpoint in dir if one exists
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from plain data
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return f"a list of {_describe(item)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ValueError:
+                pass
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp)
+            return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ValueError(f"config key {key!r}: got {value!r} ({type(value).__name__}), expected {_describe(tp)}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"config key {prefix or '<root>'!r}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ValueError(f"unknown config key {key!r}; allowed here: {', '.join(sorted(fields))}")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{key}.")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"config key {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=1e-4"`` -> ``("train.lr", 1e-4)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else None
+    if isinstance(value, str) and value.lower() in ("none", "null"):
+        value = None
+    if isinstance(value, str):  # YAML 1.1 misses '1e-4'; accept it as a float
+        try:
+            value = float(value) if any(c in value for c in ".eE") and value[0] in "+-.0123456789" else value
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Read ``path`` (YAML, may be None for all defaults) and apply dotted overrides."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a type annotation cannot express."""
+    checks = [
+        (cfg.data.max_length >= 8, "data.max_length", "must be >= 8"),
+        (cfg.draft.vocab_size >= 2, "draft.vocab_size", "must be >= 2"),
+        (cfg.draft.ttt_length >= 1, "draft.ttt_length", "must be >= 1"),
+        (0 < cfg.draft.ttt_decay <= 1, "draft.ttt_decay", "must be in (0, 1]"),
+        (cfg.train.lr > 0, "train.lr", "must be > 0"),
+        (cfg.train.batch_size >= 1, "train.batch_size", "must be >= 1"),
+        (cfg.train.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
+        (cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1"),
+        (cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1"),
+        (len(cfg.train.betas) == 2, "train.betas", "must have two values"),
+        (cfg.parallel.sp_ulysses >= 1 and cfg.parallel.sp_ring >= 1, "parallel.sp_*", "degrees must be >= 1"),
+        (cfg.parallel.timeout_s > 0, "parallel.timeout_s", "must be > 0"),
+        (cfg.placement.max_inflight_mb > 0, "placement.max_inflight_mb", "must be > 0"),
+    ]
+    for ok, key, msg in checks:
+        if not ok:
+            raise ValueError(f"config key {key!r} {msg}")
+    if cfg.placement.mode == "offline" and not cfg.placement.feature_dir:
+        raise ValueError("config key 'placement.feature_dir' is required when placement.mode is 'offline'")
+
+
+def aux_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:
+    """The target layer outputs the draft fuses (EAGLE-3 default [1, L//2 - 1, L - 4])."""
+    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else [1, num_layers // 2 - 1, num_layers - 4]
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"config key 'model.aux_layer_ids': {bad} outside 0..{num_layers - 1}")
+    return list(ids)

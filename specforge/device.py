@@ -1,0 +1,92 @@
+"""The one place that picks device, dtype and the distributed backend.
+
+Everything else asks here; no other module names ``cpu``/``cuda`` or ``gloo``/``nccl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
+    """``auto`` -> this process's CUDA device if one exists, else the CPU."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device {choice!r}: expected 'auto', 'cpu' or 'cuda'")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """Storage dtype of the frozen target. ``auto`` = bf16 where it is fast, else fp32."""
+    if choice != "auto":
+        if choice not in _DTYPES:
+            raise ValueError(f"dtype {choice!r}: expected 'auto' or one of {sorted(_DTYPES)}")
+        return _DTYPES[choice]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
+    """Compute dtype for the draft's autocast region (None = run in fp32)."""
+    if precision == "fp32":
+        return None
+    if precision == "fp16":
+        return torch.float16
+    if precision == "bf16":
+        return torch.bfloat16
+    # auto: bf16 on GPUs that support it and on CPUs (oneDNN bf16 kernels), fp16 on older GPUs
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
+
+
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    """An autocast context for ``dtype``, or a no-op when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def pick_backend(choice: str = "auto", device: Optional[torch.device] = None) -> str:
+    """torch.distributed backend: NCCL for CUDA tensors when built with it, else gloo.
+
+    A mixed string like "cpu:gloo,cuda:nccl" fails on CPU-only builds, so choose one.
+    """
+    if choice not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend {choice!r}: expected 'auto', 'gloo' or 'nccl'")
+    if choice != "auto":
+        if choice == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+            raise ValueError("backend 'nccl' requested but NCCL or CUDA is unavailable")
+        return choice
+    device = device or pick_device()
+    if device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> None:
+    """Join the default group, always with a timeout so a dead peer cannot hang the rest."""
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def set_threads(num_threads: Optional[int]) -> None:
+    """Ray sets OMP_NUM_THREADS=1 in actors; set torch's intra-op threads explicitly."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
