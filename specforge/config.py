@@ -172,11 +172,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
+        errors = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)
-            except ValueError:
-                pass
+            except ValueError as e:
+                errors.append((arg, e))
+        inner = [e for arg, e in errors if arg is not type(None) and typing.get_origin(arg) is list]
+        if value is not None and isinstance(value, (list, tuple)) and inner:
+            raise inner[0]  # the list element that was wrong, e.g. 'model.aux_layer_ids[1]'
     elif origin is Literal:
         if value in typing.get_args(tp):
             return value
@@ -200,7 +204,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ValueError(f"config key {prefix or '<root>'!r}: expected a mapping, got {type(data).__name__}")
+        where = prefix.rstrip(".") or "<root>"
+        raise ValueError(f"config key {where!r}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}

