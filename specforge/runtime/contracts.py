@@ -1,0 +1,281 @@
+"""Control-plane records: what the driver and the workers tell each other.
+
+Stdlib only, frozen, and tensor-free: these travel through Ray calls, so they must stay small.
+Tensors move on the data plane (``runtime/dataplane.py``, whose ``FeatureBatch`` is the one
+tensor-bearing type). ``assert_no_tensors`` guards the boundary.
+
+``plan_step`` is the planner: from the samples each data-parallel (DP) group trains on this step
+it decides which rollout worker runs the target over which samples (one batched forward per
+rollout worker) and the ordered list of point-to-point transfers that both ends execute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+# Bytes per element of the dtype names a FeatureField may use (torch dtype names).
+DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """A training sample, by id (metadata only: the tokens live in the shared data cache)."""
+
+    sample_id: int
+    length: int  # tokens
+
+
+@dataclass(frozen=True)
+class FeatureField:
+    """One per-token quantity on the wire. A width-1 field travels as a 1-D ``(T,)`` tensor
+    (ids, masks); a wider one as ``(T, width)``."""
+
+    name: str
+    width: int
+    dtype: str  # a key of DTYPE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"feature field {self.name!r}: dtype {self.dtype!r} not one of {sorted(DTYPE_BYTES)}")
+        if self.width < 1:
+            raise ValueError(f"feature field {self.name!r}: width must be >= 1, got {self.width}")
+
+    def shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (num_tokens,) if self.width == 1 else (num_tokens, self.width)
+
+    def nbytes(self, num_tokens: int) -> int:
+        return num_tokens * self.width * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What travels per token, in wire order."""
+
+    fields: tuple[FeatureField, ...]
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"feature spec has duplicate field names: {names}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def bytes_per_token(self) -> int:
+        return sum(f.nbytes(1) for f in self.fields)
+
+    def nbytes(self, num_tokens: int) -> int:
+        return sum(f.nbytes(num_tokens) for f in self.fields)
+
+    @classmethod
+    def eagle3(cls, hidden_size: int, hidden_dtype: str = "bfloat16") -> "FeatureSpec":
+        """The EAGLE-3 features: 3 fused aux layers, the last hidden state (the train side
+        rebuilds the teacher distribution from it), the target argmax, the ids and loss mask."""
+        return cls((
+            FeatureField("aux_hidden", 3 * hidden_size, hidden_dtype),
+            FeatureField("last_hidden", hidden_size, hidden_dtype),
+            FeatureField("target_ids", 1, "int64"),
+            FeatureField("input_ids", 1, "int64"),
+            FeatureField("loss_mask", 1, "int8"),
+        ))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Send tokens ``[start, stop)`` of one sample from ``src_rank`` to ``dst_rank``.
+
+    The destination owns ``[start, end)``; ``stop >= end`` adds a halo of extra positions a
+    sequence-parallel rank needs for the TTT shifts (``stop = min(end + halo, length)``).
+    Ranks are ranks of the data-plane communicator.
+    """
+
+    sample_id: int
+    src_rank: int
+    dst_rank: int
+    start: int
+    end: int
+    stop: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything both ends of the data plane need for one step, identical on every rank."""
+
+    step: int
+    rollout_ranks: tuple[int, ...]
+    # rollout_batches[i]: the sample ids rollout_ranks[i] runs in its ONE forward this step
+    # (the union of what the DP groups it serves need, each sample exactly once globally).
+    rollout_batches: tuple[tuple[int, ...], ...]
+    lengths: tuple[tuple[int, int], ...]  # (sample_id, length), sorted by id
+    group_samples: tuple[tuple[int, ...], ...]  # per DP group, its samples in training order
+    group_ranks: tuple[tuple[int, ...], ...]  # per DP group, its train ranks (SP slice order)
+    transfers: tuple[Transfer, ...]  # the order both ends execute
+    feature_spec: FeatureSpec
+
+    def batch_of(self, rollout_rank: int) -> tuple[int, ...]:
+        return self.rollout_batches[self.rollout_ranks.index(rollout_rank)]
+
+    def sends_of(self, rank: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.transfers if t.src_rank == rank)
+
+    def recvs_of(self, rank: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.transfers if t.dst_rank == rank)
+
+    def recv_bytes(self, rank: int) -> int:
+        return sum(self.feature_spec.nbytes(t.num_tokens) for t in self.recvs_of(rank))
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a worker returns after a step: numbers only."""
+
+    rank: int
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+
+
+# ------------------------------------------------------------------------------ planning
+
+Policy = Literal["balanced", "round_robin"]
+
+
+def split_slices(length: int, parts: int, halo: int = 0) -> list[tuple[int, int, int]]:
+    """``parts`` contiguous near-equal slices ``(start, end, stop)`` of ``[0, length)``; the
+    first ``length % parts`` slices get one token more. ``stop = min(end + halo, length)``."""
+    if parts < 1 or halo < 0:
+        raise ValueError(f"split_slices: parts must be >= 1 and halo >= 0, got {parts}, {halo}")
+    base, extra = divmod(length, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end, min(end + halo, length)))
+        start = end
+    return out
+
+
+def assign_groups(group_tokens: Sequence[int], num_rollout: int, policy: Policy = "balanced") -> list[int]:
+    """Rollout worker index for each DP group.
+
+    ``round_robin``: group g -> worker g % R. ``balanced`` (default): greedy longest-first, each
+    group to the worker with the fewest tokens so far (ties: lower index), so one long group
+    does not make every step wait on one worker. Both are pure functions of their inputs.
+    """
+    if num_rollout < 1:
+        raise ValueError("assign_groups: need at least one rollout worker")
+    if policy == "round_robin":
+        return [g % num_rollout for g in range(len(group_tokens))]
+    if policy != "balanced":
+        raise ValueError(f"assignment policy {policy!r}: expected 'balanced' or 'round_robin'")
+    load = [0] * num_rollout
+    owner = [0] * len(group_tokens)
+    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
+        w = min(range(num_rollout), key=lambda w: (load[w], w))
+        owner[g] = w
+        load[w] += group_tokens[g]
+    return owner
+
+
+def plan_step(
+    step: int,
+    dp_groups_samples: Sequence[Sequence[SampleRef]],
+    rollout_ranks: Sequence[int],
+    dp_dst_ranks: Sequence[Sequence[int]],
+    feature_spec: FeatureSpec,
+    policy: Policy = "balanced",
+    halo: int = 0,
+) -> StepPlan:
+    """Plan one step of the data plane.
+
+    Each DP group is assigned to a rollout worker (``assign_groups``). A sample is forwarded
+    once, by the worker of the first group that lists it, so each rollout batch is the union of
+    its groups' samples. Every sample goes to every rank of each group that lists it; with
+    several ranks per group (sequence parallelism) rank j gets the j-th contiguous slice plus
+    ``halo``. Transfers are ordered by (source, position in its batch, group, slice), a pure
+    function of the inputs, so all ranks derive the same order.
+    """
+    if len(dp_groups_samples) != len(dp_dst_ranks):
+        raise ValueError(f"plan_step: {len(dp_groups_samples)} DP groups but {len(dp_dst_ranks)} rank lists")
+    if not rollout_ranks:
+        raise ValueError("plan_step: need at least one rollout rank")
+    lengths: dict[int, int] = {}
+    for g, group in enumerate(dp_groups_samples):
+        if not dp_dst_ranks[g]:
+            raise ValueError(f"plan_step: DP group {g} has no train ranks")
+        if len({r.sample_id for r in group}) != len(group):
+            raise ValueError(f"plan_step: DP group {g} lists a sample twice")
+        for ref in group:
+            if lengths.setdefault(ref.sample_id, ref.length) != ref.length:
+                raise ValueError(f"sample {ref.sample_id} listed with two lengths")
+    tokens = [sum(r.length for r in group) for group in dp_groups_samples]
+    owner = assign_groups(tokens, len(rollout_ranks), policy)
+
+    source: dict[int, int] = {}  # sample id -> rollout worker index
+    batches: list[list[int]] = [[] for _ in rollout_ranks]
+    for g, group in enumerate(dp_groups_samples):
+        for ref in group:
+            if ref.sample_id not in source:
+                source[ref.sample_id] = owner[g]
+                batches[owner[g]].append(ref.sample_id)
+
+    groups_of: dict[int, list[int]] = {}  # sample id -> the DP groups that train on it
+    for g, group in enumerate(dp_groups_samples):
+        for ref in group:
+            groups_of.setdefault(ref.sample_id, []).append(g)
+    transfers = []
+    for w, batch in enumerate(batches):
+        for sid in batch:
+            for g in groups_of[sid]:
+                ranks = dp_dst_ranks[g]
+                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo)):
+                    transfers.append(Transfer(sid, rollout_ranks[w], dst, start, end, stop))
+    return StepPlan(
+        step=step,
+        rollout_ranks=tuple(rollout_ranks),
+        rollout_batches=tuple(tuple(b) for b in batches),
+        lengths=tuple(sorted(lengths.items())),
+        group_samples=tuple(tuple(r.sample_id for r in group) for group in dp_groups_samples),
+        group_ranks=tuple(tuple(r) for r in dp_dst_ranks),
+        transfers=tuple(transfers),
+        feature_spec=feature_spec,
+    )
+
+
+# --------------------------------------------------------------------------------- guard
+
+
+def _is_tensor_like(obj: Any) -> bool:
+    # Checked by type name so this module needs neither torch nor numpy.
+    for klass in type(obj).__mro__:
+        if (klass.__module__, klass.__name__) in {("torch", "Tensor"), ("torch._C", "TensorBase"), ("numpy", "ndarray")}:
+            return True
+    return False
+
+
+def assert_no_tensors(obj: Any, path: str = "record") -> None:
+    """Raise ``TypeError`` naming the path (``record.metrics['loss']``) of any torch tensor or
+    numpy array inside dataclasses, tuples, lists, sets and dicts."""
+    if _is_tensor_like(obj):
+        raise TypeError(f"control-plane record holds a {type(obj).__module__}.{type(obj).__name__} at {path}")
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            assert_no_tensors(getattr(obj, f.name), f"{path}.{f.name}")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            assert_no_tensors(key, f"{path}<key {key!r}>")
+            assert_no_tensors(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, value in enumerate(obj):
+            assert_no_tensors(value, f"{path}[{i}]")
