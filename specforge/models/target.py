@@ -161,32 +161,49 @@ def argmax_chunked(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, chunk: int
 
 
 @torch.no_grad()
-def capture(
+def forward_aux(
     target: TargetModel,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: Optional[torch.Tensor] = None,
-    chunk_tokens: int = 1024,
-) -> Features:
-    """Run the target once and keep the aux layer outputs, the final hidden state and the argmax.
+    past_key_values=None,
+):
+    """One target forward keeping only the aux layer outputs: (aux_BT3H, last_hidden_BTH, output).
 
     Hooks on the chosen decoder layers keep only those layers (not all ``hidden_states``), and the
     base model is called without its lm_head, so full-vocab logits are never built for the batch.
     """
     model = target.model
     grabbed: dict[int, torch.Tensor] = {}
+
+    def keep(i):
+        return lambda _m, _a, out: grabbed.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+
     layers = _decoder_layers(model)
-    hooks = [
-        layers[i].register_forward_hook(lambda _m, _a, out, i=i: grabbed.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-        for i in target.aux_layer_ids
-    ]
+    hooks = [layers[i].register_forward_hook(keep(i)) for i in target.aux_layer_ids]
     try:
         base = getattr(model, model.base_model_prefix)
-        out = base(input_ids=input_ids_BT.to(target.device), attention_mask=None if attention_mask_BT is None else attention_mask_BT.to(target.device), use_cache=False)
+        out = base(
+            input_ids=input_ids_BT.to(target.device),
+            attention_mask=None if attention_mask_BT is None else attention_mask_BT.to(target.device),
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+        )
     finally:
         for h in hooks:
             h.remove()
-    last_BTH = out.last_hidden_state
     aux_BT3H = torch.cat([grabbed[i] for i in target.aux_layer_ids], dim=-1)
+    return aux_BT3H, out.last_hidden_state, out
+
+
+@torch.no_grad()
+def capture(
+    target: TargetModel,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: Optional[torch.Tensor] = None,
+    chunk_tokens: int = 1024,
+) -> Features:
+    """Run the target once: aux layer outputs, final hidden state, and the argmax at every position."""
+    aux_BT3H, last_BTH, _ = forward_aux(target, input_ids_BT, attention_mask_BT)
     B, T, H = last_BTH.shape
     ids = argmax_chunked(last_BTH.reshape(B * T, H), target.lm_head_weight_VH, chunk_tokens).view(B, T)
     return Features(aux_hidden_BT3H=aux_BT3H, last_hidden_BTH=last_BTH, target_ids_BT=ids)

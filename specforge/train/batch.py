@@ -1,0 +1,88 @@
+"""Data order, collation, and the one tensor-bearing batch type the train step consumes.
+
+Data order is a pure function of (seed, epoch, step), so a resumed run, the single-process
+trainer and every distributed placement see the same samples at the same step.
+Legend: B batch, T tokens, H target hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+from specforge.models.target import Features
+
+
+@dataclass
+class TrainBatch:
+    """Everything one TTT step needs. Right-padded; padding has loss_mask 0."""
+
+    input_ids_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    aux_hidden_BT3H: torch.Tensor
+    last_hidden_BTH: torch.Tensor
+    target_ids_BT: torch.Tensor
+
+    @classmethod
+    def from_features(cls, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, feats: Features) -> "TrainBatch":
+        return cls(input_ids_BT, loss_mask_BT, feats.aux_hidden_BT3H, feats.last_hidden_BTH, feats.target_ids_BT)
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_BT.numel())
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """A permutation of sample indices that depends only on (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=g).tolist()
+
+
+def global_batch_ids(num_samples: int, global_batch: int, seed: int, step: int) -> list[int]:
+    """Sample ids of optimizer-step ``step`` (all DP ranks and micro-batches together).
+
+    Epochs follow each other without a partial last batch (it rolls over into the next epoch).
+    """
+    if num_samples < 1:
+        raise ValueError("no training samples")
+    start = step * global_batch
+    ids: list[int] = []
+    epoch, offset = divmod(start, num_samples)
+    while len(ids) < global_batch:
+        order = epoch_order(num_samples, seed, epoch)
+        take = order[offset : offset + global_batch - len(ids)]
+        ids.extend(take)
+        epoch, offset = epoch + 1, 0
+    return ids
+
+
+def split_for_ranks(ids: Sequence[int], dp_size: int, grad_accum: int) -> list[list[list[int]]]:
+    """``ids`` -> [dp_rank][micro_step] -> sample ids (contiguous, equal shares)."""
+    per_rank = len(ids) // dp_size
+    assert per_rank * dp_size == len(ids) and per_rank % grad_accum == 0
+    micro = per_rank // grad_accum
+    return [
+        [list(ids[r * per_rank + m * micro : r * per_rank + (m + 1) * micro]) for m in range(grad_accum)]
+        for r in range(dp_size)
+    ]
+
+
+def collate(rows: Sequence[dict], pad_id: int, pad_to: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+    """Rows with ``input_ids``/``loss_mask`` -> right-padded (input_ids, loss_mask, attention_mask)."""
+    T = max(len(r["input_ids"]) for r in rows)
+    if pad_to:
+        T = max(T, pad_to)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    attn = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        mask[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
+        attn[i, :n] = 1
+    return ids, mask, attn
