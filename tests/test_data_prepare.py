@@ -1,0 +1,182 @@
+import json
+
+import pytest
+
+from specforge.config import DataConfig
+from specforge.data import sharegpt as sg
+from specforge.data.prepare import NO_LOSS_TOKENS, cache_key, prepare_dataset
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tokenizer(extra_tokens=()):
+    """A tiny byte-level BPE fast tokenizer with a ChatML template (fast to build)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tk.train_from_iterator(["hello world user assistant system question answer"] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def rec(q, a):
+    return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+
+def write_jsonl(path, records_or_lines):
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records_or_lines]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    rows = [rec(f"question {i}", f"answer {i} hello world") for i in range(10)]
+    rows.insert(3, "{broken")
+    rows.insert(5, {"conversations": [{"from": "human", "value": "no reply"}]})
+    rows.insert(7, {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]})
+    return write_jsonl(tmp_path / "d.jsonl", rows)
+
+
+def test_prepare_stats_split_and_columns(tok, data_file, tmp_path):
+    cfg = DataConfig(path=str(data_file), max_length=64, num_eval=3)
+    out = prepare_dataset(cfg, tok, cache_dir=tmp_path / "cache", progress=False)
+    s = out.stats
+    assert (s.rows_read, s.rows_kept, s.rows_skipped) == (13, 10, 3)
+    assert s.skipped == {sg.BAD_JSON: 1, sg.NO_ASSISTANT: 1, sg.UNKNOWN_ROLE: 1}
+    assert [f["row"] for f in s.first_skips] == [3, 5, 7]
+    assert (s.train_rows, s.eval_rows) == (7, 3) and len(out.train) == 7 and len(out.eval) == 3
+    assert out.train.column_names == ["input_ids", "loss_mask", "length"]
+    # eval = the LAST usable conversations, in order
+    assert [tok.decode(r["input_ids"]).split("\n")[1] for r in out.eval] == [
+        "question 7<|im_end|>", "question 8<|im_end|>", "question 9<|im_end|>"
+    ]
+    row = out.train[0]
+    assert row["length"] == len(row["input_ids"]) == len(row["loss_mask"])
+    masked = tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert masked == "answer 0 hello world<|im_end|>"
+    all_rows = list(out.train) + list(out.eval)
+    assert s.tokens == sum(r["length"] for r in all_rows)
+    assert s.loss_tokens == sum(sum(r["loss_mask"]) for r in all_rows)
+    assert s.truncated == 0 and not s.cache_hit
+    table = s.table()
+    assert "rows skipped" in table and sg.BAD_JSON in table and "row 3" in table
+
+
+def test_truncation_and_no_loss_rows(tok, tmp_path):
+    long_q = "question " * 60
+    rows = [rec("q", "answer hello"), rec(long_q, "answer"), rec("q", "answer " * 60)]
+    p = write_jsonl(tmp_path / "t.jsonl", rows)
+    out = prepare_dataset(DataConfig(path=str(p), max_length=32, num_eval=0), tok, cache_dir=None, progress=False)
+    s = out.stats
+    assert s.skipped == {NO_LOSS_TOKENS: 1}  # the long question leaves no assistant token in 32
+    assert s.rows_kept == 2 and s.truncated == 2  # both long rows were cut
+    assert max(r["length"] for r in out.train) == 32
+
+
+def test_max_samples_counts_usable_rows(tok, data_file):
+    cfg = DataConfig(path=str(data_file), max_length=64, max_samples=4, num_eval=1)
+    out = prepare_dataset(cfg, tok, cache_dir=None, progress=False)
+    assert out.stats.rows_kept == 4 and len(out.train) == 3 and len(out.eval) == 1
+    assert out.stats.rows_read == 5  # stopped reading after the 4th usable row (one bad line before it)
+
+
+def test_cache_reuse_and_invalidation(tok, data_file, tmp_path):
+    cache = tmp_path / "cache"
+    cfg = DataConfig(path=str(data_file), max_length=64, num_eval=2)
+    first = prepare_dataset(cfg, tok, cache_dir=cache, progress=False)
+    again = prepare_dataset(cfg, tok, cache_dir=cache, progress=False)
+    assert again.stats.cache_hit and again.cache_key == first.cache_key
+    assert again.stats.skipped == first.stats.skipped and list(again.train) == list(first.train)
+
+    # a changed tokenizer (one more added token) must not reuse the cache
+    tok2 = make_tokenizer(extra_tokens=["<|extra|>"])
+    other = prepare_dataset(cfg, tok2, cache_dir=cache, progress=False)
+    assert not other.stats.cache_hit and other.cache_key != first.cache_key
+
+    # a changed chat template must not reuse the cache, and must change the rows
+    template = CHATML.replace("'\n' + message['content']", "':\n' + message['content']")
+    other = prepare_dataset(cfg, tok, chat_template=template, cache_dir=cache, progress=False)
+    assert not other.stats.cache_hit and other.cache_key != first.cache_key
+    assert list(other.train) != list(first.train)
+    tok_t = make_tokenizer()
+    tok_t.chat_template = template  # the tokenizer's own template changed: same
+    assert cache_key(cfg, tok_t, tok_t.chat_template) == other.cache_key
+
+    # changed data bytes, max_length, max_samples: new keys
+    keys = {first.cache_key}
+    for c in (DataConfig(path=str(data_file), max_length=65, num_eval=2),
+              DataConfig(path=str(data_file), max_length=64, max_samples=5, num_eval=2)):
+        keys.add(cache_key(c, tok, CHATML))
+    with open(data_file, "a") as f:
+        f.write(json.dumps(rec("new", "new answer")) + "\n")
+    keys.add(cache_key(cfg, tok, CHATML))
+    assert len(keys) == 4
+    changed = prepare_dataset(cfg, tok, cache_dir=cache, progress=False)
+    assert not changed.stats.cache_hit and changed.stats.rows_kept == first.stats.rows_kept + 1
+
+
+def test_no_usable_row_is_a_clear_error(tok, tmp_path):
+    p = write_jsonl(tmp_path / "bad.jsonl", ["{nope", {"conversations": []}, rec("q", "")])
+    with pytest.raises(ValueError, match="no usable conversation among 3 rows"):
+        prepare_dataset(DataConfig(path=str(p), num_eval=0), tok, cache_dir=None, progress=False)
+    p = write_jsonl(tmp_path / "few.jsonl", [rec("q", "a")])
+    with pytest.raises(ValueError, match="num_eval"):
+        prepare_dataset(DataConfig(path=str(p), num_eval=1), tok, cache_dir=None, progress=False)
+
+
+def test_missing_template(data_file):
+    t = make_tokenizer()
+    t.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        prepare_dataset(DataConfig(path=str(data_file)), t, cache_dir=None, progress=False)
+
+
+def test_embedded_small(tmp_path):
+    from specforge.config import EMBEDDED_DATA
+
+    tok = make_tokenizer()
+    cfg = DataConfig(path=EMBEDDED_DATA, max_samples=20, num_eval=4, max_length=256)
+    out = prepare_dataset(cfg, tok, cache_dir=tmp_path, progress=False)
+    assert out.stats.rows_kept == 20 and len(out.eval) == 4
+    assert out.stats.loss_tokens > 0
+
+
+def test_num_proc_matches_serial(tok, data_file):
+    serial = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=2), tok, cache_dir=None, progress=False)
+    par = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=2, num_proc=2), tok, cache_dir=None, progress=False)
+    assert list(par.train) == list(serial.train) and list(par.eval) == list(serial.eval)
+    assert par.stats.skipped == serial.stats.skipped and par.stats.first_skips == serial.stats.first_skips
+
+
+def test_cli_prepare_with_vocab(tmp_path, data_file, monkeypatch, capsys):
+    import specforge.models.target as target
+    from specforge.data.__main__ import main
+    from specforge.data.vocab import load_draft_vocab
+
+    monkeypatch.setattr(target, "load_tokenizer", lambda model_cfg: make_tokenizer())
+    vocab_out = tmp_path / "vocab.safetensors"
+    rc = main(["prepare", f"data.path={data_file}", "data.num_eval=2", "data.max_length=64",
+               f"model.cache_dir={tmp_path}", "--vocab-out", str(vocab_out), "draft.vocab_size=50", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "rows read" in out and "13" in out and sg.UNKNOWN_ROLE in out and "draft vocab: 50 of" in out
+    v = load_draft_vocab(vocab_out)
+    assert v.draft_vocab_size == 50 and v.target_vocab_size == len(make_tokenizer())
+    assert main(["prepare", "data.bogus=1"]) == 2
