@@ -1,0 +1,152 @@
+"""Spawn Ray actor groups and join them into one torch.distributed communicator.
+
+    workers = spawn_actors(TrainWorker, 2, num_cpus=1, num_gpus=0, label="train")
+    rollout = spawn_actors(RolloutWorker, 1, label="rollout")
+    init_communicator(rollout.actors + workers.actors, labels=rollout.labels + workers.labels)
+
+Actor classes inherit ``DistributedWorker`` for the few methods the setup needs. Every wait on
+a remote call goes through ``gather``, which has a timeout and names the actor that failed
+(Ray's error carries the remote traceback; we prepend which actor it was).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from specforge import device
+
+
+class WorkerError(RuntimeError):
+    """A remote call failed or timed out; the message names the actor."""
+
+
+class DistributedWorker:
+    """Mixin for Ray actor classes that join the data-plane communicator."""
+
+    def __init__(self, num_threads: Optional[int] = None):
+        device.set_threads(num_threads)  # Ray sets OMP_NUM_THREADS=1 in actors
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def resolve_backend(self, choice: str = "auto") -> str:
+        return device.pick_backend(choice, device.pick_device())
+
+    def join_communicator(self, rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> int:
+        import torch.distributed as dist
+
+        device.init_process_group(rank, world_size, init_method, backend, timeout_s)
+        dist.barrier()  # first call involves every rank (NCCL wants that before batched p2p)
+        return rank
+
+    def leave_communicator(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class ActorGroup:
+    actors: list
+    labels: list[str]
+    placement_group: Optional[PlacementGroup] = None
+    timeout_s: float = 300.0
+
+    def call(self, method: str, *args, timeout_s: Optional[float] = None, **kwargs) -> list:
+        """Call ``method`` on every actor with the same arguments; wait for all."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return gather(refs, self.labels, timeout_s or self.timeout_s, what=method)
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+
+
+def gather(refs: Sequence, labels: Sequence[str], timeout_s: float, what: str = "call") -> list:
+    """``ray.get`` every ref within ``timeout_s``; fail fast on the first error, naming its actor."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
+        if not ready:
+            names = ", ".join(labels[index[r]] for r in pending)
+            raise WorkerError(f"{what}: {names} did not finish within {timeout_s:.0f} s")
+        for ref in ready:
+            i = index[ref]
+            try:
+                results[i] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+            except ray.exceptions.RayError as err:
+                raise WorkerError(f"{what} failed on {labels[i]}:\n{err}") from err
+    return results
+
+
+def spawn_actors(
+    actor_cls,
+    num: int,
+    *,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    label: str = "worker",
+    args: tuple = (),
+    kwargs: Optional[dict] = None,
+    strategy: str = "PACK",
+    timeout_s: float = 300.0,
+    runtime_env: Optional[dict] = None,
+) -> ActorGroup:
+    """Start ``num`` actors of ``actor_cls``, one per bundle of a placement group with
+    ``num_cpus`` CPUs (+ ``num_gpus`` GPUs when > 0) each. Actor i is labelled ``label[i]``."""
+    if num < 1 or num_cpus <= 0:
+        raise ValueError(f"spawn_actors: need num >= 1 and num_cpus > 0, got {num}, {num_cpus}")
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus > 0 else {})}
+    pg = placement_group([dict(bundle) for _ in range(num)], strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as err:
+        remove_placement_group(pg)
+        raise WorkerError(f"placement group for {num} x {label} {bundle} not ready within {timeout_s:.0f} s") from err
+    remote_cls = actor_cls if isinstance(actor_cls, ray.actor.ActorClass) else ray.remote(actor_cls)
+    options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"runtime_env": runtime_env} if runtime_env else {})}
+    actors = [
+        remote_cls.options(
+            **options,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(*args, **(kwargs or {}))
+        for i in range(num)
+    ]
+    return ActorGroup(actors, [f"{label}[{i}]" for i in range(num)], pg, timeout_s)
+
+
+def init_communicator(
+    actors: Sequence,
+    labels: Sequence[str],
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+) -> str:
+    """Join ``actors`` (in rank order) into one default process group, rendezvous on a free
+    port of the first actor's node. Returns the backend used (chosen once, by rank 0)."""
+    first = actors[0]
+    addr, port, backend = gather(
+        [first.node_address.remote(), first.free_port.remote(), first.resolve_backend.remote(backend)],
+        [labels[0]] * 3, timeout_s, what="rendezvous",
+    )
+    init_method = f"tcp://{addr}:{port}"
+    refs = [a.join_communicator.remote(r, len(actors), init_method, backend, timeout_s) for r, a in enumerate(actors)]
+    gather(refs, labels, timeout_s + 30, what="join_communicator")
+    return backend

@@ -1,0 +1,383 @@
+"""The feature data plane: execute a ``StepPlan``'s transfers between rollout and train ranks.
+
+``P2PTransport`` is the real one: torch.distributed ``isend``/``irecv`` in the one communicator
+that spans rollout and train ranks (built by ``runtime/actors.py``; NCCL on GPUs, gloo on CPU).
+Both ends walk the same ordered ``plan.transfers``, so messages between a pair of ranks match
+in order; each message also carries a tag derived from (step, index) so a mismatch fails loudly
+on gloo instead of delivering the wrong bytes. The receiver knows every shape from the plan, so
+it can post step k+1's receives before computing step k (``Prefetcher``).
+
+``ObjectStoreTransport`` has the same interface over ``ray.put``/``ray.get``: a baseline for the
+benchmark, not for the hot path.
+
+By default all fields of one (sample, destination) slice are packed into one byte buffer (one
+message instead of five); the receiver gets zero-copy typed views into it. The sender pays one
+copy to pack; ``benchmarks/bench_transfer.py`` measures both layouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from specforge import device as device_mod
+from specforge.runtime.contracts import FeatureField, FeatureSpec, StepPlan, Transfer
+
+Features = Mapping[str, torch.Tensor]  # one sample's full-length features, field name -> tensor
+_TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_ALIGN = 64  # byte alignment of each field inside a packed buffer (typed views need >= 8)
+
+
+@dataclass(eq=False)
+class FeatureBatch(Mapping):
+    """The received features of one sample slice: field name -> tensor covering tokens
+    ``[start, stop)``; the receiver owns ``[start, end)``, the rest is halo. The one type in the
+    runtime that carries tensors."""
+
+    sample_id: int
+    start: int
+    end: int
+    stop: int
+    tensors: dict[str, torch.Tensor]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+def packed_layout(spec: FeatureSpec, num_tokens: int) -> tuple[list[tuple[FeatureField, int, int]], int]:
+    """``([(field, byte offset, nbytes), ...], total bytes)`` of one packed slice."""
+    layout, offset = [], 0
+    for f in spec.fields:
+        n = f.nbytes(num_tokens)
+        layout.append((f, offset, n))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return layout, offset
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _slice(features: Features, f: FeatureField, tr: Transfer) -> torch.Tensor:
+    t = features[f.name]
+    expected = f.shape(t.shape[0]) if t.dim() else ()
+    if t.dtype != torch_dtype(f.dtype) or tuple(t.shape) != expected or t.shape[0] < tr.stop:
+        raise ValueError(
+            f"sample {tr.sample_id} field {f.name!r}: got {t.dtype} {tuple(t.shape)}, the spec wants "
+            f"{f.dtype} {f.shape(tr.stop)[1:]} per token and at least {tr.stop} tokens"
+        )
+    return t[tr.start : tr.stop].contiguous()
+
+
+def _tag(step: int, index: int) -> int:
+    # Unique per (step mod 2048, transfer index) and within int32; NCCL ignores tags.
+    return ((step % 2048) << 20) | (index % (1 << 20))
+
+
+class _Works:
+    """Completion of posted torch.distributed work, plus what it moved."""
+
+    def __init__(self, works: list, nbytes: int, keepalive: list):
+        self.works, self.nbytes, self._keepalive = works, nbytes, keepalive
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self._keepalive = [], []
+
+
+class SendHandle:
+    """Returned by ``send_step``; ``wait()`` returns the bytes sent once they are out."""
+
+    def __init__(self, wait_fn, nbytes: int):
+        self._wait_fn, self.nbytes = wait_fn, nbytes
+
+    def wait(self) -> int:
+        if self._wait_fn is not None:
+            self._wait_fn()
+            self._wait_fn = None
+        return self.nbytes
+
+
+class PendingRecv:
+    """Receives posted for one step; ``wait()`` returns ``{sample_id: FeatureBatch}``."""
+
+    def __init__(self, plan: StepPlan, wait_fn, nbytes: int):
+        self.plan, self._wait_fn, self.nbytes = plan, wait_fn, nbytes
+        self._result: Optional[dict[int, FeatureBatch]] = None
+
+    def wait(self) -> dict[int, FeatureBatch]:
+        if self._result is None:
+            self._result = self._wait_fn()
+        return self._result
+
+
+# ------------------------------------------------------------------------- point-to-point
+
+
+class P2PTransport:
+    """Execute a plan with isend/irecv on ``group`` (None = the default group; plan ranks are
+    ranks of that group). Counts bytes in ``bytes_sent`` / ``bytes_recv``."""
+
+    def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool = True):
+        self.group = group
+        self.device = device or device_mod.pick_device()
+        self.pack = pack
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+
+    def resolve_rank(self, rank: Optional[int] = None) -> int:
+        return dist.get_rank(self.group) if rank is None else rank
+
+    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
+        """Post this rank's sends of ``plan`` (full-length features per sample; slicing is done
+        here). The tensors must stay unchanged until ``wait()`` returns."""
+        rank = self.resolve_rank(my_rank)
+        ops, nbytes = [], 0
+        for index, tr in enumerate(plan.transfers):
+            if tr.src_rank != rank or tr.num_tokens == 0:
+                continue
+            missing = [name for name in plan.feature_spec.names if name not in features_by_sample.get(tr.sample_id, {})]
+            if missing:
+                raise ValueError(f"step {plan.step}: no {missing} for sample {tr.sample_id} on rank {rank}")
+            for buf in self._send_buffers(plan.feature_spec, features_by_sample[tr.sample_id], tr):
+                ops.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=tr.dst_rank, tag=_tag(plan.step, index)))
+                nbytes += buf.numel()
+        works = _Works(dist.batch_isend_irecv(ops) if ops else [], nbytes, [op.tensor for op in ops])
+        self.bytes_sent += nbytes
+        return SendHandle(works.wait, nbytes)
+
+    def _send_buffers(self, spec: FeatureSpec, features: Features, tr: Transfer) -> list[torch.Tensor]:
+        slices = [_as_bytes(_slice(features, f, tr)) for f in spec.fields]
+        if not self.pack:
+            return slices
+        layout, total = packed_layout(spec, tr.num_tokens)
+        buf = torch.empty(total, dtype=torch.uint8, device=slices[0].device)
+        for (_, offset, n), src in zip(layout, slices):
+            buf[offset : offset + n].copy_(src)
+        return [buf]
+
+    def post_recv(self, plan: StepPlan, my_rank: Optional[int] = None) -> PendingRecv:
+        """Allocate this rank's buffers from the plan's shapes and post the receives now."""
+        rank = self.resolve_rank(my_rank)
+        ops, batches, nbytes = [], {}, 0
+        for index, tr in enumerate(plan.transfers):
+            if tr.dst_rank != rank:
+                continue
+            assert tr.sample_id not in batches, f"rank {rank} receives two slices of sample {tr.sample_id}"
+            tensors, bufs = self._recv_buffers(plan.feature_spec, tr)
+            batches[tr.sample_id] = FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, tensors)
+            for buf in bufs if tr.num_tokens else []:
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=tr.src_rank, tag=_tag(plan.step, index)))
+                nbytes += buf.numel()
+        works = _Works(dist.batch_isend_irecv(ops) if ops else [], nbytes, [])
+        self.bytes_recv += nbytes
+
+        def finish() -> dict[int, FeatureBatch]:
+            works.wait()
+            return batches
+
+        return PendingRecv(plan, finish, nbytes)
+
+    def _recv_buffers(self, spec: FeatureSpec, tr: Transfer) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        n = tr.num_tokens
+        if self.pack:
+            layout, total = packed_layout(spec, n)
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            tensors = {
+                f.name: buf[offset : offset + size].view(torch_dtype(f.dtype)).view(f.shape(n))
+                for f, offset, size in layout
+            }
+            return tensors, [buf]
+        tensors = {f.name: torch.empty(f.shape(n), dtype=torch_dtype(f.dtype), device=self.device) for f in spec.fields}
+        return tensors, [_as_bytes(t) for t in tensors.values()]
+
+
+# ---------------------------------------------------------------------- double buffering
+
+
+class Prefetcher:
+    """Receiver side: iterate ``(plan, {sample_id: FeatureBatch})`` over ``plans`` while keeping
+    later steps' receives posted, at most ``max_inflight_bytes`` of them (always at least one
+    step, or nothing could move). The next step is posted before the current one is handed out,
+    so its transfer overlaps the caller's compute. Memory held = the budget + the batch in use.
+    """
+
+    def __init__(self, transport, plans: Iterable[StepPlan], max_inflight_bytes: int, my_rank: Optional[int] = None):
+        self.transport, self.max_inflight_bytes = transport, max_inflight_bytes
+        self.my_rank = transport.resolve_rank(my_rank)
+        self._plans = iter(plans)
+        self._lookahead: Optional[StepPlan] = None
+        self._posted: collections.deque[PendingRecv] = collections.deque()
+        self.inflight_bytes = 0
+        self.wait_ms = 0.0  # time spent blocked on the data plane (compute did not hide it)
+        self.bytes_recv = 0  # wire bytes of the steps handed out so far
+
+    def _peek(self) -> Optional[StepPlan]:
+        if self._lookahead is None:
+            self._lookahead = next(self._plans, None)
+        return self._lookahead
+
+    def _fill(self) -> None:
+        while (plan := self._peek()) is not None:
+            size = plan.recv_bytes(self.my_rank)
+            if self._posted and self.inflight_bytes + size > self.max_inflight_bytes:
+                return
+            self._posted.append(self.transport.post_recv(plan, self.my_rank))
+            self.inflight_bytes += size
+            self._lookahead = None
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> tuple[StepPlan, dict[int, FeatureBatch]]:
+        self._fill()
+        if not self._posted:
+            raise StopIteration
+        pending = self._posted.popleft()
+        t0 = time.perf_counter()
+        batches = pending.wait()
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
+        self.bytes_recv += pending.nbytes
+        self.inflight_bytes -= pending.plan.recv_bytes(self.my_rank)
+        self._fill()
+        return pending.plan, batches
+
+
+class SendWindow:
+    """Sender side: keep at most ``max_inflight_bytes`` of sends outstanding (the oldest is
+    waited on first), so a rollout worker running ahead cannot pile up features."""
+
+    def __init__(self, max_inflight_bytes: int):
+        self.max_inflight_bytes = max_inflight_bytes
+        self._handles: collections.deque[SendHandle] = collections.deque()
+        self.inflight_bytes = 0
+
+    def push(self, handle: SendHandle) -> None:
+        self._handles.append(handle)
+        self.inflight_bytes += handle.nbytes
+        while len(self._handles) > 1 and self.inflight_bytes > self.max_inflight_bytes:
+            self.inflight_bytes -= self._handles.popleft().wait()
+
+    def drain(self) -> None:
+        while self._handles:
+            self.inflight_bytes -= self._handles.popleft().wait()
+
+
+# ---------------------------------------------------------------------- object-store baseline
+
+
+class _Mailbox:
+    """A Ray actor holding ObjectRefs by key until the receiver takes them (FIFO per key)."""
+
+    def __init__(self):
+        self._items: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self._changed = asyncio.Condition()
+
+    async def put(self, items: dict) -> None:
+        async with self._changed:
+            for key, ref in items.items():
+                self._items[key].append(ref)
+            self._changed.notify_all()
+
+    async def take(self, keys: list) -> list:
+        async with self._changed:
+            await self._changed.wait_for(lambda: all(self._items.get(k) for k in keys))
+            return [self._items[k].popleft() for k in keys]
+
+
+MAILBOX_NAME = "specforge-feature-mailbox"
+
+
+def spawn_mailbox(name: str = MAILBOX_NAME):
+    """Start the named mailbox actor for ``ObjectStoreTransport``. The caller (the driver)
+    keeps the returned handle for the run: Ray ends a non-detached actor with its owner's
+    last handle, so a worker-owned mailbox would die with that worker's transport."""
+    import ray
+
+    return ray.remote(num_cpus=0)(_Mailbox).options(name=name).remote()
+
+
+class ObjectStoreTransport:
+    """Same interface as ``P2PTransport``, moving each slice through the Ray object store
+    (``ray.put`` by the sender, refs handed over by the mailbox actor from ``spawn_mailbox``,
+    ``ray.get`` by the receiver). For comparison only: every byte is serialized and copied."""
+
+    def __init__(self, mailbox_name: str = MAILBOX_NAME, timeout_s: float = 300.0, rank: Optional[int] = None):
+        import ray
+
+        self._ray, self.timeout_s, self.rank = ray, timeout_s, rank
+        self._mailbox = ray.get_actor(mailbox_name)
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+
+    def resolve_rank(self, rank: Optional[int] = None) -> int:
+        rank = self.rank if rank is None else rank
+        if rank is None:
+            raise ValueError("ObjectStoreTransport needs my_rank (or rank= at construction)")
+        return rank
+
+    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
+        rank, items, nbytes = self.resolve_rank(my_rank), {}, 0
+        for index, tr in enumerate(plan.transfers):
+            if tr.src_rank != rank:
+                continue
+            tensors = {f.name: _slice(features_by_sample[tr.sample_id], f, tr) for f in plan.feature_spec.fields}
+            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            items[f"{plan.step}:{index}"] = self._ray.put(tensors)
+        done = self._mailbox.put.remote(items)
+        self.bytes_sent += nbytes
+        return SendHandle(lambda: self._ray.get(done, timeout=self.timeout_s), nbytes)
+
+    def post_recv(self, plan: StepPlan, my_rank: Optional[int] = None) -> PendingRecv:
+        rank = self.resolve_rank(my_rank)
+        mine = [(index, tr) for index, tr in enumerate(plan.transfers) if tr.dst_rank == rank]
+        refs_ref = self._mailbox.take.remote([f"{plan.step}:{index}" for index, _ in mine])
+        nbytes = plan.recv_bytes(rank)
+        self.bytes_recv += nbytes
+
+        def finish() -> dict[int, FeatureBatch]:
+            refs = self._ray.get(refs_ref, timeout=self.timeout_s)
+            values = self._ray.get(refs, timeout=self.timeout_s)
+            return {tr.sample_id: FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, dict(v)) for (_, tr), v in zip(mine, values)}
+
+        return PendingRecv(plan, finish, nbytes)
+
+
+# ------------------------------------------------------------------------------ synthetic
+
+
+def synthetic_features(spec: FeatureSpec, sample_id: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random features of one sample (tests and benchmarks)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + sample_id)
+    out = {}
+    for f in spec.fields:
+        dtype = torch_dtype(f.dtype)
+        if dtype.is_floating_point:
+            out[f.name] = torch.randn(f.shape(length), generator=gen).to(dtype)
+        elif dtype == torch.bool:
+            out[f.name] = torch.randint(0, 2, f.shape(length), generator=gen).bool()
+        else:
+            out[f.name] = torch.randint(0, 100, f.shape(length), generator=gen, dtype=dtype)
+    return out
