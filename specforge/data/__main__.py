@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
     )
     print(out.stats.table())
-    print(f"{'tokenizer load seconds':<34}{t_tok:>12.1f}")
+    print(f"{'tokenizer load seconds':<40}{t_tok:>12.1f}")
     if args.vocab_out:
         from specforge.data.vocab import build_draft_vocab, save_draft_vocab
 
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         cov = f"{vocab.coverage:.4f}" if vocab.coverage is not None else "n/a"
         print(f"draft vocab: {n} of {V} target tokens, coverage of train loss tokens {cov}, "
               f"saved to {path} ({time.perf_counter() - t1:.1f} s)")
-    print(f"{'total wall seconds':<34}{time.perf_counter() - t0:>12.1f}")
+    print(f"{'total wall seconds':<40}{time.perf_counter() - t0:>12.1f}")
     return 0
 
 

@@ -83,20 +83,20 @@ class DataStats:
     def table(self) -> str:
         """A human-readable statistics table."""
         lines = [
-            f"{'rows read':<34}{self.rows_read:>12,}",
-            f"{'rows kept':<34}{self.rows_kept:>12,}",
-            f"{'  train / eval':<34}{f'{self.train_rows:,} / {self.eval_rows:,}':>12}",
-            f"{'rows skipped':<34}{self.rows_skipped:>12,}",
+            f"{'rows read':<40}{self.rows_read:>12,}",
+            f"{'rows kept':<40}{self.rows_kept:>12,}",
+            f"{'  train / eval':<40}{f'{self.train_rows:,} / {self.eval_rows:,}':>12}",
+            f"{'rows skipped':<40}{self.rows_skipped:>12,}",
         ]
         for reason, n in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])):
-            lines.append(f"{'  ' + reason:<34}{n:>12,}")
+            lines.append(f"{'  ' + reason:<40}{n:>12,}")
         lines += [
-            f"{'tokens':<34}{self.tokens:>12,}",
-            f"{'loss tokens':<34}{self.loss_tokens:>12,}",
-            f"{'  loss fraction':<34}{(self.loss_tokens / max(self.tokens, 1)):>12.3f}",
-            f"{'truncated rows':<34}{self.truncated:>12,}",
-            f"{'seconds':<34}{self.seconds:>12.1f}",
-            f"{'cache':<34}{'hit' if self.cache_hit else 'built':>12}",
+            f"{'tokens':<40}{self.tokens:>12,}",
+            f"{'loss tokens':<40}{self.loss_tokens:>12,}",
+            f"{'  loss fraction':<40}{(self.loss_tokens / max(self.tokens, 1)):>12.3f}",
+            f"{'truncated rows':<40}{self.truncated:>12,}",
+            f"{'seconds':<40}{self.seconds:>12.1f}",
+            f"{'cache':<40}{'hit' if self.cache_hit else 'built':>12}",
         ]
         if self.cache_path:
             lines.append(f"cache path: {self.cache_path}")
