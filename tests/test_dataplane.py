@@ -198,3 +198,15 @@ def test_packed_layout_gives_aligned_typed_views():
         assert offset % 8 == 0 and size == field.nbytes(5)
         view = buf[offset : offset + size].view(getattr(torch, field.dtype)).view(field.shape(5))
         assert view.data_ptr() == buf.data_ptr() + offset  # zero-copy
+
+
+def test_auto_packing_switches_on_slice_size():
+    from specforge.runtime.dataplane import PACK_BELOW_BYTES
+
+    transport = P2PTransport(pack="auto")
+    small = plan_step(0, [[SampleRef(0, 4)]], [0], [[1]], SPEC).transfers[0]
+    large_len = PACK_BELOW_BYTES // SPEC.bytes_per_token() + 1
+    large = plan_step(0, [[SampleRef(0, large_len)]], [0], [[1]], SPEC).transfers[0]
+    assert transport._packs(SPEC, small) and not transport._packs(SPEC, large)
+    with pytest.raises(ValueError, match="pack"):
+        P2PTransport(pack="yes")

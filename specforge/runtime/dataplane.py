@@ -10,9 +10,13 @@ it can post step k+1's receives before computing step k (``Prefetcher``).
 ``ObjectStoreTransport`` has the same interface over ``ray.put``/``ray.get``: a baseline for the
 benchmark, not for the hot path.
 
-By default all fields of one (sample, destination) slice are packed into one byte buffer (one
-message instead of five); the receiver gets zero-copy typed views into it. The sender pays one
-copy to pack; ``benchmarks/bench_transfer.py`` measures both layouts.
+Layout: a small (sample, destination) slice is packed into one byte buffer (one message instead
+of five; the receiver gets zero-copy typed views into it); a large one goes field by field,
+because there the sender's packing copy (and first-touch page faults of a fresh buffer) costs
+more than the per-message overhead it saves. ``pack="auto"`` switches at ``PACK_BELOW_BYTES``,
+where ``benchmarks/bench_transfer.py`` measured the crossover on gloo (packed 1.6-2.4x faster
+at 128 KiB per slice, per-field 1.3-1.6x faster at 1 MiB, ~2.5x at 8 MiB). Both ends must use the
+same ``pack`` setting: the decision is a pure function of the slice size, so they agree.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ _TORCH_DTYPES = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 _ALIGN = 64  # byte alignment of each field inside a packed buffer (typed views need >= 8)
+PACK_BELOW_BYTES = 512 * 1024  # pack="auto": pack slices smaller than this
 
 
 @dataclass(eq=False)
@@ -140,7 +145,9 @@ class P2PTransport:
     """Execute a plan with isend/irecv on ``group`` (None = the default group; plan ranks are
     ranks of that group). Counts bytes in ``bytes_sent`` / ``bytes_recv``."""
 
-    def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool = True):
+    def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool | str = "auto"):
+        if pack not in (True, False, "auto"):
+            raise ValueError(f"P2PTransport pack={pack!r}: expected True, False or 'auto'")
         self.group = group
         self.device = device or device_mod.pick_device()
         self.pack = pack
@@ -168,9 +175,12 @@ class P2PTransport:
         self.bytes_sent += nbytes
         return SendHandle(works.wait, nbytes)
 
+    def _packs(self, spec: FeatureSpec, tr: Transfer) -> bool:
+        return self.pack is True or (self.pack == "auto" and spec.nbytes(tr.num_tokens) < PACK_BELOW_BYTES)
+
     def _send_buffers(self, spec: FeatureSpec, features: Features, tr: Transfer) -> list[torch.Tensor]:
         slices = [_as_bytes(_slice(features, f, tr)) for f in spec.fields]
-        if not self.pack:
+        if not self._packs(spec, tr):
             return slices
         layout, total = packed_layout(spec, tr.num_tokens)
         buf = torch.empty(total, dtype=torch.uint8, device=slices[0].device)
@@ -202,7 +212,7 @@ class P2PTransport:
 
     def _recv_buffers(self, spec: FeatureSpec, tr: Transfer) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         n = tr.num_tokens
-        if self.pack:
+        if self._packs(spec, tr):
             layout, total = packed_layout(spec, n)
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             tensors = {
