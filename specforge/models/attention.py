@@ -1,0 +1,283 @@
+"""The swappable TTT attention core of the EAGLE-3 draft.
+
+Interface (see docs/ARCHITECTURE.md)::
+
+    core(q_BHTD, keys, values, q_offset=0) -> out_BHTD
+
+* ``q_BHTD``: queries of one TTT step, ``Hq`` heads, ``T`` rows.
+* ``keys[0]`` / ``values[0]`` (``B x Hkv x T0 x D``): the step-0 keys. Causal: the query at
+  global position ``q_offset + t`` sees ``keys[0][..., :q_offset + t + 1, :]``. ``T0`` may be
+  longer than ``q_offset + T`` (ring sequence parallelism gathers the whole sequence); keys past
+  the last query are never seen.
+* ``keys[j]``, ``j >= 1`` (``B x Hkv x T x D``): the keys of TTT step ``j``, aligned row by row
+  with the queries: query ``t`` sees only ``keys[j][..., t, :]`` (the "diagonal").
+* GQA (``Hq`` a multiple of ``Hkv``) is handled inside; head ``h`` uses kv head ``h // (Hq/Hkv)``
+  (the HF ``repeat_kv`` convention).
+
+Implementations (all exact up to rounding, all differentiable on CPU):
+
+* :func:`ttt_attention_eager` -- the reference: concatenates all keys, materializes the full
+  ``T x (T0 + i*T)`` boolean mask and runs a plain masked softmax. Used by tests and as the
+  benchmark baseline.
+* :func:`ttt_attention_fast` -- never builds the big mask. Scores against ``keys[0]`` are a causal
+  block (computed per query chunk so the upper triangle is mostly skipped), each diagonal step
+  contributes one score per query (``q . k_j``); one softmax over ``[causal block | i diagonal
+  scores]`` with max subtraction, in fp32. A hand-written autograd Function that saves only
+  ``q, k, v, out, lse`` and recomputes probabilities in backward (FlashAttention-style), so the
+  seven TTT steps do not keep seven ``T x T`` probability tensors alive.
+* :func:`ttt_attention_sdpa` -- step 0 with ``q_offset == 0`` (plain causal attention) goes to
+  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (fused kernels on CPU and
+  GPU); everything else falls back to the fast path.
+
+:class:`TTTAttentionCore` wraps them as the module ``midlayer.self_attn.core``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "TTTAttentionCore",
+    "ttt_attention_eager",
+    "ttt_attention_fast",
+    "ttt_attention_sdpa",
+    "build_ttt_mask",
+    "IMPLS",
+]
+
+
+def _check(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int):
+    if len(keys) == 0 or len(keys) != len(values):
+        raise ValueError("keys/values must be non-empty lists of equal length")
+    B, Hq, T, D = q.shape
+    Hkv = keys[0].shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} not a multiple of kv heads {Hkv}")
+    if keys[0].shape[2] < q_offset + T:
+        raise ValueError(f"keys[0] has {keys[0].shape[2]} rows, queries need {q_offset + T}")
+    for j in range(1, len(keys)):
+        if keys[j].shape[2] != T:
+            raise ValueError(f"keys[{j}] has {keys[j].shape[2]} rows, expected {T} (diagonal)")
+    return B, Hq, Hkv, T, D
+
+
+def build_ttt_mask(T: int, T0: int, num_diag: int, q_offset: int = 0, device=None) -> torch.Tensor:
+    """The full boolean TTT mask ``T x (T0 + num_diag * T)``: causal block, then diagonals."""
+    t = torch.arange(T, device=device)
+    causal = torch.arange(T0, device=device)[None, :] <= (q_offset + t)[:, None]
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * num_diag, dim=1)
+
+
+# ------------------------------------------------------------------------------ eager reference
+
+
+def ttt_attention_eager(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    q_offset: int = 0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Reference: concatenated keys + materialized full mask, softmax in fp32."""
+    B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    K = torch.cat(list(keys), dim=2).repeat_interleave(G, dim=1)
+    V = torch.cat(list(values), dim=2).repeat_interleave(G, dim=1)
+    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device)
+    f32 = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q, K.transpose(-1, -2)).to(f32) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(V.dtype)
+    return torch.matmul(probs, V).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------ fast path
+
+
+def _chunks(T: int, chunk: int):
+    start = 0
+    while start < T:
+        end = min(T, start + chunk)
+        yield start, end
+        start = end
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Matmul dtype: the autocast dtype when autocast is on, else the common input dtype."""
+    dev = tensors[0].device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+class _TTTAttentionFn(torch.autograd.Function):
+    """Exact TTT attention with recomputation in backward.
+
+    Inputs ``q`` (B,Hkv,G,T,D), ``k0``/``v0`` (B,Hkv,T0,D), ``kd``/``vd`` (B,Hkv,n,T,D) or None.
+    Softmax statistics are fp32; matmuls run in the inputs' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd, q_offset: int, scale: float, chunk: int):
+        B, Hkv, G, T, D = q.shape
+        f32 = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64 (gradcheck)
+        # diagonal scores (B,Hkv,G,T,n) in fp32
+        if kd is not None:
+            sd = torch.einsum("bkgtd,bkntd->bkgtn", q.to(f32), kd.to(f32)) * scale
+        out = torch.empty_like(q)
+        lse = torch.empty(B, Hkv, G, T, dtype=f32, device=q.device)
+        for c0, c1 in _chunks(T, chunk):
+            C = c1 - c0
+            L = q_offset + c1  # keys visible to this chunk
+            qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
+            s = torch.matmul(qc, k0[:, :, :L].transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
+            s.mul_(scale)
+            # causal inside the chunk's last C keys: key q_offset+c0+a visible to row c0+r iff a <= r
+            tail = s[..., L - C :]
+            tail.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+            m = s.amax(dim=-1)
+            if kd is not None:
+                sdc = sd[:, :, :, c0:c1]
+                m = torch.maximum(m, sdc.amax(dim=-1))
+            s.sub_(m.unsqueeze(-1)).exp_()
+            l = s.sum(dim=-1)
+            if kd is not None:
+                pd = torch.exp(sdc - m.unsqueeze(-1))
+                l = l + pd.sum(dim=-1)
+            o = torch.matmul(s.to(v0.dtype).view(B, Hkv, G * C, L), v0[:, :, :L]).view(B, Hkv, G, C, D).to(f32)
+            if kd is not None:
+                o = o + torch.einsum("bkgtn,bkntd->bkgtd", pd, vd[:, :, :, c0:c1].to(f32))
+            o.div_(l.unsqueeze(-1))
+            out[:, :, :, c0:c1] = o.to(out.dtype)
+            lse[:, :, :, c0:c1] = m + torch.log(l)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
+        ctx.q_offset, ctx.scale, ctx.chunk = q_offset, scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
+        q_offset, scale, chunk = ctx.q_offset, ctx.scale, ctx.chunk
+        B, Hkv, G, T, D = q.shape
+        f32 = torch.promote_types(q.dtype, torch.float32)
+        dout = dout.to(q.dtype)
+        delta = (dout.to(f32) * out.to(f32)).sum(dim=-1)  # (B,Hkv,G,T)
+        dq = torch.empty_like(q)
+        dk0 = torch.zeros(k0.shape, dtype=f32, device=q.device)
+        dv0 = torch.zeros(v0.shape, dtype=f32, device=q.device)
+        for c0, c1 in _chunks(T, chunk):
+            C = c1 - c0
+            L = q_offset + c1
+            qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
+            doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
+            k0c, v0c = k0[:, :, :L], v0[:, :, :L]
+            s = torch.matmul(qc, k0c.transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
+            s.mul_(scale)
+            tail = s[..., L - C :]
+            tail.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+            s.sub_(lse[:, :, :, c0:c1].unsqueeze(-1)).exp_()  # probabilities P
+            p_lo = s.to(q.dtype).view(B, Hkv, G * C, L)
+            dv0[:, :, :L] += torch.matmul(p_lo.transpose(-1, -2), doc).to(f32)
+            dp = torch.matmul(doc, v0c.transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
+            dp.sub_(delta[:, :, :, c0:c1].unsqueeze(-1)).mul_(s).mul_(scale)  # dS
+            ds = dp.to(q.dtype).view(B, Hkv, G * C, L)
+            dq[:, :, :, c0:c1] = torch.matmul(ds, k0c).view(B, Hkv, G, C, D).to(dq.dtype)
+            dk0[:, :, :L] += torch.matmul(ds.transpose(-1, -2), qc).to(f32)
+        dkd = dvd = None
+        if kd is not None:
+            qf, dof = q.to(f32), dout.to(f32)
+            sd = torch.einsum("bkgtd,bkntd->bkgtn", qf, kd.to(f32)) * scale
+            pd = torch.exp(sd - lse.unsqueeze(-1))  # (B,Hkv,G,T,n)
+            dpd = torch.einsum("bkgtd,bkntd->bkgtn", dof, vd.to(f32))
+            dsd = pd * (dpd - delta.unsqueeze(-1)) * scale
+            dq = (dq.to(f32) + torch.einsum("bkgtn,bkntd->bkgtd", dsd, kd.to(f32))).to(q.dtype)
+            dkd = torch.einsum("bkgtn,bkgtd->bkntd", dsd, qf).to(kd.dtype)
+            dvd = torch.einsum("bkgtn,bkgtd->bkntd", pd, dof).to(vd.dtype)
+        return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None
+
+
+def ttt_attention_fast(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    q_offset: int = 0,
+    scale: Optional[float] = None,
+    chunk: int = 128,
+) -> torch.Tensor:
+    """TTT attention without materialized masks (see module docstring)."""
+    B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    dt = _compute_dtype(q, keys[0], values[0])
+    qg = q.to(dt).reshape(B, Hkv, G, T, D)
+    k0, v0 = keys[0].to(dt), values[0].to(dt)
+    if len(keys) > 1:
+        kd = torch.stack([k.to(dt) for k in keys[1:]], dim=2)  # (B,Hkv,n,T,D)
+        vd = torch.stack([v.to(dt) for v in values[1:]], dim=2)
+    else:
+        kd = vd = None
+    with torch.autocast(q.device.type, enabled=False):
+        out = _TTTAttentionFn.apply(qg, k0, v0, kd, vd, int(q_offset), float(scale), int(chunk))
+    return out.reshape(B, Hq, T, D)
+
+
+def ttt_attention_sdpa(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    q_offset: int = 0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Fused SDPA for plain causal attention (step 0, no offset); the fast path otherwise."""
+    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2]:
+        dt = _compute_dtype(q, keys[0], values[0])
+        return F.scaled_dot_product_attention(
+            q.to(dt), keys[0].to(dt), values[0].to(dt), is_causal=True, scale=scale,
+            enable_gqa=q.shape[1] != keys[0].shape[1],
+        )
+    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale)
+
+
+IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_attention_sdpa}
+
+
+class TTTAttentionCore(nn.Module):
+    """``midlayer.self_attn.core``: no parameters; ``impl`` in {"auto", "sdpa", "fast", "eager"}.
+
+    ``auto`` = ``sdpa`` (fused SDPA for step 0, the fast path for steps >= 1). Sequence parallel
+    wrappers replace this module or call it from outside; it holds no state.
+    """
+
+    def __init__(self, impl: str = "auto", scale: Optional[float] = None):
+        super().__init__()
+        self.impl = impl
+        self.scale = scale
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value == "flash":  # config alias: flash-attn is a GPU extra; the fused SDPA path here
+            value = "sdpa"
+        if value != "auto" and value not in IMPLS:
+            raise ValueError(f"attention impl {value!r}: expected 'auto' or one of {sorted(IMPLS)}")
+        self._impl = value
+
+    def forward(self, q_BHTD, keys, values, q_offset: int = 0):
+        fn = IMPLS["sdpa" if self._impl == "auto" else self._impl]
+        return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return f"impl={self._impl!r}"

@@ -1,0 +1,565 @@
+"""EAGLE-3 draft model in the ``LlamaForCausalLMEagle3`` layout (plain PyTorch, no distributed code).
+
+Layout (the names are the SGLang checkpoint keys)::
+
+    embed_tokens  V x H     frozen copy of the target's embedding, NOT saved (see below)
+    fc            3*H_target -> H, no bias: fuses the three captured target layers
+    midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embeds),
+                  hidden_norm(hidden)) (2H wide); residual = hidden
+      .input_layernorm, .hidden_norm, .post_attention_layernorm
+      .self_attn.{q_proj,k_proj,v_proj,o_proj}, .self_attn.core (TTT attention, no params)
+      .mlp.{gate_proj,up_proj,down_proj}
+    norm          final RMSNorm
+    lm_head       H -> N (draft vocab), no bias
+    d2t           int64[N]: target_id = draft_id + d2t[draft_id]
+    t2d           bool[V]:  target token is in the draft vocab
+
+The "hidden" fed back between drafting steps is the decoder-layer output *before* ``norm``
+(what SGLang calls ``hidden_states_to_aux``); logits are ``lm_head(norm(hidden))``.
+
+Embedding when the draft hidden size differs from the target's: the target embedding cannot be
+reused, so ``embed_tokens`` becomes a trainable ``V x H`` table initialised from the target's
+embedding times a fixed random projection (``H_target -> H``, scaled to keep the row norms),
+and :meth:`Eagle3Draft.export_state_dict` then also returns ``embed_tokens.weight`` (SGLang's
+loader maps it to ``model.embed_tokens.weight``). With equal sizes (the normal case) the
+embedding is the target's, frozen, and not saved.
+
+Training (TTT) uses the pieces :meth:`~Eagle3Draft.project_aux`, :meth:`~Eagle3Draft.embed`,
+:meth:`~Eagle3Draft.layer_qkv`, :meth:`~Eagle3Draft.layer_finish`, :meth:`~Eagle3Draft.logits`
+(see ``specforge/train/ttt.py``). Inference uses :meth:`~Eagle3Draft.forward_cached` with a
+:class:`DraftKVCache` -- the same pieces, so training and drafting agree exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specforge.models.attention import TTTAttentionCore, ttt_attention_fast
+
+__all__ = [
+    "Eagle3DraftConfig",
+    "draft_config_from_target",
+    "Eagle3Draft",
+    "DraftKVCache",
+    "RMSNorm",
+    "apply_rotary",
+]
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def _cfg_get(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def _rope_from(cfg: Any) -> tuple[Optional[float], Optional[dict]]:
+    """(rope_theta, rope_scaling) from an HF config (transformers 4 or 5 style) or dict."""
+    theta = _cfg_get(cfg, "rope_theta")
+    scaling = _cfg_get(cfg, "rope_scaling")
+    params = _cfg_get(cfg, "rope_parameters")
+    if isinstance(params, Mapping):
+        theta = theta if theta is not None else params.get("rope_theta")
+        if scaling is None and params.get("rope_type", "default") != "default":
+            scaling = dict(params)
+    if isinstance(scaling, Mapping):
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+    return theta, (dict(scaling) if scaling else None)
+
+
+@dataclass
+class Eagle3DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocab V
+    draft_vocab_size: int  # N
+    target_hidden_size: Optional[int] = None  # None = hidden_size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # passthrough; "linear" and "llama3" are implemented
+    max_position_embeddings: int = 2048
+    aux_layer_ids: list[int] = field(default_factory=list)
+    torch_dtype: str = "bfloat16"  # dtype written to config.json / checkpoint
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Any] = None
+    attention: str = "auto"  # TTT attention core impl (not saved)
+
+    def __post_init__(self):
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    def to_hf_config(self) -> dict:
+        """config.json for SGLang (``--speculative-algorithm EAGLE3``)."""
+        d = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "initializer_range": 0.02,
+            "pretraining_tp": 1,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "torch_dtype": self.torch_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": None,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            },
+        }
+        if self.target_hidden_size != self.hidden_size:
+            d["target_hidden_size"] = self.target_hidden_size
+        return d
+
+    @classmethod
+    def from_hf_config(cls, d: Mapping) -> "Eagle3DraftConfig":
+        H = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        theta, scaling = _rope_from(d)
+        eagle = d.get("eagle_config") or {}
+        return cls(
+            hidden_size=H,
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or H // heads),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            target_hidden_size=int(d.get("target_hidden_size") or H),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            aux_layer_ids=list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+
+def draft_config_from_target(target_hf_config: Any, draft_cfg: Any, aux_layer_ids: list[int]) -> Eagle3DraftConfig:
+    """Fill the draft's ``None`` fields (``specforge.config.DraftConfig``) from the target's config.
+
+    ``target_hf_config`` may be a transformers config object or its dict. If the draft hidden
+    size differs from the target's, heads default to ``hidden_size // target_head_dim``.
+    """
+    t = target_hf_config
+    Ht = int(_cfg_get(t, "hidden_size"))
+    t_heads = int(_cfg_get(t, "num_attention_heads"))
+    t_kv = int(_cfg_get(t, "num_key_value_heads") or t_heads)
+    t_hd = int(_cfg_get(t, "head_dim") or Ht // t_heads)
+    theta, scaling = _rope_from(t)
+    H = draft_cfg.hidden_size or Ht
+    if draft_cfg.head_dim is not None:
+        head_dim = draft_cfg.head_dim
+    else:
+        head_dim = t_hd
+    if draft_cfg.num_attention_heads is not None:
+        heads = draft_cfg.num_attention_heads
+    else:
+        heads = t_heads if H == Ht else max(1, H // head_dim)
+    if draft_cfg.num_key_value_heads is not None:
+        kv = draft_cfg.num_key_value_heads
+    else:
+        kv = t_kv if heads == t_heads else math.gcd(heads, t_kv)
+    V = int(_cfg_get(t, "vocab_size"))
+    inter = draft_cfg.intermediate_size or int(_cfg_get(t, "intermediate_size"))
+    return Eagle3DraftConfig(
+        hidden_size=H,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=V,
+        draft_vocab_size=min(int(draft_cfg.vocab_size), V),
+        target_hidden_size=Ht,
+        rms_norm_eps=float(draft_cfg.rms_norm_eps or _cfg_get(t, "rms_norm_eps") or 1e-6),
+        rope_theta=float(draft_cfg.rope_theta or theta or 10000.0),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_cfg_get(t, "max_position_embeddings") or 2048),
+        aux_layer_ids=list(aux_layer_ids),
+        bos_token_id=_cfg_get(t, "bos_token_id"),
+        eos_token_id=_cfg_get(t, "eos_token_id"),
+        attention=getattr(draft_cfg, "attention", "auto"),
+    )
+
+
+# ------------------------------------------------------------------------------ building blocks
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: statistics in fp32, result in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.promote_types(dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype) if self.weight.dtype == dtype else (self.weight * xf).to(dtype)
+
+
+def _inv_freq(cfg: Eagle3DraftConfig) -> torch.Tensor:
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv.float()
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        return (inv / float(sc["factor"])).float()
+    if kind == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old = float(sc.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old / low, old / high
+        wl = 2 * math.pi / inv
+        out = torch.where(wl > low_wl, inv / factor, inv)
+        smooth = (old / wl - low) / (high - low)
+        mid = (1 - smooth) * out / factor + smooth * out
+        is_mid = (wl >= high_wl) & (wl <= low_wl)
+        return torch.where(is_mid, mid, out).float()
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not implemented (linear, llama3 are)")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Standard Llama RoPE (rotate_half convention)."""
+    cos, sin = cos_BTD.unsqueeze(1).to(x_BHTD.dtype), sin_BTD.unsqueeze(1).to(x_BHTD.dtype)
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(2 * H, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        self.core = TTTAttentionCore(cfg.attention)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+
+# ------------------------------------------------------------------------------ KV cache
+
+
+class DraftKVCache:
+    """Per-sequence KV cache of the draft's single layer (batch rows share one length).
+
+    ``k``/``v``: ``B x Hkv x L x D``. :meth:`crop` rolls back to the first ``n`` entries
+    (rejected draft tokens). Growth is amortised (capacity doubles).
+    """
+
+    def __init__(self):
+        self._k: Optional[torch.Tensor] = None
+        self._v: Optional[torch.Tensor] = None
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        if self._k is None:
+            cap = max(16, n)
+            self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+        elif self.length + n > self._k.shape[2]:
+            cap = max(2 * self._k.shape[2], self.length + n)
+            nk = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3])
+            nv = self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
+            nk[:, :, : self.length] = self._k[:, :, : self.length]
+            nv[:, :, : self.length] = self._v[:, :, : self.length]
+            self._k, self._v = nk, nv
+        self._k[:, :, self.length : self.length + n] = k
+        self._v[:, :, self.length : self.length + n] = v
+        self.length += n
+        return self.keys, self.values
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"crop({n}) outside 0..{self.length}")
+        self.length = n
+
+
+# ------------------------------------------------------------------------------ the draft
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        self.config = cfg
+        H, V, N = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, N, bias=False)
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.int64))
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[:N] = True
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+        self.reset_parameters()
+        self.embed_tokens.weight.requires_grad_(self.embedding_trainable)
+
+    # ---------------------------------------------------------------- init / vocab / io
+
+    @property
+    def embedding_trainable(self) -> bool:
+        return self.config.hidden_size != self.config.target_hidden_size
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.weight)
+        nn.init.normal_(self.embed_tokens.weight, std=std)
+
+    @torch.no_grad()
+    def set_vocab(self, d2t: torch.Tensor, t2d: Optional[torch.Tensor] = None) -> None:
+        """Install the draft vocab (``d2t`` offsets; ``t2d`` derived from it if not given)."""
+        d2t = torch.as_tensor(d2t, dtype=torch.int64)
+        if d2t.shape != self.d2t.shape:
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected {tuple(self.d2t.shape)}")
+        if t2d is None:
+            t2d = torch.zeros_like(self.t2d)
+            t2d[torch.arange(d2t.numel()) + d2t] = True
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(torch.as_tensor(t2d, dtype=torch.bool))
+
+    @torch.no_grad()
+    def init_embeddings_from_target(self, target_embed_VHt: torch.Tensor, seed: int = 0) -> None:
+        """Copy the target embedding (frozen); project it if the hidden sizes differ (trainable)."""
+        W = target_embed_VHt.detach().to(self.embed_tokens.weight.device, torch.float32)
+        if W.shape[0] != self.config.vocab_size:
+            raise ValueError(f"target embedding has {W.shape[0]} rows, vocab_size is {self.config.vocab_size}")
+        if W.shape[1] == self.config.hidden_size:
+            self.embed_tokens.weight.copy_(W)
+            self.embed_tokens.weight.requires_grad_(False)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            P = torch.randn(W.shape[1], self.config.hidden_size, generator=g) / math.sqrt(self.config.hidden_size)
+            self.embed_tokens.weight.copy_(W @ P.to(W.device))
+            self.embed_tokens.weight.requires_grad_(True)
+
+    @torch.no_grad()
+    def init_lm_head_from_target(self, target_lm_head_weight_VH: torch.Tensor, d2t: Optional[torch.Tensor] = None) -> None:
+        """``lm_head.weight[d] = target_lm_head[d + d2t[d]]`` (needs equal hidden sizes)."""
+        if d2t is not None:
+            self.set_vocab(d2t)
+        W = target_lm_head_weight_VH.detach()
+        if W.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"target lm_head is {W.shape[1]} wide, draft hidden is {self.config.hidden_size}: cannot copy"
+            )
+        self.lm_head.weight.copy_(W[self.draft_to_target_ids()].to(self.lm_head.weight))
+
+    def draft_to_target_ids(self, draft_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if draft_ids is None:
+            draft_ids = torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights: fc, midlayer.*, norm, lm_head (+ embed_tokens if trainable)."""
+        return {
+            k: v
+            for k, v in self.state_dict().items()
+            if k not in ("d2t", "t2d") and (k != "embed_tokens.weight" or self.embedding_trainable)
+        }
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exactly the SGLang checkpoint keys: fc.weight, midlayer.*, norm.weight, lm_head.weight,
+        d2t, t2d (+ embed_tokens.weight only when the draft has its own trainable embedding)."""
+        sd = self.trainable_state_dict()
+        sd["d2t"] = self.d2t
+        sd["t2d"] = self.t2d
+        return {k: v.detach() for k, v in sd.items()}
+
+    def load_export_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load what :meth:`export_state_dict` produced (the frozen embedding is left alone)."""
+        missing, unexpected = self.load_state_dict(dict(sd), strict=False)
+        missing = [k for k in missing if k != "embed_tokens.weight" or self.embedding_trainable]
+        if strict and (missing or unexpected):
+            raise KeyError(f"draft state dict: missing {missing}, unexpected {unexpected}")
+
+    # ---------------------------------------------------------------- pieces of the forward
+
+    def rope(self, position_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each ``B x T x D``, fp32."""
+        freqs = position_ids_BT.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(position_ids_BT.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+    def project_aux(self, aux_hidden_BT3H: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux_hidden_BT3H)
+
+    def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids_BT)
+
+    def qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused q/k/v weight split into the embedding half and the hidden half."""
+        a = self.midlayer.self_attn
+        W = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0)
+        H = self.config.hidden_size
+        return W[:, :H], W[:, H:]
+
+    def embed_part(self, embeds_BTH: torch.Tensor, w_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_layernorm(embeds) @ W_qkv[:, :H].T -- position independent, so the TTT loop
+        computes it once for the whole sequence and shifts it per step."""
+        if w_emb is None:
+            w_emb = self.qkv_weights()[0]
+        return F.linear(self.midlayer.input_layernorm(embeds_BTH), w_emb)
+
+    def layer_qkv(
+        self,
+        embed_part_BTF: torch.Tensor,
+        hidden_BTH: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        w_hid: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B,Hq,T,D), k, v (B,Hkv,T,D) with RoPE at ``position_ids``."""
+        if w_hid is None:
+            w_hid = self.qkv_weights()[1]
+        a = self.midlayer.self_attn
+        B, T = hidden_BTH.shape[:2]
+        qkv = embed_part_BTF + F.linear(self.midlayer.hidden_norm(hidden_BTH), w_hid)
+        Hq, Hk, D = a.num_heads, a.num_kv_heads, a.head_dim
+        q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q = q.view(B, T, Hq, D).transpose(1, 2)
+        k = k.view(B, T, Hk, D).transpose(1, 2)
+        v = v.view(B, T, Hk, D).transpose(1, 2)
+        cos, sin = self.rope(position_ids_BT)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def layer_finish(self, attn_BHTD: torch.Tensor, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual (= the input hidden) + post-norm MLP + residual: the output hidden."""
+        layer = self.midlayer
+        B, Hq, T, D = attn_BHTD.shape
+        h = hidden_BTH + layer.self_attn.o_proj(attn_BHTD.transpose(1, 2).reshape(B, T, Hq * D))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits ``lm_head(norm(hidden))`` (any leading shape)."""
+        return self.lm_head(self.norm(hidden_out))
+
+    # ---------------------------------------------------------------- inference
+
+    def _as_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        H = self.config.hidden_size
+        if hidden.shape[-1] == H:
+            return hidden
+        if hidden.shape[-1] == self.fc.in_features:
+            return self.fc(hidden)
+        raise ValueError(f"hidden has width {hidden.shape[-1]}: expected {H} or {self.fc.in_features}")
+
+    def forward_cached(
+        self,
+        input_ids_BT: torch.Tensor,
+        hidden_BTH: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        cache: DraftKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain-drafting forward with a KV cache: ``(hidden_out_BTH, logits_BTN)``.
+
+        Row ``t`` takes ``hidden_BTH[:, t]`` (``fc``-projected target features -- raw ``3*H_target``
+        features are projected automatically -- or the draft's own previous ``hidden_out``) and
+        the embedding of ``input_ids_BT[:, t]`` (the *next* token, EAGLE convention), at RoPE
+        position ``position_ids_BT[:, t]``. The new keys are appended to ``cache``; queries
+        attend causally to everything cached plus the new rows up to themselves.
+
+        Usage: prefill ``forward_cached(x[1:t+2], fc(aux[0:t+1]), arange(t+1))``; the logits of
+        the last row predict x_{t+2}. Then decode one token at a time: ``forward_cached(tok,
+        hidden_out[:, -1:], [[pos]])`` with pos increasing by one. Reject -> ``cache.crop(n)``.
+        """
+        hidden = self._as_hidden(hidden_BTH)
+        w_emb, w_hid = self.qkv_weights()
+        e = self.embed_part(self.embed(input_ids_BT), w_emb)
+        q, k, v = self.layer_qkv(e, hidden, position_ids_BT, w_hid)
+        offset = len(cache)
+        K, V = cache.append(k.detach(), v.detach())
+        attn = ttt_attention_fast(q, [K], [V], q_offset=offset)
+        out = self.layer_finish(attn, hidden)
+        return out, self.logits(out)
+
+    def forward(self, input_ids_BT, hidden_BTH, position_ids_BT=None, cache: Optional[DraftKVCache] = None):
+        """Convenience: one causal pass (a fresh cache unless one is given)."""
+        if position_ids_BT is None:
+            B, T = input_ids_BT.shape
+            start = len(cache) if cache is not None else 0
+            position_ids_BT = torch.arange(start, start + T, device=input_ids_BT.device).expand(B, T)
+        return self.forward_cached(input_ids_BT, hidden_BTH, position_ids_BT, cache if cache is not None else DraftKVCache())

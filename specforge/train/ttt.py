@@ -1,0 +1,330 @@
+"""The training-time-test (TTT) unrolled EAGLE-3 loss: the ONE train step's forward.
+
+Conventions (``shared/DESIGN.md``, "EAGLE-3 facts"); ``x`` = input ids, ``T`` = sequence length:
+
+* Step 0, row ``t``: hidden = ``fc(aux[t])`` (target has seen x_0..x_t), embedding of x_{t+1},
+  RoPE position ``t``; predicts x_{t+2}; teacher = target distribution at position ``t+1``.
+* Step ``i``, row ``t``: hidden = step ``i-1``'s output hidden at row ``t``, embedding of
+  x_{t+1+i}, RoPE position ``t+i``; attends to step-0 keys ``<= t`` and to its own row's keys of
+  steps ``1..i``; predicts x_{t+2+i}; teacher = target distribution at position ``t+1+i``
+  (the teacher of step ``i`` is the step-0 teacher shifted by ``i``, so it is computed ONCE).
+* Row ``t`` of step ``i`` counts iff ``t+2+i < T`` and ``loss_mask[t+2+i] == 1`` (the predicted
+  token is an assistant token -- the *shifted* mask; upstream SpecForge issue #885 applies the
+  unshifted one) and ``t2d[target_ids[t+1+i]]`` (the target argmax there is in the draft vocab).
+* ``loss_i`` = soft cross-entropy against ``softmax(last_hidden[t+1+i] @ teacher_weight_NH.T)``
+  (the target distribution renormalized over the draft vocab), summed over counted rows.
+  ``loss = sum_i decay**i * loss_i / num_valid`` where ``num_valid`` = counted rows of step 0
+  (this rank's), or ``num_valid_global`` when given (the global step-0 count across data/sequence
+  parallel ranks: then each rank's loss is its share of the global mean, and gradients must be
+  SUMMED across ranks, not averaged).
+
+Metrics (per step ``i``, over counted rows):
+
+* ``acc_i``: draft argmax (mapped to a target id with ``d2t``) == target argmax.
+* ``accept_rate_i``: mean target probability (renormalized over the draft vocab) of the draft's
+  argmax token -- the acceptance probability of a greedy draft token under speculative sampling
+  at temperature 1 (slightly optimistic because of the renormalization).
+* ``tau`` = 1 + sum_k prod_{i<=k} acc_i: simulated acceptance length of greedy chain drafting.
+* Raw counts ``valid_i``, ``correct_i``, ``loss_sum_i``, ``accept_sum_i`` (sum them across ranks,
+  then :func:`metrics_from_counts` recomputes the rates).
+
+Performance: the teacher and the per-step valid rows are computed once; ``lm_head``/soft-CE run
+only on counted rows (gathered); the embedding half of the q/k/v projection is computed once for
+the whole sequence and shifted per step; rows that no later step needs are trimmed; attention
+uses the swappable core ``draft.midlayer.self_attn.core`` (fast path: no materialized masks).
+Run it under ``specforge.device.autocast(device, torch.bfloat16)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from specforge.models.attention import ttt_attention_eager
+from specforge.models.draft import apply_rotary
+
+__all__ = [
+    "ttt_loss",
+    "ttt_loss_reference",
+    "ttt_unroll",
+    "ttt_logits",
+    "valid_rows",
+    "teacher_weight_from_target",
+    "metrics_from_counts",
+    "soft_cross_entropy",
+]
+
+_COUNT_KEYS = ("valid", "correct", "loss_sum", "accept_sum")
+
+
+def _get(batch: Any, name: str, default: Any = ...) -> Any:
+    if isinstance(batch, Mapping):
+        if name in batch:
+            return batch[name]
+    elif hasattr(batch, name):
+        return getattr(batch, name)
+    if default is ...:
+        raise KeyError(f"batch has no {name!r}")
+    return default
+
+
+def teacher_weight_from_target(target_lm_head_VH: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """The frozen teacher head: target lm_head rows of the draft vocab (``N x H``)."""
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    return target_lm_head_VH.detach()[ids.to(target_lm_head_VH.device)].clone()
+
+
+def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: torch.Tensor, ttt_length: int) -> torch.Tensor:
+    """``ttt_length x B x T`` bool: does row t of step i count? (see the module docstring)."""
+    B, T = loss_mask_BT.shape
+    lm = loss_mask_BT.bool()
+    # cond[p]: the token after position p is an assistant token and the target argmax at p is
+    # in the draft vocab; row t of step i counts iff cond[t + 1 + i].
+    cond = torch.zeros(B, T, dtype=torch.bool, device=lm.device)
+    cond[:, :-1] = lm[:, 1:] & t2d_V.to(lm.device)[target_ids_BT[:, :-1]]
+    out = torch.zeros(ttt_length, B, T, dtype=torch.bool, device=lm.device)
+    for i in range(ttt_length):
+        if T - 1 - i > 0:
+            out[i, :, : T - 1 - i] = cond[:, 1 + i :]
+    return out
+
+
+class _SoftCE(torch.autograd.Function):
+    """Row-wise ``logsumexp(z) - sum(p * z)`` with a fused backward ``softmax(z) - p``."""
+
+    @staticmethod
+    def forward(ctx, logits, probs):
+        f32 = torch.promote_types(logits.dtype, torch.float32)
+        z = logits.to(f32)
+        lse = torch.logsumexp(z, dim=-1)
+        loss = lse - (probs.to(f32) * z).sum(-1)
+        ctx.save_for_backward(logits, probs, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, probs, lse = ctx.saved_tensors
+        f32 = lse.dtype
+        z = logits.to(f32, copy=True)  # a copy even when already fp32: modified in place below
+        grad = z.sub_(lse.unsqueeze(-1)).exp_().sub_(probs.to(f32)).mul_(g.to(f32).unsqueeze(-1))
+        return grad.to(logits.dtype), None
+
+
+def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch.Tensor:
+    """Per-row soft cross-entropy (fp32 statistics), differentiable w.r.t. the logits."""
+    with torch.autocast(logits_MN.device.type, enabled=False):
+        return _SoftCE.apply(logits_MN, probs_MN)
+
+
+def metrics_from_counts(counts: Mapping[str, float], ttt_length: int) -> dict[str, float]:
+    """Rates (loss_i, acc_i, accept_rate_i, tau) from (possibly rank-summed) raw counts."""
+    out: dict[str, float] = {}
+    tau, prod = 1.0, 1.0
+    for i in range(ttt_length):
+        n = float(counts[f"valid_{i}"])
+        d = max(n, 1.0)
+        out[f"loss_{i}"] = float(counts[f"loss_sum_{i}"]) / d
+        out[f"acc_{i}"] = float(counts[f"correct_{i}"]) / d
+        out[f"accept_rate_{i}"] = float(counts[f"accept_sum_{i}"]) / d
+        prod *= out[f"acc_{i}"]
+        tau += prod
+    out["tau"] = tau
+    return out
+
+
+def _finish_metrics(stats: torch.Tensor, loss: torch.Tensor, normalizer: float, ttt_length: int) -> dict:
+    vals = stats.tolist()  # one sync
+    counts: dict[str, float] = {}
+    for i, row in enumerate(vals):
+        for key, v in zip(_COUNT_KEYS, row):
+            counts[f"{key}_{i}"] = int(round(v)) if key in ("valid", "correct") else float(v)
+    metrics = dict(counts)
+    metrics.update(metrics_from_counts(counts, ttt_length))
+    metrics["loss"] = float(loss.detach())
+    metrics["num_valid"] = counts["valid_0"]
+    metrics["normalizer"] = float(normalizer)
+    return metrics
+
+
+def ttt_unroll(draft, input_ids_BT, aux_hidden_BT3H, position_ids_BT, t_len: list[int]):
+    """Yield ``(i, Ti, hidden_out_B_Ti_H)`` for TTT steps ``i = 0..len(t_len)-1``.
+
+    Step ``i`` computes rows ``t < t_len[i]`` (non-increasing); row ``t`` reads the embedding of
+    x_{t+1+i} (zeros past the end), the previous step's hidden, RoPE position ``pos[t] + i``.
+    The embedding half of q/k/v is projected once for the whole sequence and shifted.
+    """
+    B, T = input_ids_BT.shape
+    core = draft.midlayer.self_attn.core
+    w_emb, w_hid = draft.qkv_weights()
+    e_full = draft.embed_part(draft.embed(input_ids_BT), w_emb)  # (B,T,F) for x_0..x_{T-1}
+    hidden = draft.project_aux(aux_hidden_BT3H)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for i, Ti in enumerate(t_len):
+        hidden = hidden[:, :Ti]
+        e_i = e_full[:, 1 + i : 1 + i + Ti]
+        if e_i.shape[1] < Ti:
+            e_i = F.pad(e_i, (0, 0, 0, Ti - e_i.shape[1]))
+        q, k, v = draft.layer_qkv(e_i, hidden, position_ids_BT[:, :Ti] + i, w_hid)
+        keys.append(k)
+        values.append(v)
+        # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti
+        attn = core(q, [keys[0]] + [kk[:, :, :Ti] for kk in keys[1:]], [values[0]] + [vv[:, :, :Ti] for vv in values[1:]])
+        hidden = draft.layer_finish(attn, hidden)
+        yield i, Ti, hidden
+
+
+def ttt_logits(draft, batch: Any, ttt_length: int = 7) -> list[torch.Tensor]:
+    """Draft-vocab logits of every step and row (``B x T x N`` each) via the training path."""
+    ids = _get(batch, "input_ids_BT")
+    B, T = ids.shape
+    pos = _get(batch, "position_ids_BT", None)
+    if pos is None:
+        pos = torch.arange(T, device=ids.device).expand(B, T)
+    aux = _get(batch, "aux_hidden_BT3H")
+    return [draft.logits(h) for _, _, h in ttt_unroll(draft, ids, aux, pos, [T] * ttt_length)]
+
+
+def ttt_loss(
+    draft,
+    batch: Any,
+    teacher_weight_NH: torch.Tensor,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    num_valid_global: Optional[float] = None,
+) -> tuple[torch.Tensor, dict]:
+    """The TTT loss of one batch (fast path) and its metrics.
+
+    ``batch`` (mapping or object): ``input_ids_BT``, ``loss_mask_BT``, ``aux_hidden_BT3H``,
+    ``last_hidden_BTH``, ``target_ids_BT``; optional ``position_ids_BT`` (default ``arange(T)``).
+    Right padding must carry ``loss_mask`` 0.
+    """
+    ids = _get(batch, "input_ids_BT")
+    loss_mask = _get(batch, "loss_mask_BT")
+    aux = _get(batch, "aux_hidden_BT3H")
+    last_hidden = _get(batch, "last_hidden_BTH")
+    target_ids = _get(batch, "target_ids_BT")
+    B, T = ids.shape
+    dev = ids.device
+    pos = _get(batch, "position_ids_BT", None)
+    if pos is None:
+        pos = torch.arange(T, device=dev).expand(B, T)
+    L = int(ttt_length)
+
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L)  # L,B,T
+    # Teacher once, at every position p = t+1+i that some counted row uses.
+    used = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    for i in range(L):
+        if T - 1 - i > 0:
+            used[:, 1 + i :] |= valid[i, :, : T - 1 - i]
+    used_idx = used.view(-1).nonzero().squeeze(-1)
+    pos_map = torch.full((B * T,), -1, dtype=torch.long, device=dev)
+    pos_map[used_idx] = torch.arange(used_idx.numel(), device=dev)
+    with torch.no_grad():
+        tl = F.linear(last_hidden.reshape(B * T, -1)[used_idx], teacher_weight_NH.detach())
+        teacher = torch.softmax(tl.to(torch.promote_types(tl.dtype, torch.float32)), dim=-1)
+    target_flat = target_ids.reshape(-1)
+    d2t = draft.d2t
+
+    # Rows step i must compute: t < t_len[i] = 1 + the last row counted at any step >= i
+    # (a row's later steps depend on its own earlier steps; step 0 also provides the keys).
+    later = (valid.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)  # L,T: counted at a step >= i
+    idx = torch.arange(1, T + 1, device=dev)
+    t_len = [max(int(n), 1) for n in torch.where(later, idx, 0).amax(dim=1).tolist()]
+
+    stats = torch.zeros(L, 4, dtype=torch.float64, device=dev)
+    total = None
+    hidden = None
+    for i, Ti, hidden in ttt_unroll(draft, ids, aux, pos, t_len):
+        rows_bt = valid[i, :, :Ti].reshape(-1).nonzero().squeeze(-1)  # in (B, Ti) flat
+        if rows_bt.numel() == 0:
+            continue
+        b, t = rows_bt // Ti, rows_bt % Ti
+        flat_p = b * T + t + 1 + i  # position of the teacher / target argmax
+        logits = draft.logits(hidden.reshape(B * Ti, -1)[rows_bt])
+        probs = teacher[pos_map[flat_p]]
+        ce = soft_cross_entropy(logits, probs)
+        step_loss = ce.sum() * (decay**i)
+        total = step_loss if total is None else total + step_loss
+        with torch.no_grad():
+            pred = logits.argmax(dim=-1)
+            correct = (pred + d2t[pred]) == target_flat[flat_p]
+            accept = probs.gather(1, pred.unsqueeze(1)).squeeze(1)
+            stats[i, 0] = rows_bt.numel()
+            stats[i, 1] = correct.sum()
+            stats[i, 2] = ce.detach().sum()
+            stats[i, 3] = accept.sum()
+    normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
+    if total is None:  # nothing counted: a zero that still reaches every trainable parameter
+        total = sum(p.sum() for p in draft.parameters() if p.requires_grad) * 0.0
+    loss = total / max(normalizer, 1.0)
+    return loss, _finish_metrics(stats, loss, normalizer, L)
+
+
+def ttt_loss_reference(
+    draft,
+    batch: Any,
+    teacher_weight_NH: torch.Tensor,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    num_valid_global: Optional[float] = None,
+) -> tuple[torch.Tensor, dict]:
+    """The straightforward TTT loss (test reference and benchmark baseline).
+
+    Plain cat-then-project q/k/v, the eager attention with a materialized full TTT mask over
+    concatenated keys, lm_head + log_softmax on ALL ``B x T`` rows every step, the teacher for
+    all positions, masks applied by multiplication. Same conventions and result as
+    :func:`ttt_loss`.
+    """
+    ids = _get(batch, "input_ids_BT")
+    loss_mask = _get(batch, "loss_mask_BT")
+    aux = _get(batch, "aux_hidden_BT3H")
+    last_hidden = _get(batch, "last_hidden_BTH")
+    target_ids = _get(batch, "target_ids_BT")
+    B, T = ids.shape
+    dev = ids.device
+    pos = _get(batch, "position_ids_BT", None)
+    if pos is None:
+        pos = torch.arange(T, device=dev).expand(B, T)
+    L = int(ttt_length)
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L).float()
+    with torch.no_grad():
+        tl = F.linear(last_hidden, teacher_weight_NH.detach())
+        teacher_all = torch.softmax(tl.to(torch.promote_types(tl.dtype, torch.float32)), dim=-1)  # B,T,N
+    layer = draft.midlayer
+    attn_mod = layer.self_attn
+    hidden = draft.project_aux(aux)
+    keys, values = [], []
+    stats = torch.zeros(L, 4, dtype=torch.float64, device=dev)
+    total = 0.0
+    for i in range(L):
+        ids_i = F.pad(ids[:, 1 + i :], (0, min(1 + i, T)))[:, :T]
+        x = torch.cat([layer.input_layernorm(draft.embed(ids_i)), layer.hidden_norm(hidden)], dim=-1)
+        Hq, Hk, D = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
+        q = attn_mod.q_proj(x).view(B, T, Hq, D).transpose(1, 2)
+        k = attn_mod.k_proj(x).view(B, T, Hk, D).transpose(1, 2)
+        v = attn_mod.v_proj(x).view(B, T, Hk, D).transpose(1, 2)
+        cos, sin = draft.rope(pos + i)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        attn = ttt_attention_eager(q, keys, values)
+        hidden = draft.layer_finish(attn, hidden)
+        z = draft.logits(hidden)
+        logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)  # B,T,N
+        teacher_i = F.pad(teacher_all[:, 1 + i :], (0, 0, 0, min(1 + i, T)))[:, :T]
+        ce = -(teacher_i * logp).sum(-1)  # B,T
+        m = valid[i]
+        total = total + (decay**i) * (ce * m).sum()
+        with torch.no_grad():
+            pred = logp.argmax(-1)
+            tgt = F.pad(target_ids[:, 1 + i :], (0, min(1 + i, T)))[:, :T]
+            stats[i, 0] = m.sum()
+            stats[i, 1] = (((pred + draft.d2t[pred]) == tgt).float() * m).sum()
+            stats[i, 2] = (ce * m).sum()
+            stats[i, 3] = (teacher_i.gather(-1, pred.unsqueeze(-1)).squeeze(-1) * m).sum()
+    normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
+    loss = total / max(normalizer, 1.0)
+    return loss, _finish_metrics(stats, loss, normalizer, L)
