@@ -107,14 +107,15 @@ def _run(group, plans, kind, pack=True):
 def _dp_plans():
     groups = [[SampleRef(0, 7), SampleRef(1, 5)], [SampleRef(2, 9)]]
     step2 = [[SampleRef(3, 4)], [SampleRef(4, 6), SampleRef(5, 3)]]
-    return [plan_step(s, g, ROLLOUT, [[1], [2]], SPEC) for s, g in enumerate([groups, step2])]
+    step3 = [[SampleRef(6, 8)], [SampleRef(7, 2)]]  # reuses step 1's recycled buffers
+    return [plan_step(s, g, ROLLOUT, [[1], [2]], SPEC) for s, g in enumerate([groups, step2, step3])]
 
 
 @pytest.mark.ray
-def test_dp_two_steps_receivers_get_exactly_what_was_sent(peers):
+def test_dp_steps_receivers_get_exactly_what_was_sent(peers):
     plans = _dp_plans()
     sent, received, reports = _run(peers, plans, "p2p")
-    assert len(sent) == 6 * len(SPEC.names) and sent == received
+    assert len(sent) == 8 * len(SPEC.names) and sent == received
     assert sum(r.bytes_sent for r in reports) == sum(r.bytes_recv for r in reports) > 0
 
 
@@ -210,3 +211,16 @@ def test_auto_packing_switches_on_slice_size():
     assert transport._packs(SPEC, small) and not transport._packs(SPEC, large)
     with pytest.raises(ValueError, match="pack"):
         P2PTransport(pack="yes")
+
+
+def test_buffer_pool_reuses_the_smallest_fitting_buffer():
+    from specforge.runtime.dataplane import BufferPool
+
+    pool = BufferPool(torch.device("cpu"), max_free=2)
+    a, b = pool.take(100), pool.take(1000)
+    assert a.numel() >= 100 and b.numel() >= 1000
+    pool.give(b)
+    pool.give(a)
+    assert pool.take(50) is a and pool.take(900) is b
+    pool.give(a), pool.give(b), pool.give(pool.take(5000))
+    assert len(pool._free) == 2 and all(x is not a for x in pool._free)  # keeps the largest

@@ -100,16 +100,27 @@ def _tag(step: int, index: int) -> int:
     return ((step % 2048) << 20) | (index % (1 << 20))
 
 
-class _Works:
-    """Completion of posted torch.distributed work, plus what it moved."""
+class BufferPool:
+    """Reusable byte buffers. A fresh large CPU buffer costs its page faults on first touch
+    (64 MiB: ~27 ms vs ~4 ms to copy into a warm one here), which is most of a transfer's time,
+    so steady-state steps reuse buffers instead. ``take`` returns the smallest free buffer that
+    fits (else a new one with 25% headroom); at most ``max_free`` are kept."""
 
-    def __init__(self, works: list, nbytes: int, keepalive: list):
-        self.works, self.nbytes, self._keepalive = works, nbytes, keepalive
+    def __init__(self, device: torch.device, max_free: int = 4):
+        self.device, self.max_free = device, max_free
+        self._free: list[torch.Tensor] = []
 
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works, self._keepalive = [], []
+    def take(self, nbytes: int) -> torch.Tensor:
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]  # by index: tensors' == is elementwise
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, device=self.device)
+
+    def give(self, buf: Optional[torch.Tensor]) -> None:
+        if buf is not None:
+            self._free.append(buf)
+            if len(self._free) > self.max_free:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
 class SendHandle:
@@ -126,10 +137,12 @@ class SendHandle:
 
 
 class PendingRecv:
-    """Receives posted for one step; ``wait()`` returns ``{sample_id: FeatureBatch}``."""
+    """Receives posted for one step; ``wait()`` returns ``{sample_id: FeatureBatch}``.
+    ``release()`` hands the step's buffer back for reuse: call it only when no tensor of the
+    step is referenced any more (the ``Prefetcher`` does it when the next step is requested)."""
 
-    def __init__(self, plan: StepPlan, wait_fn, nbytes: int):
-        self.plan, self._wait_fn, self.nbytes = plan, wait_fn, nbytes
+    def __init__(self, plan: StepPlan, wait_fn, nbytes: int, release_fn=None):
+        self.plan, self._wait_fn, self.nbytes, self._release_fn = plan, wait_fn, nbytes, release_fn
         self._result: Optional[dict[int, FeatureBatch]] = None
 
     def wait(self) -> dict[int, FeatureBatch]:
@@ -137,13 +150,31 @@ class PendingRecv:
             self._result = self._wait_fn()
         return self._result
 
+    def release(self) -> None:
+        self.wait()
+        if self._release_fn is not None:
+            self._release_fn()
+            self._release_fn = None
+        self._result = {}
+
+
+def _step_layout(spec: FeatureSpec, transfers: list[tuple[int, Transfer]]):
+    """One buffer for all of a rank's slices in a step: ``[(index, transfer, base, layout)], total``."""
+    out, base = [], 0
+    for index, tr in transfers:
+        layout, size = packed_layout(spec, tr.num_tokens)
+        out.append((index, tr, base, layout))
+        base += size
+    return out, base
+
 
 # ------------------------------------------------------------------------- point-to-point
 
 
 class P2PTransport:
     """Execute a plan with isend/irecv on ``group`` (None = the default group; plan ranks are
-    ranks of that group). Counts bytes in ``bytes_sent`` / ``bytes_recv``."""
+    ranks of that group). Counts bytes in ``bytes_sent`` / ``bytes_recv``. Each step's receive
+    buffer (and the sender's packing buffer) comes from a ``BufferPool``."""
 
     def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool | str = "auto"):
         if pack not in (True, False, "auto"):
@@ -151,77 +182,84 @@ class P2PTransport:
         self.group = group
         self.device = device or device_mod.pick_device()
         self.pack = pack
+        self.pool = BufferPool(self.device)
         self.bytes_sent = 0
         self.bytes_recv = 0
 
     def resolve_rank(self, rank: Optional[int] = None) -> int:
         return dist.get_rank(self.group) if rank is None else rank
 
-    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
-        """Post this rank's sends of ``plan`` (full-length features per sample; slicing is done
-        here). The tensors must stay unchanged until ``wait()`` returns."""
-        rank = self.resolve_rank(my_rank)
-        ops, nbytes = [], 0
-        for index, tr in enumerate(plan.transfers):
-            if tr.src_rank != rank or tr.num_tokens == 0:
-                continue
-            missing = [name for name in plan.feature_spec.names if name not in features_by_sample.get(tr.sample_id, {})]
-            if missing:
-                raise ValueError(f"step {plan.step}: no {missing} for sample {tr.sample_id} on rank {rank}")
-            for buf in self._send_buffers(plan.feature_spec, features_by_sample[tr.sample_id], tr):
-                ops.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=tr.dst_rank, tag=_tag(plan.step, index)))
-                nbytes += buf.numel()
-        works = _Works(dist.batch_isend_irecv(ops) if ops else [], nbytes, [op.tensor for op in ops])
-        self.bytes_sent += nbytes
-        return SendHandle(works.wait, nbytes)
-
     def _packs(self, spec: FeatureSpec, tr: Transfer) -> bool:
         return self.pack is True or (self.pack == "auto" and spec.nbytes(tr.num_tokens) < PACK_BELOW_BYTES)
 
-    def _send_buffers(self, spec: FeatureSpec, features: Features, tr: Transfer) -> list[torch.Tensor]:
-        slices = [_as_bytes(_slice(features, f, tr)) for f in spec.fields]
-        if not self._packs(spec, tr):
-            return slices
-        layout, total = packed_layout(spec, tr.num_tokens)
-        buf = torch.empty(total, dtype=torch.uint8, device=slices[0].device)
-        for (_, offset, n), src in zip(layout, slices):
-            buf[offset : offset + n].copy_(src)
-        return [buf]
+    def _op(self, op, buf: torch.Tensor, peer: int, step: int, index: int) -> dist.P2POp:
+        return dist.P2POp(op, buf, group=self.group, group_peer=peer, tag=_tag(step, index))
+
+    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
+        """Post this rank's sends of ``plan`` (full-length features per sample; slicing is done
+        here). The tensors must stay unchanged until ``wait()`` returns."""
+        rank, spec = self.resolve_rank(my_rank), plan.feature_spec
+        mine = [(i, tr) for i, tr in enumerate(plan.transfers) if tr.src_rank == rank and tr.num_tokens]
+        for _, tr in mine:
+            missing = [n for n in spec.names if n not in features_by_sample.get(tr.sample_id, {})]
+            if missing:
+                raise ValueError(f"step {plan.step}: no {missing} for sample {tr.sample_id} on rank {rank}")
+        slots, total = _step_layout(spec, [(i, tr) for i, tr in mine if self._packs(spec, tr)])
+        packed = {index: (base, layout) for index, _, base, layout in slots}
+        buf = self.pool.take(total) if packed else None
+        ops = []
+        for index, tr in mine:  # plan order on both ends (NCCL ignores tags)
+            slices = [_as_bytes(_slice(features_by_sample[tr.sample_id], f, tr)) for f in spec.fields]
+            if index not in packed:
+                ops += [self._op(dist.isend, t, tr.dst_rank, plan.step, index) for t in slices]
+                continue
+            base, layout = packed[index]
+            for (_, offset, n), src in zip(layout, slices):
+                buf[base + offset : base + offset + n].copy_(src)
+            size = packed_layout(spec, tr.num_tokens)[1]
+            ops.append(self._op(dist.isend, buf[base : base + size], tr.dst_rank, plan.step, index))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        nbytes = sum(op.tensor.numel() for op in ops)
+        self.bytes_sent += nbytes
+
+        def finish() -> None:
+            for w in works:
+                w.wait()
+            self.pool.give(buf)
+
+        return SendHandle(finish, nbytes)
 
     def post_recv(self, plan: StepPlan, my_rank: Optional[int] = None) -> PendingRecv:
-        """Allocate this rank's buffers from the plan's shapes and post the receives now."""
-        rank = self.resolve_rank(my_rank)
-        ops, batches, nbytes = [], {}, 0
-        for index, tr in enumerate(plan.transfers):
-            if tr.dst_rank != rank:
-                continue
-            assert tr.sample_id not in batches, f"rank {rank} receives two slices of sample {tr.sample_id}"
-            tensors, bufs = self._recv_buffers(plan.feature_spec, tr)
+        """Take one buffer for this rank's slices of the step (shapes from the plan), give each
+        sample typed views into it, and post the receives now."""
+        rank, spec = self.resolve_rank(my_rank), plan.feature_spec
+        mine = [(i, tr) for i, tr in enumerate(plan.transfers) if tr.dst_rank == rank]
+        assert len({tr.sample_id for _, tr in mine}) == len(mine), f"rank {rank} receives two slices of one sample"
+        slots, total = _step_layout(spec, mine)
+        buf = self.pool.take(total) if total else None
+        ops, batches = [], {}
+        for index, tr, base, layout in slots:
+            n = tr.num_tokens
+            views = {f.name: buf[base + off : base + off + size] for f, off, size in layout} if n else {}
+            tensors = {f.name: views[f.name].view(torch_dtype(f.dtype)).view(f.shape(n)) if n
+                       else torch.empty(f.shape(0), dtype=torch_dtype(f.dtype), device=self.device) for f in spec.fields}
             batches[tr.sample_id] = FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, tensors)
-            for buf in bufs if tr.num_tokens else []:
-                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=tr.src_rank, tag=_tag(plan.step, index)))
-                nbytes += buf.numel()
-        works = _Works(dist.batch_isend_irecv(ops) if ops else [], nbytes, [])
+            if not n:
+                continue
+            if self._packs(spec, tr):
+                ops.append(self._op(dist.irecv, buf[base : base + packed_layout(spec, n)[1]], tr.src_rank, plan.step, index))
+            else:
+                ops += [self._op(dist.irecv, views[f.name], tr.src_rank, plan.step, index) for f in spec.fields]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        nbytes = sum(op.tensor.numel() for op in ops)
         self.bytes_recv += nbytes
 
         def finish() -> dict[int, FeatureBatch]:
-            works.wait()
+            for w in works:
+                w.wait()
             return batches
 
-        return PendingRecv(plan, finish, nbytes)
-
-    def _recv_buffers(self, spec: FeatureSpec, tr: Transfer) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        n = tr.num_tokens
-        if self._packs(spec, tr):
-            layout, total = packed_layout(spec, n)
-            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-            tensors = {
-                f.name: buf[offset : offset + size].view(torch_dtype(f.dtype)).view(f.shape(n))
-                for f, offset, size in layout
-            }
-            return tensors, [buf]
-        tensors = {f.name: torch.empty(f.shape(n), dtype=torch_dtype(f.dtype), device=self.device) for f in spec.fields}
-        return tensors, [_as_bytes(t) for t in tensors.values()]
+        return PendingRecv(plan, finish, nbytes, release_fn=lambda: self.pool.give(buf))
 
 
 # ---------------------------------------------------------------------- double buffering
@@ -232,14 +270,20 @@ class Prefetcher:
     later steps' receives posted, at most ``max_inflight_bytes`` of them (always at least one
     step, or nothing could move). The next step is posted before the current one is handed out,
     so its transfer overlaps the caller's compute. Memory held = the budget + the batch in use.
+
+    With ``recycle`` (default) a step's tensors are valid until the next step is requested:
+    their buffer is then reused for a later step. Clone anything you keep longer.
     """
 
-    def __init__(self, transport, plans: Iterable[StepPlan], max_inflight_bytes: int, my_rank: Optional[int] = None):
+    def __init__(self, transport, plans: Iterable[StepPlan], max_inflight_bytes: int,
+                 my_rank: Optional[int] = None, recycle: bool = True):
         self.transport, self.max_inflight_bytes = transport, max_inflight_bytes
         self.my_rank = transport.resolve_rank(my_rank)
         self._plans = iter(plans)
         self._lookahead: Optional[StepPlan] = None
         self._posted: collections.deque[PendingRecv] = collections.deque()
+        self._current: Optional[PendingRecv] = None
+        self.recycle = recycle
         self.inflight_bytes = 0
         self.wait_ms = 0.0  # time spent blocked on the data plane (compute did not hide it)
         self.bytes_recv = 0  # wire bytes of the steps handed out so far
@@ -262,10 +306,13 @@ class Prefetcher:
         return self
 
     def __next__(self) -> tuple[StepPlan, dict[int, FeatureBatch]]:
+        if self._current is not None and self.recycle:
+            self._current.release()  # the caller is done with the previous step
+        self._current = None
         self._fill()
         if not self._posted:
             raise StopIteration
-        pending = self._posted.popleft()
+        pending = self._current = self._posted.popleft()
         t0 = time.perf_counter()
         batches = pending.wait()
         self.wait_ms += (time.perf_counter() - t0) * 1e3
