@@ -54,6 +54,7 @@ __all__ = [
     "teacher_weight_from_target",
     "metrics_from_counts",
     "soft_cross_entropy",
+    "linear_soft_cross_entropy",
 ]
 
 _COUNT_KEYS = ("valid", "correct", "loss_sum", "accept_sum")
@@ -110,6 +111,67 @@ class _SoftCE(torch.autograd.Function):
         z = logits.to(f32, copy=True)  # a copy even when already fp32: modified in place below
         grad = z.sub_(lse.unsqueeze(-1)).exp_().sub_(probs.to(f32)).mul_(g.to(f32).unsqueeze(-1))
         return grad.to(logits.dtype), None
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    """Fused ``lm_head`` + soft cross-entropy over row chunks (the logits never exist whole).
+
+    Forward, per chunk of rows: ``z = h @ W.T`` (matmul dtype = h's), fp32 statistics, the row
+    losses, argmax and the teacher probability of the argmax (metrics), and the logit gradient
+    ``softmax(z) - p`` (stored in h's dtype). Backward: two GEMMs scaled by the incoming scalar.
+    Returns ``(loss_sum, per-row loss, argmax, teacher prob of argmax)``; only the first is
+    differentiable. ``teacher[tidx]`` are the rows' target distributions.
+    """
+
+    @staticmethod
+    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int):
+        M = h_MH.shape[0]
+        f32 = torch.promote_types(h_MH.dtype, torch.float32)
+        G = torch.empty(M, W_NH.shape[0], dtype=h_MH.dtype, device=h_MH.device)
+        ce = torch.empty(M, dtype=f32, device=h_MH.device)
+        pred = torch.empty(M, dtype=torch.long, device=h_MH.device)
+        acc_p = torch.empty(M, dtype=f32, device=h_MH.device)
+        Wt = W_NH.t()
+        for c0 in range(0, M, chunk):
+            c1 = min(M, c0 + chunk)
+            z = torch.matmul(h_MH[c0:c1], Wt).to(f32)
+            p = teacher_PN.index_select(0, tidx_M[c0:c1]).to(f32)
+            m, am = z.max(dim=-1)
+            pz = (p * z).sum(-1)
+            z.sub_(m.unsqueeze(-1)).exp_()
+            ssum = z.sum(-1)
+            ce[c0:c1] = m + torch.log(ssum) - pz
+            pred[c0:c1] = am
+            acc_p[c0:c1] = p.gather(1, am.unsqueeze(1)).squeeze(1)
+            z.div_(ssum.unsqueeze(-1)).sub_(p)
+            G[c0:c1] = z
+        ctx.save_for_backward(h_MH, W_NH, G)
+        ctx.mark_non_differentiable(ce, pred, acc_p)
+        return ce.sum(), ce, pred, acc_p
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        h, W, G = ctx.saved_tensors
+        g = g.to(G.dtype)
+        dh = torch.matmul(G, W) * g if ctx.needs_input_grad[0] else None
+        dW = torch.matmul(G.t(), h) * g if ctx.needs_input_grad[1] else None
+        return dh, dW, None, None, None
+
+
+def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: int = 64):
+    """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``.
+
+    Under autocast the matmuls run in the autocast dtype (h and W are cast once here).
+    """
+    dev = h_MH.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        h_MH, W_NH = h_MH.to(dt), W_NH.to(dt)
+    else:
+        dt = torch.promote_types(h_MH.dtype, W_NH.dtype)
+        h_MH, W_NH = h_MH.to(dt), W_NH.to(dt)
+    with torch.autocast(dev, enabled=False):
+        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk))
 
 
 def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch.Tensor:
@@ -243,18 +305,15 @@ def ttt_loss(
             continue
         b, t = rows_bt // Ti, rows_bt % Ti
         flat_p = b * T + t + 1 + i  # position of the teacher / target argmax
-        logits = draft.logits(hidden.reshape(B * Ti, -1)[rows_bt])
-        probs = teacher[pos_map[flat_p]]
-        ce = soft_cross_entropy(logits, probs)
-        step_loss = ce.sum() * (decay**i)
+        h_rows = draft.norm(hidden.reshape(B * Ti, -1)[rows_bt])
+        ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, draft.lm_head.weight, teacher, pos_map[flat_p])
+        step_loss = ce_sum * (decay**i)
         total = step_loss if total is None else total + step_loss
         with torch.no_grad():
-            pred = logits.argmax(dim=-1)
             correct = (pred + d2t[pred]) == target_flat[flat_p]
-            accept = probs.gather(1, pred.unsqueeze(1)).squeeze(1)
             stats[i, 0] = rows_bt.numel()
             stats[i, 1] = correct.sum()
-            stats[i, 2] = ce.detach().sum()
+            stats[i, 2] = ce.sum()
             stats[i, 3] = accept.sum()
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
     if total is None:  # nothing counted: a zero that still reaches every trainable parameter
