@@ -181,7 +181,7 @@ def run(sizes_mb: list[float], write_readme: bool) -> None:
         "GB/s of payload: median of `reps` timed steps (best in parentheses; the machine is shared with other "
         "jobs, so single steps vary by 2x), each timed on the receiver from a barrier until the data is usable. "
         "\"packed\" = one message per (sample, destination), \"per-field\" = one per field; "
-        "\"auto\" (ours, the default) packs slices under 512 KiB, \"best raw\" = the better of "
+        "\"auto\" (ours, the default) packs slices under 4 MiB, \"best raw\" = the better of "
         "blocking send/recv and all-posted isend/irecv of the same tensors (one message per field). "
         "Methods are interleaved rep by rep in rotating order, so background load affects all alike. "
         "\"pipelined\" = Prefetcher/SendWindow with 2 steps in flight, mean over the run (no compute to "

@@ -10,13 +10,13 @@ it can post step k+1's receives before computing step k (``Prefetcher``).
 ``ObjectStoreTransport`` has the same interface over ``ray.put``/``ray.get``: a baseline for the
 benchmark, not for the hot path.
 
-Layout: a small (sample, destination) slice is packed into one byte buffer (one message instead
-of five; the receiver gets zero-copy typed views into it); a large one goes field by field,
-because there the sender's packing copy (and first-touch page faults of a fresh buffer) costs
-more than the per-message overhead it saves. ``pack="auto"`` switches at ``PACK_BELOW_BYTES``,
-where ``benchmarks/bench_transfer.py`` measured the crossover on gloo (packed 1.6-2.4x faster
-at 128 KiB per slice, per-field 1.3-1.6x faster at 1 MiB, ~2.5x at 8 MiB). Both ends must use the
-same ``pack`` setting: the decision is a pure function of the slice size, so they agree.
+Layout: a (sample, destination) slice below ``PACK_BELOW_BYTES`` is packed into one byte
+buffer (one message instead of five; the receiver gets zero-copy typed views into it); a larger
+one goes field by field, where the sender's packing copy costs more than the per-message
+overhead it saves. ``benchmarks/bench_transfer.py`` on gloo, with pooled buffers: packed
+1.4-2x faster at 128-512 KiB slices, even at 1-2 MiB, per-field ~1.2x faster at 8 MiB.
+Both ends must use the same ``pack`` setting: the choice is a pure function of the slice size.
+All of a rank's slices in a step share one buffer taken from a ``BufferPool``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _TORCH_DTYPES = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 _ALIGN = 64  # byte alignment of each field inside a packed buffer (typed views need >= 8)
-PACK_BELOW_BYTES = 512 * 1024  # pack="auto": pack slices smaller than this
+PACK_BELOW_BYTES = 4 * 2**20  # pack="auto": pack slices smaller than this
 
 
 @dataclass(eq=False)
