@@ -22,9 +22,10 @@ Implementations (all exact up to rounding, all differentiable on CPU):
 * :func:`ttt_attention_fast` -- never builds the big mask. Scores against ``keys[0]`` are a causal
   block (computed per query chunk so the upper triangle is mostly skipped), each diagonal step
   contributes one score per query (``q . k_j``); one softmax over ``[causal block | i diagonal
-  scores]`` with max subtraction, in fp32. A hand-written autograd Function that saves only
-  ``q, k, v, out, lse`` and recomputes probabilities in backward (FlashAttention-style), so the
-  seven TTT steps do not keep seven ``T x T`` probability tensors alive.
+  scores]`` with max subtraction, statistics in fp32. A hand-written autograd Function: saves
+  the causal-block probabilities per chunk in the matmul dtype (bf16 under autocast; about half
+  of ``T x T`` per head thanks to the chunking) and the diagonal parts are recomputed in backward
+  (measured faster on CPU than recomputing the scores; on a GPU use a fused kernel instead).
 * :func:`ttt_attention_sdpa` -- step 0 with ``q_offset == 0`` (plain causal attention) goes to
   ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (fused kernels on CPU and
   GPU); everything else falls back to the fast path.
@@ -136,6 +137,7 @@ class _TTTAttentionFn(torch.autograd.Function):
             sd = torch.einsum("bkgtd,bkntd->bkgtn", q.to(f32), kd.to(f32)) * scale
         out = torch.empty_like(q)
         lse = torch.empty(B, Hkv, G, T, dtype=f32, device=q.device)
+        probs = []  # normalized causal-block probabilities per chunk, saved for backward
         for c0, c1 in _chunks(T, chunk):
             C = c1 - c0
             L = q_offset + c1  # keys visible to this chunk
@@ -154,19 +156,21 @@ class _TTTAttentionFn(torch.autograd.Function):
             if kd is not None:
                 pd = torch.exp(sdc - m.unsqueeze(-1))
                 l = l + pd.sum(dim=-1)
-            o = torch.matmul(s.to(v0.dtype).view(B, Hkv, G * C, L), v0[:, :, :L]).view(B, Hkv, G, C, D).to(f32)
+            s.div_(l.unsqueeze(-1))
+            p_lo = s.to(v0.dtype).view(B, Hkv, G * C, L)
+            probs.append(p_lo)
+            o = torch.matmul(p_lo, v0[:, :, :L]).view(B, Hkv, G, C, D).to(f32)
             if kd is not None:
-                o = o + torch.einsum("bkgtn,bkntd->bkgtd", pd, vd[:, :, :, c0:c1].to(f32))
-            o.div_(l.unsqueeze(-1))
+                o = o + torch.einsum("bkgtn,bkntd->bkgtd", pd / l.unsqueeze(-1), vd[:, :, :, c0:c1].to(f32))
             out[:, :, :, c0:c1] = o.to(out.dtype)
             lse[:, :, :, c0:c1] = m + torch.log(l)
-        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse, *probs)
         ctx.q_offset, ctx.scale, ctx.chunk = q_offset, scale, chunk
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
+        q, k0, v0, kd, vd, out, lse, *probs = ctx.saved_tensors
         q_offset, scale, chunk = ctx.q_offset, ctx.scale, ctx.chunk
         B, Hkv, G, T, D = q.shape
         f32 = torch.promote_types(q.dtype, torch.float32)
@@ -175,21 +179,16 @@ class _TTTAttentionFn(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk0 = torch.zeros(k0.shape, dtype=f32, device=q.device)
         dv0 = torch.zeros(v0.shape, dtype=f32, device=q.device)
-        for c0, c1 in _chunks(T, chunk):
+        for ci, (c0, c1) in enumerate(_chunks(T, chunk)):
             C = c1 - c0
             L = q_offset + c1
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
             doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
             k0c, v0c = k0[:, :, :L], v0[:, :, :L]
-            s = torch.matmul(qc, k0c.transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
-            s.mul_(scale)
-            tail = s[..., L - C :]
-            tail.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-            s.sub_(lse[:, :, :, c0:c1].unsqueeze(-1)).exp_()  # probabilities P
-            p_lo = s.to(q.dtype).view(B, Hkv, G * C, L)
+            p_lo = probs[ci]  # (B,Hkv,G*C,L), masked entries are exact zeros
             dv0[:, :, :L] += torch.matmul(p_lo.transpose(-1, -2), doc).to(f32)
             dp = torch.matmul(doc, v0c.transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
-            dp.sub_(delta[:, :, :, c0:c1].unsqueeze(-1)).mul_(s).mul_(scale)  # dS
+            dp.sub_(delta[:, :, :, c0:c1].unsqueeze(-1)).mul_(p_lo.view(B, Hkv, G, C, L)).mul_(scale)  # dS
             ds = dp.to(q.dtype).view(B, Hkv, G * C, L)
             dq[:, :, :, c0:c1] = torch.matmul(ds, k0c).view(B, Hkv, G, C, D).to(dq.dtype)
             dk0[:, :, :L] += torch.matmul(ds.transpose(-1, -2), qc).to(f32)
@@ -254,8 +253,9 @@ IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_a
 class TTTAttentionCore(nn.Module):
     """``midlayer.self_attn.core``: no parameters; ``impl`` in {"auto", "sdpa", "fast", "eager"}.
 
-    ``auto`` = ``sdpa`` (fused SDPA for step 0, the fast path for steps >= 1). Sequence parallel
-    wrappers replace this module or call it from outside; it holds no state.
+    ``auto`` = ``fast`` on CPU (measured faster than the fused CPU SDPA kernel even for plain
+    causal attention, see benchmarks/README.md) and ``sdpa`` on GPUs (fused kernel for step 0).
+    Sequence parallel wrappers replace this module or call it from outside; it holds no state.
     """
 
     def __init__(self, impl: str = "auto", scale: Optional[float] = None):
@@ -276,7 +276,10 @@ class TTTAttentionCore(nn.Module):
         self._impl = value
 
     def forward(self, q_BHTD, keys, values, q_offset: int = 0):
-        fn = IMPLS["sdpa" if self._impl == "auto" else self._impl]
+        impl = self._impl
+        if impl == "auto":
+            impl = "fast" if q_BHTD.device.type == "cpu" else "sdpa"
+        fn = IMPLS[impl]
         return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale)
 
     def extra_repr(self) -> str:
