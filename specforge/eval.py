@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specforge.models.draft import DraftKVCache
 from specforge.models.target import TargetModel, forward_aux
 
 
@@ -68,13 +69,13 @@ class EagleProposer:
         self.pending_hidden_TH: Optional[torch.Tensor] = None
 
     def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
-        self.cache = self.draft.new_cache()
+        self.cache = DraftKVCache()
         self._queue(ids[1:], aux_TH)
 
     def _queue(self, next_ids: list[int], aux_TH: torch.Tensor) -> None:
         assert len(next_ids) == aux_TH.shape[0]
         self.pending_ids = list(next_ids)
-        self.pending_hidden_TH = self.draft.fc(aux_TH.to(self.draft.fc.weight.dtype))
+        self.pending_hidden_TH = self.draft.project_aux(aux_TH.to(self.draft.fc.weight.dtype))
 
     @torch.no_grad()
     def propose(self, k: int) -> list[int]:
@@ -87,7 +88,7 @@ class EagleProposer:
         self.committed = self.cache.length
         out: list[int] = []
         for j in range(k):
-            tok = draft.draft_to_target(logits[0, -1].argmax()).item()
+            tok = draft.draft_to_target_ids(logits[0, -1].argmax()).item()
             out.append(tok)
             if j == k - 1:
                 break
@@ -292,14 +293,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg.model.dtype = "float32"  # exact greedy comparison needs the target in fp32
     target = load_target(cfg.model)
     data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
-                           cache_dir=Path(cfg.model.cache_dir).expanduser() / "data")
+                           cache_dir=cfg.model.cache_dir)
     prompts = eval_prompts(data.eval, args.num_prompts, args.max_prompt_tokens)
     if not prompts:
         raise ValueError("no held-out prompt fits; raise --max-prompt-tokens or data.num_eval")
     if args.draft == "prompt-lookup":
         proposer, label = PromptLookupProposer(), "prompt-lookup"
     else:
-        from specforge.models.draft import load_draft
+        from specforge.train.checkpoint import load_draft
 
         proposer, label = EagleProposer(load_draft(args.draft, target)), str(args.draft)
     rep = evaluate(target, proposer, prompts, args.max_new_tokens, args.chain)

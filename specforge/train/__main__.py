@@ -1,0 +1,3 @@
+from specforge.train.trainer import main
+import sys
+sys.exit(main())

@@ -1,0 +1,266 @@
+"""The draft train step every placement shares, and the single-process trainer around it.
+
+    python -m specforge.train --config configs/smollm2-135m-cpu.yaml [dotted.overrides=...]
+
+``DraftTrainer`` owns the draft, its optimizer and the frozen teacher head, and runs THE train
+step (TTT forward/backward, clipping, AdamW, schedule) on a list of micro-batches. The Ray train
+workers run the same class on FSDP2-sharded drafts; only where the features come from differs.
+``run`` is the single-process loop: target and draft in one process, the reference the
+distributed trainer is tested against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from specforge.config import Config, load_config
+from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
+from specforge.device import autocast, autocast_dtype, pick_device, set_threads
+from specforge.models.draft import Eagle3Draft, draft_config_from_target
+from specforge.models.target import TargetModel, capture, load_target
+from specforge.train.batch import TrainBatch, collate, global_batch_ids
+from specforge.train.checkpoint import latest_checkpoint, load_draft_folder, load_train_state, save_checkpoint
+from specforge.train.optim import build_optimizer
+from specforge.train.ttt import metrics_from_counts, teacher_weight_from_target, ttt_loss, valid_rows
+
+# ---------------------------------------------------------------- building
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+
+
+def build_vocab(cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
+    """The draft vocab of this data + tokenizer, cached next to the tokenized data."""
+    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}.safetensors"
+    if path.is_file():
+        return load_draft_vocab(path)
+    vocab = build_draft_vocab(train_rows, target_vocab_size, cfg.draft.vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_draft_vocab(vocab, path)
+    return vocab
+
+
+def build_draft(cfg: Config, target: TargetModel, vocab: DraftVocab) -> Eagle3Draft:
+    """A fresh draft shaped from the target, embedding copied (frozen), lm_head warm-started."""
+    dcfg = draft_config_from_target(target.config, cfg.draft, target.aux_layer_ids)
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    draft.init_embeddings_from_target(target.embed_weight_VH)
+    if cfg.draft.init_lm_head_from_target and dcfg.hidden_size == dcfg.target_hidden_size:
+        draft.init_lm_head_from_target(target.lm_head_weight_VH)
+    return draft
+
+
+_COUNTERS = ("valid", "correct", "loss_sum", "accept_sum")
+
+
+def count_valid(batch: TrainBatch, t2d: torch.Tensor, ttt_length: int) -> int:
+    """Rows that count at TTT step 0: the loss normalizer of this batch."""
+    return int(valid_rows(batch.loss_mask_BT, batch.target_ids_BT, t2d.to(batch.loss_mask_BT.device), ttt_length)[0].sum())
+
+
+def counts_tensor(metrics: dict, ttt_length: int) -> torch.Tensor:
+    """The raw counters of ``ttt_loss`` metrics as one float64 vector (summable across ranks)."""
+    return torch.tensor([float(metrics[f"{k}_{i}"]) for i in range(ttt_length) for k in _COUNTERS], dtype=torch.float64)
+
+
+def summarize_counts(counts: torch.Tensor, ttt_length: int, decay: float) -> dict[str, float]:
+    """Rates from summed counters; ``loss`` = the decayed TTT loss per valid step-0 row."""
+    flat = counts.tolist()
+    named = {f"{k}_{i}": flat[i * len(_COUNTERS) + j] for i in range(ttt_length) for j, k in enumerate(_COUNTERS)}
+    out = metrics_from_counts(named, ttt_length)
+    n0 = max(named["valid_0"], 1.0)
+    out["loss"] = sum(decay**i * named[f"loss_sum_{i}"] for i in range(ttt_length)) / n0
+    out["valid_tokens"] = named["valid_0"]
+    return out
+
+
+def teacher_weight(target: TargetModel, vocab: DraftVocab) -> torch.Tensor:
+    """Target lm_head rows of the draft vocab (N x H): the teacher over the draft vocab."""
+    return teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone()
+
+
+# ---------------------------------------------------------------- the train step
+
+
+class DraftTrainer:
+    """THE train step, shared by every placement (single process, colocated, disaggregated)."""
+
+    def __init__(self, draft: torch.nn.Module, teacher_NH: torch.Tensor, cfg: Config, device: torch.device):
+        self.draft, self.cfg, self.device = draft, cfg, device
+        self.teacher_NH = teacher_NH.to(device)
+        self.amp_dtype = autocast_dtype(cfg.train.precision, device)
+        self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train)
+        self.step_count = 0
+
+    def step(
+        self,
+        micro_batches: Sequence[TrainBatch],
+        num_valid_global: Optional[int] = None,
+        all_reduce_counts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ) -> dict[str, float]:
+        """One optimizer step over ``micro_batches``; loss normalized by the valid-token count.
+
+        ``num_valid_global`` is the valid count over all micro-batches of all ranks (data/sequence
+        parallel pass it; single process computes it here). ``all_reduce_counts`` sums metric
+        counters across ranks so every rank reports global metrics.
+        """
+        cfg = self.cfg
+        self.draft.train()
+        if num_valid_global is None:
+            num_valid_global = sum(count_valid(mb, self.draft.t2d, cfg.draft.ttt_length) for mb in micro_batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: Optional[torch.Tensor] = None
+        t0 = time.perf_counter()
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with autocast(self.device, self.amp_dtype):
+                loss, raw = ttt_loss(
+                    self.draft, mb, self.teacher_NH, cfg.draft.ttt_length, cfg.draft.ttt_decay,
+                    num_valid_global=max(num_valid_global, 1),
+                )
+            loss.backward()
+            raw = counts_tensor(raw, cfg.draft.ttt_length)
+            sums = raw if sums is None else sums + raw
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.draft.parameters() if p.requires_grad], cfg.train.max_grad_norm
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step_count += 1
+        if all_reduce_counts is not None:
+            sums = all_reduce_counts(sums)
+        out = summarize_counts(sums, cfg.draft.ttt_length, cfg.draft.ttt_decay)
+        gn = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        out.update(
+            lr=self.scheduler.get_last_lr()[0],
+            grad_norm=gn,
+            tokens=float(sum(mb.num_tokens for mb in micro_batches)),
+            train_ms=(time.perf_counter() - t0) * 1000,
+        )
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[TrainBatch]) -> dict[str, float]:
+        self.draft.eval()
+        sums = None
+        for mb in batches:
+            mb = mb.to(self.device)
+            with autocast(self.device, self.amp_dtype):
+                _, raw = ttt_loss(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay)
+            raw = counts_tensor(raw, self.cfg.draft.ttt_length)
+            sums = raw if sums is None else sums + raw
+        return summarize_counts(sums, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay) if sums is not None else {}
+
+    def train_state(self, extra: Optional[dict] = None) -> dict:
+        return {
+            "step": self.step_count,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            **(extra or {}),
+        }
+
+    def load_train_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step_count = int(state["step"])
+
+
+# ---------------------------------------------------------------- the single-process loop
+
+
+def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int) -> list[TrainBatch]:
+    """Features for ``rows`` computed by the in-process target, ``batch_size`` rows at a time."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None else 0
+    out = []
+    for s in range(0, len(rows), batch_size):
+        ids, mask, attn = collate(rows[s : s + batch_size], pad)
+        feats = capture(target, ids, attn, chunk_tokens)
+        out.append(TrainBatch.from_features(ids, mask, feats))
+    return out
+
+
+def run(cfg: Config) -> Path:
+    """Train single-process; returns the newest checkpoint folder."""
+    from tqdm import tqdm
+
+    from specforge.data.prepare import prepare_dataset
+    from specforge.tracking import MetricsLogger
+
+    set_threads(cfg.train.num_threads)
+    torch.manual_seed(cfg.train.seed)
+    device = pick_device(cfg.model.device)
+    target = load_target(cfg.model, device)
+    data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir)
+    print(data.stats.table())
+    vocab = build_vocab(cfg, data.train, target.config.vocab_size, data.cache_key)
+    draft = build_draft(cfg, target, vocab).to(device)
+    trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device)
+    root = checkpoint_root(cfg)
+    if cfg.checkpoint.resume and (ck := latest_checkpoint(root)) is not None:
+        draft.load_export_state_dict(load_draft_folder(ck)[1])
+        trainer.load_train_state(load_train_state(ck))
+        print(f"resumed from {ck} at step {trainer.step_count}")
+    logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
+    eval_rows = [data.eval[i] for i in range(min(len(data.eval), 8))]
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum
+    deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
+    bar = tqdm(total=cfg.train.max_steps, initial=trainer.step_count, desc="train", dynamic_ncols=True)
+    last_saved = None
+    try:
+        while trainer.step_count < cfg.train.max_steps and time.time() < deadline:
+            step = trainer.step_count
+            ids = global_batch_ids(len(data.train), global_batch, cfg.train.seed, step)
+            t0 = time.perf_counter()
+            batches = local_batches(target, [data.train[i] for i in ids], cfg.train.batch_size, cfg.model.argmax_chunk_tokens)
+            rollout_ms = (time.perf_counter() - t0) * 1000
+            m = trainer.step(batches)
+            m.update(rollout_ms=rollout_ms, tokens_per_s=m["tokens"] / ((time.perf_counter() - t0) or 1e-9))
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tau=f"{m.get('tau', 0):.2f}")
+            if trainer.step_count % cfg.train.log_every == 0 or trainer.step_count == 1:
+                logger.log(trainer.step_count, m)
+            if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 and eval_rows:
+                logger.log(trainer.step_count, trainer.evaluate(local_batches(target, eval_rows, 2, cfg.model.argmax_chunk_tokens)), kind="eval")
+            if cfg.checkpoint.every_steps and trainer.step_count % cfg.checkpoint.every_steps == 0:
+                last_saved = _save(trainer, root, cfg)
+    finally:
+        bar.close()
+        if last_saved is None or trainer.step_count != _step_of(last_saved):
+            last_saved = _save(trainer, root, cfg)
+        logger.close()
+    print(f"saved {last_saved}")
+    return last_saved
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def _save(trainer: DraftTrainer, root: Path, cfg: Config) -> Path:
+    d = trainer.draft
+    return save_checkpoint(root, trainer.step_count, d.config.to_hf_config(), d.export_state_dict(),
+                           trainer.train_state(), cfg.checkpoint.keep_last)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specforge.train", description="Single-process EAGLE-3 draft training.")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    run(load_config(args.config, args.overrides))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
