@@ -20,6 +20,7 @@ tokens/s uses the median step time (B*T tokens per step, padding included).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def main() -> None:
 
     info["platform"] = platform.platform()
     rows = []
+    load_before = os.getloadavg()[0]
     for B, T, N, target in CASES:
         big = B * T >= 2048
         reps_fast = 3 if args.quick else (5 if big else 12)
@@ -173,7 +175,9 @@ def main() -> None:
         "chunked lm_head + soft-CE on counted rows only, teacher once, embedding half of q/k/v once, rows no "
         "later step needs trimmed); "
         "baseline = `ttt_loss_reference` (eager attention with materialized full TTT masks, lm_head + "
-        "log_softmax on all rows). Runs interleaved; tokens/s from the median step (B*T tokens/step).\n\n"
+        "log_softmax on all rows). Runs interleaved; tokens/s from the median step (B*T tokens/step). "
+        f"The machine is shared: 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+        "(2 cores); under foreign load the median drops while the best step stays put.\n\n"
         + table
     )
     print()
