@@ -37,9 +37,14 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
 
 
+def vocab_path(cfg: Config, data_key: str) -> Path:
+    """Where the draft vocab of this data + tokenizer is cached (workers load it from here)."""
+    return Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}.safetensors"
+
+
 def build_vocab(cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
     """The draft vocab of this data + tokenizer, cached next to the tokenized data."""
-    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}.safetensors"
+    path = vocab_path(cfg, data_key)
     if path.is_file():
         return load_draft_vocab(path)
     vocab = build_draft_vocab(train_rows, target_vocab_size, cfg.draft.vocab_size)
@@ -51,11 +56,17 @@ def build_vocab(cfg: Config, train_rows, target_vocab_size: int, data_key: str) 
 def build_draft(cfg: Config, target: TargetModel, vocab: DraftVocab) -> Eagle3Draft:
     """A fresh draft shaped from the target, embedding copied (frozen), lm_head warm-started."""
     dcfg = draft_config_from_target(target.config, cfg.draft, target.aux_layer_ids)
-    draft = Eagle3Draft(dcfg)
+    with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone, whatever ran before
+        torch.manual_seed(cfg.train.seed)
+        draft = Eagle3Draft(dcfg)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     draft.init_embeddings_from_target(target.embed_weight_VH)
     if cfg.draft.init_lm_head_from_target and dcfg.hidden_size == dcfg.target_hidden_size:
         draft.init_lm_head_from_target(target.lm_head_weight_VH)
+        final_norm = getattr(getattr(target.model, target.model.base_model_prefix), "norm", None)
+        if final_norm is not None:  # lm_head rows were trained against this norm's scale
+            with torch.no_grad():
+                draft.norm.weight.copy_(final_norm.weight.to(draft.norm.weight))
     return draft
 
 
@@ -94,8 +105,11 @@ def teacher_weight(target: TargetModel, vocab: DraftVocab) -> torch.Tensor:
 class DraftTrainer:
     """THE train step, shared by every placement (single process, colocated, disaggregated)."""
 
-    def __init__(self, draft: torch.nn.Module, teacher_NH: torch.Tensor, cfg: Config, device: torch.device):
-        self.draft, self.cfg, self.device = draft, cfg, device
+    def __init__(self, draft: torch.nn.Module, teacher_NH: torch.Tensor, cfg: Config, device: torch.device,
+                 loss_fn: Callable = ttt_loss):
+        # loss_fn(draft, batch, teacher, ttt_length, decay, num_valid_global=...) = ttt_loss, or a
+        # call through an FSDP2-wrapped module (its hooks fire only around a module's forward).
+        self.draft, self.cfg, self.device, self.loss_fn = draft, cfg, device, loss_fn
         self.teacher_NH = teacher_NH.to(device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, device)
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train)
@@ -123,7 +137,7 @@ class DraftTrainer:
         for mb in micro_batches:
             mb = mb.to(self.device)
             with autocast(self.device, self.amp_dtype):
-                loss, raw = ttt_loss(
+                loss, raw = self.loss_fn(
                     self.draft, mb, self.teacher_NH, cfg.draft.ttt_length, cfg.draft.ttt_decay,
                     num_valid_global=max(num_valid_global, 1),
                 )
@@ -155,7 +169,7 @@ class DraftTrainer:
         for mb in batches:
             mb = mb.to(self.device)
             with autocast(self.device, self.amp_dtype):
-                _, raw = ttt_loss(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay)
+                _, raw = self.loss_fn(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay)
             raw = counts_tensor(raw, self.cfg.draft.ttt_length)
             sums = raw if sums is None else sums + raw
         return summarize_counts(sums, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay) if sums is not None else {}
