@@ -149,6 +149,16 @@ class RolloutWorker(DistributedWorker):
             }
         return out
 
+    def forward_only(self, plan: StepPlan) -> StepReport:
+        """Benchmark probe: the rollout stage alone (the batched forward, nothing sent)."""
+        from specforge.models.target import capture
+
+        ids = plan.batch_of(self.rank)
+        t0 = time.perf_counter()
+        feats = self._forward(ids, capture, torch_dtype(plan.feature_spec.fields[0].dtype)) if ids else {}
+        tokens = float(sum(int(f["input_ids"].shape[0]) for f in feats.values()))
+        return StepReport(self.rank, plan.step, metrics={"tokens": tokens}, timings_ms={"forward": (time.perf_counter() - t0) * 1e3})
+
     def drain(self) -> int:
         """Wait for every send to leave (end of the run)."""
         self.window.drain()
@@ -291,11 +301,7 @@ class TrainWorker(DistributedWorker):
         batches = self._local_batches(plan) if self.colocated else self._received_batches(plan, upcoming)
         t1 = time.perf_counter()
         wait1, recv1 = self._wait_and_bytes()
-        L = self.cfg.draft.ttt_length
-        from specforge.train.trainer import count_valid
-
-        num_valid = self._all_reduce(torch.tensor([sum(count_valid(mb, self.draft.t2d, L) for mb in batches)], dtype=torch.float64))
-        metrics = self.trainer.step(batches, num_valid_global=int(num_valid.item()), all_reduce_counts=self._all_reduce)
+        metrics = self._step(batches)
         t2 = time.perf_counter()
         if save:
             self.save()
@@ -303,6 +309,25 @@ class TrainWorker(DistributedWorker):
                    "step": (t2 - t0) * 1e3}
         metrics["tokens_local"] = metrics.pop("tokens")
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms=timings, bytes_recv=recv1 - recv0)
+
+    def _step(self, batches: list[TrainBatch]) -> dict[str, float]:
+        """THE train step, with the loss normalized by the valid count of ALL train ranks."""
+        from specforge.train.trainer import count_valid
+
+        self._last_batches = batches
+        L = self.cfg.draft.ttt_length
+        local = torch.tensor([sum(count_valid(mb, self.draft.t2d, L) for mb in batches)], dtype=torch.float64)
+        num_valid = int(self._all_reduce(local).item())
+        return self.trainer.step(batches, num_valid_global=num_valid, all_reduce_counts=self._all_reduce)
+
+    def train_repeat(self, reps: int) -> StepReport:
+        """Benchmark probe: the train stage alone, on the last step's already-received features."""
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            m = self._step(self._last_batches)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return StepReport(self.rank, -1, metrics={"tokens_local": m["tokens"]}, timings_ms={f"train_{i}": t for i, t in enumerate(times)})
 
     def _wait_and_bytes(self) -> tuple[float, int]:
         if self.colocated:
