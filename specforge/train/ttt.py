@@ -28,6 +28,16 @@ Metrics (per step ``i``, over counted rows):
 * Raw counts ``valid_i``, ``correct_i``, ``loss_sum_i``, ``accept_sum_i`` (sum them across ranks,
   then :func:`metrics_from_counts` recomputes the rates).
 
+Sequence parallelism (``num_rows`` given, or the batch carries ``num_rows``): the batch is one
+rank's slice of the (padded) sequence -- see ``specforge/parallel/sp.py``. ``aux_hidden`` and
+``position_ids`` have ``num_rows`` rows (the rows this rank owns, at global positions
+``position_ids``); ``input_ids``, ``loss_mask``, ``target_ids`` and ``last_hidden`` have at least
+``num_rows + ttt_length + 1`` rows (the owned rows plus a right halo: step ``i`` row ``t`` reads
+x_{t+1+i}, the teacher/argmax at t+1+i and the loss mask at t+2+i), zero-padded past the end of
+the sequence. Only owned rows are computed and counted, every step computes all of them (no
+trimming: all ranks must run the same shapes through the attention collectives), and the last
+step's output enters the loss with weight 0 so every rank runs every collective in backward.
+
 Performance: the teacher and the per-step valid rows are computed once; ``lm_head``/soft-CE run
 only on counted rows (gathered); the embedding half of the q/k/v projection is computed once for
 the whole sequence and shifted per step; rows that no later step needs are trimmed; attention
@@ -51,6 +61,7 @@ __all__ = [
     "ttt_unroll",
     "ttt_logits",
     "valid_rows",
+    "num_valid_rows",
     "teacher_weight_from_target",
     "metrics_from_counts",
     "soft_cross_entropy",
@@ -90,6 +101,19 @@ def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: t
         if T - 1 - i > 0:
             out[i, :, : T - 1 - i] = cond[:, 1 + i :]
     return out
+
+
+def _owned_rows(batch: Any, num_rows: Optional[int]) -> Optional[int]:
+    n = _get(batch, "num_rows", None) if num_rows is None else num_rows
+    return None if n is None else int(n)
+
+
+def num_valid_rows(batch: Any, t2d_V: torch.Tensor, ttt_length: int, num_rows: Optional[int] = None) -> int:
+    """Rows that count at TTT step 0 (the loss normalizer); only owned rows of an SP slice."""
+    loss_mask = _get(batch, "loss_mask_BT")
+    valid0 = valid_rows(loss_mask, _get(batch, "target_ids_BT"), t2d_V.to(loss_mask.device), 1)[0]
+    n = _owned_rows(batch, num_rows)
+    return int((valid0 if n is None else valid0[:, :n]).sum())
 
 
 class _SoftCE(torch.autograd.Function):
@@ -233,7 +257,9 @@ def ttt_unroll(draft, input_ids_BT, aux_hidden_BT3H, position_ids_BT, t_len: lis
         keys.append(k)
         values.append(v)
         # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti
-        attn = core(q, [keys[0]] + [kk[:, :, :Ti] for kk in keys[1:]], [values[0]] + [vv[:, :, :Ti] for vv in values[1:]])
+        # (passed as the same tensor objects when not cut: SP cores cache their collectives by identity)
+        cut = lambda x: x if x.shape[2] == Ti else x[:, :, :Ti]  # noqa: E731
+        attn = core(q, [keys[0]] + [cut(kk) for kk in keys[1:]], [values[0]] + [cut(vv) for vv in values[1:]])
         hidden = draft.layer_finish(attn, hidden)
         yield i, Ti, hidden
 
@@ -256,12 +282,14 @@ def ttt_loss(
     ttt_length: int = 7,
     decay: float = 0.8,
     num_valid_global: Optional[float] = None,
+    num_rows: Optional[int] = None,
 ) -> tuple[torch.Tensor, dict]:
     """The TTT loss of one batch (fast path) and its metrics.
 
     ``batch`` (mapping or object): ``input_ids_BT``, ``loss_mask_BT``, ``aux_hidden_BT3H``,
     ``last_hidden_BTH``, ``target_ids_BT``; optional ``position_ids_BT`` (default ``arange(T)``).
-    Right padding must carry ``loss_mask`` 0.
+    Right padding must carry ``loss_mask`` 0. ``num_rows`` (default: ``batch.num_rows`` if
+    present): sequence-parallel slice mode, see the module docstring.
     """
     ids = _get(batch, "input_ids_BT")
     loss_mask = _get(batch, "loss_mask_BT")
@@ -274,13 +302,18 @@ def ttt_loss(
     if pos is None:
         pos = torch.arange(T, device=dev).expand(B, T)
     L = int(ttt_length)
+    sp_rows = _owned_rows(batch, num_rows)
+    if sp_rows is not None and T < sp_rows + L + 1:
+        raise ValueError(f"SP slice: {T} window rows, need num_rows + ttt_length + 1 = {sp_rows + L + 1}")
+    R = T if sp_rows is None else sp_rows  # rows this call computes
 
-    valid = valid_rows(loss_mask, target_ids, draft.t2d, L)  # L,B,T
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L)[:, :, :R]  # L,B,R
     # Teacher once, at every position p = t+1+i that some counted row uses.
     used = torch.zeros(B, T, dtype=torch.bool, device=dev)
     for i in range(L):
-        if T - 1 - i > 0:
-            used[:, 1 + i :] |= valid[i, :, : T - 1 - i]
+        n = min(R, T - 1 - i)
+        if n > 0:
+            used[:, 1 + i : 1 + i + n] |= valid[i, :, :n]
     used_idx = used.view(-1).nonzero().squeeze(-1)
     pos_map = torch.full((B * T,), -1, dtype=torch.long, device=dev)
     pos_map[used_idx] = torch.arange(used_idx.numel(), device=dev)
@@ -293,8 +326,10 @@ def ttt_loss(
     # Rows step i must compute: t < t_len[i] = 1 + the last row counted at any step >= i
     # (a row's later steps depend on its own earlier steps; step 0 also provides the keys).
     later = (valid.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)  # L,T: counted at a step >= i
-    idx = torch.arange(1, T + 1, device=dev)
+    idx = torch.arange(1, R + 1, device=dev)
     t_len = [max(int(n), 1) for n in torch.where(later, idx, 0).amax(dim=1).tolist()]
+    if sp_rows is not None:  # same shapes on every SP rank (collectives inside the core)
+        t_len = [R] * L
 
     stats = torch.zeros(L, 4, dtype=torch.float64, device=dev)
     total = None
@@ -318,6 +353,8 @@ def ttt_loss(
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
     if total is None:  # nothing counted: a zero that still reaches every trainable parameter
         total = sum(p.sum() for p in draft.parameters() if p.requires_grad) * 0.0
+    if sp_rows is not None:  # every step's attention (and its collectives) takes part in backward
+        total = total + hidden.sum() * 0.0
     loss = total / max(normalizer, 1.0)
     return loss, _finish_metrics(stats, loss, normalizer, L)
 

@@ -1,0 +1,49 @@
+"""Run a function on N local ranks (spawned processes, one default process group each).
+
+For tests and benchmarks on one machine; Ray workers join their group themselves.
+``fn(rank, world_size, *args)`` must be importable (spawn pickles it by reference).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specforge.device import init_process_group, pick_backend, pick_device, set_threads
+
+__all__ = ["run_ranks"]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, backend: str, timeout_s: float,
+           threads: int, args: tuple) -> None:
+    set_threads(threads)
+    backend = pick_backend(backend, pick_device("auto", rank))
+    init_process_group(rank, world_size, f"file://{init_file}", backend, timeout_s)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, workdir: str | os.PathLike, backend: str = "auto",
+              timeout_s: float = 120.0, threads: int = 1) -> None:
+    """Spawn ``world_size`` ranks running ``fn``; raise if one fails or all take over ``timeout_s``
+    (every process group also times out after ``timeout_s``, so a dead peer cannot hang the rest)."""
+    init_file = Path(workdir) / f"pg-{uuid.uuid4().hex}"
+    ctx = mp.start_processes(
+        _entry, args=(fn, world_size, str(init_file), backend, timeout_s, threads, args),
+        nprocs=world_size, join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s + 60  # + start-up (imports on a loaded machine)
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:  # only the processes started here
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in time")

@@ -1,0 +1,302 @@
+"""Sequence parallelism for the TTT attention core, applied from outside the model.
+
+Legend: B batch, H heads, T/C tokens (C = rows one rank owns), D head dim, P group size.
+
+Each SP rank owns a contiguous slice ``[start, start + C)`` of the sequence, padded to a
+multiple of ``sp_size`` (:func:`sp_slice_batch`). Everything in the draft is row-local except
+attention, so only the core ``draft.midlayer.self_attn.core`` is swapped (:func:`apply_sp`):
+
+* :class:`UlyssesAttention` -- all-to-all from sequence-sharded ``[B, H, C, D]`` to
+  head-sharded ``[B, H/P, P*C, D]`` for q, every key and value (the diagonal keys of later TTT
+  steps are position-aligned with q, so they move exactly like q), the inner core, and the
+  inverse all-to-all of the output. GQA: when the kv heads do not split over ``P`` they are
+  repeated (the least factor that keeps the q->kv head map); when the query heads do not split
+  either (SmolLM2: 9 heads), q/k/v are expanded to MHA and zero heads are padded up to a
+  multiple of ``P`` and dropped afterwards (zero queries attend uniformly to zero values: their
+  output is 0 and no gradient reaches a real head).
+* :class:`RingAttention` -- context parallel by all-gather: the step-0 keys/values are gathered
+  along the sequence (an exact autograd all-gather whose backward reduce-scatters, i.e. sums, the
+  key gradients of all ranks), the inner core runs with ``q_offset`` = this rank's global start;
+  diagonal keys stay local. Memory: full-length step-0 K/V per rank (``B*Hkv*T*D``), but queries,
+  hidden states, MLP activations and the causal score blocks are ``1/P``. On a GPU with
+  ``flash-attn`` installed the step-0 call (plain causal, bottom-right aligned) goes to
+  ``flash_attn_func`` (lazy import, optional).
+* 2D: ``UlyssesAttention(RingAttention(core))`` -- see ``dims.py`` for why the layout (ring
+  outermost, ulysses innermost) makes the Ulysses output a contiguous range for the ring.
+
+Each wrapper all-to-alls / gathers every key once per TTT unroll (not once per step): results
+are cached while ``keys[0]`` is the same tensor (a new unroll = a new ``keys[0]``).
+The wrappers take ``q_offset == 0`` (the local slice is aligned with the local keys) and find
+global offsets from their group rank.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specforge.train.batch import TrainBatch
+
+__all__ = [
+    "UlyssesAttention",
+    "RingAttention",
+    "apply_sp",
+    "SPTrainBatch",
+    "sp_slice_bounds",
+    "sp_slice_batch",
+    "seq_to_heads",
+    "heads_to_seq",
+    "gather_seq",
+]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ------------------------------------------------------------------------------ collectives
+
+
+def _a2a(x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
+    """``to_heads``: [B, H, C, D] -> [B, H/P, P*C, D]; else the inverse."""
+    P = dist.get_world_size(group)
+    if to_heads:
+        B, H, C, D = x.shape
+        if H % P:
+            raise ValueError(f"{H} heads do not split over {P} Ulysses ranks")
+        inp = x.reshape(B, P, H // P, C, D).transpose(0, 1).contiguous()  # [P, B, H/P, C, D]
+        out = torch.empty_like(inp)
+        dist.all_to_all_single(out, inp, group=group)  # out[r] = rank r's rows of my heads
+        return out.permute(1, 2, 0, 3, 4).reshape(B, H // P, P * C, D)
+    B, h, TT, D = x.shape
+    C = TT // P
+    inp = x.reshape(B, h, P, C, D).permute(2, 0, 1, 3, 4).contiguous()  # [P, B, h, C, D]
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=group)  # out[r] = rank r's heads of my rows
+    return out.transpose(0, 1).reshape(B, P * h, C, D)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _a2a(x, group, to_heads)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g.contiguous(), ctx.group, not ctx.to_heads), None, None
+
+
+def seq_to_heads(x_BHCD: torch.Tensor, group) -> torch.Tensor:
+    return _AllToAll.apply(x_BHCD, group, True)
+
+
+def heads_to_seq(x_BhTD: torch.Tensor, group) -> torch.Tensor:
+    return _AllToAll.apply(x_BhTD, group, False)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 2 (rank order); backward = reduce-scatter (sum) of the gradient.
+
+    Written by hand: ``torch.distributed.nn.functional.all_gather`` gave wrong gradients on gloo."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        P = dist.get_world_size(group)
+        B, H, C, D = x.shape
+        out = x.new_empty(P * B, H, C, D)  # rank-major along dim 0
+        _all_gather(out, x.contiguous(), group=group)
+        return out.view(P, B, H, C, D).permute(1, 2, 0, 3, 4).reshape(B, H, P * C, D)
+
+    @staticmethod
+    def backward(ctx, g):
+        P = dist.get_world_size(ctx.group)
+        B, H, TT, D = g.shape
+        inp = g.reshape(B, H, P, TT // P, D).permute(2, 0, 1, 3, 4).reshape(P * B, H, TT // P, D)
+        out = g.new_empty(B, H, TT // P, D)
+        _reduce_scatter(out, inp, group=ctx.group)
+        return out, None
+
+
+def gather_seq(x_BHCD: torch.Tensor, group) -> torch.Tensor:
+    return _GatherSeq.apply(x_BHCD, group)
+
+
+# ------------------------------------------------------------------------------ wrappers
+
+
+class _PerUnrollCache:
+    """Results per input tensor, valid while ``keys[0]`` is the same object (one TTT unroll)."""
+
+    def __init__(self):
+        self._anchor = None
+        self._items: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def start(self, k0: torch.Tensor) -> None:
+        if self._anchor is None or self._anchor() is not k0:
+            self._anchor = weakref.ref(k0)
+            self._items = {}
+
+    def get(self, x: torch.Tensor, fn) -> torch.Tensor:
+        hit = self._items.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = fn(x)
+        self._items[id(x)] = (x, y)
+        return y
+
+
+def _kv_repeat(Hq: int, Hkv: int, P: int) -> Optional[int]:
+    """Least r with Hkv*r and Hq splitting over P and keeping head h -> kv h // (Hq/Hkv)."""
+    if Hq % P:
+        return None
+    G = Hq // Hkv
+    return next(r for r in range(1, G + 1) if G % r == 0 and (Hkv * r) % P == 0)
+
+
+class UlyssesAttention(nn.Module):
+    """All-to-all (sequence <-> heads) around ``inner`` over ``group`` (see the module docstring)."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self._cache = _PerUnrollCache()
+
+    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
+        if q_offset:
+            raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
+        P = dist.get_world_size(self.group)
+        Hq, Hkv = q_BHTD.shape[1], keys[0].shape[1]
+        r, pad = _kv_repeat(Hq, Hkv, P), 0
+        if r is None:  # query heads do not split: MHA + zero heads up to a multiple of P
+            r, pad = Hq // Hkv, -Hq % P
+
+        def prep(x: torch.Tensor, is_kv: bool) -> torch.Tensor:
+            if is_kv and r > 1:
+                x = x.repeat_interleave(r, dim=1)
+            if pad:
+                x = F.pad(x, (0, 0, 0, 0, 0, pad))
+            return seq_to_heads(x, self.group)
+
+        self._cache.start(keys[0])
+        q = prep(q_BHTD, False)
+        ks = [self._cache.get(k, lambda x: prep(x, True)) for k in keys]
+        vs = [self._cache.get(v, lambda x: prep(x, True)) for v in values]
+        out = heads_to_seq(self.inner(q, ks, vs, q_offset=0), self.group)
+        return out[:, :Hq] if pad else out
+
+
+def _flash_step0(q, k0, v0, q_offset: int):
+    """Plain causal step-0 attention with flash-attn (GPU extra); None when unavailable."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    T = q.shape[2]
+    k, v = k0[:, :, : q_offset + T], v0[:, :, : q_offset + T]
+    # causal=True aligns the last query with the last key: exactly the q_offset causal mask
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+class RingAttention(nn.Module):
+    """Context parallel by all-gather of the step-0 keys/values over ``group``."""
+
+    def __init__(self, inner: nn.Module, group, use_flash: bool = True):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self.use_flash = use_flash
+        self._cache = _PerUnrollCache()
+
+    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
+        if q_offset:
+            raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
+        offset = dist.get_rank(self.group) * q_BHTD.shape[2]  # all ranks hold equal slices
+        self._cache.start(keys[0])
+        k0 = self._cache.get(keys[0], lambda x: gather_seq(x, self.group))
+        v0 = self._cache.get(values[0], lambda x: gather_seq(x, self.group))
+        if len(keys) == 1 and self.use_flash:
+            out = _flash_step0(q_BHTD, k0, v0, offset)
+            if out is not None:
+                return out
+        return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset)
+
+
+def apply_sp(draft: nn.Module, ulysses_group=None, ring_group=None) -> nn.Module:
+    """Swap ``draft.midlayer.self_attn.core`` for the SP wrappers (``None`` group = degree 1)."""
+    attn = draft.midlayer.self_attn
+    core = attn.core
+    if ring_group is not None:
+        core = RingAttention(core, ring_group)
+    if ulysses_group is not None:
+        core = UlyssesAttention(core, ulysses_group)
+    attn.core = core
+    return draft
+
+
+# ------------------------------------------------------------------------------ slicing
+
+
+@dataclass
+class SPTrainBatch(TrainBatch):
+    """One SP rank's slice: owned rows + right halo (see ``specforge/train/ttt.py``)."""
+
+    position_ids_BT: torch.Tensor  # B x num_rows, global positions start + t
+    num_rows: int
+    start: int
+
+    def to(self, device: torch.device) -> "SPTrainBatch":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved.update({k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+        return SPTrainBatch(**moved)
+
+    @property
+    def num_tokens(self) -> int:  # owned tokens (padding rows included)
+        return int(self.input_ids_BT.shape[0] * self.num_rows)
+
+
+def sp_slice_bounds(seq_len: int, sp_rank: int, sp_size: int, ttt_length: int) -> tuple[int, int, int]:
+    """``(start, end, window_end)``: owned rows ``[start, end)``; ids/mask/targets/last hidden
+    are needed on ``[start, window_end)`` (= end + ttt_length + 1); all may run past ``seq_len``
+    (zero padding). The sequence is padded to a multiple of ``sp_size``."""
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} outside 0..{sp_size - 1}")
+    C = math.ceil(seq_len / sp_size)
+    start = sp_rank * C
+    return start, start + C, start + C + ttt_length + 1
+
+
+def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    part = x[:, start:stop]
+    missing = (stop - start) - part.shape[1]
+    if missing > 0:
+        part = torch.cat([part, part.new_zeros(part.shape[0], missing, *part.shape[2:])], dim=1)
+    return part
+
+
+def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, ttt_length: int) -> SPTrainBatch:
+    """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any)."""
+    B, T = batch.input_ids_BT.shape
+    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
+    pos = torch.arange(start, end, device=batch.input_ids_BT.device).expand(B, end - start)
+    return SPTrainBatch(
+        input_ids_BT=_rows(batch.input_ids_BT, start, wend),
+        loss_mask_BT=_rows(batch.loss_mask_BT, start, wend),  # zero past the end: never counted
+        aux_hidden_BT3H=_rows(batch.aux_hidden_BT3H, start, end),
+        last_hidden_BTH=_rows(batch.last_hidden_BTH, start, wend),
+        target_ids_BT=_rows(batch.target_ids_BT, start, wend),
+        position_ids_BT=pos,
+        num_rows=end - start,
+        start=start,
+    )
