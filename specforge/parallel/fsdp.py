@@ -66,16 +66,23 @@ def ttt_loss_fn(draft: nn.Module) -> Callable:
 
 
 def full_state_dict(draft: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict on CPU on rank 0 of the mesh, ``{}`` on other ranks.
+    """The full (unsharded) state dict on CPU on the FIRST rank of the FSDP mesh, ``{}`` elsewhere.
 
-    Collective: call on every rank of the FSDP mesh. Works unsharded too (a plain CPU copy).
+    Collective: call on every rank of the mesh. Not ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)``: that keeps the result on GLOBAL rank 0, which may be a rollout rank
+    outside the mesh. Gathers one tensor at a time. Unsharded modules: a plain CPU copy.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    if not isinstance(draft, FSDPModule):
-        return {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}
-    return get_model_state_dict(draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out: dict[str, torch.Tensor] = {}
+    keep = True
+    for name, v in draft.state_dict().items():
+        if isinstance(v, DTensor):
+            keep = v.device_mesh.get_local_rank() == 0
+            v = v.full_tensor()
+        if keep:
+            out[name] = v.detach().cpu().clone()
+    return out if keep else {}
 
 
 def grads_full(draft: nn.Module) -> dict[str, torch.Tensor]:
