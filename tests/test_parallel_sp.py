@@ -81,12 +81,37 @@ def _close(name, a, b, atol=2e-5, rtol=1e-4):
     assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{name}: max abs err {err}"
 
 
+def _check_ulysses_head_plans(groups):
+    """Core level, every rank checks its own rows: kv heads repeated (4q/1kv) and query heads
+    padded (3q/1kv, 9q/3kv) over 2 Ulysses ranks, 2 TTT steps, forward and backward."""
+    from specforge.parallel.sp import UlyssesAttention
+    from specforge.models.attention import TTTAttentionCore
+
+    core = UlyssesAttention(TTTAttentionCore("fast"), groups.ulysses_group)
+    P, r = 2, groups.uly_rank
+    for Hq, Hkv in ((4, 1), (3, 1), (9, 3)):
+        g = torch.Generator().manual_seed(Hq)
+        full = [torch.randn(2, h, 14, 8, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hkv, Hkv)]
+        w = torch.randn(2, Hq, 14, 8, generator=g, dtype=torch.float64)
+        q, k0, v0, k1, v1 = [x.clone().requires_grad_() for x in full]
+        (ttt_attention_eager(q, [k0, k1], [v0, v1]) * w).sum().backward()
+        rows = slice(r * 7, (r + 1) * 7)
+        lq, lk0, lv0, lk1, lv1 = [x[:, :, rows].clone().requires_grad_() for x in full]
+        out = core(lq, [lk0, lk1], [lv0, lv1])
+        (out * w[:, :, rows]).sum().backward()
+        for a, b in ((out, ttt_attention_eager(q, [k0, k1], [v0, v1])[:, :, rows]), (lq.grad, q.grad[:, :, rows]),
+                     (lk0.grad, k0.grad[:, :, rows]), (lv1.grad, v1.grad[:, :, rows])):
+            assert torch.allclose(a, b, atol=1e-10), (Hq, Hkv, (a - b).abs().max())
+
+
 def _sp_rank(rank, world, dims_tuple, ref_path):
     """One train rank of an SP (x DP) run; rank 0 compares with the reference every step."""
     dims = ParallelDims(*dims_tuple)
     groups = dims.build(list(range(world)), rank, timeout_s=90)
     cfg = _cfg()
     draft, teacher, batches = _setup()
+    if dims_tuple == (1, 2, 1):
+        _check_ulysses_head_plans(groups)
     draft = parallelize_draft(draft, dims, groups, cfg)
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), loss_fn=ttt_loss_fn(draft))
     ref = torch.load(ref_path) if rank == 0 else None
