@@ -1,0 +1,153 @@
+"""Ulysses sequence parallelism: peak memory per train rank and step time vs sequence length.
+
+    python benchmarks/bench_sp.py [--seqs 1024,2048,4096,8192] [--sps 1,2,4] [--steps 2] [--no-readme]
+
+One train step = the real ``DraftTrainer.step`` (TTT forward with 7 steps under bf16 autocast,
+backward, FSDP2 gradient reduce-scatter over the SP ranks, AdamW) on the SmolLM2-135M-shaped draft
+of ``bench_ttt.py`` (hidden 576, 9 heads / 3 kv heads, target vocab 49152, draft vocab 8192),
+batch 1, random target features, ~60% assistant tokens. SP ranks are spawned processes on gloo
+(``specforge.parallel.launch.run_ranks``), ``parallelize_draft`` with ``sp_ulysses = SP``.
+9 query heads do not split over 2 or 4 ranks: Ulysses pads to 10 / 12 heads (MHA), so SP 2 and
+4 do 11% / 33% more attention work than SP 1 in total.
+
+Memory = peak resident set size of each rank process (``resource.getrusage(RUSAGE_SELF).
+ru_maxrss``: the high-water mark of the whole process, so every (SP, T) point is a fresh set of
+processes). It includes the Python + torch baseline and the replicated frozen embedding
+(49152 x 576 fp32 = 113 MB); the table also shows the peak minus the RSS measured just before the
+first step ("step peak"), which is what sequence parallelism divides. The reported value is the
+maximum over ranks. Time = median over the measured steps of the slowest rank; with 2 cores,
+SP 1 runs 2 threads, SP 2 two ranks x 1 thread, SP 4 four ranks x 1 thread (2x oversubscribed),
+so SP time is NOT a speed-up measurement here, only memory is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_ttt import make_batch, make_draft  # noqa: E402
+from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+
+DRAFT_VOCAB = 8192
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
+    from specforge.config import Config, DraftConfig, TrainConfig
+    from specforge.parallel.dims import ParallelDims
+    from specforge.parallel.parallelize import (
+        counts_reducer, global_valid_count, parallelize_draft, sp_local_batch, ttt_loss_fn,
+    )
+    from specforge.train.batch import TrainBatch
+    from specforge.train.trainer import DraftTrainer
+
+    cfg = Config(draft=DraftConfig(vocab_size=DRAFT_VOCAB, ttt_length=7),
+                 train=TrainConfig(precision="bf16", lr=1e-4, warmup_steps=0))
+    dims = ParallelDims(dp=1, sp_ulysses=world)
+    groups = dims.build(list(range(world)), rank, timeout_s=1800)
+    torch.manual_seed(0)
+    draft = make_draft(DRAFT_VOCAB)
+    teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
+    b = make_batch(1, T, draft)
+    full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BT3H"], b["last_hidden_BTH"], b["target_ids_BT"])
+    draft = parallelize_draft(draft, dims, groups, cfg)
+    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), loss_fn=ttt_loss_fn(draft))
+    local = [sp_local_batch(full, groups, cfg.draft.ttt_length)]
+    n = global_valid_count(local, draft.t2d, cfg.draft.ttt_length, groups)
+    base = _rss_mb()
+    times = []
+    for _ in range(steps + 1):  # the first step warms up (allocator, optimizer state)
+        t0 = time.perf_counter()
+        trainer.step(local, num_valid_global=n, all_reduce_counts=counts_reducer(groups))
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_mb": peak, "base_mb": base, "times": times[1:]}))
+
+
+def measure(sp: int, T: int, steps: int) -> dict:
+    from specforge.parallel.launch import run_ranks
+
+    with tempfile.TemporaryDirectory() as d:
+        threads = max(1, (os.cpu_count() or 1) // sp)
+        run_ranks(_rank, sp, T, steps, d, workdir=d, timeout_s=3600, threads=threads)
+        ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(sp)]
+    step_s = statistics.median(max(r["times"][i] for r in ranks) for i in range(steps))
+    return {"sp": sp, "T": T, "peak_mb": max(r["peak_mb"] for r in ranks),
+            "step_peak_mb": max(r["peak_mb"] - r["base_mb"] for r in ranks), "step_s": step_s}
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for sp in sorted({r["sp"] for r in results}):
+        rs = sorted((r for r in results if r["sp"] == sp), key=lambda r: r["T"])
+        Ts = [r["T"] for r in rs]
+        axes[0].plot(Ts, [r["peak_mb"] for r in rs], "o-", label=f"SP {sp}")
+        axes[1].plot(Ts, [r["step_peak_mb"] for r in rs], "o-", label=f"SP {sp}")
+        axes[2].plot(Ts, [r["step_s"] for r in rs], "o-", label=f"SP {sp}")
+    for ax, title in zip(axes, ["peak RSS per rank (MB)", "step peak above baseline (MB)", "step time (s, oversubscribed)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Ulysses SP, SmolLM2-shaped draft, 7 TTT steps, bf16 autocast, CPU gloo")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="1024,2048,4096,8192")
+    ap.add_argument("--sps", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--no-readme", action="store_true")
+    args = ap.parse_args()
+    info = machine_info()
+    info["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    results = []
+    for T in [int(s) for s in args.seqs.split(",")]:
+        for sp in [int(s) for s in args.sps.split(",")]:
+            r = measure(sp, T, args.steps)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    info["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    base = {r["T"]: r for r in results if r["sp"] == 1}
+    rows = []
+    for r in results:
+        b = base.get(r["T"])
+        ratio = f"{r['step_peak_mb'] / b['step_peak_mb']:.2f}" if b else "-"
+        rows.append([r["T"], r["sp"], f"{r['peak_mb']:.0f}", f"{r['step_peak_mb']:.0f}", ratio, f"{r['step_s']:.2f}"])
+    table = markdown_table(["tokens", "SP (ulysses)", "peak RSS/rank MB", "step peak MB", "step peak vs SP 1", "step s"], rows)
+    png = Path(__file__).with_name("bench_sp.png")
+    plot(results, png)
+    print(header_markdown(info))
+    print(table)
+    if not args.no_readme:
+        body = (f"{header_markdown(info)}\n\n`python benchmarks/bench_sp.py --seqs {args.seqs} --sps {args.sps} "
+                f"--steps {args.steps}`: see the script docstring for what is measured.\n\n{table}\n\n![]({png.name})\n")
+        append_section("Sequence parallel (Ulysses) memory and step time", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
