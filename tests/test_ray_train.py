@@ -164,3 +164,25 @@ def test_main_reports_bad_config(capsys):
 
     assert main(["placement.mode=offline", "placement.feature_dir=/tmp/x"]) == 1
     assert "offline" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(assets, reference, ray_session, tmp_path):
+    """Periodic FSDP2 checkpoint at step 2 (full weights + full optimizer state); drop the final
+    one and resume: the redone step 3 matches the uninterrupted single-process run. (Stopping via
+    a smaller max_steps would change the LR schedule, which spans max_steps.)"""
+    import shutil
+
+    from specforge.ray_train import fit
+
+    out = tmp_path / "resumed"
+    cfg = make_cfg(assets, out, "placement.mode=colocated", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                   "checkpoint.resume=true")
+    fit(cfg)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    shutil.rmtree(out / "checkpoints" / "step-000003")
+    path = fit(cfg)
+    assert path.endswith(f"step-{STEPS:06d}")
+    got = losses(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 3]  # the second run logged only step 3
+    assert got[-1]["loss"] == pytest.approx(losses(reference)[-1]["loss"], rel=1e-4)
