@@ -316,15 +316,18 @@ def fit(cfg: Config) -> Optional[str]:
         data = prepare(cfg, use_gpu)
         cluster = spawn_cluster(cfg, data, use_gpu)
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
-        failed = True
+        worker_failed = False
         try:
             train_loop(cfg, cluster, Planner(cfg, data, cluster.layout), logger)
-            failed = False
+        except WorkerError:
+            worker_failed = True
+            raise
         finally:
-            # Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save.
-            # After a failure, peers may sit in a collective until their group timeout: wait less.
+            # Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save
+            # (after Ctrl-C the queued steps finish first). After a worker failure its peers may
+            # sit in a collective until their group timeout: try, but do not wait that long.
             try:
-                path = save_final(cluster, min(cluster.timeout_s, 30) if failed else cluster.timeout_s)
+                path = save_final(cluster, min(cluster.timeout_s, 30) if worker_failed else cluster.timeout_s)
                 if path:
                     print(f"saved {path}")
             except (WorkerError, KeyboardInterrupt) as err:
