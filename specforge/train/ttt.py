@@ -82,6 +82,18 @@ def _get(batch: Any, name: str, default: Any = ...) -> Any:
     return default
 
 
+def _unpack(batch: Any):
+    """(input_ids, loss_mask, aux_hidden, last_hidden, target_ids, position_ids) of a batch;
+    positions default to ``arange(T)``."""
+    ids = _get(batch, "input_ids_BT")
+    pos = _get(batch, "position_ids_BT", None)
+    if pos is None:
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device).expand(B, T)
+    names = ("loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")
+    return (ids, *(_get(batch, n) for n in names), pos)
+
+
 def teacher_weight_from_target(target_lm_head_VH: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """The frozen teacher head: target lm_head rows of the draft vocab (``N x H``)."""
     ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
@@ -291,16 +303,9 @@ def ttt_loss(
     Right padding must carry ``loss_mask`` 0. ``num_rows`` (default: ``batch.num_rows`` if
     present): sequence-parallel slice mode, see the module docstring.
     """
-    ids = _get(batch, "input_ids_BT")
-    loss_mask = _get(batch, "loss_mask_BT")
-    aux = _get(batch, "aux_hidden_BT3H")
-    last_hidden = _get(batch, "last_hidden_BTH")
-    target_ids = _get(batch, "target_ids_BT")
+    ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
     dev = ids.device
-    pos = _get(batch, "position_ids_BT", None)
-    if pos is None:
-        pos = torch.arange(T, device=dev).expand(B, T)
     L = int(ttt_length)
     sp_rows = _owned_rows(batch, num_rows)
     if sp_rows is not None and T < sp_rows + L + 1:
@@ -374,16 +379,9 @@ def ttt_loss_reference(
     all positions, masks applied by multiplication. Same conventions and result as
     :func:`ttt_loss`.
     """
-    ids = _get(batch, "input_ids_BT")
-    loss_mask = _get(batch, "loss_mask_BT")
-    aux = _get(batch, "aux_hidden_BT3H")
-    last_hidden = _get(batch, "last_hidden_BTH")
-    target_ids = _get(batch, "target_ids_BT")
+    ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
     dev = ids.device
-    pos = _get(batch, "position_ids_BT", None)
-    if pos is None:
-        pos = torch.arange(T, device=dev).expand(B, T)
     L = int(ttt_length)
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L).float()
     with torch.no_grad():
