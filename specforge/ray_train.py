@@ -29,7 +29,7 @@ import ray
 from specforge.config import Config, load_config
 from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
 from specforge.runtime.contracts import FeatureSpec, SampleRef, StepPlan, StepReport, assert_no_tensors, plan_step
-from specforge.runtime.workers import Layout, RolloutWorker, TrainWorker
+from specforge.runtime.workers import Layout, RolloutWorker, TrainWorker, parallel_dims
 from specforge.train.batch import global_batch_ids, split_for_ranks
 
 MAX_STEPS_AHEAD = 8  # submitted-but-unfinished steps, whatever the byte budget allows
@@ -78,11 +78,17 @@ def wire_dtype(model_dtype: str, use_gpu: bool) -> str:
 
 
 class Planner:
-    """Step -> ``StepPlan``: a pure function of (seed, step), the same on every call."""
+    """Step -> ``StepPlan``: a pure function of (seed, step), the same on every call.
+
+    Sequence parallelism of degree P: DP group g is the P consecutive train ranks
+    ``train_ranks[g*P:(g+1)*P]`` (``ParallelDims``' layout: ulysses innermost, then ring, then
+    dp), in SP-rank order; each gets only its slice of every sample plus a halo of
+    ``ttt_length + 1`` tokens, the slices splitting the sample's micro-batch padded length."""
 
     def __init__(self, cfg: Config, data: RunData, layout: Layout):
         self.cfg, self.data, self.layout = cfg, data, layout
-        self.dp = len(layout.train_ranks)
+        dims = parallel_dims(cfg)
+        self.dp, self.sp = dims.dp, dims.sp
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
         self.spec = FeatureSpec.eagle3(data.hidden_size, data.wire_dtype)
         self._cache: dict[int, StepPlan] = {}
@@ -97,10 +103,17 @@ class Planner:
         ids = global_batch_ids(len(self.data.lengths), self.global_batch, self.cfg.train.seed, step)
         per_rank = split_for_ranks(ids, self.dp, self.cfg.train.grad_accum)
         groups = [[SampleRef(i, self.data.lengths[i]) for micro in rank for i in micro] for rank in per_rank]
-        dst = [[r] for r in self.layout.train_ranks]
-        if self.layout.mode == "colocated":  # each train rank is its own rollout: round robin = itself
-            return plan_step(step, groups, self.layout.train_ranks, dst, self.spec, policy="round_robin")
-        return plan_step(step, groups, self.layout.rollout_ranks, dst, self.spec)
+        P, ranks = self.sp, self.layout.train_ranks
+        dst = [list(ranks[g * P : (g + 1) * P]) for g in range(self.dp)]
+        if self.layout.mode == "colocated":
+            # every train rank computes its group's features itself (no transfers are executed);
+            # round robin = group g to its first rank
+            return plan_step(step, groups, [d[0] for d in dst], dst, self.spec, policy="round_robin")
+        # the micro-batches the train ranks cut (``workers.micro_batches``): their padded length
+        bs = self.cfg.train.batch_size
+        padded = [[max(r.length for r in g[(i // bs) * bs : (i // bs + 1) * bs]) for i in range(len(g))] for g in groups]
+        return plan_step(step, groups, self.layout.rollout_ranks, dst, self.spec,
+                         halo=self.cfg.draft.ttt_length + 1 if P > 1 else 0, padded_lengths=padded)
 
     def step_bytes(self, step: int) -> int:
         plan = self(step)
@@ -297,10 +310,10 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
 def check(cfg: Config) -> None:
     if cfg.placement.mode == "offline":
         raise ValueError("config key 'placement.mode': 'offline' is not run by ray_train; use 'colocated' or 'disaggregated'")
-    if cfg.parallel.sp_ulysses * cfg.parallel.sp_ring > 1:
-        raise ValueError("config keys 'parallel.sp_*': sequence parallelism is not wired into ray_train yet; use 1")
+    parallel_dims(cfg)  # train.num_workers must be a multiple of sp_ulysses * sp_ring
     if cfg.rollout.tp_size != 1:
-        raise ValueError("config key 'rollout.tp_size': only 1 is supported")
+        raise ValueError(f"config key 'rollout.tp_size'={cfg.rollout.tp_size}: tensor-parallel rollout is not "
+                         "supported (one target replica per rollout worker, e.g. on CPU); use 1")
 
 
 def fit(cfg: Config) -> Optional[str]:

@@ -71,11 +71,23 @@ def test_transfer_order_is_deterministic_and_agrees_per_pair():
 
 
 def test_sp_slices_cover_the_sample_with_halo():
-    assert split_slices(10, 3) == [(0, 4, 4), (4, 7, 7), (7, 10, 10)]
-    assert split_slices(10, 3, halo=2) == [(0, 4, 6), (4, 7, 9), (7, 10, 10)]
+    # the one SP slice rule (padded to a multiple of parts), clipped to the sample's tokens
+    assert split_slices(10, 3) == [(0, 4, 4), (4, 8, 8), (8, 10, 10)]
+    assert split_slices(10, 3, halo=2) == [(0, 4, 6), (4, 8, 10), (8, 10, 10)]
+    # a short sample in a micro-batch padded to 9: slices of 5, the second one empty
+    assert split_slices(4, 2, halo=2, padded_length=9) == [(0, 4, 4), (4, 4, 4)]
+    from specforge.runtime.contracts import sp_slice_bounds
+    for T, P, L in [(29, 4, 4), (7, 2, 3), (5, 4, 7)]:
+        for r, (start, end, stop) in enumerate(split_slices(T, P, halo=L + 1)):
+            s, e, w = sp_slice_bounds(T, r, P, L)
+            assert (start, end, stop) == (min(s, T), min(e, T), min(w, T))
     plan = plan_step(0, [[SampleRef(0, 11)]], [0], [[1, 2, 3]], SPEC, halo=3)
     owned = [(t.dst_rank, t.start, t.end, t.stop) for t in plan.transfers]
     assert owned == [(1, 0, 4, 7), (2, 4, 8, 11), (3, 8, 11, 11)]
+    # padded micro-batch length: the slices split the padded length
+    plan = plan_step(0, [[SampleRef(0, 5), SampleRef(1, 9)]], [0], [[1, 2]], SPEC, halo=2, padded_lengths=[[9, 9]])
+    assert [(t.sample_id, t.dst_rank, t.start, t.end, t.stop) for t in plan.transfers] == [
+        (0, 1, 0, 5, 5), (0, 2, 5, 5, 5), (1, 1, 0, 5, 7), (1, 2, 5, 9, 9)]
 
 
 def test_balanced_assignment_evens_tokens_and_round_robin_cycles():

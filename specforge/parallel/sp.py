@@ -32,7 +32,6 @@ global offsets from their group rank.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
@@ -42,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specforge.runtime.contracts import sp_slice_bounds  # the one slice rule (data plane too)
 from specforge.train.batch import TrainBatch
 
 __all__ = [
@@ -264,17 +264,6 @@ class SPTrainBatch(TrainBatch):
     @property
     def num_tokens(self) -> int:  # owned tokens (padding rows included)
         return int(self.input_ids_BT.shape[0] * self.num_rows)
-
-
-def sp_slice_bounds(seq_len: int, sp_rank: int, sp_size: int, ttt_length: int) -> tuple[int, int, int]:
-    """``(start, end, window_end)``: owned rows ``[start, end)``; ids/mask/targets/last hidden
-    are needed on ``[start, window_end)`` (= end + ttt_length + 1); all may run past ``seq_len``
-    (zero padding). The sequence is padded to a multiple of ``sp_size``."""
-    if not 0 <= sp_rank < sp_size:
-        raise ValueError(f"sp_rank {sp_rank} outside 0..{sp_size - 1}")
-    C = math.ceil(seq_len / sp_size)
-    start = sp_rank * C
-    return start, start + C, start + C + ttt_length + 1
 
 
 def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

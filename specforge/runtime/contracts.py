@@ -152,17 +152,40 @@ class StepReport:
 Policy = Literal["balanced", "round_robin"]
 
 
-def split_slices(length: int, parts: int, halo: int = 0) -> list[tuple[int, int, int]]:
-    """``parts`` contiguous near-equal slices ``(start, end, stop)`` of ``[0, length)``; the
-    first ``length % parts`` slices get one token more. ``stop = min(end + halo, length)``."""
+def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[int, int, int]:
+    """``(start, end, window_end)`` of slice ``rank`` of ``parts`` over a sequence padded to a
+    multiple of ``parts``: ``C = ceil(seq_len / parts)`` rows each, ``[rank * C, rank * C + C)``
+    owned, ``window_end = end + halo``. Any of them may lie past ``seq_len`` (padding). THE slice
+    rule of sequence parallelism: the data plane (``plan_step``) and the train side
+    (``specforge.parallel.sp.sp_slice_batch``) both use it."""
     if parts < 1 or halo < 0:
-        raise ValueError(f"split_slices: parts must be >= 1 and halo >= 0, got {parts}, {halo}")
-    base, extra = divmod(length, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end, min(end + halo, length)))
-        start = end
+        raise ValueError(f"slice_bounds: parts must be >= 1 and halo >= 0, got {parts}, {halo}")
+    if not 0 <= rank < parts:
+        raise ValueError(f"sp_rank {rank} outside 0..{parts - 1}")
+    C = -(-seq_len // parts)
+    start = rank * C
+    return start, start + C, start + C + halo
+
+
+def sp_slice_bounds(seq_len: int, sp_rank: int, sp_size: int, ttt_length: int) -> tuple[int, int, int]:
+    """``(start, end, window_end)``: owned rows ``[start, end)``; ids/mask/targets/last hidden
+    are needed on ``[start, window_end)`` (= end + ttt_length + 1); all may run past ``seq_len``
+    (zero padding). The sequence is padded to a multiple of ``sp_size``."""
+    return slice_bounds(seq_len, sp_rank, sp_size, ttt_length + 1)
+
+
+def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | None = None) -> list[tuple[int, int, int]]:
+    """The ``parts`` slices ``(start, end, stop)`` of a sample of ``length`` tokens that sits in a
+    micro-batch padded to ``padded_length`` (default: ``length``): :func:`slice_bounds` over the
+    padded length, clipped to the tokens that exist (a slice in the padding is empty,
+    ``start == stop == length``). ``stop = min(end + halo, length)``."""
+    T = length if padded_length is None else padded_length
+    if T < length:
+        raise ValueError(f"split_slices: padded_length {T} < length {length}")
+    out = []
+    for r in range(parts):
+        start, end, wend = slice_bounds(T, r, parts, halo)
+        out.append((min(start, length), min(end, length), min(wend, length)))
     return out
 
 
@@ -196,14 +219,16 @@ def plan_step(
     feature_spec: FeatureSpec,
     policy: Policy = "balanced",
     halo: int = 0,
+    padded_lengths: Sequence[Sequence[int]] | None = None,
 ) -> StepPlan:
     """Plan one step of the data plane.
 
     Each DP group is assigned to a rollout worker (``assign_groups``). A sample is forwarded
     once, by the worker of the first group that lists it, so each rollout batch is the union of
     its groups' samples. Every sample goes to every rank of each group that lists it; with
-    several ranks per group (sequence parallelism) rank j gets the j-th contiguous slice plus
-    ``halo``. Transfers are ordered by (source, position in its batch, group, slice), a pure
+    several ranks per group (sequence parallelism) rank j gets the j-th slice plus ``halo``
+    (:func:`split_slices`); ``padded_lengths[g][i]`` is the length sample i of group g is padded
+    to in its micro-batch (the slices split that length; default: the sample's own length). Transfers are ordered by (source, position in its batch, group, slice), a pure
     function of the inputs, so all ranks derive the same order.
     """
     if len(dp_groups_samples) != len(dp_dst_ranks):
@@ -231,15 +256,19 @@ def plan_step(
                 batches[owner[g]].append(ref.sample_id)
 
     groups_of: dict[int, list[int]] = {}  # sample id -> the DP groups that train on it
+    padded: dict[tuple[int, int], int] = {}  # (group, sample id) -> padded length
     for g, group in enumerate(dp_groups_samples):
-        for ref in group:
+        if padded_lengths is not None and len(padded_lengths[g]) != len(group):
+            raise ValueError(f"plan_step: DP group {g} has {len(group)} samples but {len(padded_lengths[g])} padded lengths")
+        for i, ref in enumerate(group):
             groups_of.setdefault(ref.sample_id, []).append(g)
+            padded[g, ref.sample_id] = ref.length if padded_lengths is None else padded_lengths[g][i]
     transfers = []
     for w, batch in enumerate(batches):
         for sid in batch:
             for g in groups_of[sid]:
                 ranks = dp_dst_ranks[g]
-                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo)):
+                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo, padded[g, sid])):
                     transfers.append(Transfer(sid, rollout_ranks[w], dst, start, end, stop))
     return StepPlan(
         step=step,

@@ -7,8 +7,11 @@
 
 Workers are given the run ``Config`` and paths (data cache, vocab file), never data or tensors;
 they answer with ``StepReport`` records. Every rank joins one communicator (rollout ranks first,
-the data plane) and every rank creates the train-only group (``dist.new_group`` is collective
-over the world, so all ranks call it, in the same order).
+the data plane) and every rank builds the train ranks' groups with ``ParallelDims.build``
+(``dist.new_group`` is collective over the world, so all ranks call it, in the same order).
+Sequence parallelism: a DP group is ``sp`` consecutive train ranks; each keeps only its slice
+(+ halo) of every sample: received as such (disaggregated), or cut from the features it computed
+for the whole sample (colocated: every SP rank of a group runs the target on the same samples).
 Legend: B batch, T tokens, H target hidden, N draft vocab.
 """
 
@@ -17,7 +20,6 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -46,9 +48,28 @@ class Layout:
 
     mode: str  # "colocated" | "disaggregated"
     rollout_ranks: tuple[int, ...]  # empty when colocated
-    train_ranks: tuple[int, ...]
+    train_ranks: tuple[int, ...]  # in ParallelDims order: DP group g = train_ranks[g*sp:(g+1)*sp]
     vocab_path: str
     mailbox: Optional[str] = None  # object-store transport: name of the mailbox actor
+
+
+def parallel_dims(cfg: Config):
+    """``ParallelDims`` of the train ranks: ``dp = train.num_workers / (sp_ulysses * sp_ring)``."""
+    from specforge.parallel.dims import ParallelDims
+
+    sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
+    if sp < 1 or cfg.train.num_workers % sp:
+        raise ValueError(
+            f"config keys 'train.num_workers'={cfg.train.num_workers} and 'parallel.sp_ulysses'="
+            f"{cfg.parallel.sp_ulysses} x 'parallel.sp_ring'={cfg.parallel.sp_ring}: the number of train "
+            f"workers must be a multiple of the sequence-parallel degree {sp}")
+    return ParallelDims(cfg.train.num_workers // sp, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring)
+
+
+def build_groups(cfg: Config, layout: Layout, my_rank: int, device: torch.device):
+    """Every process group / mesh of the train ranks. Collective over the WORLD: every rank
+    (rollout ranks too) calls it, in the same order; rollout ranks get None."""
+    return parallel_dims(cfg).build(layout.train_ranks, my_rank, cfg.parallel.backend, cfg.parallel.timeout_s, device)
 
 
 def micro_batches(plan: StepPlan, dp_rank: int, batch_size: int) -> list[list[int]]:
@@ -96,9 +117,10 @@ class RolloutWorker(DistributedWorker):
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
         self.rank = dist.get_rank()
-        dist.new_group(list(layout.train_ranks), timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        device = pick_device(cfg.model.device)
+        build_groups(cfg, layout, self.rank, device)  # collective: this rank is in none of them
         self.tokenizer, self.data = _open_data(cfg)
-        self.target = load_target(cfg.model, pick_device(cfg.model.device))
+        self.target = load_target(cfg.model, device)
         self.transport = _transport(cfg, layout, self.target.device)
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
         return self.rank
@@ -168,52 +190,6 @@ class RolloutWorker(DistributedWorker):
 # ------------------------------------------------------------------------------ training
 
 
-class _TTTObjective(torch.nn.Module):
-    """The FSDP2 root: ``ttt_loss`` reads the draft's weights directly (no ``draft.forward``), and
-    FSDP2 unshards / reduce-scatters only around a module's forward, so the loss IS the forward."""
-
-    def __init__(self, draft: torch.nn.Module):
-        super().__init__()
-        self.draft = draft
-
-    def forward(self, batch, teacher_NH, ttt_length, decay, num_valid_global=None):
-        from specforge.train.ttt import ttt_loss
-
-        return ttt_loss(self.draft, batch, teacher_NH, ttt_length, decay, num_valid_global=num_valid_global)
-
-    def loss_fn(self, _draft, batch, teacher_NH, ttt_length, decay, num_valid_global=None):
-        return self(batch, teacher_NH, ttt_length, decay, num_valid_global=num_valid_global)
-
-
-def shard_draft(draft: torch.nn.Module, train_ranks: Sequence[int], cfg: Config, group=None) -> Optional[_TTTObjective]:
-    """FSDP2 over the train ranks (to be replaced by ``specforge.parallel.apply_fsdp``).
-
-    Returns the sharded root (call its ``loss_fn`` instead of ``ttt_loss``), or None with one
-    train rank (no wrapping at all). Gradients are SUMMED over DP (divide factor 1): the loss is
-    already normalized by the global valid-token count. Mixed precision: bf16 params with fp32
-    reductions only for bf16 on a GPU; on CPU params stay fp32 and DraftTrainer's autocast runs
-    the compute (as in the single-process trainer).
-    """
-    if len(train_ranks) == 1:
-        return None
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from specforge.device import autocast_dtype
-
-    device = next(draft.parameters()).device
-    mesh = DeviceMesh.from_group(group, device.type) if group is not None else DeviceMesh(device.type, list(train_ranks))
-    mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and autocast_dtype(cfg.train.precision, device) == torch.bfloat16:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    root = _TTTObjective(draft)
-    fully_shard(root, mesh=mesh, mp_policy=mp)
-    root.set_gradient_divide_factor(1.0)
-    # Plain SUM collectives: with a factor FSDP2 otherwise uses PREMUL_SUM, which gloo lacks.
-    root.set_force_sum_reduction_for_comms(True)
-    return root
-
-
 _TRAIN_KEYS = ("fc.", "midlayer.", "norm.weight", "lm_head.weight", "d2t", "t2d")
 
 
@@ -261,14 +237,17 @@ class TrainWorker(DistributedWorker):
         the step to start from."""
         from specforge.data.vocab import load_draft_vocab
         from specforge.models.target import load_target
+        from specforge.parallel.parallelize import parallelize_draft, ttt_loss_fn
         from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
 
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
         self.layout, self.rank = layout, dist.get_rank()
-        self.group = dist.new_group(list(layout.train_ranks), timeout=timedelta(seconds=cfg.parallel.timeout_s))
-        self.dp_rank = layout.train_ranks.index(self.rank)
         self.device = pick_device(cfg.model.device)
+        self.groups = build_groups(cfg, layout, self.rank, self.device)
+        self.dp_rank = self.groups.dp_rank  # the DP group = the plan's group index
+        self.sp_rank, self.sp_size = self.groups.sp_rank, self.groups.sp_size
+        self.sharded = self.groups.fsdp_mesh is not None  # FSDP2 over all dp*sp train ranks
         self.colocated = layout.mode == "colocated"
         self.tokenizer, self.data = _open_data(cfg) if self.colocated else (None, None)
         vocab = load_draft_vocab(layout.vocab_path)
@@ -282,10 +261,8 @@ class TrainWorker(DistributedWorker):
         teacher = teacher_weight(target, vocab)
         self.target = target if self.colocated else None
         del target
-        self.draft = draft
-        self.root = shard_draft(draft, layout.train_ranks, cfg, self.group)
-        loss_fn = self.root.loss_fn if self.root is not None else None
-        self.trainer = DraftTrainer(draft, teacher, cfg, self.device, **({"loss_fn": loss_fn} if loss_fn else {}))
+        self.draft = parallelize_draft(draft, parallel_dims(cfg), self.groups, cfg)  # SP core swap, FSDP2
+        self.trainer = DraftTrainer(draft, teacher, cfg, self.device, loss_fn=ttt_loss_fn(draft))
         if not self.colocated:
             self.transport = _transport(cfg, layout, self.device)
             self.plans = _PlanQueue()
@@ -311,14 +288,13 @@ class TrainWorker(DistributedWorker):
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms=timings, bytes_recv=recv1 - recv0)
 
     def _step(self, batches: list[TrainBatch]) -> dict[str, float]:
-        """THE train step, with the loss normalized by the valid count of ALL train ranks."""
-        from specforge.train.trainer import count_valid
+        """THE train step on this rank's (SP-local) batches, with the loss normalized by the
+        valid count of ALL train ranks."""
+        from specforge.parallel.parallelize import counts_reducer, global_valid_count
 
         self._last_batches = batches
-        L = self.cfg.draft.ttt_length
-        local = torch.tensor([sum(count_valid(mb, self.draft.t2d, L) for mb in batches)], dtype=torch.float64)
-        num_valid = int(self._all_reduce(local).item())
-        return self.trainer.step(batches, num_valid_global=num_valid, all_reduce_counts=self._all_reduce)
+        num_valid = global_valid_count(batches, self.draft.t2d, self.cfg.draft.ttt_length, self.groups)
+        return self.trainer.step(batches, num_valid_global=num_valid, all_reduce_counts=counts_reducer(self.groups))
 
     def train_repeat(self, reps: int) -> StepReport:
         """Benchmark probe: the train stage alone, on the last step's already-received features."""
@@ -335,12 +311,15 @@ class TrainWorker(DistributedWorker):
         return self.prefetcher.wait_ms, self.prefetcher.bytes_recv
 
     def _local_batches(self, plan: StepPlan) -> list[TrainBatch]:
+        from specforge.parallel.parallelize import sp_local_batch
         from specforge.train.trainer import local_batches
 
         out = []
         for ids in micro_batches(plan, self.dp_rank, self.cfg.train.batch_size):
             rows = [self.data.train[i] for i in ids]
-            out += local_batches(self.target, rows, len(rows), self.cfg.model.argmax_chunk_tokens)
+            # SP: the whole samples' features (as every SP rank of the group does), keep the slice
+            out += [sp_local_batch(b, self.groups, self.cfg.draft.ttt_length)
+                    for b in local_batches(self.target, rows, len(rows), self.cfg.model.argmax_chunk_tokens)]
         return out
 
     def _received_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan]) -> list[TrainBatch]:
@@ -348,42 +327,45 @@ class TrainWorker(DistributedWorker):
         got_plan, fbs = next(self.prefetcher)
         assert got_plan.step == plan.step, (got_plan.step, plan.step)
         pad = _pad_id(self.tokenizer)
-        return [batch_from_features([fbs[s] for s in ids], pad)
-                for ids in micro_batches(plan, self.dp_rank, self.cfg.train.batch_size)]
-
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if len(self.layout.train_ranks) > 1:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t.cpu()
+        lengths = dict(plan.lengths)
+        out = []
+        for ids in micro_batches(plan, self.dp_rank, self.cfg.train.batch_size):
+            if self.sp_size == 1:
+                out.append(batch_from_features([fbs[s] for s in ids], pad))
+            else:
+                T = max(lengths[s] for s in ids)  # the micro-batch's padded length: slices split it
+                out.append(sp_batch_from_features([fbs[s] for s in ids], T, self.sp_rank, self.sp_size,
+                                                  self.cfg.draft.ttt_length, pad))
+        return out
 
     # ---------------------------------------------------------------- checkpoints
 
     def save(self) -> Optional[str]:
-        """Gather the full draft to train rank 0, which writes ONE SGLang-loadable folder plus
-        the train state (full optimizer state) for resume. Collective over the train ranks."""
+        """Gather the full draft to the first rank of the FSDP mesh (``train_ranks[0]``), which
+        writes ONE SGLang-loadable folder plus the train state (full optimizer state) for resume.
+        Collective over the train ranks."""
         from specforge.train.checkpoint import save_checkpoint
         from specforge.train.trainer import checkpoint_root
 
         tr = self.trainer
         if tr.step_count == self.saved_step or tr.step_count == 0:
             return None
-        if self.root is None:
+        if not self.sharded:
             weights, state = self.draft.export_state_dict(), tr.train_state()
         else:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            # cpu_offload=True would keep the gathered tensors on GLOBAL rank 0 only, which is a
-            # rollout rank when disaggregated; so every train rank gathers (the draft is one layer
-            # + lm_head, cheap next to the target) and train rank 0 keeps a CPU copy.
+            from specforge.parallel.parallelize import full_state_dict
+
+            full = full_state_dict(self.draft)  # collective; {} except on the mesh's first rank
+            # cpu_offload=True would keep the optimizer state on GLOBAL rank 0 only, which is a
+            # rollout rank when disaggregated; so every train rank gathers it (one layer + lm_head).
             opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            full = _to_cpu(get_model_state_dict(self.root, options=opts))
-            optim = _to_cpu(get_optimizer_state_dict(self.root, tr.optimizer, options=opts))
-            weights = export_keys(self.draft, {k.removeprefix("draft."): v for k, v in full.items()})
+            optim = _to_cpu(get_optimizer_state_dict(self.draft, tr.optimizer, options=opts))
+            weights = export_keys(self.draft, full)
             state = {**tr.train_state(), "optimizer": optim, "full_optimizer_state": True}
         self.saved_step = tr.step_count
-        if self.dp_rank != 0:
+        if self.rank != self.layout.train_ranks[0]:  # = local rank 0 of the FSDP mesh
             return None
         path = save_checkpoint(checkpoint_root(self.cfg), tr.step_count, self.draft.config.to_hf_config(),
                                weights, state, self.cfg.checkpoint.keep_last)
@@ -397,7 +379,7 @@ class TrainWorker(DistributedWorker):
         if ck is None:
             return 0
         weights, state = load_draft_folder(ck)[1], load_train_state(ck)
-        if self.root is None:
+        if not self.sharded:
             self.draft.load_export_state_dict(weights)
             self.trainer.load_train_state(state)
         else:
@@ -405,8 +387,8 @@ class TrainWorker(DistributedWorker):
                 StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
             opts = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(self.root, {f"draft.{k}": v for k, v in weights.items()}, options=opts)
-            set_optimizer_state_dict(self.root, self.trainer.optimizer, state["optimizer"], options=opts)
+            set_model_state_dict(self.draft, weights, options=opts)
+            set_optimizer_state_dict(self.draft, self.trainer.optimizer, state["optimizer"], options=opts)
             self.trainer.scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"])
             self.trainer.step_count = int(state["step"])
@@ -441,6 +423,41 @@ def batch_from_features(fbs: Sequence[FeatureBatch], pad_id: int) -> TrainBatch:
         aux_hidden_BT3H=stack("aux_hidden", 0),
         last_hidden_BTH=stack("last_hidden", 0),
         target_ids_BT=stack("target_ids", 0, torch.long),
+    )
+
+
+
+def sp_batch_from_features(fbs: Sequence[FeatureBatch], T: int, sp_rank: int, sp_size: int, ttt_length: int,
+                           pad_id: int):
+    """One SP rank's ``SPTrainBatch`` from its received slices (+ halo) of a micro-batch padded to
+    ``T`` tokens: equal to ``sp_slice_batch(batch_from_features(<full samples>), ...)`` (pad id
+    inside the padded length, zeros past it; a slice may be empty when it lies in the padding)."""
+    from specforge.parallel.sp import SPTrainBatch, sp_slice_bounds
+
+    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
+    B = len(fbs)
+
+    def stack(name: str, stop: int, fill, dtype=None) -> torch.Tensor:
+        first = fbs[0][name]
+        out = torch.zeros((B, stop - start, *first.shape[1:]), dtype=dtype or first.dtype, device=first.device)
+        if fill:
+            out[:, : max(0, T - start)] = fill
+        for b, fb in enumerate(fbs):
+            t = fb[name][: max(0, stop - fb.start)]
+            if t.shape[0]:
+                out[b, fb.start - start : fb.start - start + t.shape[0]] = t
+        return out
+
+    device = fbs[0]["input_ids"].device
+    return SPTrainBatch(
+        input_ids_BT=stack("input_ids", wend, pad_id, torch.long),
+        loss_mask_BT=stack("loss_mask", wend, 0, torch.long),
+        aux_hidden_BT3H=stack("aux_hidden", end, 0),
+        last_hidden_BTH=stack("last_hidden", wend, 0),
+        target_ids_BT=stack("target_ids", wend, 0, torch.long),
+        position_ids_BT=torch.arange(start, end, device=device).expand(B, end - start),
+        num_rows=end - start,
+        start=start,
     )
 
 
