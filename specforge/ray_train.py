@@ -7,7 +7,10 @@ memory-mapped cache and writes the draft vocab file (workers re-open both from t
 a path), spawns the workers, and per step sends every worker the same small ``StepPlan``:
 
     colocated       train workers hold target + draft and compute their features in memory
-    disaggregated   rollout workers (target) -> p2p features -> train workers (draft, FSDP2)
+    disaggregated   rollout workers (target) -> p2p features -> train workers (draft, FSDP2 x SP)
+
+With sequence parallelism (parallel.sp_ulysses x parallel.sp_ring = P) a DP group is P consecutive
+train ranks; each gets only its slice (+ halo) of every sample (see ``Planner``).
 
 Rollout may run ahead of training, bounded by ``placement.max_inflight_mb`` of features in
 flight; completion is signalled by ObjectRefs (``gather``, with a timeout), never by polling.

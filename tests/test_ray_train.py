@@ -248,3 +248,13 @@ def test_sequence_parallel_disaggregated_matches_single_process(assets, referenc
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+def test_check_rejects_indivisible_sp_and_tensor_parallel_rollout(tmp_path):
+    from specforge.ray_train import check
+
+    with pytest.raises(ValueError, match=r"multiple of the sequence-parallel degree 4"):
+        check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=2", "parallel.sp_ulysses=2", "parallel.sp_ring=2"))
+    with pytest.raises(ValueError, match=r"rollout.tp_size"):
+        check(make_cfg(tmp_path, tmp_path / "o", "rollout.tp_size=2"))
+    check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=4", "parallel.sp_ring=2"))  # dp = 2
