@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from specforge.models.draft import DraftKVCache
-from specforge.models.target import TargetModel, forward_aux
+from specforge.models.target import TargetModel, argmax_chunked, forward_aux
 
 
 # ---------------------------------------------------------------- proposers
@@ -122,7 +122,7 @@ def _crop(cache, keep: int) -> None:
 
 
 def _argmax_rows(target: TargetModel, last_TH: torch.Tensor) -> list[int]:
-    return (last_TH @ target.lm_head_weight_VH.T).argmax(-1).tolist()
+    return argmax_chunked(last_TH, target.lm_head_weight_VH, chunk=last_TH.shape[0]).tolist()
 
 
 @torch.no_grad()

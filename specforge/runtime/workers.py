@@ -39,7 +39,7 @@ from specforge.runtime.dataplane import (
     SendWindow,
     torch_dtype,
 )
-from specforge.train.batch import TrainBatch, collate
+from specforge.train.batch import TrainBatch, collate, pad_id
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,6 @@ def _open_data(cfg: Config):
     data = prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir, progress=False)
     return tokenizer, data
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
 
 def _transport(cfg: Config, layout: Layout, device: torch.device):
@@ -157,7 +153,7 @@ class RolloutWorker(DistributedWorker):
         """ONE right-padded target forward over ``ids``; per-sample full-length wire tensors."""
         rows = self.data.train[list(ids)]
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
-        input_ids_BT, loss_mask_BT, attn_BT = collate(rows, _pad_id(self.tokenizer))
+        input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.tokenizer))
         f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens)
         out = {}
         for b, sid in enumerate(ids):
@@ -326,7 +322,7 @@ class TrainWorker(DistributedWorker):
         self.plans.push([plan, *upcoming])  # step k+1's receives get posted before step k runs
         got_plan, fbs = next(self.prefetcher)
         assert got_plan.step == plan.step, (got_plan.step, plan.step)
-        pad = _pad_id(self.tokenizer)
+        pad = pad_id(self.tokenizer)
         lengths = dict(plan.lengths)
         out = []
         for ids in micro_batches(plan, self.dp_rank, self.cfg.train.batch_size):

@@ -72,6 +72,11 @@ def split_for_ranks(ids: Sequence[int], dp_size: int, grad_accum: int) -> list[l
     ]
 
 
+def pad_id(tokenizer) -> int:
+    """The id right padding uses: the tokenizer's pad token, else 0 (padding is never in the loss)."""
+    return tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+
+
 def collate(rows: Sequence[dict], pad_id: int, pad_to: Optional[int] = None) -> tuple[torch.Tensor, ...]:
     """Rows with ``input_ids``/``loss_mask`` -> right-padded (input_ids, loss_mask, attention_mask)."""
     T = max(len(r["input_ids"]) for r in rows)

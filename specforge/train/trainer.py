@@ -25,7 +25,7 @@ from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab
 from specforge.device import autocast, autocast_dtype, pick_device, set_threads
 from specforge.models.draft import Eagle3Draft, draft_config_from_target
 from specforge.models.target import TargetModel, capture, load_target
-from specforge.train.batch import TrainBatch, collate, global_batch_ids
+from specforge.train.batch import TrainBatch, collate, global_batch_ids, pad_id
 from specforge.train.checkpoint import latest_checkpoint, load_draft_folder, load_train_state, save_checkpoint
 from specforge.train.optim import build_optimizer
 from specforge.train.ttt import metrics_from_counts, teacher_weight_from_target, ttt_loss, valid_rows
@@ -195,7 +195,7 @@ class DraftTrainer:
 
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int) -> list[TrainBatch]:
     """Features for ``rows`` computed by the in-process target, ``batch_size`` rows at a time."""
-    pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None else 0
+    pad = pad_id(target.tokenizer)
     out = []
     for s in range(0, len(rows), batch_size):
         ids, mask, attn = collate(rows[s : s + batch_size], pad)
