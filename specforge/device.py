@@ -12,7 +12,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from specforge.runtime.contracts import DTYPE_BYTES  # THE dtype names (stdlib: control records use them too)
+
+_TARGET_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a name in ``DTYPE_BYTES`` (the names are torch's own)."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPE_BYTES)}")
+    return getattr(torch, name)
 
 
 def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
@@ -29,9 +38,9 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
 def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     """Storage dtype of the frozen target. ``auto`` = bf16 where it is fast, else fp32."""
     if choice != "auto":
-        if choice not in _DTYPES:
-            raise ValueError(f"dtype {choice!r}: expected 'auto' or one of {sorted(_DTYPES)}")
-        return _DTYPES[choice]
+        if choice not in _TARGET_DTYPES:
+            raise ValueError(f"dtype {choice!r}: expected 'auto' or one of {sorted(_TARGET_DTYPES)}")
+        return torch_dtype(choice)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32

@@ -15,12 +15,12 @@ Ulysses all-to-all leaves each rank with the contiguous sequence range of its Ul
 
 FSDP shards over ALL train ranks (``dp * sp``; SP ranks hold the same weights and their
 gradients are partial sums over their slices, so summing over dp*sp is exactly right):
-``groups.fsdp_mesh``. ``groups.dp_group`` (same ``sp_rank``, different ``dp_rank``) is built for
-completeness (e.g. data-only reductions); the valid-token count is reduced over ``fsdp_group``.
+``groups.fsdp_mesh``; the valid-token count and the metric counters are summed over ``fsdp_group``.
+Only groups something uses are built (no separate dp or sp group: nothing reduces over them).
 
 ``torch.distributed.new_group`` is collective over the default group: EVERY rank of the default
 group (rollout ranks too) must call :meth:`ParallelDims.build` with the same ``train_ranks``;
-groups are created in one fixed order (fsdp, dp groups, sp groups, ulysses groups, ring groups).
+groups are created in one fixed order (fsdp, ulysses groups, ring groups).
 Groups of size 1 are not created (``None``).
 """
 
@@ -50,8 +50,6 @@ class ParallelGroups:
     device: torch.device
     fsdp_group: Optional[dist.ProcessGroup]  # all train ranks
     fsdp_mesh: Optional[object]  # DeviceMesh over fsdp_group (None with one train rank)
-    dp_group: Optional[dist.ProcessGroup]
-    sp_group: Optional[dist.ProcessGroup]
     ulysses_group: Optional[dist.ProcessGroup]
     ring_group: Optional[dist.ProcessGroup]
 
@@ -97,8 +95,6 @@ class ParallelDims:
         U, R, S = self.sp_ulysses, self.sp_ring, self.sp
         idx = lambda d, r, u: train_ranks[d * S + r * U + u]  # noqa: E731
         lists = [list(train_ranks)]  # fsdp
-        lists += [[idx(d, r, u) for d in range(self.dp)] for r in range(R) for u in range(U)]  # dp
-        lists += [[idx(d, r, u) for r in range(R) for u in range(U)] for d in range(self.dp)]  # sp
         lists += [[idx(d, r, u) for u in range(U)] for d in range(self.dp) for r in range(R)]  # ulysses
         lists += [[idx(d, r, u) for r in range(R)] for d in range(self.dp) for u in range(U)]  # ring
         return lists
@@ -131,11 +127,11 @@ class ParallelDims:
                 mine.append(group)
         if my_rank not in train_ranks:
             return None
-        fsdp, dp_g, sp_g, uly_g, ring_g = mine
+        fsdp, uly_g, ring_g = mine
         mesh = None
         if fsdp is not None:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(fsdp, device.type)
         dp_rank, ring_rank, uly_rank = self.coords(train_ranks.index(my_rank))
-        return ParallelGroups(self, my_rank, dp_rank, ring_rank, uly_rank, device, fsdp, mesh, dp_g, sp_g, uly_g, ring_g)
+        return ParallelGroups(self, my_rank, dp_rank, ring_rank, uly_rank, device, fsdp, mesh, uly_g, ring_g)

@@ -65,11 +65,6 @@ class ActorGroup:
     placement_group: Optional[PlacementGroup] = None
     timeout_s: float = 300.0
 
-    def call(self, method: str, *args, timeout_s: Optional[float] = None, **kwargs) -> list:
-        """Call ``method`` on every actor with the same arguments; wait for all."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        return gather(refs, self.labels, timeout_s or self.timeout_s, what=method)
-
     def shutdown(self) -> None:
         for a in self.actors:
             ray.kill(a)

@@ -32,14 +32,10 @@ import torch
 import torch.distributed as dist
 
 from specforge import device as device_mod
+from specforge.device import torch_dtype
 from specforge.runtime.contracts import FeatureField, FeatureSpec, StepPlan, Transfer
 
 Features = Mapping[str, torch.Tensor]  # one sample's full-length features, field name -> tensor
-_TORCH_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
 _ALIGN = 64  # byte alignment of each field inside a packed buffer (typed views need >= 8)
 PACK_BELOW_BYTES = 4 * 2**20  # pack="auto": pack slices smaller than this
 
@@ -64,10 +60,6 @@ class FeatureBatch(Mapping):
 
     def __len__(self) -> int:
         return len(self.tensors)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
 
 
 def packed_layout(spec: FeatureSpec, num_tokens: int) -> tuple[list[tuple[FeatureField, int, int]], int]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from specforge.config import Config
-from specforge.device import pick_device, set_threads
+from specforge.device import pick_device, set_threads, torch_dtype
 from specforge.runtime.actors import DistributedWorker
 from specforge.runtime.contracts import StepPlan, StepReport
 from specforge.runtime.dataplane import (
@@ -37,7 +37,6 @@ from specforge.runtime.dataplane import (
     Prefetcher,
     SendHandle,
     SendWindow,
-    torch_dtype,
 )
 from specforge.train.batch import TrainBatch, collate, pad_id
 
@@ -105,7 +104,6 @@ class RolloutWorker(DistributedWorker):
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.num_threads)
         self.cfg = cfg
-        self.forwards = 0  # target forwards so far (one per step, however many DP groups)
 
     def setup(self, layout: Layout) -> int:
         from specforge.models.target import load_target
@@ -138,7 +136,6 @@ class RolloutWorker(DistributedWorker):
         kept.features = feats
         self.window.push(kept)
         t3 = time.perf_counter()
-        self.forwards += forwards
         return StepReport(
             self.rank, plan.step,
             metrics={"forwards": float(forwards), "samples": float(len(ids)),
@@ -177,10 +174,11 @@ class RolloutWorker(DistributedWorker):
         tokens = float(sum(int(f["input_ids"].shape[0]) for f in feats.values()))
         return StepReport(self.rank, plan.step, metrics={"tokens": tokens}, timings_ms={"forward": (time.perf_counter() - t0) * 1e3})
 
-    def drain(self) -> int:
-        """Wait for every send to leave (end of the run)."""
-        self.window.drain()
-        return self.forwards
+    def leave_communicator(self) -> None:
+        """Let every posted send leave before the communicator goes (the driver bounds the wait)."""
+        if hasattr(self, "window"):
+            self.window.drain()
+        super().leave_communicator()
 
 
 # ------------------------------------------------------------------------------ training

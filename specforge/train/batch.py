@@ -8,7 +8,7 @@ Legend: B batch, T tokens, H target hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -77,11 +77,9 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
 
-def collate(rows: Sequence[dict], pad_id: int, pad_to: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+def collate(rows: Sequence[dict], pad_id: int) -> tuple[torch.Tensor, ...]:
     """Rows with ``input_ids``/``loss_mask`` -> right-padded (input_ids, loss_mask, attention_mask)."""
     T = max(len(r["input_ids"]) for r in rows)
-    if pad_to:
-        T = max(T, pad_to)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), T), dtype=torch.long)
     attn = torch.zeros((len(rows), T), dtype=torch.long)
