@@ -98,7 +98,37 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated", "offline"] = "colocated"
     transport: Literal["p2p", "object_store"] = "p2p"
     max_inflight_mb: float = 512.0  # backpressure: features sent but not yet trained on
-    feature_dir: Optional[str] = None  # offline mode: where features live on disk
+
+
+@dataclass
+class StoreConfig:
+    """The offline feature store (python -m specforge.capture / regenerate write it; offline mode reads it)."""
+
+    dir: Optional[str] = None  # None = <train.output_dir>/features
+    dtype: Literal["bfloat16", "int8"] = "bfloat16"  # int8 = per-row absmax scales, ~half the bytes
+    shard_mb: float = 256.0  # samples are packed into shards of about this size
+
+
+@dataclass
+class RegenerateConfig:
+    """Self-distilled data: every assistant turn rewritten by the target (python -m specforge.regenerate)."""
+
+    backend: Literal["local", "openai"] = "local"  # local = in-process batched generation with a KV cache
+    endpoint: Optional[str] = None  # OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1
+    api_model: Optional[str] = None  # model name sent to the endpoint (None = model.target_path)
+    concurrency: int = 8  # requests in flight (openai backend)
+    timeout_s: float = 120.0  # per request (openai backend)
+    retries: int = 3  # per request, with backoff (openai backend)
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 32  # sequences decoded together (local backend)
+    num_workers: int = 1  # Ray generation workers, data-parallel (local backend)
+    max_samples: Optional[int] = None  # first N conversations of data.path (None = all)
+    max_turns: Optional[int] = None  # keep and regenerate only the first K assistant turns
+    output: Optional[str] = None  # JSONL; None = <train.output_dir>/regenerated.jsonl
+    capture_features: bool = True  # local backend: write the features computed while generating to the store
 
 
 @dataclass
@@ -146,6 +176,8 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -286,8 +318,6 @@ def validate(cfg: Config) -> None:
     for ok, key, msg in checks:
         if not ok:
             raise ValueError(f"config key {key!r} {msg}")
-    if cfg.placement.mode == "offline" and not cfg.placement.feature_dir:
-        raise ValueError("config key 'placement.feature_dir' is required when placement.mode is 'offline'")
 
 
 def aux_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:

@@ -66,6 +66,8 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def test_offline_mode_needs_feature_dir():
-    with pytest.raises(ValueError, match="placement.feature_dir"):
-        load_config(None, ["placement.mode=offline"])
+def test_store_and_regenerate_sections():
+    cfg = load_config(None, ["store.dtype=int8", "regenerate.temperature=0.7", "regenerate.max_turns=1"])
+    assert (cfg.store.dtype, cfg.regenerate.temperature, cfg.regenerate.max_turns) == ("int8", 0.7, 1)
+    with pytest.raises(ValueError, match="store.dtype"):
+        load_config(None, ["store.dtype=fp4"])
