@@ -12,16 +12,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from specforge.runtime.contracts import DTYPE_BYTES  # THE dtype names (stdlib: control records use them too)
-
 _TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a name in ``DTYPE_BYTES`` (the names are torch's own)."""
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPE_BYTES)}")
-    return getattr(torch, name)
+    """``"bfloat16"`` -> ``torch.bfloat16``: dtypes are named by their torch names everywhere (the
+    one table of names and sizes is ``runtime.contracts.DTYPE_BYTES``, stdlib for the records)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name")
+    return dtype
 
 
 def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:

@@ -8,7 +8,7 @@ import torch
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict
 from specforge.parallel.launch import run_ranks
-from specforge.parallel.parallelize import counts_reducer, global_valid_count, parallelize_draft, ttt_loss_fn
+from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.train.batch import TrainBatch
 from specforge.train.trainer import DraftTrainer
 from tests.test_parallel_sp import _cfg, _close, _run_sp, _setup
@@ -46,12 +46,10 @@ def _dp_rank(rank, world, ref_path):
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
     assert not isinstance(draft.embed_tokens.weight, DTensor)  # frozen: replicated, never gathered
     assert isinstance(draft.lm_head.weight, DTensor) and isinstance(draft.fc.weight, DTensor)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), loss_fn=ttt_loss_fn(draft))
+    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if groups.dp_rank == 0 else None
     for step, b in enumerate(batches):
-        local = [_rows(b, groups.dp_rank)]
-        n = global_valid_count(local, draft.t2d, cfg.draft.ttt_length, groups)
-        m = trainer.step(local, num_valid_global=n, all_reduce_counts=counts_reducer(groups))
+        m = trainer.step([_rows(b, groups.dp_rank)])
         state = full_state_dict(draft)  # collective; the full dict on the mesh's first rank
         if ref is not None:
             assert math.isclose(m["loss"], ref["loss"][step], rel_tol=1e-5), (step, m["loss"], ref["loss"][step])

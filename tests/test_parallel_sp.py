@@ -16,15 +16,10 @@ from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict, grads_full
 from specforge.parallel.launch import run_ranks
-from specforge.parallel.parallelize import (
-    counts_reducer,
-    global_valid_count,
-    parallelize_draft,
-    sp_local_batch,
-    ttt_loss_fn,
-)
-from specforge.parallel.sp import _flash_step0, _kv_repeat, sp_slice_batch, sp_slice_bounds
+from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+from specforge.parallel.sp import _flash_step0, _kv_repeat
 from specforge.train.batch import TrainBatch
+from specforge.train.slicing import sp_slice_batch, sp_slice_bounds
 from specforge.train.trainer import DraftTrainer
 from specforge.train.ttt import num_valid_rows, ttt_loss
 
@@ -113,16 +108,15 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
     if dims_tuple == (1, 2, 1):
         _check_ulysses_head_plans(groups)
     draft = parallelize_draft(draft, dims, groups, cfg)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), loss_fn=ttt_loss_fn(draft))
+    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
         if dims.dp > 1:  # each DP rank takes its share of the samples
             per = full.input_ids_BT.shape[0] // dims.dp
             full = TrainBatch(*(getattr(full, f)[groups.dp_rank * per : (groups.dp_rank + 1) * per]
                                 for f in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")))
-        local = [sp_local_batch(full, groups, L)]
-        n = global_valid_count(local, draft.t2d, L, groups)
-        m = trainer.step(local, num_valid_global=n, all_reduce_counts=counts_reducer(groups))
+        local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L) if groups.sp_size > 1 else full]
+        m = trainer.step(local)
         grads = grads_full(draft)  # all-gather of every gradient shard
         if rank == 0:
             rm = ref["metrics"][step]
@@ -185,15 +179,45 @@ def test_slices_partition_rows_and_valid_count():
     assert num_valid_rows(parts[3], draft.t2d, L) == 0
 
 
+def test_batch_from_samples_equals_slicing_the_full_batch():
+    """Received windows (slice + halo, as the planner cuts them) and whole samples (a disk store)
+    assemble into exactly the batch that slicing the full right-padded micro-batch gives."""
+    from specforge.runtime.contracts import split_slices
+    from specforge.train.slicing import batch_from_samples
+
+    _, _, batches = _setup()
+    b, lengths = batches[0], [T, 21]  # row 1 is right-padded after 21 tokens
+    names = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BT3H",
+             "last_hidden": "last_hidden_BTH", "target_ids": "target_ids_BT"}
+    for v in names.values():  # a sample's features end with it (the pad id is 0 here)
+        getattr(b, v)[1, lengths[1]:] = 0
+
+    class Sample(dict):
+        def __init__(self, row, start, stop):
+            super().__init__({k: getattr(b, v)[row, start:stop] for k, v in names.items()})
+            self.start = start
+
+    whole = [Sample(r, 0, n) for r, n in enumerate(lengths)]
+    for P in (1, 2, 3):
+        for r in range(P):
+            got_whole = batch_from_samples(whole, T, 0, r, P, L)
+            cut = [split_slices(n, P, L + 1, padded_length=T)[r] for n in lengths]
+            got_recv = batch_from_samples([Sample(i, s, w) for i, (s, _, w) in enumerate(cut)], T, 0, r, P, L)
+            want = b if P == 1 else sp_slice_batch(b, r, P, L)
+            for name in names.values():
+                assert torch.equal(getattr(got_whole, name), getattr(want, name)), (P, r, name)
+                assert torch.equal(getattr(got_recv, name), getattr(want, name)), (P, r, name)
+
+
 def test_one_slice_without_trimming_equals_full_loss():
     """sp_size 1: the SP path (halo, no per-step trimming) gives the trimmed path's loss and grads."""
     draft, teacher, batches = _setup()
     b = batches[0]
-    l_ref, m_ref = ttt_loss(draft, b, teacher, L)
+    l_ref, c_ref = ttt_loss(draft, b, teacher, L)
     g_ref = torch.autograd.grad(l_ref, [p for p in draft.parameters() if p.requires_grad])
-    l_sp, m_sp = ttt_loss(draft, sp_slice_batch(b, 0, 1, L), teacher, L)
+    l_sp, c_sp = ttt_loss(draft, sp_slice_batch(b, 0, 1, L), teacher, L)
     g_sp = torch.autograd.grad(l_sp, [p for p in draft.parameters() if p.requires_grad])
-    assert torch.allclose(l_sp, l_ref, atol=1e-6) and m_sp["num_valid"] == m_ref["num_valid"]
+    assert torch.allclose(l_sp, l_ref, atol=1e-6) and c_sp[0, 0] == c_ref[0, 0]
     for a, c in zip(g_sp, g_ref):
         assert torch.allclose(a, c, atol=1e-6)
 

@@ -24,10 +24,11 @@ and :meth:`Eagle3Draft.export_state_dict` then also returns ``embed_tokens.weigh
 loader maps it to ``model.embed_tokens.weight``). With equal sizes (the normal case) the
 embedding is the target's, frozen, and not saved.
 
-Training (TTT) uses the pieces :meth:`~Eagle3Draft.project_aux`, :meth:`~Eagle3Draft.embed`,
-:meth:`~Eagle3Draft.layer_qkv`, :meth:`~Eagle3Draft.layer_finish`, :meth:`~Eagle3Draft.logits`
-(see ``specforge/train/ttt.py``). Inference uses :meth:`~Eagle3Draft.forward_cached` with a
-:class:`DraftKVCache` -- the same pieces, so training and drafting agree exactly.
+Training: :meth:`~Eagle3Draft.forward` IS the training-time-test (TTT) unroll (conventions and
+the loss in ``specforge/train/ttt.py``), so FSDP2's hooks fire around it like around any forward.
+Inference uses :meth:`~Eagle3Draft.forward_cached` with a :class:`DraftKVCache`. Both are built
+from the same pieces (``project_aux``, ``embed_part``, ``layer_qkv``, ``layer_finish``,
+``logits``), so training and drafting agree exactly.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -517,6 +518,42 @@ class Eagle3Draft(nn.Module):
         """Draft-vocab logits ``lm_head(norm(hidden))`` (any leading shape)."""
         return self.lm_head(self.norm(hidden_out))
 
+    # ---------------------------------------------------------------- training: the TTT unroll
+
+    def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BT3H: torch.Tensor, position_ids_BT: torch.Tensor,
+                t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None) -> list:
+        """The training forward: ``[head(i, hidden_out_B_Ti_H) for TTT steps i]`` (default head: the
+        hidden itself). The head runs inside this forward because it reads ``norm``/``lm_head``,
+        which FSDP2 unshards only around a forward.
+
+        Step ``i`` computes rows ``t < t_len[i]`` (non-increasing); row ``t`` reads the embedding of
+        x_{t+1+i} (zeros past the end), the previous step's hidden, RoPE position ``pos[t] + i``,
+        and attends to step-0 keys ``<= t`` and to its own row's keys of steps ``1..i``. The
+        embedding half of q/k/v is projected once for the whole sequence and shifted per step.
+        """
+        core = self.midlayer.self_attn.core
+        w_emb, w_hid = self.qkv_weights()
+        e_full = self.embed_part(self.embed(input_ids_BT), w_emb)  # (B,T,F) for x_0..x_{T-1}
+        hidden = self.project_aux(aux_hidden_BT3H)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        out = []
+        for i, Ti in enumerate(t_len):
+            hidden = hidden[:, :Ti]
+            e_i = e_full[:, 1 + i : 1 + i + Ti]
+            if e_i.shape[1] < Ti:
+                e_i = F.pad(e_i, (0, 0, 0, Ti - e_i.shape[1]))
+            q, k, v = self.layer_qkv(e_i, hidden, position_ids_BT[:, :Ti] + i, w_hid)
+            keys.append(k)
+            values.append(v)
+            # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti
+            # (passed as the same tensor objects when not cut: SP cores cache their collectives by identity)
+            cut = lambda x: x if x.shape[2] == Ti else x[:, :, :Ti]  # noqa: E731
+            attn = core(q, [keys[0]] + [cut(kk) for kk in keys[1:]], [values[0]] + [cut(vv) for vv in values[1:]])
+            hidden = self.layer_finish(attn, hidden)
+            out.append(hidden if head is None else head(i, hidden))
+        return out
+
     # ---------------------------------------------------------------- inference
 
     def _as_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -555,11 +592,3 @@ class Eagle3Draft(nn.Module):
         attn = ttt_attention_fast(q, [K], [V], q_offset=offset)
         out = self.layer_finish(attn, hidden)
         return out, self.logits(out)
-
-    def forward(self, input_ids_BT, hidden_BTH, position_ids_BT=None, cache: Optional[DraftKVCache] = None):
-        """Convenience: one causal pass (a fresh cache unless one is given)."""
-        if position_ids_BT is None:
-            B, T = input_ids_BT.shape
-            start = len(cache) if cache is not None else 0
-            position_ids_BT = torch.arange(start, start + T, device=input_ids_BT.device).expand(B, T)
-        return self.forward_cached(input_ids_BT, hidden_BTH, position_ids_BT, cache if cache is not None else DraftKVCache())

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) for the draft, model-agnostic except for the TTT entry point.
+"""FSDP2 (``fully_shard``) for the draft, model-agnostic.
 
 Decisions:
 
@@ -11,29 +11,18 @@ Decisions:
   already normalized by the global valid-token count. ``set_force_sum_reduction_for_comms``
   keeps the collectives plain SUMs (with a divide factor FSDP2 would use PREMUL_SUM, which gloo
   lacks).
-* The TTT loss reads weights directly instead of calling ``draft.forward``, and FSDP2 only
-  unshards around a registered forward: :func:`apply_fsdp` installs ``draft.ttt_loss`` and
-  registers it with ``register_fsdp_forward_method``. Call the loss through
-  :func:`ttt_loss_fn` (works with and without FSDP).
+* The draft's forward is the TTT unroll (the loss's lm_head head runs inside it), so FSDP2's
+  hooks unshard and reduce around it like around any model's forward.
 * Mixed precision is the caller's choice (``mp_policy``): bf16 params + fp32 reductions on
   GPUs; on CPU the params stay fp32 and autocast does the bf16 compute.
 """
 
 from __future__ import annotations
 
-import types
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
-from specforge.train.ttt import ttt_loss
-
-__all__ = ["apply_fsdp", "full_state_dict", "grads_full", "ttt_loss_fn", "bf16_mp_policy"]
-
-
-def _ttt_loss_method(self, batch, teacher_NH, ttt_length, decay, num_valid_global=None):
-    return ttt_loss(self, batch, teacher_NH, ttt_length, decay, num_valid_global=num_valid_global)
+__all__ = ["apply_fsdp", "full_state_dict", "grads_full", "bf16_mp_policy"]
 
 
 def bf16_mp_policy():
@@ -45,24 +34,14 @@ def bf16_mp_policy():
 
 def apply_fsdp(draft: nn.Module, dp_mesh, mp_policy=None, sum_gradients: bool = True) -> nn.Module:
     """Shard ``draft`` in place over ``dp_mesh`` (a 1-D DeviceMesh) with FSDP2; returns it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     frozen = {p for p in draft.parameters() if not p.requires_grad}
     fully_shard(draft, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), ignored_params=frozen or None)
     if sum_gradients:
         draft.set_gradient_divide_factor(1.0)
         draft.set_force_sum_reduction_for_comms(True)
-    draft.ttt_loss = types.MethodType(_ttt_loss_method, draft)
-    register_fsdp_forward_method(draft, "ttt_loss")
     return draft
-
-
-def ttt_loss_fn(draft: nn.Module) -> Callable:
-    """``loss_fn(draft, batch, teacher, ttt_length, decay, num_valid_global=None)`` for
-    :class:`~specforge.train.trainer.DraftTrainer`: through FSDP's hooks when sharded."""
-    if hasattr(draft, "ttt_loss"):
-        return lambda d, *args, **kw: d.ttt_loss(*args, **kw)
-    return ttt_loss
 
 
 def full_state_dict(draft: nn.Module) -> dict[str, torch.Tensor]:

@@ -3,8 +3,8 @@
 Legend: B batch, H heads, T/C tokens (C = rows one rank owns), D head dim, P group size.
 
 Each SP rank owns a contiguous slice ``[start, start + C)`` of the sequence, padded to a
-multiple of ``sp_size`` (:func:`sp_slice_batch`). Everything in the draft is row-local except
-attention, so only the core ``draft.midlayer.self_attn.core`` is swapped (:func:`apply_sp`):
+multiple of ``sp_size`` (``specforge/train/slicing.py``). Everything in the draft is row-local
+except attention, so only the core ``draft.midlayer.self_attn.core`` is swapped (:func:`apply_sp`):
 
 * :class:`UlyssesAttention` -- all-to-all from sequence-sharded ``[B, H, C, D]`` to
   head-sharded ``[B, H/P, P*C, D]`` for q, every key and value (the diagonal keys of later TTT
@@ -33,7 +33,6 @@ global offsets from their group rank.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -41,16 +40,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specforge.runtime.contracts import sp_slice_bounds  # the one slice rule (data plane too)
-from specforge.train.batch import TrainBatch
-
 __all__ = [
     "UlyssesAttention",
     "RingAttention",
     "apply_sp",
-    "SPTrainBatch",
-    "sp_slice_bounds",
-    "sp_slice_batch",
     "seq_to_heads",
     "heads_to_seq",
     "gather_seq",
@@ -243,49 +236,3 @@ def apply_sp(draft: nn.Module, ulysses_group=None, ring_group=None) -> nn.Module
         core = UlyssesAttention(core, ulysses_group)
     attn.core = core
     return draft
-
-
-# ------------------------------------------------------------------------------ slicing
-
-
-@dataclass
-class SPTrainBatch(TrainBatch):
-    """One SP rank's slice: owned rows + right halo (see ``specforge/train/ttt.py``)."""
-
-    position_ids_BT: torch.Tensor  # B x num_rows, global positions start + t
-    num_rows: int
-    start: int
-
-    def to(self, device: torch.device) -> "SPTrainBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update({k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
-        return SPTrainBatch(**moved)
-
-    @property
-    def num_tokens(self) -> int:  # owned tokens (padding rows included)
-        return int(self.input_ids_BT.shape[0] * self.num_rows)
-
-
-def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    part = x[:, start:stop]
-    missing = (stop - start) - part.shape[1]
-    if missing > 0:
-        part = torch.cat([part, part.new_zeros(part.shape[0], missing, *part.shape[2:])], dim=1)
-    return part
-
-
-def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, ttt_length: int) -> SPTrainBatch:
-    """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any)."""
-    B, T = batch.input_ids_BT.shape
-    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
-    pos = torch.arange(start, end, device=batch.input_ids_BT.device).expand(B, end - start)
-    return SPTrainBatch(
-        input_ids_BT=_rows(batch.input_ids_BT, start, wend),
-        loss_mask_BT=_rows(batch.loss_mask_BT, start, wend),  # zero past the end: never counted
-        aux_hidden_BT3H=_rows(batch.aux_hidden_BT3H, start, end),
-        last_hidden_BTH=_rows(batch.last_hidden_BTH, start, wend),
-        target_ids_BT=_rows(batch.target_ids_BT, start, wend),
-        position_ids_BT=pos,
-        num_rows=end - start,
-        start=start,
-    )

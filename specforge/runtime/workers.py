@@ -31,7 +31,6 @@ from specforge.device import pick_device, set_threads, torch_dtype
 from specforge.runtime.actors import DistributedWorker
 from specforge.runtime.contracts import StepPlan, StepReport
 from specforge.runtime.dataplane import (
-    FeatureBatch,
     ObjectStoreTransport,
     P2PTransport,
     Prefetcher,
@@ -39,6 +38,7 @@ from specforge.runtime.dataplane import (
     SendWindow,
 )
 from specforge.train.batch import TrainBatch, collate, pad_id
+from specforge.train.slicing import batch_from_samples
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class TrainWorker(DistributedWorker):
         the step to start from."""
         from specforge.data.vocab import load_draft_vocab
         from specforge.models.target import load_target
-        from specforge.parallel.parallelize import parallelize_draft, ttt_loss_fn
+        from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
         from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
 
         cfg = self.cfg
@@ -256,7 +256,7 @@ class TrainWorker(DistributedWorker):
         self.target = target if self.colocated else None
         del target
         self.draft = parallelize_draft(draft, parallel_dims(cfg), self.groups, cfg)  # SP core swap, FSDP2
-        self.trainer = DraftTrainer(draft, teacher, cfg, self.device, loss_fn=ttt_loss_fn(draft))
+        self.trainer = DraftTrainer(draft, teacher, cfg, self.device, reduce_sum=sum_over_train_ranks(self.groups))
         if not self.colocated:
             self.transport = _transport(cfg, layout, self.device)
             self.plans = _PlanQueue()
@@ -284,11 +284,8 @@ class TrainWorker(DistributedWorker):
     def _step(self, batches: list[TrainBatch]) -> dict[str, float]:
         """THE train step on this rank's (SP-local) batches, with the loss normalized by the
         valid count of ALL train ranks."""
-        from specforge.parallel.parallelize import counts_reducer, global_valid_count
-
         self._last_batches = batches
-        num_valid = global_valid_count(batches, self.draft.t2d, self.cfg.draft.ttt_length, self.groups)
-        return self.trainer.step(batches, num_valid_global=num_valid, all_reduce_counts=counts_reducer(self.groups))
+        return self.trainer.step(batches)
 
     def train_repeat(self, reps: int) -> StepReport:
         """Benchmark probe: the train stage alone, on the last step's already-received features."""
@@ -305,14 +302,14 @@ class TrainWorker(DistributedWorker):
         return self.prefetcher.wait_ms, self.prefetcher.bytes_recv
 
     def _local_batches(self, plan: StepPlan) -> list[TrainBatch]:
-        from specforge.parallel.parallelize import sp_local_batch
+        from specforge.train.slicing import sp_slice_batch
         from specforge.train.trainer import local_batches
 
         out = []
         for ids in micro_batches(plan, self.dp_rank, self.cfg.train.batch_size):
             rows = [self.data.train[i] for i in ids]
             # SP: the whole samples' features (as every SP rank of the group does), keep the slice
-            out += [sp_local_batch(b, self.groups, self.cfg.draft.ttt_length)
+            out += [b if self.sp_size == 1 else sp_slice_batch(b, self.sp_rank, self.sp_size, self.cfg.draft.ttt_length)
                     for b in local_batches(self.target, rows, len(rows), self.cfg.model.argmax_chunk_tokens)]
         return out
 
@@ -324,12 +321,9 @@ class TrainWorker(DistributedWorker):
         lengths = dict(plan.lengths)
         out = []
         for ids in micro_batches(plan, self.dp_rank, self.cfg.train.batch_size):
-            if self.sp_size == 1:
-                out.append(batch_from_features([fbs[s] for s in ids], pad))
-            else:
-                T = max(lengths[s] for s in ids)  # the micro-batch's padded length: slices split it
-                out.append(sp_batch_from_features([fbs[s] for s in ids], T, self.sp_rank, self.sp_size,
-                                                  self.cfg.draft.ttt_length, pad))
+            T = max(lengths[s] for s in ids)  # the micro-batch's padded length: SP slices split it
+            out.append(batch_from_samples([fbs[s] for s in ids], T, pad, self.sp_rank, self.sp_size,
+                                          self.cfg.draft.ttt_length))
         return out
 
     # ---------------------------------------------------------------- checkpoints
@@ -398,61 +392,6 @@ def _to_cpu(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_to_cpu(v) for v in tree)
     return tree
-
-
-def batch_from_features(fbs: Sequence[FeatureBatch], pad_id: int) -> TrainBatch:
-    """Right-pad received samples into one micro-batch (copies: the receive buffer is reused)."""
-    T = max(fb.stop - fb.start for fb in fbs)
-
-    def stack(name: str, fill, dtype=None) -> torch.Tensor:
-        first = fbs[0][name]
-        out = torch.full((len(fbs), T, *first.shape[1:]), fill, dtype=dtype or first.dtype, device=first.device)
-        for b, fb in enumerate(fbs):
-            out[b, : fb[name].shape[0]] = fb[name]
-        return out
-
-    return TrainBatch(
-        input_ids_BT=stack("input_ids", pad_id, torch.long),
-        loss_mask_BT=stack("loss_mask", 0, torch.long),
-        aux_hidden_BT3H=stack("aux_hidden", 0),
-        last_hidden_BTH=stack("last_hidden", 0),
-        target_ids_BT=stack("target_ids", 0, torch.long),
-    )
-
-
-
-def sp_batch_from_features(fbs: Sequence[FeatureBatch], T: int, sp_rank: int, sp_size: int, ttt_length: int,
-                           pad_id: int):
-    """One SP rank's ``SPTrainBatch`` from its received slices (+ halo) of a micro-batch padded to
-    ``T`` tokens: equal to ``sp_slice_batch(batch_from_features(<full samples>), ...)`` (pad id
-    inside the padded length, zeros past it; a slice may be empty when it lies in the padding)."""
-    from specforge.parallel.sp import SPTrainBatch, sp_slice_bounds
-
-    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
-    B = len(fbs)
-
-    def stack(name: str, stop: int, fill, dtype=None) -> torch.Tensor:
-        first = fbs[0][name]
-        out = torch.zeros((B, stop - start, *first.shape[1:]), dtype=dtype or first.dtype, device=first.device)
-        if fill:
-            out[:, : max(0, T - start)] = fill
-        for b, fb in enumerate(fbs):
-            t = fb[name][: max(0, stop - fb.start)]
-            if t.shape[0]:
-                out[b, fb.start - start : fb.start - start + t.shape[0]] = t
-        return out
-
-    device = fbs[0]["input_ids"].device
-    return SPTrainBatch(
-        input_ids_BT=stack("input_ids", wend, pad_id, torch.long),
-        loss_mask_BT=stack("loss_mask", wend, 0, torch.long),
-        aux_hidden_BT3H=stack("aux_hidden", end, 0),
-        last_hidden_BTH=stack("last_hidden", wend, 0),
-        target_ids_BT=stack("target_ids", wend, 0, torch.long),
-        position_ids_BT=torch.arange(start, end, device=device).expand(B, end - start),
-        num_rows=end - start,
-        start=start,
-    )
 
 
 def checkpoint_step(path: str | Path) -> int:

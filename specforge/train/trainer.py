@@ -16,7 +16,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from specforge.models.target import TargetModel, capture, load_target
 from specforge.train.batch import TrainBatch, collate, global_batch_ids, pad_id
 from specforge.train.checkpoint import latest_checkpoint, load_draft_folder, load_train_state, save_checkpoint
 from specforge.train.optim import build_optimizer
-from specforge.train.ttt import metrics_from_counts, teacher_weight_from_target, ttt_loss, valid_rows
+from specforge.train.ttt import metrics_from_counts, num_valid_rows, teacher_weight_from_target, ttt_loss
 
 # ---------------------------------------------------------------- building
 
@@ -70,30 +70,6 @@ def build_draft(cfg: Config, target: TargetModel, vocab: DraftVocab) -> Eagle3Dr
     return draft
 
 
-_COUNTERS = ("valid", "correct", "loss_sum", "accept_sum")
-
-
-def count_valid(batch: TrainBatch, t2d: torch.Tensor, ttt_length: int) -> int:
-    """Rows that count at TTT step 0: the loss normalizer of this batch."""
-    return int(valid_rows(batch.loss_mask_BT, batch.target_ids_BT, t2d.to(batch.loss_mask_BT.device), ttt_length)[0].sum())
-
-
-def counts_tensor(metrics: dict, ttt_length: int) -> torch.Tensor:
-    """The raw counters of ``ttt_loss`` metrics as one float64 vector (summable across ranks)."""
-    return torch.tensor([float(metrics[f"{k}_{i}"]) for i in range(ttt_length) for k in _COUNTERS], dtype=torch.float64)
-
-
-def summarize_counts(counts: torch.Tensor, ttt_length: int, decay: float) -> dict[str, float]:
-    """Rates from summed counters; ``loss`` = the decayed TTT loss per valid step-0 row."""
-    flat = counts.tolist()
-    named = {f"{k}_{i}": flat[i * len(_COUNTERS) + j] for i in range(ttt_length) for j, k in enumerate(_COUNTERS)}
-    out = metrics_from_counts(named, ttt_length)
-    n0 = max(named["valid_0"], 1.0)
-    out["loss"] = sum(decay**i * named[f"loss_sum_{i}"] for i in range(ttt_length)) / n0
-    out["valid_tokens"] = named["valid_0"]
-    return out
-
-
 def teacher_weight(target: TargetModel, vocab: DraftVocab) -> torch.Tensor:
     """Target lm_head rows of the draft vocab (N x H): the teacher over the draft vocab."""
     return teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone()
@@ -106,53 +82,45 @@ class DraftTrainer:
     """THE train step, shared by every placement (single process, colocated, disaggregated)."""
 
     def __init__(self, draft: torch.nn.Module, teacher_NH: torch.Tensor, cfg: Config, device: torch.device,
-                 loss_fn: Callable = ttt_loss):
-        # loss_fn(draft, batch, teacher, ttt_length, decay, num_valid_global=...) = ttt_loss, or a
-        # call through an FSDP2-wrapped module (its hooks fire only around a module's forward).
-        self.draft, self.cfg, self.device, self.loss_fn = draft, cfg, device, loss_fn
+                 reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+        # reduce_sum sums a tensor over all train ranks (data and sequence parallel; identity in one
+        # process): the loss is normalized by the GLOBAL valid count, so gradients are summed.
+        self.draft, self.cfg, self.device, self.reduce_sum = draft, cfg, device, reduce_sum
         self.teacher_NH = teacher_NH.to(device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, device)
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train)
         self.step_count = 0
 
-    def step(
-        self,
-        micro_batches: Sequence[TrainBatch],
-        num_valid_global: Optional[int] = None,
-        all_reduce_counts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    ) -> dict[str, float]:
-        """One optimizer step over ``micro_batches``; loss normalized by the valid-token count.
-
-        ``num_valid_global`` is the valid count over all micro-batches of all ranks (data/sequence
-        parallel pass it; single process computes it here). ``all_reduce_counts`` sums metric
-        counters across ranks so every rank reports global metrics.
-        """
-        cfg = self.cfg
-        self.draft.train()
-        if num_valid_global is None:
-            num_valid_global = sum(count_valid(mb, self.draft.t2d, cfg.draft.ttt_length) for mb in micro_batches)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: Optional[torch.Tensor] = None
-        t0 = time.perf_counter()
+    def _counts(self, micro_batches: Sequence[TrainBatch], num_valid: Optional[float]) -> torch.Tensor:
+        """Run the loss over ``micro_batches`` (backward too when training); the summed counters."""
+        counts = torch.zeros(self.cfg.draft.ttt_length, 4, dtype=torch.float64)
         for mb in micro_batches:
             mb = mb.to(self.device)
             with autocast(self.device, self.amp_dtype):
-                loss, raw = self.loss_fn(
-                    self.draft, mb, self.teacher_NH, cfg.draft.ttt_length, cfg.draft.ttt_decay,
-                    num_valid_global=max(num_valid_global, 1),
-                )
-            loss.backward()
-            raw = counts_tensor(raw, cfg.draft.ttt_length)
-            sums = raw if sums is None else sums + raw
+                loss, c = ttt_loss(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length,
+                                   self.cfg.draft.ttt_decay, num_valid_global=num_valid)
+            if torch.is_grad_enabled():
+                loss.backward()
+            counts += c.cpu()
+        return self.reduce_sum(counts)
+
+    def step(self, micro_batches: Sequence[TrainBatch]) -> dict[str, float]:
+        """One optimizer step over this rank's ``micro_batches``; the loss is normalized by the
+        valid-token count of all micro-batches of all train ranks."""
+        cfg = self.cfg
+        self.draft.train()
+        local = sum(num_valid_rows(mb, self.draft.t2d, cfg.draft.ttt_length) for mb in micro_batches)
+        num_valid = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64)).item()
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        counts = self._counts(micro_batches, max(num_valid, 1.0))
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.draft.parameters() if p.requires_grad], cfg.train.max_grad_norm
         )
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
-        if all_reduce_counts is not None:
-            sums = all_reduce_counts(sums)
-        out = summarize_counts(sums, cfg.draft.ttt_length, cfg.draft.ttt_decay)
+        out = metrics_from_counts(counts, cfg.draft.ttt_decay)
         gn = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         out.update(
             lr=self.scheduler.get_last_lr()[0],
@@ -163,16 +131,10 @@ class DraftTrainer:
         return out
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[TrainBatch]) -> dict[str, float]:
+    def evaluate(self, batches: Sequence[TrainBatch]) -> dict[str, float]:
+        """Metrics of ``batches`` (summed over all train ranks), no update."""
         self.draft.eval()
-        sums = None
-        for mb in batches:
-            mb = mb.to(self.device)
-            with autocast(self.device, self.amp_dtype):
-                _, raw = self.loss_fn(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay)
-            raw = counts_tensor(raw, self.cfg.draft.ttt_length)
-            sums = raw if sums is None else sums + raw
-        return summarize_counts(sums, self.cfg.draft.ttt_length, self.cfg.draft.ttt_decay) if sums is not None else {}
+        return metrics_from_counts(self._counts(batches, None), self.cfg.draft.ttt_decay)
 
     def train_state(self, extra: Optional[dict] = None) -> dict:
         return {

@@ -25,8 +25,9 @@ Metrics (per step ``i``, over counted rows):
   argmax token -- the acceptance probability of a greedy draft token under speculative sampling
   at temperature 1 (slightly optimistic because of the renormalization).
 * ``tau`` = 1 + sum_k prod_{i<=k} acc_i: simulated acceptance length of greedy chain drafting.
-* Raw counts ``valid_i``, ``correct_i``, ``loss_sum_i``, ``accept_sum_i`` (sum them across ranks,
-  then :func:`metrics_from_counts` recomputes the rates).
+* The loss returns only raw counters, one float64 ``[ttt_length, 4]`` tensor with the columns
+  :data:`COUNTERS` (summed over micro-batches and ranks as is); :func:`metrics_from_counts` turns
+  the sum into the rates above once, where they are logged.
 
 Sequence parallelism (``num_rows`` given, or the batch carries ``num_rows``): the batch is one
 rank's slice of the (padded) sequence -- see ``specforge/parallel/sp.py``. ``aux_hidden`` and
@@ -36,12 +37,14 @@ rank's slice of the (padded) sequence -- see ``specforge/parallel/sp.py``. ``aux
 x_{t+1+i}, the teacher/argmax at t+1+i and the loss mask at t+2+i), zero-padded past the end of
 the sequence. Only owned rows are computed and counted, every step computes all of them (no
 trimming: all ranks must run the same shapes through the attention collectives), and the last
-step's output enters the loss with weight 0 so every rank runs every collective in backward.
+step's head runs even on no counted rows (a zero loss that still reaches every trainable
+parameter), so every rank runs every collective in backward and reduces the same gradients.
 
+The unroll is the draft's forward (``Eagle3Draft.forward``); the loss hands it a head that runs
+the fused ``lm_head`` + soft cross-entropy on each step's counted rows inside that forward.
 Performance: the teacher and the per-step valid rows are computed once; ``lm_head``/soft-CE run
-only on counted rows (gathered); the embedding half of the q/k/v projection is computed once for
-the whole sequence and shifted per step; rows that no later step needs are trimmed; attention
-uses the swappable core ``draft.midlayer.self_attn.core`` (fast path: no materialized masks).
+only on counted rows (gathered); rows that no later step needs are trimmed; attention uses the
+swappable core ``draft.midlayer.self_attn.core`` (fast path: no materialized masks).
 Run it under ``specforge.device.autocast(device, torch.bfloat16)``.
 """
 
@@ -58,17 +61,17 @@ from specforge.models.draft import apply_rotary
 __all__ = [
     "ttt_loss",
     "ttt_loss_reference",
-    "ttt_unroll",
     "ttt_logits",
     "valid_rows",
     "num_valid_rows",
     "teacher_weight_from_target",
     "metrics_from_counts",
+    "COUNTERS",
     "soft_cross_entropy",
     "linear_soft_cross_entropy",
 ]
 
-_COUNT_KEYS = ("valid", "correct", "loss_sum", "accept_sum")
+COUNTERS = ("valid", "correct", "loss_sum", "accept_sum")  # the columns of the counts ttt_loss returns
 
 
 def _get(batch: Any, name: str, default: Any = ...) -> Any:
@@ -82,15 +85,13 @@ def _get(batch: Any, name: str, default: Any = ...) -> Any:
     return default
 
 
-def _unpack(batch: Any):
-    """(input_ids, loss_mask, aux_hidden, last_hidden, target_ids, position_ids) of a batch;
-    positions default to ``arange(T)``."""
+def _unpack(batch: Any, names=("loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")):
+    """(input_ids, *names, position_ids) of a batch; positions default to ``arange(T)``."""
     ids = _get(batch, "input_ids_BT")
     pos = _get(batch, "position_ids_BT", None)
     if pos is None:
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device).expand(B, T)
-    names = ("loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")
     return (ids, *(_get(batch, n) for n in names), pos)
 
 
@@ -216,75 +217,53 @@ def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch
         return _SoftCE.apply(logits_MN, probs_MN)
 
 
-def metrics_from_counts(counts: Mapping[str, float], ttt_length: int) -> dict[str, float]:
-    """Rates (loss_i, acc_i, accept_rate_i, tau) from (possibly rank-summed) raw counts."""
+def metrics_from_counts(counts_L4: torch.Tensor, decay: float) -> dict[str, float]:
+    """Rates from (micro-batch and rank summed) counters: ``loss_i``, ``acc_i``, ``accept_rate_i``,
+    ``tau``, ``loss`` (the decayed TTT loss per valid step-0 row) and ``valid_tokens``."""
+    rows = counts_L4.tolist()  # one sync
     out: dict[str, float] = {}
     tau, prod = 1.0, 1.0
-    for i in range(ttt_length):
-        n = float(counts[f"valid_{i}"])
+    for i, (n, correct, loss_sum, accept_sum) in enumerate(rows):
         d = max(n, 1.0)
-        out[f"loss_{i}"] = float(counts[f"loss_sum_{i}"]) / d
-        out[f"acc_{i}"] = float(counts[f"correct_{i}"]) / d
-        out[f"accept_rate_{i}"] = float(counts[f"accept_sum_{i}"]) / d
+        out[f"loss_{i}"], out[f"acc_{i}"], out[f"accept_rate_{i}"] = loss_sum / d, correct / d, accept_sum / d
         prod *= out[f"acc_{i}"]
         tau += prod
     out["tau"] = tau
+    out["loss"] = sum(decay**i * r[2] for i, r in enumerate(rows)) / max(rows[0][0], 1.0)
+    out["valid_tokens"] = rows[0][0]
     return out
 
 
-def _finish_metrics(stats: torch.Tensor, loss: torch.Tensor, normalizer: float, ttt_length: int) -> dict:
-    vals = stats.tolist()  # one sync
-    counts: dict[str, float] = {}
-    for i, row in enumerate(vals):
-        for key, v in zip(_COUNT_KEYS, row):
-            counts[f"{key}_{i}"] = int(round(v)) if key in ("valid", "correct") else float(v)
-    metrics = dict(counts)
-    metrics.update(metrics_from_counts(counts, ttt_length))
-    metrics["loss"] = float(loss.detach())
-    metrics["num_valid"] = counts["valid_0"]
-    metrics["normalizer"] = float(normalizer)
-    return metrics
-
-
-def ttt_unroll(draft, input_ids_BT, aux_hidden_BT3H, position_ids_BT, t_len: list[int]):
-    """Yield ``(i, Ti, hidden_out_B_Ti_H)`` for TTT steps ``i = 0..len(t_len)-1``.
-
-    Step ``i`` computes rows ``t < t_len[i]`` (non-increasing); row ``t`` reads the embedding of
-    x_{t+1+i} (zeros past the end), the previous step's hidden, RoPE position ``pos[t] + i``.
-    The embedding half of q/k/v is projected once for the whole sequence and shifted.
-    """
-    B, T = input_ids_BT.shape
-    core = draft.midlayer.self_attn.core
-    w_emb, w_hid = draft.qkv_weights()
-    e_full = draft.embed_part(draft.embed(input_ids_BT), w_emb)  # (B,T,F) for x_0..x_{T-1}
-    hidden = draft.project_aux(aux_hidden_BT3H)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for i, Ti in enumerate(t_len):
-        hidden = hidden[:, :Ti]
-        e_i = e_full[:, 1 + i : 1 + i + Ti]
-        if e_i.shape[1] < Ti:
-            e_i = F.pad(e_i, (0, 0, 0, Ti - e_i.shape[1]))
-        q, k, v = draft.layer_qkv(e_i, hidden, position_ids_BT[:, :Ti] + i, w_hid)
-        keys.append(k)
-        values.append(v)
-        # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti
-        # (passed as the same tensor objects when not cut: SP cores cache their collectives by identity)
-        cut = lambda x: x if x.shape[2] == Ti else x[:, :, :Ti]  # noqa: E731
-        attn = core(q, [keys[0]] + [cut(kk) for kk in keys[1:]], [values[0]] + [cut(vv) for vv in values[1:]])
-        hidden = draft.layer_finish(attn, hidden)
-        yield i, Ti, hidden
-
-
 def ttt_logits(draft, batch: Any, ttt_length: int = 7) -> list[torch.Tensor]:
-    """Draft-vocab logits of every step and row (``B x T x N`` each) via the training path."""
-    ids = _get(batch, "input_ids_BT")
-    B, T = ids.shape
-    pos = _get(batch, "position_ids_BT", None)
-    if pos is None:
-        pos = torch.arange(T, device=ids.device).expand(B, T)
-    aux = _get(batch, "aux_hidden_BT3H")
-    return [draft.logits(h) for _, _, h in ttt_unroll(draft, ids, aux, pos, [T] * ttt_length)]
+    """Draft-vocab logits of every step and row (``B x T x N`` each) via the training forward."""
+    ids, aux, pos = _unpack(batch, ("aux_hidden_BT3H",))
+    return draft(ids, aux, pos, [ids.shape[1]] * ttt_length, head=lambda i, h: draft.logits(h))
+
+
+def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH):
+    """The target distributions over the draft vocab, once, at every position p = t+1+i some
+    counted row uses: ``(teacher_PN, pos_map)``, ``pos_map[b*T + p]`` = its row in ``teacher``."""
+    L, B, R = valid_LBR.shape
+    T = last_hidden_BTH.shape[1]
+    used = torch.zeros(B, T, dtype=torch.bool, device=valid_LBR.device)
+    for i in range(L):
+        n = min(R, T - 1 - i)
+        if n > 0:
+            used[:, 1 + i : 1 + i + n] |= valid_LBR[i, :, :n]
+    used_idx = used.view(-1).nonzero().squeeze(-1)
+    pos_map = torch.full((B * T,), -1, dtype=torch.long, device=used.device)
+    pos_map[used_idx] = torch.arange(used_idx.numel(), device=used.device)
+    with torch.no_grad():
+        tl = F.linear(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH.detach())
+        return torch.softmax(tl.to(torch.promote_types(tl.dtype, torch.float32)), dim=-1), pos_map
+
+
+def _step_lengths(valid_LBR: torch.Tensor) -> list[int]:
+    """Rows step i must compute: t < t_len[i] = 1 + the last row counted at any step >= i
+    (a row's later steps depend on its own earlier steps; step 0 also provides the keys)."""
+    later = (valid_LBR.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)  # L,R: counted at a step >= i
+    idx = torch.arange(1, valid_LBR.shape[2] + 1, device=valid_LBR.device)
+    return [max(int(n), 1) for n in torch.where(later, idx, 0).amax(dim=1).tolist()]
 
 
 def ttt_loss(
@@ -295,8 +274,9 @@ def ttt_loss(
     decay: float = 0.8,
     num_valid_global: Optional[float] = None,
     num_rows: Optional[int] = None,
-) -> tuple[torch.Tensor, dict]:
-    """The TTT loss of one batch (fast path) and its metrics.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TTT loss of one batch (fast path) and its counters: ``(loss, counts_L4)``, float64
+    ``[ttt_length, 4]`` with the columns :data:`COUNTERS`.
 
     ``batch`` (mapping or object): ``input_ids_BT``, ``loss_mask_BT``, ``aux_hidden_BT3H``,
     ``last_hidden_BTH``, ``target_ids_BT``; optional ``position_ids_BT`` (default ``arange(T)``).
@@ -305,63 +285,35 @@ def ttt_loss(
     """
     ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
-    dev = ids.device
     L = int(ttt_length)
     sp_rows = _owned_rows(batch, num_rows)
     if sp_rows is not None and T < sp_rows + L + 1:
         raise ValueError(f"SP slice: {T} window rows, need num_rows + ttt_length + 1 = {sp_rows + L + 1}")
     R = T if sp_rows is None else sp_rows  # rows this call computes
-
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L)[:, :, :R]  # L,B,R
-    # Teacher once, at every position p = t+1+i that some counted row uses.
-    used = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    for i in range(L):
-        n = min(R, T - 1 - i)
-        if n > 0:
-            used[:, 1 + i : 1 + i + n] |= valid[i, :, :n]
-    used_idx = used.view(-1).nonzero().squeeze(-1)
-    pos_map = torch.full((B * T,), -1, dtype=torch.long, device=dev)
-    pos_map[used_idx] = torch.arange(used_idx.numel(), device=dev)
-    with torch.no_grad():
-        tl = F.linear(last_hidden.reshape(B * T, -1)[used_idx], teacher_weight_NH.detach())
-        teacher = torch.softmax(tl.to(torch.promote_types(tl.dtype, torch.float32)), dim=-1)
+    teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH)
+    # SP: the same shapes on every rank (collectives inside the attention core)
+    t_len = _step_lengths(valid) if sp_rows is None else [R] * L
     target_flat = target_ids.reshape(-1)
-    d2t = draft.d2t
+    counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)
 
-    # Rows step i must compute: t < t_len[i] = 1 + the last row counted at any step >= i
-    # (a row's later steps depend on its own earlier steps; step 0 also provides the keys).
-    later = (valid.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)  # L,T: counted at a step >= i
-    idx = torch.arange(1, R + 1, device=dev)
-    t_len = [max(int(n), 1) for n in torch.where(later, idx, 0).amax(dim=1).tolist()]
-    if sp_rows is not None:  # same shapes on every SP rank (collectives inside the core)
-        t_len = [R] * L
-
-    stats = torch.zeros(L, 4, dtype=torch.float64, device=dev)
-    total = None
-    hidden = None
-    for i, Ti, hidden in ttt_unroll(draft, ids, aux, pos, t_len):
+    def head(i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Step i's decayed loss sum over its counted rows; runs inside the draft's forward, and
+        on zero rows too (see the module docstring)."""
+        Ti = hidden.shape[1]
         rows_bt = valid[i, :, :Ti].reshape(-1).nonzero().squeeze(-1)  # in (B, Ti) flat
-        if rows_bt.numel() == 0:
-            continue
-        b, t = rows_bt // Ti, rows_bt % Ti
-        flat_p = b * T + t + 1 + i  # position of the teacher / target argmax
+        flat_p = rows_bt // Ti * T + rows_bt % Ti + 1 + i  # position of the teacher / target argmax
         h_rows = draft.norm(hidden.reshape(B * Ti, -1)[rows_bt])
         ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, draft.lm_head.weight, teacher, pos_map[flat_p])
-        step_loss = ce_sum * (decay**i)
-        total = step_loss if total is None else total + step_loss
         with torch.no_grad():
-            correct = (pred + d2t[pred]) == target_flat[flat_p]
-            stats[i, 0] = rows_bt.numel()
-            stats[i, 1] = correct.sum()
-            stats[i, 2] = ce.sum()
-            stats[i, 3] = accept.sum()
+            counts[i, 0] = rows_bt.numel()
+            counts[i, 1] = ((pred + draft.d2t[pred]) == target_flat[flat_p]).sum()
+            counts[i, 2] = ce.sum()
+            counts[i, 3] = accept.sum()
+        return ce_sum * (decay**i)
+
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
-    if total is None:  # nothing counted: a zero that still reaches every trainable parameter
-        total = sum(p.sum() for p in draft.parameters() if p.requires_grad) * 0.0
-    if sp_rows is not None:  # every step's attention (and its collectives) takes part in backward
-        total = total + hidden.sum() * 0.0
-    loss = total / max(normalizer, 1.0)
-    return loss, _finish_metrics(stats, loss, normalizer, L)
+    return sum(draft(ids, aux, pos, t_len, head)) / max(normalizer, 1.0), counts
 
 
 def ttt_loss_reference(
@@ -371,7 +323,7 @@ def ttt_loss_reference(
     ttt_length: int = 7,
     decay: float = 0.8,
     num_valid_global: Optional[float] = None,
-) -> tuple[torch.Tensor, dict]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The straightforward TTT loss (test reference and benchmark baseline).
 
     Plain cat-then-project q/k/v, the eager attention with a materialized full TTT mask over
@@ -420,5 +372,4 @@ def ttt_loss_reference(
             stats[i, 2] = (ce * m).sum()
             stats[i, 3] = (teacher_i.gather(-1, pred.unsqueeze(-1)).squeeze(-1) * m).sum()
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
-    loss = total / max(normalizer, 1.0)
-    return loss, _finish_metrics(stats, loss, normalizer, L)
+    return total / max(normalizer, 1.0), stats
