@@ -1,0 +1,258 @@
+"""Batched generation with the frozen target that keeps, for free, the features the draft trains on.
+
+    gens = generate(target, prompts, SamplingParams(max_new_tokens=256), stop_ids={eos}, capture=True)
+
+While the target writes an answer it computes, at every position, exactly what teacher-forced
+``capture`` would compute for the finished sequence: the aux layer outputs, the last hidden
+state and the argmax. ``capture=True`` keeps them, so self-distilled data costs no second
+target pass (``Generation.features`` equals ``capture(target, prompt + output)`` within dtype
+tolerance; tests/test_generate.py pins it).
+
+Why not HF ``generate``: on a small model it is mostly per-call overhead, and its growing KV
+cache re-copies every layer's keys each step. Here a Llama-family decoder layer is run with the
+HF modules' own weights (norms, projections, MLP) around a preallocated KV cache written in
+place; prompts of a batch are left-padded so all rows decode at the same cache index, and rows
+that finish are compacted out of the batch. Other architectures raise a ValueError pointing at
+the OpenAI-endpoint backend of ``specforge.regenerate``.
+Legend: B batch, T tokens, L cache length, H hidden, K kv heads, D head dim, V target vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specforge.models.target import Features, TargetModel, _decoder_layers
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated tokens, the stop token included when one was produced
+    finish_reason: str  # "stop" | "length"
+    features: Optional[Features] = None  # of prompt_ids + output_ids (B = 1); only with capture=True
+
+
+# ---------------------------------------------------------------- one decoder layer, cached
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _heads(x_BTX: torch.Tensor, n: int) -> torch.Tensor:
+    B, T, _ = x_BTX.shape
+    return x_BTX.view(B, T, n, -1).transpose(1, 2)
+
+
+def _layer(layer, x_BTH, cos_BTD, sin_BTD, kv: tuple[torch.Tensor, torch.Tensor], start: int, mask_BTL):
+    """HF decoder layer math (pre-norm attention + MLP) with keys/values written into ``kv`` at ``start``."""
+    attn, cfg = layer.self_attn, layer.self_attn.config
+    h = layer.input_layernorm(x_BTH)
+    q = _heads(attn.q_proj(h), cfg.num_attention_heads)
+    k = _heads(attn.k_proj(h), cfg.num_key_value_heads)
+    v = _heads(attn.v_proj(h), cfg.num_key_value_heads)
+    if hasattr(attn, "q_norm"):  # qwen3 normalizes each head before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    end = start + x_BTH.shape[1]
+    kv[0][:, :, start:end] = k
+    kv[1][:, :, start:end] = v
+    o = F.scaled_dot_product_attention(
+        q, kv[0][:, :, :end], kv[1][:, :, :end], attn_mask=mask_BTL.unsqueeze(1),
+        scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    x_BTH = x_BTH + attn.o_proj(o.transpose(1, 2).reshape(*x_BTH.shape[:2], -1))
+    return x_BTH + layer.mlp(layer.post_attention_layernorm(x_BTH))
+
+
+class _Batch:
+    """The rows decoding together: left-padded prompts, a KV cache and the captured features."""
+
+    def __init__(self, target: TargetModel, prompts: list[list[int]], max_new: int, capture: bool):
+        model = target.model
+        self.base = getattr(model, model.base_model_prefix)
+        self.layers = _decoder_layers(model)
+        cfg, dev = model.config, target.device
+        dtype = target.embed_weight_VH.dtype
+        self.aux_ids = list(target.aux_layer_ids)
+        self.lm_head_VH = target.lm_head_weight_VH
+        B, P = len(prompts), max(len(p) for p in prompts)
+        self.L = P + max_new + 1
+        self.pad = torch.tensor([P - len(p) for p in prompts], device=dev)
+        self.ids = torch.zeros(B, self.L, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            self.ids[b, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
+        K, D = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv = [(torch.zeros(B, K, self.L, D, dtype=dtype, device=dev),
+                    torch.zeros(B, K, self.L, D, dtype=dtype, device=dev)) for _ in self.layers]
+        H = cfg.hidden_size
+        self.aux = torch.zeros(B, self.L, 3 * H, dtype=dtype, device=dev) if capture else None
+        self.last = torch.zeros(B, self.L, H, dtype=dtype, device=dev) if capture else None
+        self.argmax = torch.zeros(B, self.L, dtype=torch.long, device=dev)
+        self.row = torch.arange(B, device=dev)  # index into the caller's prompt list
+        self.P = P  # longest prompt: where decoding starts
+        self.len = 0  # cache positions filled so far (the same for every row)
+
+    def forward(self, n: int) -> torch.Tensor:
+        """Run cache positions [len, len + n) of every row; returns the last hidden state [B,n,H]."""
+        s, e = self.len, self.len + n
+        j = torch.arange(e, device=self.ids.device)
+        allowed = (j[None, :] >= self.pad[:, None])[:, None, :] & (j[None, None, :] <= j[s:e, None][None])
+        allowed |= j[None, None, :] == j[s:e, None][None]  # a padded query sees itself: no empty rows
+        pos = (j[s:e][None, :] - self.pad[:, None]).clamp(min=0)
+        x = self.base.embed_tokens(self.ids[:, s:e])
+        cos, sin = self.base.rotary_emb(x, pos)
+        grabbed = []
+        for i, layer in enumerate(self.layers):
+            x = _layer(layer, x, cos, sin, self.kv[i], s, allowed)
+            if self.aux is not None and i in self.aux_ids:
+                grabbed.append(x)
+        x = self.base.norm(x)
+        if self.aux is not None:
+            by_id = dict(zip(sorted(set(self.aux_ids)), grabbed))
+            self.aux[:, s:e] = torch.cat([by_id[i] for i in self.aux_ids], dim=-1)
+            self.last[:, s:e] = x
+        self.len = e
+        return x
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Drop finished rows (compaction: later steps cost only the live rows)."""
+        self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
+        for name in ("pad", "ids", "aux", "last", "argmax", "row"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows))
+
+
+# ---------------------------------------------------------------- choosing tokens
+
+
+def _next_tokens(logits_BV: torch.Tensor, params: SamplingParams, gen: Optional[torch.Generator]) -> torch.Tensor:
+    if params.temperature <= 0:
+        return logits_BV.argmax(-1)
+    probs = torch.softmax(logits_BV.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _finish(batch: _Batch, b: int, prompt: list[int], stopped: bool) -> Generation:
+    """Row ``b`` as a Generation: every token of it, the newest included, has been through the model."""
+    start, end = int(batch.pad[b]), batch.len  # left padding: all rows end at the shared cache index
+    out = batch.ids[b, start + len(prompt) : end].tolist()
+    feats = None
+    if batch.aux is not None:
+        feats = Features(
+            aux_hidden_BT3H=batch.aux[b : b + 1, start:end].clone(),
+            last_hidden_BTH=batch.last[b : b + 1, start:end].clone(),
+            target_ids_BT=batch.argmax[b : b + 1, start:end].clone(),
+        )
+    return Generation(list(prompt), out, "stop" if stopped else "length", feats)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _check_supported(target: TargetModel) -> None:
+    kind = getattr(target.config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise ValueError(
+            f"in-process generation supports {', '.join(SUPPORTED)} targets, not {kind!r}; "
+            "serve the target with SGLang and use regenerate.backend=openai"
+        )
+
+
+@torch.inference_mode()
+def _generate_batch(target: TargetModel, prompts: list[list[int]], params: SamplingParams, stop: torch.Tensor,
+                    capture: bool, gen: Optional[torch.Generator], progress) -> list[Generation]:
+    batch = _Batch(target, prompts, params.max_new_tokens, capture)
+    P = batch.P
+    n_out = torch.zeros(len(prompts), dtype=torch.long, device=batch.ids.device)
+    stopped = torch.zeros_like(n_out, dtype=torch.bool)
+    results: dict[int, Generation] = {}
+    h = batch.forward(P)  # prefill
+    batch.argmax[:, :P] = _argmax(h, batch.lm_head_VH)
+    logits = h[:, -1] @ batch.lm_head_VH.T
+    while True:
+        cur = batch.len
+        # rows whose newest token has been through the model and that are done leave the batch
+        done = stopped | (n_out >= params.max_new_tokens)
+        if bool(done.any()):
+            for b in done.nonzero().flatten().tolist():
+                r = int(batch.row[b])
+                results[r] = _finish(batch, b, prompts[r], bool(stopped[b]))
+            live = (~done).nonzero().flatten()
+            if live.numel() == 0:
+                break
+            batch.keep(live)
+            n_out, stopped, logits = n_out[live], stopped[live], logits[live]
+        nxt = _next_tokens(logits, params, gen)
+        batch.ids[:, cur] = nxt
+        n_out += 1
+        stopped |= torch.isin(nxt, stop)
+        if progress is not None:
+            progress(int(nxt.numel()))
+        h = batch.forward(1)
+        batch.argmax[:, cur] = _argmax(h, batch.lm_head_VH)[:, 0]
+        logits = h[:, -1] @ batch.lm_head_VH.T
+    return [results[i] for i in range(len(prompts))]
+
+
+def _argmax(h_BTH: torch.Tensor, lm_head_VH: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    B, T, H = h_BTH.shape
+    flat = h_BTH.reshape(B * T, H)
+    out = torch.empty(B * T, dtype=torch.long, device=h_BTH.device)
+    for s in range(0, B * T, chunk):
+        out[s : s + chunk] = (flat[s : s + chunk] @ lm_head_VH.T).argmax(-1)
+    return out.view(B, T)
+
+
+def generate(
+    target: TargetModel,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    stop_ids: set[int],
+    capture: bool = False,
+    batch_size: int = 32,
+    progress: Optional[Callable[[int], None]] = None,
+) -> list[Generation]:
+    """Generate for every prompt (batched, KV-cached); results in the order of ``prompts``.
+
+    Prompts are grouped by length so a batch wastes little padding. ``progress(n)`` is called
+    with the number of tokens produced by each decode step.
+    """
+    _check_supported(target)
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    gen = None
+    if params.temperature > 0:
+        gen = torch.Generator(device=target.device).manual_seed(params.seed)
+    stop = torch.tensor(sorted(stop_ids) or [-1], device=target.device)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[Optional[Generation]] = [None] * len(prompts)
+    for s in range(0, len(order), batch_size):
+        idx = order[s : s + batch_size]
+        gens = _generate_batch(target, [list(prompts[i]) for i in idx], params, stop, capture, gen, progress)
+        for i, g in zip(idx, gens):
+            out[i] = g
+    return out  # type: ignore[return-value]
