@@ -179,7 +179,7 @@ def test_resume_continues_exactly(assets, reference, ray_session, tmp_path):
     cfg = make_cfg(assets, out, "placement.mode=colocated", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
                    "checkpoint.resume=true")
     fit(cfg)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000002", "step-000003"]
     shutil.rmtree(out / "checkpoints" / "step-000003")
     path = fit(cfg)
     assert path.endswith(f"step-{STEPS:06d}")

@@ -6,7 +6,7 @@ from specforge.config import Config, DraftConfig, TrainConfig
 from specforge.data.vocab import build_draft_vocab
 from specforge.models.target import TargetModel, capture
 from specforge.train.batch import TrainBatch, collate, global_batch_ids, split_for_ranks
-from specforge.train.checkpoint import latest_checkpoint, load_draft, load_train_state, save_checkpoint
+from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, load_draft, save_checkpoint
 from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
 from specforge.train.ttt import ttt_logits
 from tests.test_target import tiny_target
@@ -73,9 +73,9 @@ def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):
     for _ in range(2):
         trainer.step([batch])
     d = trainer.draft
-    path = save_checkpoint(tmp_path, trainer.step_count, d.config.to_hf_config(), d.export_state_dict(), trainer.train_state(), keep_last=1)
-    assert latest_checkpoint(tmp_path) == path
-    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+    path = CheckpointManager(tmp_path, keep_last=1).save(trainer)
+    assert latest_checkpoint(tmp_path) == path and (tmp_path / "latest").resolve() == path.resolve()
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
     reloaded = load_draft(path, target)
     with torch.no_grad():
         want = ttt_logits(d.eval(), batch, 3)
@@ -84,8 +84,7 @@ def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):
         assert torch.equal(w, g)
     # resume: two more steps from the checkpoint == two more steps straight through
     _, _, resumed = _setup(seed=123)
-    resumed.draft.load_export_state_dict(reloaded.export_state_dict())
-    resumed.load_train_state(load_train_state(path))
+    assert CheckpointManager(tmp_path).load(resumed) == 2
     for _ in range(2):
         trainer.step([batch])
         resumed.step([batch])
@@ -98,7 +97,12 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     w = {"x": torch.zeros(2)}
     for s in (1, 2, 3):
         save_checkpoint(tmp_path, s, {"a": 1}, w, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
+    # latest = the last save, even when an older run left higher steps behind
+    save_checkpoint(tmp_path, 1, {"a": 1}, w, keep_last=2)
+    assert latest_checkpoint(tmp_path).name == "step-000001" and (tmp_path / "step-000001").is_dir()
+    (tmp_path / "step-000001" / "model.safetensors").unlink()  # an incomplete target: the newest complete one
+    assert latest_checkpoint(tmp_path).name == "step-000003"
 
 
 def test_data_order_is_a_pure_function_of_seed_and_step():

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -184,17 +183,6 @@ class RolloutWorker(DistributedWorker):
 # ------------------------------------------------------------------------------ training
 
 
-_TRAIN_KEYS = ("fc.", "midlayer.", "norm.weight", "lm_head.weight", "d2t", "t2d")
-
-
-def export_keys(draft, full_state: dict) -> dict[str, torch.Tensor]:
-    """``export_state_dict``'s key filter applied to a gathered full state dict."""
-    keep = {k: v for k, v in full_state.items() if k.startswith(_TRAIN_KEYS)}
-    if draft.embedding_trainable and "embed_tokens.weight" in full_state:
-        keep["embed_tokens.weight"] = full_state["embed_tokens.weight"]
-    return keep
-
-
 class _PlanQueue:
     """The plans a ``Prefetcher`` may post receives for; refilled call by call (a generator
     could not resume after running dry)."""
@@ -232,7 +220,8 @@ class TrainWorker(DistributedWorker):
         from specforge.data.vocab import load_draft_vocab
         from specforge.models.target import load_target
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-        from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
+        from specforge.train.checkpoint import CheckpointManager
+        from specforge.train.trainer import DraftTrainer, build_draft, checkpoint_root, teacher_weight
 
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
@@ -241,7 +230,6 @@ class TrainWorker(DistributedWorker):
         self.groups = build_groups(cfg, layout, self.rank, self.device)
         self.dp_rank = self.groups.dp_rank  # the DP group = the plan's group index
         self.sp_rank, self.sp_size = self.groups.sp_rank, self.groups.sp_size
-        self.sharded = self.groups.fsdp_mesh is not None  # FSDP2 over all dp*sp train ranks
         self.colocated = layout.mode == "colocated"
         self.tokenizer, self.data = _open_data(cfg) if self.colocated else (None, None)
         vocab = load_draft_vocab(layout.vocab_path)
@@ -261,8 +249,9 @@ class TrainWorker(DistributedWorker):
             self.transport = _transport(cfg, layout, self.device)
             self.plans = _PlanQueue()
             self.prefetcher = Prefetcher(self.transport, self.plans, int(cfg.placement.max_inflight_mb * 2**20), my_rank=self.rank)
-        self.saved_step = -1
-        return self._resume()
+        self.checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last,
+                                             writer=self.rank == layout.train_ranks[0])  # the FSDP mesh's first rank
+        return self.checkpoints.load(self.trainer) if cfg.checkpoint.resume else 0
 
     # ---------------------------------------------------------------- one step
 
@@ -326,73 +315,7 @@ class TrainWorker(DistributedWorker):
                                           self.cfg.draft.ttt_length))
         return out
 
-    # ---------------------------------------------------------------- checkpoints
-
     def save(self) -> Optional[str]:
-        """Gather the full draft to the first rank of the FSDP mesh (``train_ranks[0]``), which
-        writes ONE SGLang-loadable folder plus the train state (full optimizer state) for resume.
-        Collective over the train ranks."""
-        from specforge.train.checkpoint import save_checkpoint
-        from specforge.train.trainer import checkpoint_root
-
-        tr = self.trainer
-        if tr.step_count == self.saved_step or tr.step_count == 0:
-            return None
-        if not self.sharded:
-            weights, state = self.draft.export_state_dict(), tr.train_state()
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            from specforge.parallel.parallelize import full_state_dict
-
-            full = full_state_dict(self.draft)  # collective; {} except on the mesh's first rank
-            # cpu_offload=True would keep the optimizer state on GLOBAL rank 0 only, which is a
-            # rollout rank when disaggregated; so every train rank gathers it (one layer + lm_head).
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            optim = _to_cpu(get_optimizer_state_dict(self.draft, tr.optimizer, options=opts))
-            weights = export_keys(self.draft, full)
-            state = {**tr.train_state(), "optimizer": optim, "full_optimizer_state": True}
-        self.saved_step = tr.step_count
-        if self.rank != self.layout.train_ranks[0]:  # = local rank 0 of the FSDP mesh
-            return None
-        path = save_checkpoint(checkpoint_root(self.cfg), tr.step_count, self.draft.config.to_hf_config(),
-                               weights, state, self.cfg.checkpoint.keep_last)
-        return str(path)
-
-    def _resume(self) -> int:
-        from specforge.train.checkpoint import latest_checkpoint, load_draft_folder, load_train_state
-        from specforge.train.trainer import checkpoint_root
-
-        ck = latest_checkpoint(checkpoint_root(self.cfg)) if self.cfg.checkpoint.resume else None
-        if ck is None:
-            return 0
-        weights, state = load_draft_folder(ck)[1], load_train_state(ck)
-        if not self.sharded:
-            self.draft.load_export_state_dict(weights)
-            self.trainer.load_train_state(state)
-        else:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
-
-            opts = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(self.draft, weights, options=opts)
-            set_optimizer_state_dict(self.draft, self.trainer.optimizer, state["optimizer"], options=opts)
-            self.trainer.scheduler.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["rng"])
-            self.trainer.step_count = int(state["step"])
-        self.saved_step = self.trainer.step_count
-        return self.trainer.step_count
-
-
-def _to_cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
-
-
-def checkpoint_step(path: str | Path) -> int:
-    return int(Path(path).name.split("-")[1])
+        """Write the newest state (collective over the train ranks; the first one writes)."""
+        path = self.checkpoints.save(self.trainer)
+        return None if path is None else str(path)

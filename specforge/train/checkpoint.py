@@ -2,10 +2,14 @@
 
     <root>/step-000400/config.json          LlamaForCausalLMEagle3 config
     <root>/step-000400/model.safetensors    fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
-    <root>/step-000400/training_state.pt    optimizer, scheduler, step, RNG, sampler position
+    <root>/step-000400/training_state.pt    optimizer (full, keyed by parameter name), scheduler, step, RNG
+    <root>/latest -> step-000400            the last completed save of the run
 
 Writes go to a hidden temp folder that is renamed into place, so a crash mid-save never leaves
-a folder that looks complete. The caller gathers sharded weights first (FSDP2 full state dict).
+a folder that looks complete; ``latest`` moves only after that. ``CheckpointManager`` is the one
+component the single-process trainer and the Ray train workers save and resume with, plain or
+FSDP2-sharded alike: full weights and full optimizer state are gathered by torch's distributed
+state-dict API (collective over the train ranks) and written by one rank.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+LATEST = "latest"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -36,7 +41,8 @@ def save_checkpoint(
     train_state: Optional[dict[str, Any]] = None,
     keep_last: int = 0,
 ) -> Path:
-    """Atomically write ``<root>/step-N``; keep only the newest ``keep_last`` (0 = keep all)."""
+    """Atomically write ``<root>/step-N`` and point ``latest`` at it; keep only the newest
+    ``keep_last`` step folders (0 = keep all; never the one just written)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
@@ -52,7 +58,14 @@ def save_checkpoint(
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _prune(root, keep_last)
+    link = tmp.with_name(f".{LATEST}-{step}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(final.name)
+    os.replace(link, root / LATEST)
+    if keep_last > 0:
+        for old in list_checkpoints(root)[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -65,14 +78,12 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
+    """Where ``latest`` points if that folder is complete, else the newest complete step folder."""
+    link = Path(root) / LATEST
+    if link.is_symlink() and (Path(root) / os.readlink(link) / "model.safetensors").is_file():
+        return Path(root) / os.readlink(link)
     ckpts = [p for p in list_checkpoints(root) if (p / "model.safetensors").is_file()]
     return ckpts[-1] if ckpts else None
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    if keep_last > 0:
-        for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def load_draft_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -101,3 +112,73 @@ def load_draft(path: str | Path, target=None):
         raise ValueError(f"{str(path)!r} has no embedding: pass the target to take it from")
     draft.load_export_state_dict(weights)
     return draft.eval()
+
+
+# ------------------------------------------------------------------------------ the manager
+
+
+def _to_cpu(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+class CheckpointManager:
+    """Save and resume a ``DraftTrainer`` (its draft, optimizer, scheduler, step) under ``root``.
+
+    One code path for a plain and an FSDP2-sharded draft: ``save``/``load`` are collective over
+    the train ranks when sharded (call them on every train rank), and only ``writer`` writes.
+    """
+
+    def __init__(self, root: str | Path, keep_last: int = 0, writer: bool = True):
+        self.root, self.keep_last, self.writer = Path(root), keep_last, writer
+        self.saved_step = -1  # the step whose state is on disk (a save of it again is a no-op)
+
+    def save(self, trainer) -> Optional[Path]:
+        """Write the trainer's current step; the folder on the writer, None elsewhere or if saved."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        from specforge.parallel.fsdp import full_state_dict
+
+        if trainer.step_count == self.saved_step:
+            return None
+        draft = trainer.draft
+        keys = set(draft.export_state_dict())  # the SGLang keys (sharded entries: no gather)
+        weights = {k: v for k, v in full_state_dict(draft).items() if k in keys}  # {} except on the writer
+        # cpu_offload=True would keep the optimizer state on GLOBAL rank 0 only, a rollout rank when
+        # disaggregated; so every train rank gathers it (one layer + lm_head: small).
+        optim = get_optimizer_state_dict(draft, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
+        self.saved_step = trainer.step_count
+        if not self.writer:
+            return None
+        state = {"step": trainer.step_count, "optimizer": _to_cpu(optim), "full_optimizer_state": True,
+                 "scheduler": trainer.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        return save_checkpoint(self.root, trainer.step_count, draft.config.to_hf_config(), weights, state, self.keep_last)
+
+    def load(self, trainer, path: Optional[str | Path] = None) -> int:
+        """Restore ``path`` (default: the latest checkpoint) into the trainer; returns the step to
+        continue from (0 when there is nothing to resume)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        path = path or latest_checkpoint(self.root)
+        if path is None:
+            return 0
+        weights, state = load_draft_folder(path)[1], load_train_state(path)
+        missing = set(trainer.draft.export_state_dict()) - set(weights)
+        if missing or state is None:
+            raise ValueError(f"{str(path)!r} cannot be resumed from: missing {sorted(missing) or 'training_state.pt'}")
+        opts = StateDictOptions(full_state_dict=True, strict=False)  # the frozen embedding is not saved
+        set_model_state_dict(trainer.draft, weights, options=opts)
+        if state.get("full_optimizer_state"):
+            set_optimizer_state_dict(trainer.draft, trainer.optimizer, state["optimizer"], options=opts)
+        else:  # written before the manager: a plain optimizer.state_dict()
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        trainer.step_count = self.saved_step = int(state["step"])
+        return trainer.step_count

@@ -26,7 +26,7 @@ from specforge.device import autocast, autocast_dtype, pick_device, set_threads
 from specforge.models.draft import Eagle3Draft, draft_config_from_target
 from specforge.models.target import TargetModel, capture, load_target
 from specforge.train.batch import TrainBatch, collate, global_batch_ids, pad_id
-from specforge.train.checkpoint import latest_checkpoint, load_draft_folder, load_train_state, save_checkpoint
+from specforge.train.checkpoint import CheckpointManager, latest_checkpoint
 from specforge.train.optim import build_optimizer
 from specforge.train.ttt import metrics_from_counts, num_valid_rows, teacher_weight_from_target, ttt_loss
 
@@ -136,21 +136,6 @@ class DraftTrainer:
         self.draft.eval()
         return metrics_from_counts(self._counts(batches, None), self.cfg.draft.ttt_decay)
 
-    def train_state(self, extra: Optional[dict] = None) -> dict:
-        return {
-            "step": self.step_count,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            **(extra or {}),
-        }
-
-    def load_train_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        self.step_count = int(state["step"])
-
 
 # ---------------------------------------------------------------- the single-process loop
 
@@ -182,17 +167,14 @@ def run(cfg: Config) -> Path:
     vocab = build_vocab(cfg, data.train, target.config.vocab_size, data.cache_key)
     draft = build_draft(cfg, target, vocab).to(device)
     trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device)
-    root = checkpoint_root(cfg)
-    if cfg.checkpoint.resume and (ck := latest_checkpoint(root)) is not None:
-        draft.load_export_state_dict(load_draft_folder(ck)[1])
-        trainer.load_train_state(load_train_state(ck))
-        print(f"resumed from {ck} at step {trainer.step_count}")
+    checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last)
+    if cfg.checkpoint.resume and checkpoints.load(trainer):
+        print(f"resumed from {latest_checkpoint(checkpoints.root)} at step {trainer.step_count}")
     logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
     eval_rows = [data.eval[i] for i in range(min(len(data.eval), 8))]
     global_batch = cfg.train.batch_size * cfg.train.grad_accum
     deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
     bar = tqdm(total=cfg.train.max_steps, initial=trainer.step_count, desc="train", dynamic_ncols=True)
-    last_saved = None
     try:
         while trainer.step_count < cfg.train.max_steps and time.time() < deadline:
             step = trainer.step_count
@@ -209,24 +191,14 @@ def run(cfg: Config) -> Path:
             if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 and eval_rows:
                 logger.log(trainer.step_count, trainer.evaluate(local_batches(target, eval_rows, 2, cfg.model.argmax_chunk_tokens)), kind="eval")
             if cfg.checkpoint.every_steps and trainer.step_count % cfg.checkpoint.every_steps == 0:
-                last_saved = _save(trainer, root, cfg)
+                checkpoints.save(trainer)
     finally:
         bar.close()
-        if last_saved is None or trainer.step_count != _step_of(last_saved):
-            last_saved = _save(trainer, root, cfg)
+        checkpoints.save(trainer)
         logger.close()
+    last_saved = latest_checkpoint(checkpoints.root)
     print(f"saved {last_saved}")
     return last_saved
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.split("-")[1])
-
-
-def _save(trainer: DraftTrainer, root: Path, cfg: Config) -> Path:
-    d = trainer.draft
-    return save_checkpoint(root, trainer.step_count, d.config.to_hf_config(), d.export_state_dict(),
-                           trainer.train_state(), cfg.checkpoint.keep_last)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
