@@ -1,0 +1,140 @@
+"""``python -m specforge.capture --config cfg.yaml [section.key=value ...]``
+
+Runs the frozen target once over the train split and writes its features (captured layers, last
+hidden state, argmax) to the offline feature store (``store.dir``, default
+``<train.output_dir>/features``; ``store.dtype`` bfloat16 or int8), for offline training.
+Sample id = row index of the train split. It prints the expected size and refuses to start if the
+disk cannot hold it; rerunning the same command after an interruption keeps the complete shards
+and captures only the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from specforge.data.store import (
+    FeatureStoreWriter, StoreMeta, bytes_per_token, check_disk, human_bytes, store_meta, store_root,
+)
+
+CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = CAPTURE_TOKENS) -> list[list[int]]:
+    """Row indices in target-forward batches: longest first (padding stays small, and an
+    out-of-memory shows up at once), at least ``batch_size`` rows, else up to ``max_tokens``.
+    Depends on the lengths only, so an interrupted capture recomputes the same batches."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        cur = batches[-1] if batches else None
+        if cur is None or (len(cur) >= batch_size and (len(cur) + 1) * lengths[cur[0]] > max_tokens):
+            batches.append([i])
+        else:
+            cur.append(i)
+    return batches
+
+
+@torch.no_grad()
+def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: int) -> Iterator[tuple[int, dict]]:
+    """(row index, per-sample features) for every row of ``batches``, one target forward per batch."""
+    from specforge.models.target import capture
+    from specforge.train.batch import collate, pad_id
+
+    pad = pad_id(target.tokenizer)
+    for ids in batches:
+        sub = [rows[i] for i in ids]
+        input_ids_BT, loss_mask_BT, attn_BT = collate(sub, pad)
+        f = capture(target, input_ids_BT, attn_BT, chunk_tokens)
+        for b, sid in enumerate(ids):
+            n = len(sub[b]["input_ids"])
+            yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],
+                        "aux_hidden_T3H": f.aux_hidden_BT3H[b, :n], "last_hidden_TH": f.last_hidden_BTH[b, :n],
+                        "target_ids_T": f.target_ids_BT[b, :n]}
+
+
+def _lengths(rows) -> list[int]:
+    if hasattr(rows, "column_names") and "length" in rows.column_names:  # a tokenized datasets.Dataset
+        return [int(n) for n in rows["length"]]
+    return [len(r["input_ids"]) for r in rows]
+
+
+def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", shard_mb: float = 256.0,
+                batch_size: int = 1, chunk_tokens: int = 1024, progress: bool = True,
+                max_tokens: int = CAPTURE_TOKENS) -> Path:
+    """Capture the features of ``rows`` (sample id = row index) into the store at ``root``,
+    skipping the samples already in complete shards."""
+    from tqdm.auto import tqdm
+
+    lengths = _lengths(rows)
+    bpt = bytes_per_token(meta.hidden_size, dtype, len(meta.aux_layer_ids))
+    t0 = time.perf_counter()
+    with FeatureStoreWriter(root, meta, dtype, shard_mb) as writer:
+        done = writer.done()
+        todo = [i for i in range(len(lengths)) if i not in done]
+        total, left = sum(lengths), sum(lengths[i] for i in todo)
+        print(f"feature store {root}: {len(lengths):,} samples, {total:,} tokens x {bpt:,.0f} B/token ({dtype}) "
+              f"= {human_bytes(total * bpt)}; {len(done):,} samples already stored, {human_bytes(left * bpt)} to write")
+        check_disk(root, int(left * bpt))
+        batches = [b for b in plan_batches(lengths, batch_size, max_tokens) if not done.issuperset(b)]
+        with tqdm(total=left, unit="tok", unit_scale=True, desc="capture", disable=not progress, mininterval=1.0) as bar:
+            for sid, feats in iter_features(target, rows, batches, chunk_tokens):
+                if sid not in done:  # a batch straddling a complete shard is recomputed whole (same numbers)
+                    writer.add(sid, **feats)
+                    bar.update(lengths[sid])
+    seconds = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in Path(root).expanduser().glob("shard-*.safetensors"))
+    print(f"captured {len(todo):,} samples ({left:,} tokens) in {seconds:.1f} s = {left / max(seconds, 1e-9):,.0f} tokens/s; "
+          f"store {human_bytes(size)} on disk")
+    return Path(root).expanduser()
+
+
+def capture_store(cfg, progress: bool = True) -> Path:
+    """Load the target and the tokenized data of ``cfg`` and write the train split's features."""
+    from specforge.data.prepare import prepare_dataset
+    from specforge.device import set_threads
+    from specforge.models.target import load_target
+
+    set_threads(cfg.train.num_threads)
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its weight-loading bar too
+    target = load_target(cfg.model)
+    data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
+                           cache_dir=cfg.model.cache_dir, progress=progress)
+    meta = store_meta(cfg, target, source=data.cache_key)
+    return write_store(target, data.train, store_root(cfg), meta, cfg.store.dtype, cfg.store.shard_mb,
+                       cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress)
+
+
+def main(argv=None) -> int:
+    from specforge.config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m specforge.capture", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_samples=100")
+    args, extra = ap.parse_known_args(argv)
+    bad = [e for e in extra if e.startswith("-") or "=" not in e]
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    try:
+        root = capture_store(load_config(args.config, list(args.overrides) + extra), progress=not args.no_progress)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: complete shards are kept; rerun the same command to resume", file=sys.stderr)
+        return 130
+    print(f"feature store: {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""The offline feature store: target features of many samples, packed into safetensors shards.
+
+``python -m specforge.capture`` (and ``specforge.regenerate``) write it with
+:class:`FeatureStoreWriter`; offline training reads it memory-mapped with :class:`FeatureStore`,
+a third feature source beside in-process capture and p2p receive.
+
+A store folder::
+
+    index.json               format, meta (what the features mean), dtype, complete, and per shard:
+                             file, bytes, sha256, tokens, samples [{id, offset, length}]
+    shard-00000.safetensors  many samples concatenated along T:
+                             input_ids int32[N], loss_mask uint8[N], target_ids int32[N],
+                             aux_hidden [N, kH], last_hidden [N, H]   (bfloat16 stores), or
+                             int8 rows + aux_scale f32[N, k], last_scale f32[N, 1] (int8 stores)
+
+Only complete shards are in the index: a shard is written to ``*.tmp`` and renamed, then the
+index is rewritten the same way, so an interrupted capture leaves a valid store of the samples
+done so far; a rerun skips them (``done()``) and writes new shards only. Files the index does not
+name are stale and get overwritten.
+
+int8: one absmax scale per token per tensor (per captured layer for ``aux_hidden``): each layer
+has its own range, and a per-token scale follows the few very large rows (e.g. the first token).
+
+Legend: B batch, T tokens, H target hidden, k captured layers (3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from specforge.train.batch import TrainBatch
+
+FORMAT = "specforge-feature-store-v1"
+INDEX = "index.json"
+STORE_DTYPES = ("bfloat16", "int8")
+DISK_MARGIN = 1.05  # filesystem overhead + the index; refuse before starting, not 90% in
+_ID_BYTES = 4 + 4 + 1  # input_ids int32, target_ids int32, loss_mask uint8
+_MAX_OPEN = 64  # memory-mapped shard handles kept open (LRU), well under the usual fd limit
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """What the features mean. A store is only used by a run whose meta is equal."""
+
+    target: str  # target_fingerprint(target)
+    tokenizer: str  # specforge.data.prepare.tokenizer_fingerprint
+    vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    hidden_size: int
+    max_length: int  # data.max_length the samples were cut to
+    source: str  # what the samples are: the tokenized-data cache key, or "regenerated:<hash>"
+
+
+# ---------------------------------------------------------------- identity
+
+
+def target_fingerprint(target) -> str:
+    """Hash of the target's config, weight names and shapes, and a strided sample of every weight.
+
+    The sampled values are rounded to bf16 before hashing, so a float32 and a bfloat16 copy of the
+    same checkpoint agree (features differ by rounding only), while a different checkpoint of the
+    same architecture does not. Costs a few thousand elements per tensor, not a pass over weights.
+    """
+    model = getattr(target, "model", target)
+    config = {k: v for k, v in model.config.to_dict().items()
+              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version", "use_cache")}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, w in sorted(model.state_dict().items()):
+        flat = w.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16).cpu()
+        h.update(f"{name}:{tuple(w.shape)}:".encode())
+        h.update(sample.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def store_meta(cfg, target, source: str) -> StoreMeta:
+    """The meta of features of ``target`` on the samples ``source`` names, cut to data.max_length."""
+    from specforge.data.prepare import tokenizer_fingerprint
+
+    tok = target.tokenizer
+    return StoreMeta(
+        target=target_fingerprint(target),
+        tokenizer=tokenizer_fingerprint(tok) if tok is not None else "none",
+        vocab_size=int(target.config.vocab_size),
+        aux_layer_ids=tuple(int(i) for i in target.aux_layer_ids),
+        hidden_size=int(target.config.hidden_size),
+        max_length=int(cfg.data.max_length),
+        source=source,
+    )
+
+
+def store_root(cfg) -> Path:
+    """``store.dir``, or ``<train.output_dir>/features``."""
+    return Path(cfg.store.dir or Path(cfg.train.output_dir) / "features").expanduser()
+
+
+def check_meta(found: StoreMeta, expected: StoreMeta, root) -> None:
+    """ValueError naming every field where the store differs from what this run expects."""
+    diffs = [f"{f.name} (store: {getattr(found, f.name)!r}, this run: {getattr(expected, f.name)!r})"
+             for f in fields(StoreMeta) if getattr(found, f.name) != getattr(expected, f.name)]
+    if diffs:
+        raise ValueError(
+            f"feature store {root} was captured for a different setup: {'; '.join(diffs)}; "
+            f"point store.dir elsewhere or recapture with python -m specforge.capture"
+        )
+
+
+# ---------------------------------------------------------------- sizes and disk
+
+
+def bytes_per_token(hidden_size: int, dtype: str, num_aux: int = 3) -> float:
+    """On-disk bytes per token: hidden rows + int8 scales (if any) + input/target ids + loss mask."""
+    rows = (num_aux + 1) * hidden_size
+    if dtype == "bfloat16":
+        return rows * 2 + _ID_BYTES
+    if dtype == "int8":
+        return rows + (num_aux + 1) * 4 + _ID_BYTES
+    raise ValueError(f"store.dtype {dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_disk(root, nbytes: int) -> None:
+    """ValueError if the filesystem of ``root`` cannot hold ``nbytes`` plus a 5% margin."""
+    where = Path(root).expanduser().absolute()
+    while not where.exists():  # the store folder may not exist yet
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    need = int(nbytes * DISK_MARGIN)
+    if need > free:
+        raise ValueError(
+            f"not enough disk space for the feature store {root}: needs {human_bytes(need)} "
+            f"(expected size + 5%), {human_bytes(free)} free on {where}; free space, set store.dir "
+            f"to a larger disk, or use store.dtype=int8"
+        )
+
+
+# ---------------------------------------------------------------- int8 rows
+
+
+def quantize_rows(x_TW: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one absmax scale per token per group of W/groups columns."""
+    T, W = x_TW.shape
+    x = x_TW.float().view(T, groups, W // groups)
+    scale_TG = x.abs().amax(-1).clamp_min(1e-12) / 127.0
+    q = (x / scale_TG[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.view(T, W), scale_TG
+
+
+def dequantize_rows(q_TW: torch.Tensor, scale_TG: torch.Tensor) -> torch.Tensor:
+    T, W = q_TW.shape
+    G = scale_TG.shape[1]
+    return (q_TW.view(T, G, W // G).float() * scale_TG[..., None]).view(T, W)
+
+
+# ---------------------------------------------------------------- files
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to ``*.tmp``, fsync, rename: readers see the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_index(root: Path) -> dict:
+    path = root / INDEX
+    if not path.is_file():
+        raise ValueError(f"no feature store at {root} ({INDEX} missing); write one with python -m specforge.capture")
+    try:
+        idx = json.loads(path.read_text())
+        meta = StoreMeta(**{**idx["meta"], "aux_layer_ids": tuple(idx["meta"]["aux_layer_ids"])})
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"feature store index {path} is corrupt ({type(e).__name__}: {e})") from e
+    if idx.get("format") != FORMAT:
+        raise ValueError(f"feature store index {path} has format {idx.get('format')!r}, expected {FORMAT!r}")
+    idx["meta"] = meta
+    return idx
+
+
+def _shard_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+# ---------------------------------------------------------------- writing
+
+
+class FeatureStoreWriter:
+    """Pack samples into shards of about ``shard_mb``; resumes a store with the same meta.
+
+    Use as a context manager: a clean exit flushes the last shard and marks the store complete;
+    an exception leaves the store as of its last complete shard (what a killed process leaves),
+    so a rerun produces the same shards as an uninterrupted run.
+    """
+
+    def __init__(self, root, meta: StoreMeta, dtype: str = "bfloat16", shard_mb: float = 256.0):
+        bytes_per_token(meta.hidden_size, dtype)  # validates dtype
+        if shard_mb <= 0:
+            raise ValueError(f"store.shard_mb must be > 0, got {shard_mb}")
+        self.root, self.meta, self.dtype = Path(root).expanduser(), meta, dtype
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._shard_bytes = shard_mb * 2**20
+        self._shards = self._resume()
+        self._done = {s["id"] for sh in self._shards for s in sh["samples"]}
+        self._next = 1 + max((int(sh["file"].split("-")[1].split(".")[0]) for sh in self._shards), default=-1)
+        self._buf: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._buf_bytes = 0
+        self._closed = False
+
+    def _resume(self) -> list[dict]:
+        """The intact shards of an existing store at root (none for a new store)."""
+        if not (self.root / INDEX).is_file():
+            return []
+        idx = _load_index(self.root)
+        check_meta(idx["meta"], self.meta, self.root)
+        if idx["dtype"] != self.dtype:
+            raise ValueError(f"feature store {self.root} holds {idx['dtype']} features but store.dtype is "
+                             f"{self.dtype!r}; set store.dtype={idx['dtype']} or point store.dir elsewhere")
+        keep = []
+        for sh in idx["shards"]:
+            path = self.root / sh["file"]
+            if path.is_file() and path.stat().st_size == sh["bytes"]:
+                keep.append(sh)
+            else:  # its samples are captured again into a new shard
+                print(f"feature store: {path} is missing or truncated; its {len(sh['samples'])} samples will be redone")
+        return keep
+
+    def __enter__(self) -> "FeatureStoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        self._closed = True
+
+    def done(self) -> set[int]:
+        """Sample ids already in complete shards (callers skip them)."""
+        return set(self._done)
+
+    def add(self, sample_id: int, input_ids_T, loss_mask_T, aux_hidden_T3H, last_hidden_TH, target_ids_T) -> None:
+        """Buffer one sample's features; writes a shard when the buffer reaches shard_mb."""
+        if self._closed:
+            raise ValueError("FeatureStoreWriter.add after close")
+        sample_id = int(sample_id)
+        if sample_id in self._done or any(sid == sample_id for sid, _ in self._buf):
+            raise ValueError(f"sample id {sample_id} is already in the feature store {self.root}")
+        enc = self._encode(input_ids_T, loss_mask_T, aux_hidden_T3H, last_hidden_TH, target_ids_T)
+        self._buf.append((sample_id, enc))
+        self._buf_bytes += sum(t.numel() * t.element_size() for t in enc.values())
+        if self._buf_bytes >= self._shard_bytes:
+            self._flush()
+
+    def _encode(self, input_ids, loss_mask, aux, last, target_ids) -> dict[str, torch.Tensor]:
+        m, T = self.meta, int(input_ids.shape[0])
+        k, H = len(m.aux_layer_ids), m.hidden_size
+        want = {"loss_mask": (T,), "target_ids": (T,), "aux_hidden": (T, k * H), "last_hidden": (T, H)}
+        got = {"loss_mask": loss_mask, "target_ids": target_ids, "aux_hidden": aux, "last_hidden": last}
+        bad = [f"{n} {tuple(got[n].shape)} (expected {s})" for n, s in want.items() if tuple(got[n].shape) != s]
+        if bad or T > m.max_length or T < 1:
+            raise ValueError(f"feature store sample of {T} tokens (max_length {m.max_length}) has wrong shapes: "
+                             f"{', '.join(bad) or 'length out of range'}")
+        enc = {"input_ids": input_ids.to(torch.int32).cpu(), "loss_mask": loss_mask.to(torch.uint8).cpu(),
+               "target_ids": target_ids.to(torch.int32).cpu()}
+        if self.dtype == "bfloat16":  # cast on the device first: half the bytes to copy
+            enc["aux_hidden"], enc["last_hidden"] = aux.to(torch.bfloat16).cpu(), last.to(torch.bfloat16).cpu()
+        else:
+            enc["aux_hidden"], enc["aux_scale"] = (t.cpu() for t in quantize_rows(aux, k))
+            enc["last_hidden"], enc["last_scale"] = (t.cpu() for t in quantize_rows(last, 1))
+        return {n: t.contiguous() for n, t in enc.items()}
+
+    def _flush(self) -> None:
+        from safetensors.torch import save
+
+        if not self._buf:
+            return
+        samples, offset = [], 0
+        for sid, enc in self._buf:
+            n = int(enc["input_ids"].shape[0])
+            samples.append({"id": sid, "offset": offset, "length": n})
+            offset += n
+        tensors = {name: torch.cat([enc[name] for _, enc in self._buf]) for name in self._buf[0][1]}
+        data = save(tensors, metadata={"format": FORMAT})
+        name = _shard_name(self._next)
+        _atomic_write(self.root / name, data)
+        self._shards.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                             "tokens": offset, "samples": samples})
+        self._done.update(s["id"] for s in samples)
+        self._next += 1
+        self._buf, self._buf_bytes = [], 0
+        self._write_index(complete=False)
+
+    def _write_index(self, complete: bool) -> None:
+        idx = {"format": FORMAT, "meta": asdict(self.meta), "dtype": self.dtype, "complete": complete,
+               "shards": self._shards}
+        _atomic_write(self.root / INDEX, json.dumps(idx, sort_keys=True, separators=(",", ":")).encode())
+
+    def close(self) -> None:
+        """Flush the last partial shard and write the index marked complete."""
+        if self._closed:
+            return
+        self._flush()
+        self._write_index(complete=True)
+        self._closed = True
+
+
+# ---------------------------------------------------------------- reading
+
+
+class FeatureStore:
+    """A store opened for reading; shards are memory-mapped and only the rows asked for are copied.
+
+    ``ids`` is sorted, so index ``i`` names the same sample on every rank and in every run (the
+    sampler's ``global_batch_ids`` draws indices; the offline source maps them to ``ids[i]``).
+    Hidden tensors come back as bfloat16 from bfloat16 stores and as float32 from int8 stores.
+    """
+
+    def __init__(self, root, expect: Optional[StoreMeta] = None, allow_partial: bool = False):
+        self.root = Path(root).expanduser()
+        idx = _load_index(self.root)
+        self.meta: StoreMeta = idx["meta"]
+        self.dtype: str = idx["dtype"]
+        self.complete: bool = bool(idx["complete"])
+        if expect is not None:
+            check_meta(self.meta, expect, self.root)
+        if not self.complete and not allow_partial:
+            raise ValueError(f"feature store {self.root} is incomplete (its capture was interrupted); "
+                             f"rerun the same python -m specforge.capture command to finish it")
+        self._shards = idx["shards"]
+        self._where = {s["id"]: (i, s["offset"], s["length"]) for i, sh in enumerate(self._shards) for s in sh["samples"]}
+        self.ids: list[int] = sorted(self._where)
+        self.lengths: dict[int, int] = {i: self._where[i][2] for i in self.ids}
+        self._open: OrderedDict[int, object] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(sh["tokens"] for sh in self._shards)
+
+    def __getstate__(self) -> dict:  # picklable (e.g. to worker processes): handles are reopened there
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def _handle(self, shard: int):
+        """The open (memory-mapped) shard, after a cheap check that it is the file the index names."""
+        from safetensors import SafetensorError, safe_open
+
+        if shard in self._open:
+            self._open.move_to_end(shard)
+            return self._open[shard]
+        sh = self._shards[shard]
+        path = self.root / sh["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != sh["bytes"]:
+            state = "is missing" if size is None else f"is truncated or was modified ({size} bytes, index says {sh['bytes']})"
+            raise ValueError(f"feature store shard {path} {state}; recapture with python -m specforge.capture")
+        try:
+            handle = safe_open(str(path), framework="pt")
+            if handle.get_slice("input_ids").get_shape() != [sh["tokens"]]:
+                raise ValueError("input_ids length differs from the index")
+        except (SafetensorError, OSError, ValueError, KeyError) as e:
+            raise ValueError(f"feature store shard {path} is corrupt ({e}); recapture with python -m specforge.capture") from e
+        self._open[shard] = handle
+        if len(self._open) > _MAX_OPEN:
+            self._open.popitem(last=False)
+        return handle
+
+    def read(self, sample_id: int, start: int = 0, stop: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Tokens ``[start, stop)`` of one sample (default all): input_ids, loss_mask, target_ids
+        int64 [T]; aux_hidden [T, kH]; last_hidden [T, H]. An SP rank can read just its slice."""
+        from safetensors import SafetensorError
+
+        if sample_id not in self._where:
+            raise ValueError(f"sample id {sample_id} is not in the feature store {self.root}")
+        shard, offset, n = self._where[sample_id]
+        lo, hi = offset + min(start, n), offset + (n if stop is None else min(stop, n))
+        h = self._handle(shard)
+        try:
+            t = {name: h.get_slice(name)[lo:hi] for name in h.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"feature store shard {self.root / self._shards[shard]['file']} is corrupt ({e})") from e
+        out = {name: t[name].long() for name in ("input_ids", "loss_mask", "target_ids")}
+        if self.dtype == "int8":
+            out["aux_hidden"] = dequantize_rows(t["aux_hidden"], t["aux_scale"])
+            out["last_hidden"] = dequantize_rows(t["last_hidden"], t["last_scale"])
+        else:
+            out["aux_hidden"], out["last_hidden"] = t["aux_hidden"], t["last_hidden"]
+        return out
+
+    def batch(self, sample_ids: Sequence[int], pad_id: int) -> TrainBatch:
+        """The samples right-padded to the longest: pad id / loss mask 0 / zero features / target 0,
+        as ``specforge.train.batch.collate`` pads ids and masks."""
+        rows = [self.read(i) for i in sample_ids]
+        T = max(r["input_ids"].shape[0] for r in rows)
+
+        def stack(name: str, fill: int) -> torch.Tensor:
+            first = rows[0][name]
+            out = torch.full((len(rows), T, *first.shape[1:]), fill, dtype=first.dtype)
+            for b, r in enumerate(rows):
+                out[b, : r[name].shape[0]] = r[name]
+            return out
+
+        return TrainBatch(input_ids_BT=stack("input_ids", pad_id), loss_mask_BT=stack("loss_mask", 0),
+                          aux_hidden_BT3H=stack("aux_hidden", 0), last_hidden_BTH=stack("last_hidden", 0),
+                          target_ids_BT=stack("target_ids", 0))
+
+    def verify(self) -> None:
+        """Check every shard's sha256 against the index (reads the whole store once)."""
+        for sh in self._shards:
+            path = self.root / sh["file"]
+            h = hashlib.sha256()
+            try:
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+            except OSError as e:
+                raise ValueError(f"feature store shard {path} cannot be read ({e})") from e
+            if h.hexdigest() != sh["sha256"]:
+                raise ValueError(f"feature store shard {path} is corrupt (sha256 differs from the index)")

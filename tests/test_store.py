@@ -1,0 +1,332 @@
+"""The offline feature store and ``python -m specforge.capture`` on tiny random Llama targets."""
+
+import dataclasses
+import json
+import os
+from collections import namedtuple
+
+import pytest
+import torch
+
+import specforge.data.store as store_mod
+import specforge.models.target as target_mod
+from specforge.capture import iter_features, main, plan_batches, write_store
+from specforge.config import Config, DataConfig
+from specforge.data.store import (
+    FeatureStore, FeatureStoreWriter, bytes_per_token, check_disk, dequantize_rows, quantize_rows, store_meta,
+    target_fingerprint,
+)
+from specforge.models.target import TargetModel
+from specforge.train.batch import collate
+from tests.test_target import tiny_target
+
+AUX = [1, 2, 3]
+SHARD_MB = 0.03  # ~5 samples per shard at H=48: several shards from a dozen samples
+TOKENS = 80  # padded tokens per target forward: several forwards from a dozen samples
+
+
+def make_target(seed=0):
+    torch.manual_seed(seed)
+    model = tiny_target(num_layers=6)
+    if seed:  # a different checkpoint of the same architecture
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    return TargetModel(model=model, tokenizer=None, aux_layer_ids=AUX, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(14):
+        n = int(torch.randint(5, 40, (1,), generator=g))
+        mask = (torch.arange(n) >= n // 3).long()
+        out.append({"input_ids": torch.randint(0, 320, (n,), generator=g).tolist(), "loss_mask": mask.tolist()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def meta(target):
+    return store_meta(Config(data=DataConfig(max_length=64)), target, source="test-rows")
+
+
+def reference(target, rows):
+    """Features exactly as write_store computes them (same batches, same padding)."""
+    lengths = [len(r["input_ids"]) for r in rows]
+    return dict(iter_features(target, rows, plan_batches(lengths, 2, TOKENS), 1024))
+
+
+def write(target, rows, root, meta, dtype="bfloat16"):
+    return write_store(target, rows, root, meta, dtype, SHARD_MB, batch_size=2, progress=False, max_tokens=TOKENS)
+
+
+def index(root):
+    return json.loads((root / "index.json").read_text())
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_bf16_round_trip_is_exact(target, rows, meta, tmp_path):
+    write(target, rows, tmp_path, meta)
+    store = FeatureStore(tmp_path, expect=meta)
+    assert len(index(tmp_path)["shards"]) > 1
+    assert store.ids == list(range(len(rows))) and store.dtype == "bfloat16"
+    assert store.lengths == {i: len(r["input_ids"]) for i, r in enumerate(rows)}
+    ref = reference(target, rows)
+    for sid in store.ids:
+        got, want = store.read(sid), ref[sid]
+        assert got["input_ids"].dtype == torch.int64 and got["input_ids"].tolist() == rows[sid]["input_ids"]
+        assert got["loss_mask"].tolist() == rows[sid]["loss_mask"]
+        assert torch.equal(got["target_ids"], want["target_ids_T"])
+        assert torch.equal(got["aux_hidden"], want["aux_hidden_T3H"].to(torch.bfloat16))
+        assert torch.equal(got["last_hidden"], want["last_hidden_TH"].to(torch.bfloat16))
+    part = store.read(3, start=2, stop=7)  # an SP rank's slice
+    assert torch.equal(part["aux_hidden"], store.read(3)["aux_hidden"][2:7])
+
+
+def test_int8_round_trip_within_bound(target, rows, meta, tmp_path):
+    write(target, rows, tmp_path, meta, dtype="int8")
+    store = FeatureStore(tmp_path, expect=meta)
+    ref = reference(target, rows)
+    for sid in store.ids:
+        got = store.read(sid)
+        assert got["aux_hidden"].dtype == torch.float32
+        assert torch.equal(got["target_ids"], ref[sid]["target_ids_T"])
+        for name, key, groups in (("aux_hidden", "aux_hidden_T3H", 3), ("last_hidden", "last_hidden_TH", 1)):
+            want = ref[sid][key]
+            err = (got[name] - want).view(want.shape[0], groups, -1)
+            absmax = want.view(want.shape[0], groups, -1).abs().amax(-1, keepdim=True)
+            assert (err.abs() <= absmax / 254 * 1.001 + 1e-6).all()  # half a step of the row's scale
+            assert (got[name] - want).norm() / want.norm() < 0.01
+
+
+def test_quantize_per_layer_keeps_small_layers():
+    x = torch.cat([torch.randn(4, 8) * 100, torch.randn(4, 8) * 0.01], dim=1)  # two layers, 1e4 apart
+    q, s = quantize_rows(x, groups=2)
+    y = dequantize_rows(q, s)
+    assert q.dtype == torch.int8 and s.shape == (4, 2)
+    assert ((y[:, 8:] - x[:, 8:]).norm() / x[:, 8:].norm()) < 0.01  # one scale per row would zero them
+
+
+def test_bytes_on_disk_match_bytes_per_token(target, rows, meta, tmp_path):
+    sizes = {}
+    for dtype in ("bfloat16", "int8"):
+        root = tmp_path / dtype
+        write(target, rows, root, meta, dtype)
+        idx = index(root)
+        tokens = sum(sh["tokens"] for sh in idx["shards"])
+        sizes[dtype] = sum((root / sh["file"]).stat().st_size for sh in idx["shards"]) / tokens
+        # the rest is the safetensors JSON headers (~1 KB per shard, large next to tiny H=48 shards)
+        assert bytes_per_token(48, dtype) <= sizes[dtype] <= bytes_per_token(48, dtype) * 1.1
+    assert bytes_per_token(576, "bfloat16") == 4 * 576 * 2 + 9
+    assert bytes_per_token(576, "int8") < 0.52 * bytes_per_token(576, "bfloat16")
+    with pytest.raises(ValueError, match="store.dtype"):
+        bytes_per_token(48, "float8")
+
+
+def test_batch_pads_like_collate(target, rows, meta, tmp_path):
+    write(target, rows, tmp_path, meta)
+    store = FeatureStore(tmp_path)
+    ids = [4, 0, 9]
+    b = store.batch(ids, pad_id=7)
+    want_ids, want_mask, attn = collate([rows[i] for i in ids], 7)
+    assert torch.equal(b.input_ids_BT, want_ids) and torch.equal(b.loss_mask_BT, want_mask)
+    T = want_ids.shape[1]
+    assert b.aux_hidden_BT3H.shape == (3, T, 3 * 48) and b.last_hidden_BTH.shape == (3, T, 48)
+    for j, sid in enumerate(ids):
+        n = store.lengths[sid]
+        one = store.read(sid)
+        assert torch.equal(b.aux_hidden_BT3H[j, :n], one["aux_hidden"])
+        assert torch.equal(b.target_ids_BT[j, :n], one["target_ids"])
+        assert not b.aux_hidden_BT3H[j, n:].any() and not b.last_hidden_BTH[j, n:].any()
+        assert not b.target_ids_BT[j, n:].any() and not b.loss_mask_BT[j, n:].any()
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_interrupted_capture_resumes_without_rewriting_shards(target, rows, meta, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    write(target, rows, full, meta)
+
+    real, calls = target_mod.capture, []
+
+    class Killed(Exception):  # stands for Ctrl-C / a kill: the writer must not flush on the way out
+        pass
+
+    def dies_on_fifth_forward(*a, **k):
+        calls.append(1)
+        if len(calls) == 5 and not resuming:
+            raise Killed
+        return real(*a, **k)
+
+    resuming = False
+    monkeypatch.setattr(target_mod, "capture", dies_on_fifth_forward)
+    root = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        write(target, rows, root, meta)
+    partial = index(root)
+    assert not partial["complete"] and 0 < len(partial["shards"]) < len(index(full)["shards"])
+    with pytest.raises(ValueError, match="incomplete"):
+        FeatureStore(root)
+    kept = {sh["file"]: os.stat(root / sh["file"]) for sh in partial["shards"]}
+    done = {s["id"] for sh in partial["shards"] for s in sh["samples"]}
+    stale = root / f"shard-{len(partial['shards']):05d}.safetensors"
+    stale.write_bytes(b"half-written shard that never made it into the index")
+
+    calls.clear()
+    resuming = True
+    write(target, rows, root, meta)
+    batches = plan_batches([len(r["input_ids"]) for r in rows], 2, TOKENS)
+    assert len(calls) == sum(1 for b in batches if not done.issuperset(b))  # finished batches skipped
+    for name, st in kept.items():
+        now = os.stat(root / name)
+        assert (now.st_ino, now.st_mtime_ns, now.st_size) == (st.st_ino, st.st_mtime_ns, st.st_size)
+    assert index(root) == index(full)  # same shards, same bytes (sha256), same sample placement
+    FeatureStore(root).verify()
+
+
+def test_writer_refuses_other_meta_or_dtype(target, rows, meta, tmp_path):
+    write(target, rows[:3], tmp_path, meta)
+    with pytest.raises(ValueError, match="max_length"):
+        FeatureStoreWriter(tmp_path, dataclasses.replace(meta, max_length=32))
+    with pytest.raises(ValueError, match="store.dtype"):
+        FeatureStoreWriter(tmp_path, meta, dtype="int8")
+    w = FeatureStoreWriter(tmp_path, meta)
+    assert w.done() == {0, 1, 2}
+    with pytest.raises(ValueError, match="already in the feature store"):
+        w.add(1, *[torch.zeros(2)] * 5)
+
+
+# ---------------------------------------------------------------- identity
+
+
+@pytest.mark.parametrize("field,other", [("target", None), ("max_length", 32), ("vocab_size", 999),
+                                         ("tokenizer", "another-tokenizer"), ("source", "other-data")])
+def test_store_of_another_setup_is_refused(target, rows, meta, tmp_path, field, other):
+    write(target, rows[:3], tmp_path, meta)
+    if field == "target":
+        other = target_fingerprint(make_target(seed=1))
+    with pytest.raises(ValueError, match=rf"different setup: {field} \(store"):
+        FeatureStore(tmp_path, expect=dataclasses.replace(meta, **{field: other}))
+
+
+def test_target_fingerprint_ignores_dtype_not_weights():
+    a, b = make_target(), make_target()
+    b.model.to(torch.bfloat16)
+    assert target_fingerprint(a) == target_fingerprint(b)
+    assert target_fingerprint(a) != target_fingerprint(make_target(seed=1))
+
+
+# ---------------------------------------------------------------- corruption and disk
+
+
+def test_corrupt_or_truncated_shard_names_the_file(target, rows, meta, tmp_path):
+    write(target, rows, tmp_path, meta)
+    shards = index(tmp_path)["shards"]
+    first, second, third = (tmp_path / sh["file"] for sh in shards[:3])
+    in_first, in_second, in_third = (sh["samples"][0]["id"] for sh in shards[:3])
+
+    data = bytearray(third.read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in the tensor bytes: only the checksum sees it
+    third.write_bytes(bytes(data))
+    FeatureStore(tmp_path).read(in_third)
+    with pytest.raises(ValueError, match=rf"{third.name} is corrupt \(sha256"):
+        FeatureStore(tmp_path).verify()
+
+    data = first.read_bytes()
+    first.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{first.name} is truncated"):
+        FeatureStore(tmp_path).read(in_first)
+
+    data = second.read_bytes()
+    second.write_bytes(b"\xff" * 16 + data[16:])  # same size, unreadable header
+    with pytest.raises(ValueError, match=rf"{second.name} is corrupt"):
+        FeatureStore(tmp_path).read(in_second)
+
+    (tmp_path / "index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="index.json is corrupt"):
+        FeatureStore(tmp_path)
+    with pytest.raises(ValueError, match="no feature store"):
+        FeatureStore(tmp_path / "nowhere")
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_check_disk_refuses_before_writing(target, rows, meta, tmp_path, monkeypatch):
+    monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda p: Usage(10_000, 9_000, 1_000))
+    check_disk(tmp_path / "not" / "yet", 900)  # 945 with the margin: fits
+    with pytest.raises(ValueError, match=r"needs 1\.0 KiB .*1000 B free"):
+        check_disk(tmp_path, 1_000)
+    with pytest.raises(ValueError, match="not enough disk space"):
+        write(target, rows, tmp_path / "store", meta)
+    assert not list((tmp_path / "store").glob("shard-*"))
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny random Llama target + ChatML tokenizer folder and a tiny ShareGPT JSONL."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.test_data_prepare import make_tokenizer, rec, write_jsonl
+
+    root = tmp_path_factory.mktemp("assets")
+    tok = make_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    words = "hello world user assistant system question answer".split()
+    convs = [rec(" ".join(words[(i + j) % 7] for j in range(3 + i % 4)),
+                 " ".join(words[(2 * i + j) % 7] for j in range(6 + i % 5))) for i in range(12)]
+    write_jsonl(root / "data.jsonl", convs)
+    return root
+
+
+def cli_args(assets, out, *extra):
+    return [f"model.target_path={assets / 'target'}", "model.dtype=float32", f"model.cache_dir={assets / 'cache'}",
+            f"data.path={assets / 'data.jsonl'}", "data.max_length=64", "data.num_eval=2", "train.batch_size=2",
+            f"train.output_dir={out}", "store.shard_mb=0.02", "--no-progress", *extra]
+
+
+def test_capture_cli_end_to_end(assets, tmp_path, capsys):
+    from specforge.config import load_config
+    from specforge.data.prepare import prepare_dataset
+    from specforge.models.target import capture, load_target
+
+    assert main(cli_args(assets, tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "B/token (bfloat16)" in out and "0 samples already stored" in out
+
+    overrides = [a for a in cli_args(assets, tmp_path) if "=" in a]
+    cfg = load_config(None, overrides)
+    tgt = load_target(cfg.model)
+    data = prepare_dataset(cfg.data, tgt.tokenizer, cache_dir=cfg.model.cache_dir, progress=False)
+    store = FeatureStore(tmp_path / "features", expect=store_meta(cfg, tgt, data.cache_key))
+    assert len(store) == len(data.train) == 10
+    row = data.train[5]
+    got = store.read(5)
+    assert got["input_ids"].tolist() == row["input_ids"] and got["loss_mask"].tolist() == row["loss_mask"]
+    alone = capture(tgt, torch.tensor([row["input_ids"]]))  # unpadded: equal up to bf16 rounding
+    torch.testing.assert_close(got["aux_hidden"].float(), alone.aux_hidden_BT3H[0], atol=0.05, rtol=0.02)
+
+    assert main(cli_args(assets, tmp_path)) == 0  # a complete store: nothing to do
+    assert "10 samples already stored, 0 B to write" in capsys.readouterr().out
+
+    assert main(cli_args(assets, tmp_path, "store.dtype=int8")) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "store.dtype" in last
+    assert main(cli_args(assets, tmp_path, "data.max_length=32")) == 1
+    assert "max_length (store: 64, this run: 32)" in capsys.readouterr().err
