@@ -10,7 +10,7 @@ a path), spawns the workers, and per step sends every worker the same small ``St
     disaggregated   rollout workers (target) -> p2p features -> train workers (draft, FSDP2 x SP)
 
 With sequence parallelism (parallel.sp_ulysses x parallel.sp_ring = P) a DP group is P consecutive
-train ranks; each gets only its slice (+ halo) of every sample (see ``Planner``).
+train ranks; each gets only its slice (+ halo) of every sample (``runtime/plan.py``).
 
 Rollout may run ahead of training, bounded by ``placement.max_inflight_mb`` of features in
 flight; completion is signalled by ObjectRefs (``gather``, with a timeout), never by polling.
@@ -30,97 +30,13 @@ from typing import Optional
 import ray
 
 from specforge.config import Config, load_config
+from specforge.parallel.dims import ParallelDims
 from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
-from specforge.runtime.contracts import FeatureSpec, SampleRef, StepPlan, StepReport, assert_no_tensors, plan_step
-from specforge.runtime.workers import Layout, RolloutWorker, TrainWorker, parallel_dims
-from specforge.train.batch import global_batch_ids, split_for_ranks
+from specforge.runtime.contracts import Layout, StepReport, assert_no_tensors
+from specforge.runtime.plan import Planner, RunData, prepare
+from specforge.runtime.workers import RolloutWorker, TrainWorker
 
 MAX_STEPS_AHEAD = 8  # submitted-but-unfinished steps, whatever the byte budget allows
-
-
-# ---------------------------------------------------------------- what the driver knows
-
-
-@dataclass(frozen=True)
-class RunData:
-    """Metadata of the prepared data: sample lengths and where the workers find things."""
-
-    lengths: tuple[int, ...]  # of the train split, by sample id
-    vocab_path: str
-    hidden_size: int
-    wire_dtype: str  # dtype of the hidden-state features on the data plane
-
-
-def prepare(cfg: Config, use_gpu: bool) -> RunData:
-    """Tokenize into the shared cache and write the draft vocab file (no model weights loaded)."""
-    from transformers import AutoConfig
-
-    from specforge.data.prepare import prepare_dataset
-    from specforge.models.target import load_tokenizer, resolve_target_path
-    from specforge.train.trainer import build_vocab, vocab_path
-
-    tokenizer = load_tokenizer(cfg.model)
-    data = prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir)
-    print(data.stats.table())
-    target_cfg = AutoConfig.from_pretrained(resolve_target_path(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
-    build_vocab(cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
-    return RunData(
-        lengths=tuple(int(n) for n in data.train.data.column("length").to_pylist()),
-        vocab_path=str(vocab_path(cfg, data.cache_key)),
-        hidden_size=int(target_cfg.hidden_size),
-        wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
-    )
-
-
-def wire_dtype(model_dtype: str, use_gpu: bool) -> str:
-    """Features travel in the target's own dtype: bf16 on GPUs by default, fp32 on CPU
-    (CPU matmuls are not faster in bf16 here, and fp32 keeps every placement bit-comparable)."""
-    if model_dtype != "auto":
-        return model_dtype
-    return "bfloat16" if use_gpu else "float32"
-
-
-class Planner:
-    """Step -> ``StepPlan``: a pure function of (seed, step), the same on every call.
-
-    Sequence parallelism of degree P: DP group g is the P consecutive train ranks
-    ``train_ranks[g*P:(g+1)*P]`` (``ParallelDims``' layout: ulysses innermost, then ring, then
-    dp), in SP-rank order; each gets only its slice of every sample plus a halo of
-    ``ttt_length + 1`` tokens, the slices splitting the sample's micro-batch padded length."""
-
-    def __init__(self, cfg: Config, data: RunData, layout: Layout):
-        self.cfg, self.data, self.layout = cfg, data, layout
-        dims = parallel_dims(cfg)
-        self.dp, self.sp = dims.dp, dims.sp
-        self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
-        self.spec = FeatureSpec.eagle3(data.hidden_size, data.wire_dtype)
-        self._cache: dict[int, StepPlan] = {}
-
-    def __call__(self, step: int) -> StepPlan:
-        if step not in self._cache:
-            self._cache = {s: p for s, p in self._cache.items() if s >= step - 1}
-            self._cache[step] = self._plan(step)
-        return self._cache[step]
-
-    def _plan(self, step: int) -> StepPlan:
-        ids = global_batch_ids(len(self.data.lengths), self.global_batch, self.cfg.train.seed, step)
-        per_rank = split_for_ranks(ids, self.dp, self.cfg.train.grad_accum)
-        groups = [[SampleRef(i, self.data.lengths[i]) for micro in rank for i in micro] for rank in per_rank]
-        P, ranks = self.sp, self.layout.train_ranks
-        dst = [list(ranks[g * P : (g + 1) * P]) for g in range(self.dp)]
-        if self.layout.mode == "colocated":
-            # every train rank computes its group's features itself (no transfers are executed);
-            # round robin = group g to its first rank
-            return plan_step(step, groups, [d[0] for d in dst], dst, self.spec, policy="round_robin")
-        # the micro-batches the train ranks cut (``workers.micro_batches``): their padded length
-        bs = self.cfg.train.batch_size
-        padded = [[max(r.length for r in g[(i // bs) * bs : (i // bs + 1) * bs]) for i in range(len(g))] for g in groups]
-        return plan_step(step, groups, self.layout.rollout_ranks, dst, self.spec,
-                         halo=self.cfg.draft.ttt_length + 1 if P > 1 else 0, padded_lengths=padded)
-
-    def step_bytes(self, step: int) -> int:
-        plan = self(step)
-        return 0 if self.layout.mode == "colocated" else sum(plan.recv_bytes(r) for r in self.layout.train_ranks)
 
 
 # ---------------------------------------------------------------- the cluster
@@ -313,7 +229,7 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
 def check(cfg: Config) -> None:
     if cfg.placement.mode == "offline":
         raise ValueError("config key 'placement.mode': 'offline' is not run by ray_train; use 'colocated' or 'disaggregated'")
-    parallel_dims(cfg)  # train.num_workers must be a multiple of sp_ulysses * sp_ring
+    ParallelDims.from_config(cfg)  # train.num_workers must be a multiple of sp_ulysses * sp_ring
     if cfg.rollout.tp_size != 1:
         raise ValueError(f"config key 'rollout.tp_size'={cfg.rollout.tp_size}: tensor-parallel rollout is not "
                          "supported (one target replica per rollout worker, e.g. on CPU); use 1")

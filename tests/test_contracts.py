@@ -85,9 +85,19 @@ def test_sp_slices_cover_the_sample_with_halo():
     owned = [(t.dst_rank, t.start, t.end, t.stop) for t in plan.transfers]
     assert owned == [(1, 0, 4, 7), (2, 4, 8, 11), (3, 8, 11, 11)]
     # padded micro-batch length: the slices split the padded length
-    plan = plan_step(0, [[SampleRef(0, 5), SampleRef(1, 9)]], [0], [[1, 2]], SPEC, halo=2, padded_lengths=[[9, 9]])
+    plan = plan_step(0, [[SampleRef(0, 5), SampleRef(1, 9)]], [0], [[1, 2]], SPEC, halo=2, micro_batch_size=2)
     assert [(t.sample_id, t.dst_rank, t.start, t.end, t.stop) for t in plan.transfers] == [
         (0, 1, 0, 5, 5), (0, 2, 5, 5, 5), (1, 1, 0, 5, 7), (1, 2, 5, 9, 9)]
+
+
+def test_plan_holds_micro_batches_and_padded_lengths_and_colocated_plans_no_transfers():
+    groups = [[SampleRef(0, 5), SampleRef(1, 9), SampleRef(2, 3)], [SampleRef(3, 4), SampleRef(4, 2), SampleRef(5, 7)]]
+    plan = plan_step(0, groups, [0], [[1], [2]], SPEC, micro_batch_size=2)
+    assert plan.micro_batches == (((0, 1), (2,)), ((3, 4), (5,)))
+    assert plan.padded_lengths == ((9, 3), (4, 7))
+    colocated = plan_step(0, groups, [], [[1], [2]], SPEC, micro_batch_size=2, split="eval")
+    assert colocated.transfers == () and colocated.rollout_batches == () and colocated.recv_bytes(1) == 0
+    assert (colocated.micro_batches, colocated.padded_lengths, colocated.split) == (plan.micro_batches, plan.padded_lengths, "eval")
 
 
 def test_balanced_assignment_evens_tokens_and_round_robin_cycles():

@@ -76,6 +76,17 @@ class ParallelDims:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel degree {name}={v!r}: expected an integer >= 1")
 
+    @classmethod
+    def from_config(cls, cfg) -> "ParallelDims":
+        """The train ranks' degrees of a run ``Config``: ``dp = train.num_workers / (sp_ulysses * sp_ring)``."""
+        sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
+        if sp < 1 or cfg.train.num_workers % sp:
+            raise ValueError(
+                f"config keys 'train.num_workers'={cfg.train.num_workers} and 'parallel.sp_ulysses'="
+                f"{cfg.parallel.sp_ulysses} x 'parallel.sp_ring'={cfg.parallel.sp_ring}: the number of train "
+                f"workers must be a multiple of the sequence-parallel degree {sp}")
+        return cls(cfg.train.num_workers // sp, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring)
+
     @property
     def sp(self) -> int:
         return self.sp_ulysses * self.sp_ring

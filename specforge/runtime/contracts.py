@@ -4,16 +4,18 @@ Stdlib only, frozen, and tensor-free: these travel through Ray calls, so they mu
 Tensors move on the data plane (``runtime/dataplane.py``, whose ``FeatureBatch`` is the one
 tensor-bearing type). ``assert_no_tensors`` guards the boundary.
 
-``plan_step`` is the planner: from the samples each data-parallel (DP) group trains on this step
-it decides which rollout worker runs the target over which samples (one batched forward per
-rollout worker) and the ordered list of point-to-point transfers that both ends execute.
+``plan_step`` writes a step down: from the samples each data-parallel (DP) group trains on it
+cuts the groups' micro-batches and their padded lengths, decides which rollout worker runs the
+target over which samples (one batched forward per rollout worker) and the ordered list of
+point-to-point transfers that both ends execute. Workers execute a plan; they derive nothing.
+``runtime/plan.py`` (``Planner``) decides the samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 # Bytes per element of the dtype names a FeatureField may use (torch dtype names).
 DTYPE_BYTES = {
@@ -28,6 +30,17 @@ class SampleRef:
 
     sample_id: int
     length: int  # tokens
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who is who in the communicator, and where features come from (metadata only)."""
+
+    mode: str  # placement.mode: "colocated" | "disaggregated" (picks the train ranks' feature source)
+    rollout_ranks: tuple[int, ...]  # empty when the train ranks compute their own features
+    train_ranks: tuple[int, ...]  # in ParallelDims order: DP group g = train_ranks[g*sp:(g+1)*sp]
+    vocab_path: str
+    mailbox: Optional[str] = None  # object-store transport: name of the mailbox actor
 
 
 @dataclass(frozen=True)
@@ -112,15 +125,18 @@ class StepPlan:
     """Everything both ends of the data plane need for one step, identical on every rank."""
 
     step: int
-    rollout_ranks: tuple[int, ...]
+    rollout_ranks: tuple[int, ...]  # empty: the train ranks compute their features (no transfers)
     # rollout_batches[i]: the sample ids rollout_ranks[i] runs in its ONE forward this step
     # (the union of what the DP groups it serves need, each sample exactly once globally).
     rollout_batches: tuple[tuple[int, ...], ...]
     lengths: tuple[tuple[int, int], ...]  # (sample_id, length), sorted by id
-    group_samples: tuple[tuple[int, ...], ...]  # per DP group, its samples in training order
+    # per DP group, its micro-batches (sample ids, training order) and what each is padded to
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    padded_lengths: tuple[tuple[int, ...], ...]
     group_ranks: tuple[tuple[int, ...], ...]  # per DP group, its train ranks (SP slice order)
     transfers: tuple[Transfer, ...]  # the order both ends execute
     feature_spec: FeatureSpec
+    split: str = "train"  # the data split the sample ids index ("train" | "eval")
 
     def batch_of(self, rollout_rank: int) -> tuple[int, ...]:
         return self.rollout_batches[self.rollout_ranks.index(rollout_rank)]
@@ -167,11 +183,17 @@ def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[in
     return start, start + C, start + C + halo
 
 
+def sp_halo(ttt_length: int) -> int:
+    """Rows past its own a sequence-parallel rank reads: step i of row t reads x_{t+1+i}, the
+    teacher/argmax at t+1+i and the loss mask at t+2+i."""
+    return ttt_length + 1
+
+
 def sp_slice_bounds(seq_len: int, sp_rank: int, sp_size: int, ttt_length: int) -> tuple[int, int, int]:
     """``(start, end, window_end)``: owned rows ``[start, end)``; ids/mask/targets/last hidden
-    are needed on ``[start, window_end)`` (= end + ttt_length + 1); all may run past ``seq_len``
+    are needed on ``[start, window_end)`` (= end + sp_halo); all may run past ``seq_len``
     (zero padding). The sequence is padded to a multiple of ``sp_size``."""
-    return slice_bounds(seq_len, sp_rank, sp_size, ttt_length + 1)
+    return slice_bounds(seq_len, sp_rank, sp_size, sp_halo(ttt_length))
 
 
 def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | None = None) -> list[tuple[int, int, int]]:
@@ -219,22 +241,23 @@ def plan_step(
     feature_spec: FeatureSpec,
     policy: Policy = "balanced",
     halo: int = 0,
-    padded_lengths: Sequence[Sequence[int]] | None = None,
+    micro_batch_size: int = 1,
+    split: str = "train",
 ) -> StepPlan:
-    """Plan one step of the data plane.
+    """Plan one step.
 
-    Each DP group is assigned to a rollout worker (``assign_groups``). A sample is forwarded
-    once, by the worker of the first group that lists it, so each rollout batch is the union of
-    its groups' samples. Every sample goes to every rank of each group that lists it; with
-    several ranks per group (sequence parallelism) rank j gets the j-th slice plus ``halo``
-    (:func:`split_slices`); ``padded_lengths[g][i]`` is the length sample i of group g is padded
-    to in its micro-batch (the slices split that length; default: the sample's own length). Transfers are ordered by (source, position in its batch, group, slice), a pure
-    function of the inputs, so all ranks derive the same order.
+    Each DP group's samples are cut, in order, into micro-batches of ``micro_batch_size``, each
+    padded to its longest sample. Each DP group is assigned to a rollout worker
+    (``assign_groups``); no rollout ranks = the train ranks compute their own features (no
+    transfers). A sample is forwarded once, by the worker of the first group that lists it, so
+    each rollout batch is the union of its groups' samples. Every sample goes to every rank of
+    each group that lists it; with several ranks per group (sequence parallelism) rank j gets the
+    j-th slice of the micro-batch's padded length plus ``halo`` (:func:`split_slices`).
+    Transfers are ordered by (source, position in its batch, group, slice), a pure function of
+    the inputs, so all ranks derive the same order.
     """
     if len(dp_groups_samples) != len(dp_dst_ranks):
         raise ValueError(f"plan_step: {len(dp_groups_samples)} DP groups but {len(dp_dst_ranks)} rank lists")
-    if not rollout_ranks:
-        raise ValueError("plan_step: need at least one rollout rank")
     lengths: dict[int, int] = {}
     for g, group in enumerate(dp_groups_samples):
         if not dp_dst_ranks[g]:
@@ -244,41 +267,42 @@ def plan_step(
         for ref in group:
             if lengths.setdefault(ref.sample_id, ref.length) != ref.length:
                 raise ValueError(f"sample {ref.sample_id} listed with two lengths")
-    tokens = [sum(r.length for r in group) for group in dp_groups_samples]
-    owner = assign_groups(tokens, len(rollout_ranks), policy)
+    micro = [[group[s : s + micro_batch_size] for s in range(0, len(group), micro_batch_size)] for group in dp_groups_samples]
+    padded = [[max(r.length for r in mb) for mb in group] for group in micro]
+    owner = assign_groups([sum(r.length for r in group) for group in dp_groups_samples], len(rollout_ranks), policy) \
+        if rollout_ranks else []
 
     source: dict[int, int] = {}  # sample id -> rollout worker index
     batches: list[list[int]] = [[] for _ in rollout_ranks]
-    for g, group in enumerate(dp_groups_samples):
+    for g, group in enumerate(dp_groups_samples if rollout_ranks else ()):
         for ref in group:
             if ref.sample_id not in source:
                 source[ref.sample_id] = owner[g]
                 batches[owner[g]].append(ref.sample_id)
 
-    groups_of: dict[int, list[int]] = {}  # sample id -> the DP groups that train on it
-    padded: dict[tuple[int, int], int] = {}  # (group, sample id) -> padded length
-    for g, group in enumerate(dp_groups_samples):
-        if padded_lengths is not None and len(padded_lengths[g]) != len(group):
-            raise ValueError(f"plan_step: DP group {g} has {len(group)} samples but {len(padded_lengths[g])} padded lengths")
-        for i, ref in enumerate(group):
-            groups_of.setdefault(ref.sample_id, []).append(g)
-            padded[g, ref.sample_id] = ref.length if padded_lengths is None else padded_lengths[g][i]
+    receivers: dict[int, list[tuple[int, int]]] = {}  # sample id -> (group, padded length) that train on it
+    for g, group in enumerate(micro):
+        for mb, T in zip(group, padded[g]):
+            for ref in mb:
+                receivers.setdefault(ref.sample_id, []).append((g, T))
     transfers = []
     for w, batch in enumerate(batches):
         for sid in batch:
-            for g in groups_of[sid]:
+            for g, T in receivers[sid]:
                 ranks = dp_dst_ranks[g]
-                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo, padded[g, sid])):
+                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo, T)):
                     transfers.append(Transfer(sid, rollout_ranks[w], dst, start, end, stop))
     return StepPlan(
         step=step,
         rollout_ranks=tuple(rollout_ranks),
         rollout_batches=tuple(tuple(b) for b in batches),
         lengths=tuple(sorted(lengths.items())),
-        group_samples=tuple(tuple(r.sample_id for r in group) for group in dp_groups_samples),
+        micro_batches=tuple(tuple(tuple(r.sample_id for r in mb) for mb in group) for group in micro),
+        padded_lengths=tuple(tuple(group) for group in padded),
         group_ranks=tuple(tuple(r) for r in dp_dst_ranks),
         transfers=tuple(transfers),
         feature_spec=feature_spec,
+        split=split,
     )
 
 

@@ -1,0 +1,121 @@
+"""Where a train rank's features come from: one feature source per train worker, picked at setup.
+
+The interface (duck-typed; the train step never asks which source it has)::
+
+    source.next_batches(plan, upcoming=()) -> list[TrainBatch]
+        this rank's micro-batches of ``plan`` (``plan.micro_batches[dp_rank]``, padded to
+        ``plan.padded_lengths[dp_rank]``, as its SP rank holds them), in training order;
+        ``upcoming`` = the plans that follow, which a source may start fetching now
+    source.wait_ms, source.bytes_recv   time blocked on, and bytes from, a data plane so far
+
+    CaptureSource   colocated (and single process): the in-process target computes the features
+    ReceiveSource   disaggregated: rollout workers send them over the data plane
+
+``build_source`` is the one place that picks (docs/ARCHITECTURE.md: how an offline store plugs in).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import torch
+
+from specforge.config import Config
+from specforge.runtime.contracts import Layout, StepPlan
+from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
+from specforge.train.batch import TrainBatch, collate, pad_id
+from specforge.train.slicing import batch_from_samples, sp_slice_batch
+
+
+def open_data(cfg: Config):
+    """Re-open the driver's memory-mapped token cache (a cache hit: nothing is re-tokenized)."""
+    from specforge.data.prepare import prepare_dataset
+    from specforge.models.target import load_tokenizer
+
+    return prepare_dataset(cfg.data, load_tokenizer(cfg.model), chat_template=cfg.model.chat_template,
+                           cache_dir=cfg.model.cache_dir, progress=False)
+
+
+def build_transport(cfg: Config, layout: Layout, rank: int, device: torch.device):
+    if cfg.placement.transport == "object_store":
+        return ObjectStoreTransport(layout.mailbox, cfg.parallel.timeout_s, rank=rank)
+    return P2PTransport(device=device)
+
+
+def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
+    """THE choice of a train rank's feature source (``groups``: its ``ParallelGroups``)."""
+    if layout.mode == "colocated":
+        return CaptureSource(target, open_data(cfg), groups, cfg)
+    return ReceiveSource(build_transport(cfg, layout, rank, groups.device), groups, rank, cfg, pad_id(target.tokenizer))
+
+
+class CaptureSource:
+    """The in-process target runs over each micro-batch (every SP rank of a group runs the whole
+    samples and keeps its slice)."""
+
+    wait_ms, bytes_recv = 0.0, 0  # no data plane
+
+    def __init__(self, target, data, groups, cfg: Config):
+        self.target, self.data, self.groups = target, data, groups
+        self.ttt_length, self.chunk = cfg.draft.ttt_length, cfg.model.argmax_chunk_tokens
+
+    def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
+        from specforge.models.target import capture
+
+        rows, g = getattr(self.data, plan.split), self.groups
+        out = []
+        for ids in plan.micro_batches[g.dp_rank]:
+            ids_BT, mask_BT, attn_BT = collate([rows[i] for i in ids], pad_id(self.target.tokenizer))
+            b = TrainBatch.from_features(ids_BT, mask_BT, capture(self.target, ids_BT, attn_BT, self.chunk))
+            out.append(b if g.sp_size == 1 else sp_slice_batch(b, g.sp_rank, g.sp_size, self.ttt_length))
+        return out
+
+
+class _PlanQueue:
+    """The plans a ``Prefetcher`` may post receives for, each once; refilled call by call (a
+    generator could not resume after running dry)."""
+
+    def __init__(self):
+        self._q: collections.deque[StepPlan] = collections.deque()
+        self._seen: collections.deque[tuple[str, int]] = collections.deque(maxlen=16)
+
+    def push(self, plans: Sequence[StepPlan]) -> None:
+        for p in plans:
+            if (p.split, p.step) not in self._seen:
+                self._q.append(p)
+                self._seen.append((p.split, p.step))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepPlan:
+        if not self._q:
+            raise StopIteration
+        return self._q.popleft()
+
+
+class ReceiveSource:
+    """Features over the data plane; the next plan's receives are posted before this one's
+    batches are handed out (double buffering), within ``placement.max_inflight_mb``."""
+
+    def __init__(self, transport, groups, rank: int, cfg: Config, pad: int):
+        self.groups, self.pad, self.ttt_length = groups, pad, cfg.draft.ttt_length
+        self.plans = _PlanQueue()
+        self.prefetcher = Prefetcher(transport, self.plans, int(cfg.placement.max_inflight_mb * 2**20), my_rank=rank)
+
+    @property
+    def wait_ms(self) -> float:
+        return self.prefetcher.wait_ms
+
+    @property
+    def bytes_recv(self) -> int:
+        return self.prefetcher.bytes_recv
+
+    def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
+        self.plans.push([plan, *upcoming])
+        got, fbs = next(self.prefetcher)
+        assert (got.split, got.step) == (plan.split, plan.step), (got.split, got.step, plan.split, plan.step)
+        g = self.groups
+        return [batch_from_samples([fbs[s] for s in ids], T, self.pad, g.sp_rank, g.sp_size, self.ttt_length)
+                for ids, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]
