@@ -26,6 +26,15 @@ from tests.test_data_prepare import make_tokenizer
 # ---------------------------------------------------------------- fixtures
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from threads, and 2 threads on a shared 2-core box spin (10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return make_tokenizer()
