@@ -6,7 +6,9 @@ Everything else asks here; no other module names ``cpu``/``cuda`` or ``gloo``/``
 from __future__ import annotations
 
 import contextlib
+import functools
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -35,6 +37,18 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_fast_bf16() -> bool:
+    """Does this CPU have bf16 matmul instructions (AVX512-BF16 or AMX)? Without them oneDNN
+    emulates bf16 and a bf16 matmul is several times SLOWER than fp32 (measured: 5x on an AVX2
+    EPYC), with them about 1.9x faster (avx512_bf16): so 'auto' must look."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     """Storage dtype of the frozen target. ``auto`` = bf16 where it is fast, else fp32."""
     if choice != "auto":
@@ -43,7 +57,7 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
         return torch_dtype(choice)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return torch.bfloat16 if cpu_fast_bf16() else torch.float32
 
 
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -54,10 +68,10 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
         return torch.float16
     if precision == "bf16":
         return torch.bfloat16
-    # auto: bf16 on GPUs that support it and on CPUs (oneDNN bf16 kernels), fp16 on older GPUs
+    # auto: bf16 on GPUs that support it and on CPUs with bf16 instructions, fp16 on older GPUs
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
+    return torch.bfloat16 if cpu_fast_bf16() else None
 
 
 def autocast(device: torch.device, dtype: Optional[torch.dtype]):
