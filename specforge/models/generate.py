@@ -189,8 +189,9 @@ def _generate_batch(target: TargetModel, prompts: list[list[int]], params: Sampl
     stopped = torch.zeros_like(n_out, dtype=torch.bool)
     results: dict[int, Generation] = {}
     h = batch.forward(P)  # prefill
-    batch.argmax[:, :P] = _argmax(h, batch.lm_head_VH)
+    batch.argmax[:, :P - 1] = _argmax(h[:, :-1], batch.lm_head_VH)
     logits = h[:, -1] @ batch.lm_head_VH.T
+    batch.argmax[:, P - 1] = logits.argmax(-1)
     while True:
         cur = batch.len
         # rows whose newest token has been through the model and that are done leave the batch
@@ -210,9 +211,8 @@ def _generate_batch(target: TargetModel, prompts: list[list[int]], params: Sampl
         stopped |= torch.isin(nxt, stop)
         if progress is not None:
             progress(int(nxt.numel()))
-        h = batch.forward(1)
-        batch.argmax[:, cur] = _argmax(h, batch.lm_head_VH)[:, 0]
-        logits = h[:, -1] @ batch.lm_head_VH.T
+        logits = batch.forward(1)[:, -1] @ batch.lm_head_VH.T
+        batch.argmax[:, cur] = logits.argmax(-1)  # one lm_head matmul serves the choice and the feature
     return [results[i] for i in range(len(prompts))]
 
 
