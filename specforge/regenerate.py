@@ -172,6 +172,15 @@ class Prompt:
     ids: list[int]
     mask: list[int]  # 1 on assistant tokens of earlier turns (only when capturing features)
     max_new_tokens: int
+    seed: int = 0  # sampling seed of this row's turn
+
+
+def turn_seed(seed: int, source_row: int, turn: int) -> int:
+    """One seed per (row, turn), derived from regenerate.seed, so that with sampling rows in
+    different chunks do not replay one random stream. The endpoint gets it per request; the local
+    engine seeds one generator per call, taken from the call's first row."""
+    digest = hashlib.sha256(f"{seed}:{source_row}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 @dataclass
@@ -183,6 +192,7 @@ class Tokens:
     max_length: int
     max_new_tokens: int
     with_mask: bool
+    seed: int = 0
 
     def prompt(self, messages: list[dict]) -> Optional[Prompt]:
         """The generation prompt over ``messages``, or None if it leaves no room for an answer."""
@@ -202,7 +212,10 @@ def next_prompt(job: Job, tokens: Tokens) -> Optional[Prompt]:
     """Turn ``job.k``'s prompt: the regenerated history + the source turns up to that assistant turn."""
     turns = job.turns
     start = turns[job.k - 1] + 1 if job.k else 0
-    return tokens.prompt(job.out + [dict(m) for m in job.messages[start : turns[job.k]]])
+    prompt = tokens.prompt(job.out + [dict(m) for m in job.messages[start : turns[job.k]]])
+    if prompt is not None:
+        prompt.seed = turn_seed(tokens.seed, job.source_row, job.k)
+    return prompt
 
 
 def stop_token_ids(tokenizer, template: str, model=None) -> set[int]:
@@ -247,8 +260,9 @@ class LocalBackend:
 
         # One call at the largest cap; each row is cut to its own cap afterwards (decoding is
         # causal, so the first n tokens and their features are what a call capped at n gives).
+        # The engine seeds one generator per call: the call's first row/turn names it.
         params = engine.SamplingParams(max_new_tokens=max(p.max_new_tokens for p in prompts),
-                                       temperature=self.r.temperature, top_p=self.r.top_p, seed=self.r.seed)
+                                       temperature=self.r.temperature, top_p=self.r.top_p, seed=prompts[0].seed)
         gens = engine.generate(self.target, [p.ids for p in prompts], params, self.stop_ids,
                                capture=self.capture, batch_size=self.r.batch_size, progress=self.progress)
         return [self._answer(p, g) for p, g in zip(prompts, gens)]
@@ -295,7 +309,7 @@ class OpenAIBackend:
     def _complete(self, prompt: Prompt) -> Answer:
         body = {"model": self.model_name, "messages": [{"role": m["role"], "content": m["content"]} for m in prompt.messages],
                 "max_tokens": prompt.max_new_tokens, "temperature": self.r.temperature, "top_p": self.r.top_p,
-                "seed": self.r.seed}
+                "seed": prompt.seed}
         reply = self._post_with_retries(json.dumps(body).encode())
         try:
             choice = reply["choices"][0]
@@ -504,11 +518,14 @@ def _bar(total: int, start: float, desc: str):
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="row", mininterval=1.0, dynamic_ncols=True)
-    count = [0]
+    state = {"tokens": 0, "shown": 0.0}
 
-    def on_tokens(n: int) -> None:  # called per decode step / per request
-        count[0] += n
-        bar.set_postfix_str(f"{count[0] / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
+    def on_tokens(n: int) -> None:  # per decode step / per request: rows finish only per turn, so redraw here
+        now = time.perf_counter()
+        state["tokens"] += n
+        redraw = now - state["shown"] >= 1.0
+        state["shown"] = now if redraw else state["shown"]
+        bar.set_postfix_str(f"{state['tokens']} tok, {state['tokens'] / max(now - start, 1e-9):.1f} tok/s", refresh=redraw)
 
     return bar, on_tokens
 
@@ -559,7 +576,7 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     summary.rows_resumed = len(jobs) - len(pending)
     start = time.perf_counter()
     bar, on_tokens = _bar(len(pending), start, desc)
-    tokens = Tokens(tokenizer, template, cfg.data.max_length, r.max_new_tokens, with_mask=capture)
+    tokens = Tokens(tokenizer, template, cfg.data.max_length, r.max_new_tokens, with_mask=capture, seed=r.seed)
     if local:
         backend = LocalBackend(target, cfg, stop_token_ids(tokenizer, template, target.model), capture, on_tokens)
     else:
