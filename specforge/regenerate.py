@@ -63,7 +63,7 @@ from specforge.data.template import (
 )
 
 HELD_OUT = "held out for eval"
-PROMPT_TOO_LONG = "first prompt longer than data.max_length - 1"
+PROMPT_TOO_LONG = "first prompt longer than data.max_length - 1"  # later turns that do not fit end the row
 EMPTY_ANSWER = "empty generated answer"
 TEMPLATE_FAILED = "chat template failed"
 FROM = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -110,10 +110,10 @@ def heldout_rows(data: DataConfig, tokenizer, template: str) -> set[int]:
             n_ok += 1
     held = []
     for conv in reversed(window):
-        if len(held) == n_eval:
-            return set(held)
         if _usable(conv, tokenizer, data, template):
             held.append(conv.index)
+        if len(held) == n_eval:
+            return set(held)
     if n_ok == len(window):  # the window held every normalized row
         return set(held)
     usable = [c.index for c in iter_conversations(data.path) if _usable(c, tokenizer, data, template)]
@@ -208,14 +208,19 @@ class Tokens:
         return Prompt(messages, ids, mask, min(self.max_new_tokens, room))
 
 
-def next_prompt(job: Job, tokens: Tokens) -> Optional[Prompt]:
-    """Turn ``job.k``'s prompt: the regenerated history + the source turns up to that assistant turn."""
+def next_prompt(job: Job, tokens: Tokens) -> tuple[Optional[Prompt], str]:
+    """Turn ``job.k``'s prompt (the regenerated history + the source turns up to that assistant
+    turn), or None and why not."""
     turns = job.turns
     start = turns[job.k - 1] + 1 if job.k else 0
-    prompt = tokens.prompt(job.out + [dict(m) for m in job.messages[start : turns[job.k]]])
-    if prompt is not None:
-        prompt.seed = turn_seed(tokens.seed, job.source_row, job.k)
-    return prompt
+    try:
+        prompt = tokens.prompt(job.out + [dict(m) for m in job.messages[start : turns[job.k]]])
+    except TemplateError:
+        return None, TEMPLATE_FAILED
+    if prompt is None:
+        return None, PROMPT_TOO_LONG
+    prompt.seed = turn_seed(tokens.seed, job.source_row, job.k)
+    return prompt, ""
 
 
 def stop_token_ids(tokenizer, template: str, model=None) -> set[int]:
@@ -463,7 +468,7 @@ class Summary:
         skips = ", ".join(f"{r}: {n}" for r, n in sorted(self.skipped.items())) or "none"
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
         return (f"regenerated {self.rows_done} rows ({self.rows_resumed} already done) -> {self.output}; "
-                f"skipped: {skips}; later turns dropped (prompt too long): {self.turns_dropped}; "
+                f"skipped: {skips}; later turns dropped (prompt too long or not renderable): {self.turns_dropped}; "
                 f"{self.tokens} tokens in {self.seconds:.1f} s = {rate:.1f} tok/s"
                 + (f"; features -> {self.features}" if self.features else ""))
 
@@ -472,9 +477,9 @@ def run_chunk(jobs: list[Job], backend, tokens: Tokens, sink: RowSink, summary: 
     """Regenerate ``jobs`` turn by turn; rows are written as soon as their last turn is done."""
     active = []
     for job in jobs:
-        job.prompt = next_prompt(job, tokens)
+        job.prompt, why = next_prompt(job, tokens)
         if job.prompt is None:
-            summary.skip(PROMPT_TOO_LONG)
+            summary.skip(why)
             bar.update(1)
         else:
             active.append(job)
@@ -494,11 +499,11 @@ def run_chunk(jobs: list[Job], backend, tokens: Tokens, sink: RowSink, summary: 
             job.finish_reasons.append(ans.finish_reason)
             job.k += 1
             last_prompt = job.prompt
-            job.prompt = next_prompt(job, tokens) if job.k < len(job.turns) else None
+            job.prompt = next_prompt(job, tokens)[0] if job.k < len(job.turns) else None
             if job.prompt is not None:
                 still.append(job)
                 continue
-            summary.turns_dropped += len(job.turns) - job.k
+            summary.turns_dropped += len(job.turns) - job.k  # later turns that do not fit (or render)
             job.prompt = last_prompt  # the features cover this prompt + its answer
             finished.append((job, ans))
         sink.write(finished)

@@ -188,6 +188,19 @@ def test_answers_are_cut_to_fit_max_length(tok, target, fake, tmp_path):
     assert FeatureStore(tmp_path / "features").lengths[0] == L
 
 
+def test_a_template_that_refuses_a_turn_skips_or_ends_the_row(tok, target, fake, tmp_path):
+    picky = make_tokenizer()
+    picky.chat_template = ("{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('no') }}"
+                           "{% endif %}{% endfor %}" + picky.chat_template)
+    strict = TargetModel(model=target.model, tokenizer=picky, aux_layer_ids=target.aux_layer_ids, device=target.device)
+    data = write_rows(tmp_path / "d.jsonl", [conv("forbidden", "x"), conv("fine", "y", "forbidden later", "z"),
+                                             conv("ok", "w"), conv("held out", "v")])
+    s = rg.regenerate(make_cfg(tmp_path, data, "data.num_eval=1"), target=strict)
+    rows = {r["source_row"]: r for r in out_rows(tmp_path / "out.jsonl")}
+    assert sorted(rows) == [1, 2] and len(rows[1]["conversations"]) == 2  # row 1 ends before its 2nd turn
+    assert s.skipped == {rg.TEMPLATE_FAILED: 1, rg.HELD_OUT: 1} and s.turns_dropped == 1
+
+
 # ---------------------------------------------------------------- resume
 
 
