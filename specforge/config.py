@@ -44,7 +44,6 @@ class DataConfig:
     max_samples: Optional[int] = None  # first N usable conversations (None = all)
     num_eval: int = 64  # held-out conversations (taken from the end, never trained on)
     num_proc: int = 1
-    shuffle_seed: int = 0
 
 
 @dataclass
@@ -67,6 +66,12 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
+    """The optimization. Training stops at whichever comes first: ``max_steps`` optimizer steps,
+    ``epochs`` passes over the train split (``ceil(epochs * num_train_samples / global_batch)``
+    steps, global batch = ``batch_size * grad_accum * data-parallel groups``) and ``max_minutes``
+    of wall clock. ``None`` = no such limit (``max_steps`` and ``epochs`` may not both be None).
+    The LR schedule spans the steps the first two allow."""
+
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -75,13 +80,13 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     batch_size: int = 1  # sequences per data-parallel rank per micro-step
     grad_accum: int = 1
-    max_steps: int = 1000
+    max_steps: Optional[int] = 1000
     max_minutes: Optional[float] = None  # wall-clock budget; stops cleanly and saves
-    epochs: int = 1
+    epochs: Optional[float] = None  # passes over the train split
     seed: int = 0
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     num_threads: Optional[int] = None  # torch intra-op threads (None = leave as is)
-    num_workers: int = 1  # data-parallel train workers (Ray mode)
+    num_workers: int = 1  # train workers (Ray); one process (specforge.train) trains their global batch
     log_every: int = 10
     eval_every: int = 100
     output_dir: str = "runs/default"
@@ -308,6 +313,10 @@ def validate(cfg: Config) -> None:
         (cfg.train.lr > 0, "train.lr", "must be > 0"),
         (cfg.train.batch_size >= 1, "train.batch_size", "must be >= 1"),
         (cfg.train.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
+        (cfg.train.max_steps is None or cfg.train.max_steps >= 0, "train.max_steps", "must be >= 0 or null"),
+        (cfg.train.epochs is None or cfg.train.epochs > 0, "train.epochs", "must be > 0 or null"),
+        (cfg.train.max_steps is not None or cfg.train.epochs is not None, "train.max_steps",
+         "and 'train.epochs' may not both be null (nothing would stop training)"),
         (cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1"),
         (cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1"),
         (len(cfg.train.betas) == 2, "train.betas", "must have two values"),

@@ -64,9 +64,9 @@ def make_cfg(assets, out, *overrides):
     return load_config(None, base + list(overrides))
 
 
-def losses(out):
+def losses(out, kind="train"):
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if r["kind"] == "train"]
+    return [r for r in recs if r["kind"] == kind]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def reference(assets, tmp_path_factory):
     from specforge.train.trainer import run
 
     out = tmp_path_factory.mktemp("single")
-    # one process, global batch = 2 x the per-rank batch
-    run(make_cfg(assets, out, "train.grad_accum=2", "train.num_workers=1"))
+    # one process, global batch = 2 x the per-rank batch; a periodic eval after step 2
+    run(make_cfg(assets, out, "train.grad_accum=2", "train.num_workers=1", "train.eval_every=2"))
     return out
 
 
@@ -95,7 +95,7 @@ def disaggregated(assets, tmp_path_factory, ray_session):
 
     rt.gather = recording_gather
     try:
-        path = rt.fit(make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1"))
+        path = rt.fit(make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1", "train.eval_every=2"))
     finally:
         rt.gather = real
     return out, path, received
@@ -119,6 +119,11 @@ def test_modes_give_the_same_losses(assets, reference, disaggregated, ray_sessio
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (out.name, a["step"])
             assert b["acc_0"] == pytest.approx(a["acc_0"], abs=1e-6)
             assert b["valid_tokens"] == a["valid_tokens"]
+    # periodic eval runs in every placement (here over the data plane), on the same held-out samples
+    ref_eval, got_eval = losses(reference, "eval"), losses(disaggregated[0], "eval")
+    assert [r["step"] for r in ref_eval] == [r["step"] for r in got_eval] == [2]
+    for key in ("loss", "acc_0", "tau", "valid_tokens"):
+        assert got_eval[0][key] == pytest.approx(ref_eval[0][key], rel=1e-4, abs=1e-6), key
     # the gathered FSDP2 checkpoint = the single-process one
     _, want = load_draft_folder(reference / "checkpoints" / f"step-{STEPS:06d}")
     hf, got = load_draft_folder(disaggregated[1])

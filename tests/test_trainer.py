@@ -112,4 +112,5 @@ def test_data_order_is_a_pure_function_of_seed_and_step():
     flat = [i for ids in a for i in ids]
     assert sorted(flat[:10]) == list(range(10))  # the first epoch visits every sample once
     assert global_batch_ids(10, 4, seed=4, step=0) != a[0]
+    assert all(len(set(global_batch_ids(10, 4, seed=3, step=s))) == 4 for s in range(100))  # no repeat at rollovers
     assert split_for_ranks([1, 2, 3, 4, 5, 6, 7, 8], 2, 2) == [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]

@@ -87,9 +87,9 @@ def _slice(features: Features, f: FeatureField, tr: Transfer) -> torch.Tensor:
     return t[tr.start : tr.stop].contiguous()
 
 
-def _tag(step: int, index: int) -> int:
-    # Unique per (step mod 2048, transfer index) and within int32; NCCL ignores tags.
-    return ((step % 2048) << 20) | (index % (1 << 20))
+def _tag(plan: StepPlan, index: int) -> int:
+    # Unique per (step mod 1024, split, transfer index) and within int32; NCCL ignores tags.
+    return ((plan.step % 1024) << 21) | (int(plan.split != "train") << 20) | (index % (1 << 20))
 
 
 class BufferPool:
@@ -184,8 +184,8 @@ class P2PTransport:
     def _packs(self, spec: FeatureSpec, tr: Transfer) -> bool:
         return self.pack is True or (self.pack == "auto" and spec.nbytes(tr.num_tokens) < PACK_BELOW_BYTES)
 
-    def _op(self, op, buf: torch.Tensor, peer: int, step: int, index: int) -> dist.P2POp:
-        return dist.P2POp(op, buf, group=self.group, group_peer=peer, tag=_tag(step, index))
+    def _op(self, op, buf: torch.Tensor, peer: int, plan: StepPlan, index: int) -> dist.P2POp:
+        return dist.P2POp(op, buf, group=self.group, group_peer=peer, tag=_tag(plan, index))
 
     def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
         """Post this rank's sends of ``plan`` (full-length features per sample; slicing is done
@@ -203,13 +203,13 @@ class P2PTransport:
         for index, tr in mine:  # plan order on both ends (NCCL ignores tags)
             slices = [_as_bytes(_slice(features_by_sample[tr.sample_id], f, tr)) for f in spec.fields]
             if index not in packed:
-                ops += [self._op(dist.isend, t, tr.dst_rank, plan.step, index) for t in slices]
+                ops += [self._op(dist.isend, t, tr.dst_rank, plan, index) for t in slices]
                 continue
             base, layout = packed[index]
             for (_, offset, n), src in zip(layout, slices):
                 buf[base + offset : base + offset + n].copy_(src)
             size = packed_layout(spec, tr.num_tokens)[1]
-            ops.append(self._op(dist.isend, buf[base : base + size], tr.dst_rank, plan.step, index))
+            ops.append(self._op(dist.isend, buf[base : base + size], tr.dst_rank, plan, index))
         works = dist.batch_isend_irecv(ops) if ops else []
         nbytes = sum(op.tensor.numel() for op in ops)
         self.bytes_sent += nbytes
@@ -239,9 +239,9 @@ class P2PTransport:
             if not n:
                 continue
             if self._packs(spec, tr):
-                ops.append(self._op(dist.irecv, buf[base : base + packed_layout(spec, n)[1]], tr.src_rank, plan.step, index))
+                ops.append(self._op(dist.irecv, buf[base : base + packed_layout(spec, n)[1]], tr.src_rank, plan, index))
             else:
-                ops += [self._op(dist.irecv, views[f.name], tr.src_rank, plan.step, index) for f in spec.fields]
+                ops += [self._op(dist.irecv, views[f.name], tr.src_rank, plan, index) for f in spec.fields]
         works = dist.batch_isend_irecv(ops) if ops else []
         nbytes = sum(op.tensor.numel() for op in ops)
         self.bytes_recv += nbytes
@@ -394,7 +394,7 @@ class ObjectStoreTransport:
                 continue
             tensors = {f.name: _slice(features_by_sample[tr.sample_id], f, tr) for f in plan.feature_spec.fields}
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            items[f"{plan.step}:{index}"] = self._ray.put(tensors)
+            items[f"{plan.split}:{plan.step}:{index}"] = self._ray.put(tensors)
         done = self._mailbox.put.remote(items)
         self.bytes_sent += nbytes
         return SendHandle(lambda: self._ray.get(done, timeout=self.timeout_s), nbytes)
@@ -402,7 +402,7 @@ class ObjectStoreTransport:
     def post_recv(self, plan: StepPlan, my_rank: Optional[int] = None) -> PendingRecv:
         rank = self.resolve_rank(my_rank)
         mine = [(index, tr) for index, tr in enumerate(plan.transfers) if tr.dst_rank == rank]
-        refs_ref = self._mailbox.take.remote([f"{plan.step}:{index}" for index, _ in mine])
+        refs_ref = self._mailbox.take.remote([f"{plan.split}:{plan.step}:{index}" for index, _ in mine])
         nbytes = plan.recv_bytes(rank)
         self.bytes_recv += nbytes
 

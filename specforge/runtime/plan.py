@@ -6,11 +6,17 @@ pure function of (seed, step)); DP group g takes the g-th contiguous share (``sp
 longest sample. With sequence parallelism of degree P a DP group is the P consecutive train ranks
 ``train_ranks[g*P:(g+1)*P]`` (``ParallelDims``' layout), in SP-rank order, and the data plane
 sends each only its slice (+ halo) of every sample. Workers execute the plan and derive nothing.
+
+A run is a schedule of plans: every train step up to ``total_steps`` (the stop rule of
+``TrainConfig``), and after every ``train.eval_every``-th an eval plan over the first held-out
+samples, split and padded the same way (``split="eval"``), which every placement executes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
@@ -23,6 +29,7 @@ class RunData:
     """Metadata of the prepared data: sample lengths and where the workers find things."""
 
     lengths: tuple[int, ...]  # of the train split, by sample id
+    eval_lengths: tuple[int, ...]  # of the held-out split
     vocab_path: str
     hidden_size: int
     wire_dtype: str  # dtype of the hidden-state features on the data plane
@@ -43,6 +50,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
     build_vocab(cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
     return RunData(
         lengths=tuple(int(n) for n in data.train.data.column("length").to_pylist()),
+        eval_lengths=tuple(int(n) for n in data.eval.data.column("length").to_pylist()),
         vocab_path=str(vocab_path(cfg, data.cache_key)),
         hidden_size=int(target_cfg.hidden_size),
         wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
@@ -57,6 +65,17 @@ def wire_dtype(model_dtype: str, use_gpu: bool) -> str:
     return "bfloat16" if use_gpu else "float32"
 
 
+EVAL_SAMPLES = 8  # held-out samples per periodic eval (the first of the split, a multiple of the DP groups)
+
+
+def total_steps(cfg: Config, num_samples: int) -> int:
+    """The optimizer steps a run trains: the first of ``train.max_steps`` and ``train.epochs``
+    passes over ``num_samples`` (``train.max_minutes`` may stop it earlier)."""
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * ParallelDims.from_config(cfg).dp
+    by_epochs = math.inf if cfg.train.epochs is None else math.ceil(cfg.train.epochs * num_samples / global_batch)
+    return int(min(math.inf if cfg.train.max_steps is None else cfg.train.max_steps, by_epochs))
+
+
 class Planner:
     """Step -> ``StepPlan``: a pure function of (seed, step), the same on every call."""
 
@@ -64,8 +83,28 @@ class Planner:
         self.cfg, self.data, self.layout = cfg, data, layout
         self.dp = ParallelDims.from_config(cfg).dp
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
+        self.total_steps = total_steps(cfg, len(data.lengths))
         self.spec = FeatureSpec.eagle3(data.hidden_size, data.wire_dtype)
         self._cache: dict[int, StepPlan] = {}
+        n_eval = min(EVAL_SAMPLES, len(data.eval_lengths)) // self.dp * self.dp
+        if cfg.train.eval_every and not n_eval:
+            raise ValueError(f"config key 'train.eval_every'={cfg.train.eval_every}: periodic eval needs at least "
+                             f"{self.dp} held-out samples (one per data-parallel group), data.num_eval gave "
+                             f"{len(data.eval_lengths)}; raise data.num_eval or set train.eval_every=0")
+        self._eval: Optional[StepPlan] = self._plan(0, list(range(n_eval)), "eval") if n_eval else None
+
+    def schedule(self, start: int) -> list[tuple[str, int]]:
+        """``(split, step)`` of every plan from step ``start`` on, in the order all workers run
+        them: train steps, an eval (of the model after ``step`` steps) after every eval_every-th."""
+        every = self.cfg.train.eval_every
+        out = []
+        for s in range(start, self.total_steps):
+            out += [("train", s)] + ([("eval", s + 1)] if every and (s + 1) % every == 0 else [])
+        return out
+
+    def task(self, item: tuple[str, int]) -> StepPlan:
+        split, step = item
+        return self(step) if split == "train" else replace(self._eval, step=step)
 
     def __call__(self, step: int) -> StepPlan:
         if step not in self._cache:
@@ -74,14 +113,17 @@ class Planner:
             self._cache[step] = self._plan(step, ids)
         return self._cache[step]
 
-    def _plan(self, step: int, ids: list[int]) -> StepPlan:
-        groups = [[SampleRef(i, self.data.lengths[i]) for i in share[0]] for share in split_for_ranks(ids, self.dp, 1)]
+    def _plan(self, step: int, ids: list[int], split: str = "train") -> StepPlan:
+        lengths = self.data.lengths if split == "train" else self.data.eval_lengths
+        groups = [[SampleRef(i, lengths[i]) for i in share[0]] for share in split_for_ranks(ids, self.dp, 1)]
         P = len(self.layout.train_ranks) // self.dp
         ranks = [self.layout.train_ranks[g * P : (g + 1) * P] for g in range(self.dp)]
-        return plan_step(step, groups, self.layout.rollout_ranks, ranks, self.spec,
-                         halo=sp_halo(self.cfg.draft.ttt_length), micro_batch_size=self.cfg.train.batch_size)
+        return plan_step(step, groups, self.layout.rollout_ranks, ranks, self.spec, halo=sp_halo(self.cfg.draft.ttt_length),
+                         micro_batch_size=self.cfg.train.batch_size, split=split)
+
+    def recv_bytes(self, plan: StepPlan) -> int:
+        """Feature bytes the train ranks receive for ``plan`` (0 when they compute their own)."""
+        return sum(plan.recv_bytes(r) for r in self.layout.train_ranks)
 
     def step_bytes(self, step: int) -> int:
-        """Feature bytes the train ranks receive for ``step`` (0 when they compute their own)."""
-        plan = self(step)
-        return sum(plan.recv_bytes(r) for r in self.layout.train_ranks)
+        return self.recv_bytes(self(step))

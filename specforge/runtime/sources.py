@@ -24,7 +24,7 @@ import torch
 from specforge.config import Config
 from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
-from specforge.train.batch import TrainBatch, collate, pad_id
+from specforge.train.batch import TrainBatch, pad_id
 from specforge.train.slicing import batch_from_samples, sp_slice_batch
 
 
@@ -61,13 +61,12 @@ class CaptureSource:
         self.ttt_length, self.chunk = cfg.draft.ttt_length, cfg.model.argmax_chunk_tokens
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
-        from specforge.models.target import capture
+        from specforge.train.trainer import local_batches
 
         rows, g = getattr(self.data, plan.split), self.groups
         out = []
         for ids in plan.micro_batches[g.dp_rank]:
-            ids_BT, mask_BT, attn_BT = collate([rows[i] for i in ids], pad_id(self.target.tokenizer))
-            b = TrainBatch.from_features(ids_BT, mask_BT, capture(self.target, ids_BT, attn_BT, self.chunk))
+            (b,) = local_batches(self.target, [rows[i] for i in ids], len(ids), self.chunk)
             out.append(b if g.sp_size == 1 else sp_slice_batch(b, g.sp_rank, g.sp_size, self.ttt_length))
         return out
 

@@ -135,9 +135,10 @@ class TrainWorker(DistributedWorker):
         super().__init__(cfg.train.num_threads)
         self.cfg = cfg
 
-    def setup(self, layout: Layout) -> int:
-        """Groups, the draft and its trainer, the feature source; resume from the newest
-        checkpoint. Returns the step to start from."""
+    def setup(self, layout: Layout, total_steps: int) -> int:
+        """Groups, the draft and its trainer (LR schedule over ``total_steps``), the feature source;
+        resume from the newest checkpoint. Returns the step to start from. Without a process
+        group (the single-process placement) this is rank 0 of one."""
         from specforge.data.vocab import load_draft_vocab
         from specforge.models.target import load_target
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
@@ -146,7 +147,7 @@ class TrainWorker(DistributedWorker):
 
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         device = pick_device(cfg.model.device)
         groups = build_groups(cfg, layout, self.rank, device)
         # The draft needs the target's embedding and lm_head (teacher rows of the draft vocab); only
@@ -155,7 +156,8 @@ class TrainWorker(DistributedWorker):
         target = load_target(cfg.model, device)
         vocab = load_draft_vocab(layout.vocab_path)
         draft = parallelize_draft(build_draft(cfg, target, vocab).to(device), ParallelDims.from_config(cfg), groups, cfg)
-        self.trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device, reduce_sum=sum_over_train_ranks(groups))
+        self.trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device,
+                                    reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)
         self.checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last,
                                              writer=self.rank == layout.train_ranks[0])  # the FSDP mesh's first rank
@@ -173,6 +175,12 @@ class TrainWorker(DistributedWorker):
         metrics["tokens_local"] = metrics.pop("tokens")
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms=timings,
                           bytes_recv=self.source.bytes_recv - recv0)
+
+    def eval_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> StepReport:
+        """Metrics of ``plan``'s held-out micro-batches, summed over all train ranks; no update."""
+        t0 = time.perf_counter()
+        metrics = self.trainer.evaluate(self.source.next_batches(plan, upcoming))
+        return StepReport(self.rank, plan.step, metrics=metrics, timings_ms={"eval": (time.perf_counter() - t0) * 1e3})
 
     def train_repeat(self, reps: int) -> StepReport:
         """Benchmark probe: the train stage alone, on the last step's already-received features."""

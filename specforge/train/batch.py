@@ -47,6 +47,8 @@ def global_batch_ids(num_samples: int, global_batch: int, seed: int, step: int) 
     """Sample ids of optimizer-step ``step`` (all DP ranks and micro-batches together).
 
     Epochs follow each other without a partial last batch (it rolls over into the next epoch).
+    A batch that rolls over holds no sample twice while the data allows it (a plan needs distinct
+    samples per DP group): the next epoch's samples already in the batch are passed over.
     """
     if num_samples < 1:
         raise ValueError("no training samples")
@@ -54,9 +56,10 @@ def global_batch_ids(num_samples: int, global_batch: int, seed: int, step: int) 
     ids: list[int] = []
     epoch, offset = divmod(start, num_samples)
     while len(ids) < global_batch:
-        order = epoch_order(num_samples, seed, epoch)
-        take = order[offset : offset + global_batch - len(ids)]
-        ids.extend(take)
+        order = epoch_order(num_samples, seed, epoch)[offset:]
+        taken = set(ids)
+        order = [i for i in order if i not in taken] + [i for i in order if i in taken]
+        ids.extend(order[: global_batch - len(ids)])
         epoch, offset = epoch + 1, 0
     return ids
 

@@ -3,16 +3,15 @@
     python -m specforge.train --config configs/smollm2-135m-cpu.yaml [dotted.overrides=...]
 
 ``DraftTrainer`` owns the draft, its optimizer and the frozen teacher head, and runs THE train
-step (TTT forward/backward, clipping, AdamW, schedule) on a list of micro-batches. The Ray train
-workers run the same class on FSDP2-sharded drafts; only where the features come from differs.
-``run`` is the single-process loop: target and draft in one process, the reference the
-distributed trainer is tested against.
+step (TTT forward/backward, clipping, AdamW, schedule) on a list of micro-batches. Every train
+worker (``runtime/workers.py``) runs it, on FSDP2-sharded drafts when there are several; only
+where the features come from differs. ``run`` is the single-process placement: one in-process
+train worker under THE loop, the reference the distributed placements are tested against.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,11 +21,11 @@ import torch
 
 from specforge.config import Config, load_config
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
-from specforge.device import autocast, autocast_dtype, pick_device, set_threads
+from specforge.device import autocast, autocast_dtype, pick_device
 from specforge.models.draft import Eagle3Draft, draft_config_from_target
-from specforge.models.target import TargetModel, capture, load_target
-from specforge.train.batch import TrainBatch, collate, global_batch_ids, pad_id
-from specforge.train.checkpoint import CheckpointManager, latest_checkpoint
+from specforge.models.target import TargetModel, capture
+from specforge.train.batch import TrainBatch, collate, pad_id
+from specforge.train.checkpoint import latest_checkpoint
 from specforge.train.optim import build_optimizer
 from specforge.train.ttt import metrics_from_counts, num_valid_rows, teacher_weight_from_target, ttt_loss
 
@@ -82,13 +81,14 @@ class DraftTrainer:
     """THE train step, shared by every placement (single process, colocated, disaggregated)."""
 
     def __init__(self, draft: torch.nn.Module, teacher_NH: torch.Tensor, cfg: Config, device: torch.device,
-                 reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+                 reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x, total_steps: Optional[int] = None):
         # reduce_sum sums a tensor over all train ranks (data and sequence parallel; identity in one
         # process): the loss is normalized by the GLOBAL valid count, so gradients are summed.
+        # total_steps: the LR schedule's horizon (default train.max_steps).
         self.draft, self.cfg, self.device, self.reduce_sum = draft, cfg, device, reduce_sum
         self.teacher_NH = teacher_NH.to(device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, device)
-        self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train)
+        self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train, total_steps or cfg.train.max_steps)
         self.step_count = 0
 
     def _counts(self, micro_batches: Sequence[TrainBatch], num_valid: Optional[float]) -> torch.Tensor:
@@ -137,68 +137,42 @@ class DraftTrainer:
         return metrics_from_counts(self._counts(batches, None), self.cfg.draft.ttt_decay)
 
 
-# ---------------------------------------------------------------- the single-process loop
-
-
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int) -> list[TrainBatch]:
     """Features for ``rows`` computed by the in-process target, ``batch_size`` rows at a time."""
     pad = pad_id(target.tokenizer)
     out = []
     for s in range(0, len(rows), batch_size):
         ids, mask, attn = collate(rows[s : s + batch_size], pad)
-        feats = capture(target, ids, attn, chunk_tokens)
-        out.append(TrainBatch.from_features(ids, mask, feats))
+        out.append(TrainBatch.from_features(ids, mask, capture(target, ids, attn, chunk_tokens)))
     return out
 
 
-def run(cfg: Config) -> Path:
-    """Train single-process; returns the newest checkpoint folder."""
-    from tqdm import tqdm
+# ---------------------------------------------------------------- the single-process placement
 
-    from specforge.data.prepare import prepare_dataset
+
+def run(cfg: Config) -> Optional[Path]:
+    """Train in this process: the simplest placement of THE loop (``runtime/loop.py``) with the
+    same global batch, data order and loss as ``specforge.ray_train``; the reference the
+    distributed placements are tested against. Returns the newest checkpoint folder."""
+    from specforge.runtime.loop import LocalCluster, check, not_applied, single_process, train_loop
+    from specforge.runtime.plan import Planner, prepare
     from specforge.tracking import MetricsLogger
 
-    set_threads(cfg.train.num_threads)
-    torch.manual_seed(cfg.train.seed)
-    device = pick_device(cfg.model.device)
-    target = load_target(cfg.model, device)
-    data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir)
-    print(data.stats.table())
-    vocab = build_vocab(cfg, data.train, target.config.vocab_size, data.cache_key)
-    draft = build_draft(cfg, target, vocab).to(device)
-    trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device)
-    checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last)
-    if cfg.checkpoint.resume and checkpoints.load(trainer):
-        print(f"resumed from {latest_checkpoint(checkpoints.root)} at step {trainer.step_count}")
+    check(cfg)
+    if skipped := not_applied(cfg):
+        print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
+    local = single_process(cfg)
+    data = prepare(local, use_gpu=pick_device(cfg.model.device).type == "cuda")
+    cluster = LocalCluster(local, data)
     logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
-    eval_rows = [data.eval[i] for i in range(min(len(data.eval), 8))]
-    global_batch = cfg.train.batch_size * cfg.train.grad_accum
-    deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
-    bar = tqdm(total=cfg.train.max_steps, initial=trainer.step_count, desc="train", dynamic_ncols=True)
     try:
-        while trainer.step_count < cfg.train.max_steps and time.time() < deadline:
-            step = trainer.step_count
-            ids = global_batch_ids(len(data.train), global_batch, cfg.train.seed, step)
-            t0 = time.perf_counter()
-            batches = local_batches(target, [data.train[i] for i in ids], cfg.train.batch_size, cfg.model.argmax_chunk_tokens)
-            rollout_ms = (time.perf_counter() - t0) * 1000
-            m = trainer.step(batches)
-            m.update(rollout_ms=rollout_ms, tokens_per_s=m["tokens"] / ((time.perf_counter() - t0) or 1e-9))
-            bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tau=f"{m.get('tau', 0):.2f}")
-            if trainer.step_count % cfg.train.log_every == 0 or trainer.step_count == 1:
-                logger.log(trainer.step_count, m)
-            if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 and eval_rows:
-                logger.log(trainer.step_count, trainer.evaluate(local_batches(target, eval_rows, 2, cfg.model.argmax_chunk_tokens)), kind="eval")
-            if cfg.checkpoint.every_steps and trainer.step_count % cfg.checkpoint.every_steps == 0:
-                checkpoints.save(trainer)
+        train_loop(local, cluster, Planner(local, data, cluster.layout), logger)
     finally:
-        bar.close()
-        checkpoints.save(trainer)
+        cluster.save()
         logger.close()
-    last_saved = latest_checkpoint(checkpoints.root)
-    print(f"saved {last_saved}")
-    return last_saved
+    path = latest_checkpoint(checkpoint_root(cfg))
+    print(f"saved {path}")
+    return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,0 +1,171 @@
+"""THE training loop, for every placement, and the single-process placement.
+
+``train_loop`` walks the ``Planner``'s schedule (train steps, periodic evals) until the stop rule
+(``Planner.total_steps``, ``train.max_minutes``): it submits plans ahead within the in-flight
+byte budget, collects the reports in order, logs, and asks for periodic checkpoints. What it
+needs from a placement (``ray_train.Cluster`` on Ray actors; ``LocalCluster`` in this process)::
+
+    cluster.start_step                         the step the train workers resumed at
+    cluster.submit(plan, upcoming, save)       start a plan on every worker (Ray: returns refs)
+    cluster.collect(handle, what)              -> (rollout StepReports, train StepReports)
+    cluster.save(timeout_s)                    the final checkpoint (no-op if this step is saved)
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+from specforge.config import Config
+from specforge.parallel.dims import ParallelDims
+from specforge.runtime.contracts import Layout, StepPlan, StepReport
+from specforge.runtime.plan import Planner, RunData, total_steps
+
+MAX_STEPS_AHEAD = 8  # submitted-but-unfinished plans, whatever the byte budget allows
+
+# Keys that say how a run is distributed, not what it computes: one process names the ones it
+# does not apply (never silently).
+DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inflight_mb", "rollout.num_workers",
+                     "rollout.tp_size", "parallel.backend", "parallel.timeout_s", "ray.address", "ray.num_cpus",
+                     "ray.temp_dir")
+
+
+def check(cfg: Config) -> None:
+    """What no placement can run yet: a ValueError naming the key."""
+    if cfg.placement.mode == "offline":
+        raise ValueError("config key 'placement.mode': 'offline' is not implemented yet (no feature-store "
+                         "source); use 'colocated' or 'disaggregated'")
+    ParallelDims.from_config(cfg)  # train.num_workers must be a multiple of sp_ulysses * sp_ring
+    if cfg.rollout.tp_size != 1:
+        raise ValueError(f"config key 'rollout.tp_size'={cfg.rollout.tp_size}: tensor-parallel rollout is not "
+                         "supported (one target replica per rollout worker, e.g. on CPU); use 1")
+
+
+def not_applied(cfg: Config) -> list[str]:
+    """``key=value`` of the distribution keys that differ from their defaults."""
+    default = Config()
+
+    def get(c: Config, key: str) -> Any:
+        section, name = key.split(".")
+        return getattr(getattr(c, section), name)
+
+    return [f"{k}={get(cfg, k)!r}" for k in DISTRIBUTION_KEYS if get(cfg, k) != get(default, k)]
+
+
+def single_process(cfg: Config) -> Config:
+    """The same run on one in-process train rank: the DP groups' micro-batches become that rank's
+    gradient-accumulation micro-batches, in the same order (same global batch, same loss)."""
+    dp = ParallelDims.from_config(cfg).dp
+    return replace(cfg, train=replace(cfg.train, num_workers=1, grad_accum=cfg.train.grad_accum * dp),
+                   parallel=replace(cfg.parallel, sp_ulysses=1, sp_ring=1),
+                   placement=replace(cfg.placement, mode="colocated"))
+
+
+class LocalCluster:
+    """The single-process placement: one ``TrainWorker`` in this process (target + draft, features
+    captured in memory), no Ray, no process group; a plan runs when it is submitted."""
+
+    def __init__(self, cfg: Config, data: RunData):
+        from specforge.runtime.workers import TrainWorker
+
+        self.layout = Layout("colocated", (), (0,), data.vocab_path)
+        self.worker = TrainWorker(cfg)
+        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths)))
+
+    def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool):
+        w = self.worker
+        return [], [w.train_step(plan, upcoming, save) if plan.split == "train" else w.eval_step(plan, upcoming)]
+
+    def collect(self, handle, what: str) -> tuple[list[StepReport], list[StepReport]]:
+        return handle
+
+    def save(self, timeout_s: Optional[float] = None) -> Optional[str]:
+        return self.worker.save()
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    handle: Any
+    nbytes: int
+
+
+def has_room(inflight: collections.deque, next_bytes: int, budget: int) -> bool:
+    """Backpressure: two plans always (so rollout k+1 overlaps train k), more within the byte
+    budget (plans that move no bytes: two)."""
+    if len(inflight) < 2:
+        return True
+    return 0 < next_bytes and len(inflight) < MAX_STEPS_AHEAD and sum(f.nbytes for f in inflight) + next_bytes <= budget
+
+
+def step_metrics(rollout: list[StepReport], train: list[StepReport], seconds: float, inflight_bytes: int) -> dict:
+    """One dashboard row: rank 0's global training metrics + where the time and bytes went."""
+    m = dict(train[0].metrics)
+    tokens = sum(r.metrics["tokens_local"] for r in train)
+    m.pop("tokens_local", None)
+    features_ms = max(r.timings_ms["features"] for r in train)
+    m.update(
+        tokens=tokens,
+        tokens_per_s=tokens / max(seconds, 1e-9),
+        step_s=seconds,
+        train_ms=max(r.timings_ms["train"] for r in train),
+        train_wait_ms=max(r.timings_ms["train_wait"] for r in train),
+        features_ms=features_ms,
+        recv_bytes=sum(r.bytes_recv for r in train),
+        inflight_bytes=inflight_bytes,
+        # colocated: the in-process capture is the rollout forward
+        rollout_forward_ms=max((r.timings_ms["forward"] for r in rollout), default=features_ms),
+    )
+    if rollout:
+        m.update(
+            transfer_ms=max(r.timings_ms["send_post"] + r.timings_ms["send_wait"] for r in rollout),
+            transfer_bytes=sum(r.bytes_sent for r in rollout),
+            rollout_forwards=sum(r.metrics["forwards"] for r in rollout),
+            rollout_forwards_max=max(r.metrics["forwards"] for r in rollout),
+            sender_inflight_bytes=sum(r.metrics["inflight_bytes"] for r in rollout),
+        )
+    return m
+
+
+def train_loop(cfg: Config, cluster, plan: Planner, logger) -> int:
+    """Run the schedule from ``cluster.start_step`` until the stop rule; returns the last trained
+    step count. Checkpoints every ``checkpoint.every_steps``; the caller saves the final one."""
+    from tqdm import tqdm
+
+    todo = plan.schedule(cluster.start_step)
+    budget = int(cfg.placement.max_inflight_mb * 2**20)
+    every = cfg.checkpoint.every_steps
+    deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
+    inflight: collections.deque[InFlight] = collections.deque()
+    done, i = cluster.start_step, 0
+    bar = tqdm(total=plan.total_steps, initial=done, desc=f"train ({cfg.placement.mode})", dynamic_ncols=True)
+    t_last = time.perf_counter()
+    try:
+        while True:
+            while i < len(todo) and time.time() < deadline and has_room(inflight, plan.recv_bytes(plan.task(todo[i])), budget):
+                p, i = plan.task(todo[i]), i + 1
+                upcoming = [plan.task(todo[i])] if i < len(todo) else []  # its receives go up early
+                save = p.split == "train" and bool(every) and (p.step + 1) % every == 0
+                inflight.append(InFlight(p, cluster.submit(p, upcoming, save), plan.recv_bytes(p)))
+            if not inflight:
+                return done
+            f = inflight.popleft()
+            rollout, train = cluster.collect(f.handle, f"{f.plan.split} step {f.plan.step}")
+            if f.plan.split == "eval":
+                logger.log(f.plan.step, train[0].metrics, kind="eval")
+                continue
+            now = time.perf_counter()
+            m = step_metrics(rollout, train, now - t_last, f.nbytes + sum(x.nbytes for x in inflight))
+            t_last, done = now, f.plan.step + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tau=f"{m.get('tau', 0):.2f}")
+            if done % cfg.train.log_every == 0 or done == 1 or done == plan.total_steps:
+                logger.log(done, m)
+    finally:
+        bar.close()
