@@ -1,22 +1,47 @@
 #!/usr/bin/env bash
-# Train an EAGLE-3 draft with the Ray orchestrator, then measure it with real speculative decoding.
+# Train an EAGLE-3 draft, then measure it with real speculative decoding against the target alone.
 #
 #   bash scripts/train_eagle3.sh [--config configs/<run>.yaml] [dotted.overrides=...]
 #
-# Installs into .venv first if it is missing (set SKIP_INSTALL=1 to skip). With no --config it
-# trains the embedded default (SmolLM2-135M-Instruct + ShareGPT, CPU/gloo). Extra arguments are
-# passed to `python -m specforge.ray_train`, e.g. train.max_steps=50 ray.address=auto.
+# Installs into .venv first if it is missing (set SKIP_INSTALL=1 to skip). With no --config it runs
+# the embedded default (SmolLM2-135M-Instruct + ShareGPT, CPU/gloo), whose recipe is offline:
+#   1. data     the target answers ShareGPT prompts itself (python -m specforge.regenerate), and the
+#               hidden states it computes while generating go straight to the feature store
+#               (store.fill=regenerate; store.fill=capture runs python -m specforge.capture instead)
+#   2. train    several epochs over the store (python -m specforge.ray_train, placement.mode=offline)
+#   3. eval     trained draft vs prompt lookup on held-out prompts: acceptance length, speedup
+# Online configs (placement.mode colocated | disaggregated) skip step 1. Every step resumes where
+# it stopped when rerun. Extra arguments are dotted overrides passed to every step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export WANDB_MODE=${WANDB_MODE:-offline} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-0}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} TOKENIZERS_PARALLELISM=false
 VENV=${VENV:-.venv}
 if [ -z "${SKIP_INSTALL:-}" ] && [ ! -x "$VENV/bin/python" ]; then bash scripts/install.sh; fi
+PY="$VENV/bin/python"
 CONFIG=configs/smollm2-135m-cpu.yaml
 if [ "${1:-}" = "--config" ]; then CONFIG=$2; shift 2; fi
-"$VENV/bin/python" -m specforge.ray_train --config "$CONFIG" "$@"
-OUT=$("$VENV/bin/python" -c "import sys; from specforge.config import load_config; from specforge.train.trainer import checkpoint_root; print(checkpoint_root(load_config(sys.argv[1], sys.argv[2:])))" "$CONFIG" "$@")
+start=$(date +%s)
+phase() { echo; echo "== $1 ($(( ($(date +%s) - start) / 60 )) min since start)"; }
+
+# What this config asks for (one line: placement mode, how the store is filled, checkpoint folder).
+read -r MODE FILL OUT < <("$PY" - "$CONFIG" "$@" <<'EOF'
+import sys
+from specforge.config import load_config
+from specforge.train.trainer import checkpoint_root
+cfg = load_config(sys.argv[1], sys.argv[2:])
+print(cfg.placement.mode, cfg.store.fill, checkpoint_root(cfg))
+EOF
+)
+
+if [ "$MODE" = offline ]; then
+  phase "1/3 data: store.fill=$FILL"
+  "$PY" -m "specforge.$FILL" --config "$CONFIG" "$@"
+fi
+phase "2/3 train: placement.mode=$MODE"
+"$PY" -m specforge.ray_train --config "$CONFIG" "$@"
 CKPT=$(ls -d "$OUT"/step-* 2>/dev/null | tail -n 1)
 if [ -n "${SKIP_EVAL:-}" ] || [ -z "$CKPT" ]; then exit 0; fi
-echo "evaluating $CKPT with chain speculative decoding on held-out prompts"
-"$VENV/bin/python" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --num-prompts "${EVAL_PROMPTS:-16}" "$@"
+phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out prompts"
+"$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --draft prompt-lookup --num-prompts "${EVAL_PROMPTS:-16}" "$@"
+phase "done"

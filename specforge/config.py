@@ -112,6 +112,10 @@ class StoreConfig:
     dir: Optional[str] = None  # None = <train.output_dir>/features
     dtype: Literal["bfloat16", "int8"] = "bfloat16"  # int8 = per-row absmax scales, ~half the bytes
     shard_mb: float = 256.0  # samples are packed into shards of about this size
+    # What fills the store before offline training (scripts/train_eagle3.sh runs python -m specforge.<fill>):
+    # regenerate = the target writes the answers and its features are kept while it generates;
+    # capture = the target reads the dataset's own answers (one forward per sample).
+    fill: Literal["regenerate", "capture"] = "capture"
 
 
 @dataclass

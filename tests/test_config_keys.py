@@ -12,7 +12,7 @@ from specforge.config import Config, load_config
 
 PKG = Path(__file__).parent.parent / "specforge"
 # Keys no entry point can run with this value yet: the shared check() rejects it, naming the key.
-REJECTED = ["placement.mode=offline", "rollout.tp_size=2"]
+REJECTED = ["rollout.tp_size=2"]
 
 
 def _keys() -> list[str]:
@@ -47,8 +47,11 @@ def test_single_process_names_the_distribution_keys_it_does_not_apply():
     from specforge.runtime.loop import DISTRIBUTION_KEYS, not_applied
 
     assert set(DISTRIBUTION_KEYS) <= set(_keys())
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "smollm2-135m-cpu.yaml")
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "smollm2-135m-cpu.yaml",
+                      ["placement.mode=disaggregated"])
     assert not_applied(cfg) == ["placement.mode='disaggregated'", "placement.max_inflight_mb=256.0"]
+    # offline is a feature source, not a distribution: one process runs it as it is
+    assert not_applied(load_config(None, ["placement.mode=offline"])) == []
     assert not_applied(Config()) == []
 
 

@@ -35,9 +35,6 @@ DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inf
 
 def check(cfg: Config) -> None:
     """What no placement can run yet: a ValueError naming the key."""
-    if cfg.placement.mode == "offline":
-        raise ValueError("config key 'placement.mode': 'offline' is not implemented yet (no feature-store "
-                         "source); use 'colocated' or 'disaggregated'")
     ParallelDims.from_config(cfg)  # train.num_workers must be a multiple of sp_ulysses * sp_ring
     if cfg.rollout.tp_size != 1:
         raise ValueError(f"config key 'rollout.tp_size'={cfg.rollout.tp_size}: tensor-parallel rollout is not "
@@ -52,7 +49,8 @@ def not_applied(cfg: Config) -> list[str]:
         section, name = key.split(".")
         return getattr(getattr(c, section), name)
 
-    return [f"{k}={get(cfg, k)!r}" for k in DISTRIBUTION_KEYS if get(cfg, k) != get(default, k)]
+    keys = [k for k in DISTRIBUTION_KEYS if not (k == "placement.mode" and cfg.placement.mode == "offline")]
+    return [f"{k}={get(cfg, k)!r}" for k in keys if get(cfg, k) != get(default, k)]
 
 
 def single_process(cfg: Config) -> Config:
@@ -61,17 +59,17 @@ def single_process(cfg: Config) -> Config:
     dp = ParallelDims.from_config(cfg).dp
     return replace(cfg, train=replace(cfg.train, num_workers=1, grad_accum=cfg.train.grad_accum * dp),
                    parallel=replace(cfg.parallel, sp_ulysses=1, sp_ring=1),
-                   placement=replace(cfg.placement, mode="colocated"))
+                   placement=replace(cfg.placement, mode="offline" if cfg.placement.mode == "offline" else "colocated"))
 
 
 class LocalCluster:
     """The single-process placement: one ``TrainWorker`` in this process (target + draft, features
-    captured in memory), no Ray, no process group; a plan runs when it is submitted."""
+    captured in memory or read from the store), no Ray, no process group; a plan runs when submitted."""
 
     def __init__(self, cfg: Config, data: RunData):
         from specforge.runtime.workers import TrainWorker
 
-        self.layout = Layout("colocated", (), (0,), data.vocab_path)
+        self.layout = Layout(cfg.placement.mode, (), (0,), data.vocab_path)
         self.worker = TrainWorker(cfg)
         self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths)))
 

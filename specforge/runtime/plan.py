@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional
 
 from specforge.config import Config
@@ -36,9 +37,12 @@ class RunData:
 
 
 def prepare(cfg: Config, use_gpu: bool) -> RunData:
-    """Tokenize into the shared cache and write the draft vocab file (no model weights loaded)."""
+    """Tokenize into the shared cache and write the draft vocab file (no model weights loaded).
+    Offline: the samples are the feature store's (nothing is tokenized)."""
     from transformers import AutoConfig
 
+    if cfg.placement.mode == "offline":
+        return prepare_offline(cfg)
     from specforge.data.prepare import prepare_dataset
     from specforge.models.target import load_tokenizer, resolve_target_path
     from specforge.train.trainer import build_vocab, vocab_path
@@ -54,6 +58,47 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
         vocab_path=str(vocab_path(cfg, data.cache_key)),
         hidden_size=int(target_cfg.hidden_size),
         wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
+    )
+
+
+def store_split(store, cfg: Config) -> dict[str, list[int]]:
+    """Store sample ids by split: with periodic eval on, the last few are held out for it (a tenth
+    at most). The prompts ``specforge.eval`` measures are never in a store (regenerate and capture
+    take the train split only)."""
+    n = min(cfg.data.num_eval, EVAL_SAMPLES, len(store.ids) // 10) if cfg.train.eval_every else 0
+    return {"train": store.ids[: len(store.ids) - n], "eval": store.ids[len(store.ids) - n :]}
+
+
+def prepare_offline(cfg: Config) -> RunData:
+    """The feature store's samples: lengths by split, and the draft vocab of its loss tokens."""
+    import hashlib
+
+    import torch
+
+    from specforge.data.store import FeatureStore, store_root
+    from specforge.data.vocab import build_draft_vocab, save_draft_vocab
+
+    store = FeatureStore(store_root(cfg))
+    split = store_split(store, cfg)
+    if not split["train"]:
+        raise ValueError(f"feature store {store.root} holds no samples; fill it (store.fill={cfg.store.fill})")
+    key = hashlib.sha256(repr((store.meta, store.ids)).encode()).hexdigest()[:16]
+    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{cfg.draft.vocab_size}.safetensors"
+    if not path.is_file():
+        counts = torch.zeros(store.meta.vocab_size, dtype=torch.long)
+        for i in split["train"]:
+            s = store.read(i)
+            counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=store.meta.vocab_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(build_draft_vocab(counts.numpy(), store.meta.vocab_size, cfg.draft.vocab_size), path)
+    print(f"feature store {store.root}: {len(split['train'])} train + {len(split['eval'])} held-out samples, "
+          f"{store.num_tokens} tokens ({store.dtype})")
+    return RunData(
+        lengths=tuple(store.lengths[i] for i in split["train"]),
+        eval_lengths=tuple(store.lengths[i] for i in split["eval"]),
+        vocab_path=str(path),
+        hidden_size=store.meta.hidden_size,
+        wire_dtype=store.dtype if store.dtype != "int8" else "float32",
     )
 
 

@@ -10,6 +10,7 @@ The interface (duck-typed; the train step never asks which source it has)::
 
     CaptureSource   colocated (and single process): the in-process target computes the features
     ReceiveSource   disaggregated: rollout workers send them over the data plane
+    StoreSource     offline: read from the feature store (memory-mapped shards)
 
 ``build_source`` is the one place that picks (docs/ARCHITECTURE.md: how an offline store plugs in).
 """
@@ -47,7 +48,44 @@ def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
     """THE choice of a train rank's feature source (``groups``: its ``ParallelGroups``)."""
     if layout.mode == "colocated":
         return CaptureSource(target, open_data(cfg), groups, cfg)
+    if layout.mode == "offline":
+        return StoreSource(open_store(cfg, target), groups, cfg, pad_id(target.tokenizer))
     return ReceiveSource(build_transport(cfg, layout, rank, groups.device), groups, rank, cfg, pad_id(target.tokenizer))
+
+
+def open_store(cfg: Config, target):
+    """The feature store, refused (naming the field) if it was made by another target, tokenizer,
+    aux layers or max_length than this run's."""
+    from specforge.data.store import FeatureStore, store_meta, store_root
+
+    store = FeatureStore(store_root(cfg))
+    FeatureStore(store_root(cfg), expect=store_meta(cfg, target, source=store.meta.source))
+    return store
+
+
+class _Whole(dict):
+    """A whole stored sample as ``batch_from_samples`` takes it (its tokens start at 0)."""
+
+    start = 0
+
+
+class StoreSource:
+    """Offline: sample index i of a plan is the i-th sample of the store's split (``store_split``),
+    read memory-mapped; several epochs are just steps past the first pass (data order = f(seed, step))."""
+
+    wait_ms, bytes_recv = 0.0, 0  # no data plane
+
+    def __init__(self, store, groups, cfg: Config, pad: int):
+        from specforge.runtime.plan import store_split
+
+        self.store, self.groups, self.pad, self.ttt_length = store, groups, pad, cfg.draft.ttt_length
+        self.split = store_split(store, cfg)
+
+    def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
+        ids, g = self.split[plan.split], self.groups
+        return [batch_from_samples([_Whole(self.store.read(ids[i])) for i in micro], T, self.pad, g.sp_rank,
+                                   g.sp_size, self.ttt_length)
+                for micro, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]
 
 
 class CaptureSource:

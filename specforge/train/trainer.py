@@ -12,6 +12,7 @@ train worker under THE loop, the reference the distributed placements are tested
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -86,7 +87,7 @@ class DraftTrainer:
         # process): the loss is normalized by the GLOBAL valid count, so gradients are summed.
         # total_steps: the LR schedule's horizon (default train.max_steps).
         self.draft, self.cfg, self.device, self.reduce_sum = draft, cfg, device, reduce_sum
-        self.teacher_NH = teacher_NH.to(device)
+        self.teacher_NH = teacher_NH.to(device, torch.float32)  # small (N x H); autocast casts it down where it runs
         self.amp_dtype = autocast_dtype(cfg.train.precision, device)
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train, total_steps or cfg.train.max_steps)
         self.step_count = 0
@@ -95,7 +96,7 @@ class DraftTrainer:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters."""
         counts = torch.zeros(self.cfg.draft.ttt_length, 4, dtype=torch.float64)
         for mb in micro_batches:
-            mb = mb.to(self.device)
+            mb = _compute_dtype(mb.to(self.device), self.amp_dtype)
             with autocast(self.device, self.amp_dtype):
                 loss, c = ttt_loss(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length,
                                    self.cfg.draft.ttt_decay, num_valid_global=num_valid)
@@ -145,6 +146,14 @@ def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, ch
         ids, mask, attn = collate(rows[s : s + batch_size], pad)
         out.append(TrainBatch.from_features(ids, mask, capture(target, ids, attn, chunk_tokens)))
     return out
+
+
+def _compute_dtype(mb: TrainBatch, amp_dtype: Optional[torch.dtype]) -> TrainBatch:
+    """Without autocast the draft computes in fp32: bf16 features (a bf16 store or wire) are
+    upcast here, once, whatever source they came from (under autocast they stay as they are)."""
+    if amp_dtype is not None or mb.aux_hidden_BT3H.dtype == torch.float32:
+        return mb
+    return dataclasses.replace(mb, aux_hidden_BT3H=mb.aux_hidden_BT3H.float(), last_hidden_BTH=mb.last_hidden_BTH.float())
 
 
 # ---------------------------------------------------------------- the single-process placement

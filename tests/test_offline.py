@@ -1,0 +1,79 @@
+"""Offline training: the feature store is a third feature source of the same loop and train step.
+
+Same samples, same seed: training from a bf16 store gives the per-step losses of online training
+whose target computes the same bf16 features (single process and 2 DP ranks on Ray), several
+epochs run from it, and a store made by another target or max_length is refused by name.
+"""
+
+import json
+
+import pytest
+
+from specforge.config import load_config
+from tests.test_ray_train import STEPS, assets, make_cfg, ray_session  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def _losses(out, kind="train"):
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def store(assets, tmp_path_factory):  # noqa: F811
+    from specforge.capture import capture_store
+
+    root = tmp_path_factory.mktemp("store")
+    capture_store(make_cfg(assets, root, "model.dtype=bfloat16", f"store.dir={root / 'features'}"), progress=False)
+    return root / "features"
+
+
+def _offline(assets, out, store, *extra):  # noqa: F811
+    return make_cfg(assets, out, "model.dtype=bfloat16", "placement.mode=offline", f"store.dir={store}", *extra)
+
+
+def test_store_training_equals_online_training(assets, store, tmp_path):  # noqa: F811
+    from specforge.train.trainer import run
+
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    run(make_cfg(assets, online, "model.dtype=bfloat16", "train.grad_accum=2", "train.num_workers=1"))
+    run(_offline(assets, offline, store, "train.grad_accum=2", "train.num_workers=1"))
+    want, got = _losses(online), _losses(offline)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert want[0]["loss"] > 0
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["valid_tokens"] == a["valid_tokens"]
+
+
+@pytest.mark.ray
+def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tmp_path):  # noqa: F811
+    from specforge.ray_train import fit
+    from specforge.train.trainer import run
+
+    # 12 train samples, global batch 2: 2 epochs = 12 steps; the Ray run (2 DP ranks) == one process
+    common = ("train.max_steps=null", "train.epochs=2")
+    run(_offline(assets, tmp_path / "one", store, "train.grad_accum=2", "train.num_workers=1", *common))
+    fit(_offline(assets, tmp_path / "ray", store, *common))
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "ray")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, 13))
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+
+
+def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):  # noqa: F811
+    from specforge.train.trainer import run
+
+    with pytest.raises(ValueError, match="max_length"):
+        run(_offline(assets, tmp_path / "a", store, "data.max_length=48"))
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        run(_offline(assets, tmp_path / "b", store, "model.aux_layer_ids=[0,2,3]"))
+
+
+def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):  # noqa: F811
+    from specforge.train.trainer import run
+
+    with pytest.raises(ValueError, match="store"):
+        run(_offline(assets, tmp_path / "c", tmp_path / "missing"))
+    assert load_config(None, ["placement.mode=offline"]).placement.mode == "offline"
