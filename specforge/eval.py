@@ -1,12 +1,23 @@
-"""Real chain speculative decoding (greedy) of the target with a trained draft.
+"""Real chain speculative decoding (greedy) of the target: acceptance AND wall-clock speedup.
 
-    python -m specforge.eval --draft runs/x/checkpoints/step-000400 [--config cfg.yaml] \
-        [--target <path or hub id>] [--num-prompts 16] [--max-new-tokens 64] [--chain 7]
+    python -m specforge.eval --config cfg.yaml --draft runs/x/checkpoints/step-000400 \
+        [--draft prompt-lookup ...] [--num-prompts 16] [--max-new-tokens 64] [--chain 7] [--json out.json]
 
-Both models keep KV caches. Each round the draft proposes ``chain`` tokens one at a time, the
-target verifies them in ONE forward, the longest agreeing prefix is kept plus the target's own
-next token (the bonus). Acceptance length = tokens produced per target verify forward. The output
-must equal plain greedy decoding of the target token for token; a mismatch is an error.
+Both models keep KV caches. Each round the draft proposes up to ``chain`` tokens one at a time, the
+target verifies them in ONE forward, the longest agreeing prefix is kept plus the target's own next
+token (the bonus). Acceptance length = tokens produced per target verify forward.
+
+One table row per draft and setting: "chain 7 fixed" drafts the whole chain every round (the
+acceptance figure comparable with upstream); "dynamic" (EAGLE drafts) stops drafting once the
+draft's own estimate that all its tokens get accepted no longer pays for one more draft step, with
+both costs measured while decoding (:class:`RoundCosts`), as EAGLE-2's dynamic drafting does.
+Speed baseline: target-only greedy decoding with the same target, cache, dtype and threads, run
+alternately with the speculative runs prompt by prompt so that load changes hit both.
+
+Every speculative output must equal plain greedy decoding. In bf16 a verify forward over 8 tokens
+and a 1-token decode forward can round differently, so at the first mismatch the reference's own
+logits decide: a speculative token within ``TIE_RTOL[dtype]`` of the max (relative to the logit
+scale) is a numerical tie (counted; that prompt is compared no further), anything else raises.
 ``--draft prompt-lookup`` runs model-free n-gram drafting as a baseline.
 """
 
@@ -22,8 +33,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from specforge.models.draft import DraftKVCache
-from specforge.models.target import TargetModel, argmax_chunked, forward_aux
+from specforge.models.draft import ChainDrafter
+from specforge.models.target import TargetModel, forward_aux
+
+# Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).
+TIE_RTOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 # ---------------------------------------------------------------- proposers
@@ -39,7 +53,7 @@ class PromptLookupProposer:
     def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
         self.ids = list(ids)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, costs: Optional["RoundCosts"] = None) -> list[int]:
         for n in range(self.max_ngram, 0, -1):
             if len(self.ids) <= n:
                 continue
@@ -59,48 +73,109 @@ class EagleProposer:
 
     Draft row t takes the target feature at position t and the token at t+1. Rows whose
     features came from the target are committed to the cache; rows drafted from the draft's own
-    hidden states are cropped away after verification.
+    hidden states are cropped away after verification. The draft runs in ``dtype`` (default: its
+    own) through a :class:`ChainDrafter`, which snapshots its weights: build a new proposer after
+    the draft changes.
     """
 
-    def __init__(self, draft):
-        self.draft = draft
-        self.cache = None
-        self.pending_ids: list[int] = []
-        self.pending_hidden_TH: Optional[torch.Tensor] = None
+    def __init__(self, draft, dtype: Optional[torch.dtype] = None):
+        self.drafter = ChainDrafter(draft, dtype)
+        self.committed = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
-        self.cache = DraftKVCache()
+        self.drafter.cache.crop(0)
         self._queue(ids[1:], aux_TH)
 
     def _queue(self, next_ids: list[int], aux_TH: torch.Tensor) -> None:
         assert len(next_ids) == aux_TH.shape[0]
-        self.pending_ids = list(next_ids)
-        self.pending_hidden_TH = self.draft.project_aux(aux_TH.to(self.draft.fc.weight.dtype))
+        self.pending = (torch.as_tensor(next_ids, device=aux_TH.device), aux_TH)
 
-    @torch.no_grad()
-    def propose(self, k: int) -> list[int]:
-        draft = self.draft
-        start = self.cache.length
-        n = len(self.pending_ids)
-        pos = torch.arange(start, start + n).unsqueeze(0)
-        ids = torch.tensor([self.pending_ids])
-        hidden, logits = draft.forward_cached(ids, self.pending_hidden_TH.unsqueeze(0), pos, self.cache)
-        self.committed = self.cache.length
-        out: list[int] = []
-        for j in range(k):
-            tok = draft.draft_to_target_ids(logits[0, -1].argmax()).item()
-            out.append(tok)
-            if j == k - 1:
+    def propose(self, k: int, costs: Optional["RoundCosts"] = None) -> list[int]:
+        """Up to ``k`` tokens. With ``costs`` (dynamic drafting) the draft's own probability that
+        everything drafted so far is accepted decides, token by token, whether drafting and
+        verifying one more pays off; the result may be empty (the round is a plain decode step)."""
+        d = self.drafter
+        hidden, logits = d.prefill(*self.pending)  # the target-fed rows: always needed, committed
+        self.committed = len(d.cache)
+        hidden, logits = hidden[-1:], logits[-1]
+        ids = torch.empty(k, dtype=torch.long, device=logits.device)
+        p_all, n = 1.0, 0
+        while True:
+            ids[n] = logits.argmax()  # stays a tensor: no host sync per step without costs
+            if costs is not None:
+                p_all *= float(torch.softmax(logits.float(), dim=-1)[ids[n]])
+                if not costs.verify_pays(n + 1, p_all):
+                    break
+            n += 1
+            if n == k or (costs is not None and not costs.step_pays(n, p_all)):
                 break
-            p = self.cache.length
-            hidden, logits = draft.forward_cached(
-                torch.tensor([[tok]]), hidden[:, -1:], torch.tensor([[p]]), self.cache
-            )
-        return out
+            hidden, logits = d.step(ids[n - 1], hidden)
+            logits = logits[0]
+        return d.to_target(ids[:n]).tolist()
 
     def accept(self, new_tokens: list[int], aux_TH: torch.Tensor) -> None:
-        self.cache.crop(self.committed)
+        self.drafter.cache.crop(self.committed)
         self._queue(new_tokens, aux_TH)
+
+
+class RoundCosts:
+    """What a round costs, measured while decoding, and whether one more draft token pays off.
+
+    A drafted token that is accepted saves about one target decode step, ``verify_s(1)``. Drafting
+    one more costs a draft step (``draft_step_s``) plus what it adds to the verify forward
+    (``extra_verify_s``); verifying an already drafted one costs only the latter. Either pays iff
+    ``p_all`` -- the draft's own probability that every token drafted so far, this one included,
+    is accepted -- times the saving exceeds the cost. Running averages (``smoothing``) follow load
+    changes; nothing is tuned on the eval prompts. Before anything is measured everything pays.
+    """
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.draft_step_s: Optional[float] = None
+        self.target_s_by_len: dict[int, float] = {}  # target forward + argmax over n tokens
+
+    def _avg(self, old: Optional[float], new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            self.draft_step_s = self._avg(self.draft_step_s, seconds / steps)
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        self.target_s_by_len[tokens] = self._avg(self.target_s_by_len.get(tokens), seconds)
+
+    def _line(self) -> tuple[float, float]:
+        """(intercept, slope) through the averages of verify lengths >= 2: 1-token forwards take
+        another kernel path (matrix-vector) and would bend the line."""
+        pts = [(n, s) for n, s in self.target_s_by_len.items() if n >= 2] or list(self.target_s_by_len.items())
+        if len(pts) == 1:
+            return pts[0][1], 0.0
+        mx, my = sum(n for n, _ in pts) / len(pts), sum(s for _, s in pts) / len(pts)
+        slope = sum((n - mx) * (s - my) for n, s in pts) / sum((n - mx) ** 2 for n, _ in pts)
+        return my - slope * mx, slope
+
+    def verify_s(self, n: int) -> float:
+        if n in self.target_s_by_len:
+            return self.target_s_by_len[n]
+        a, b = self._line()
+        return a + b * n
+
+    def extra_verify_s(self, drafted: int) -> float:
+        """What the ``drafted``-th draft token adds to the verify forward (1 + drafted tokens)."""
+        if drafted == 1:
+            return max(self.verify_s(2) - self.verify_s(1), 0.0)
+        return max(self._line()[1], 0.0)
+
+    def _measured(self) -> bool:
+        return self.draft_step_s is not None and bool(self.target_s_by_len)
+
+    def verify_pays(self, drafted: int, p_all: float) -> bool:
+        return not self._measured() or p_all * self.verify_s(1) > self.extra_verify_s(drafted)
+
+    def step_pays(self, drafted: int, p_all: float) -> bool:
+        """Whether to draft token ``drafted + 1`` (its own probability is unknown until drafted)."""
+        return not self._measured() or p_all * self.verify_s(1) > self.draft_step_s + self.extra_verify_s(drafted + 1)
 
 
 # ---------------------------------------------------------------- decoding loops
@@ -112,6 +187,17 @@ class DecodeStats:
     verify_forwards: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose j-th draft token was accepted
     seconds: float = 0.0
+    drafted: int = 0  # draft tokens proposed over all rounds
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+@dataclass
+class GreedyRun:
+    tokens: list[int]
+    logits: list[torch.Tensor]  # the reference's logits row behind each token (for the tie check)
+    seconds: float
+    decode_step_s: float  # mean time of one 1-token decode step (forward + argmax)
 
 
 def _crop(cache, keep: int) -> None:
@@ -121,50 +207,74 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-extra)
 
 
-def _argmax_rows(target: TargetModel, last_TH: torch.Tensor) -> list[int]:
-    return argmax_chunked(last_TH, target.lm_head_weight_VH, chunk=last_TH.shape[0]).tolist()
+def _logits_rows(target: TargetModel, last_TH: torch.Tensor) -> torch.Tensor:
+    # one matmul shape for the reference and the verifier: a 1-row decode is a 1-row matrix too
+    return last_TH @ target.lm_head_weight_VH.T
 
 
-@torch.no_grad()
-def greedy_decode(target: TargetModel, prompt: Sequence[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+@torch.inference_mode()
+def greedy_run(target: TargetModel, prompt: Sequence[int], max_new: int, eos: set[int]) -> GreedyRun:
     from transformers import DynamicCache
 
+    dev = target.device
     t0 = time.perf_counter()
     cache = DynamicCache()
-    _, last, _ = forward_aux(target, torch.tensor([list(prompt)]), past_key_values=cache)
-    out = [_argmax_rows(target, last[0, -1:])[0]]
+    _, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), past_key_values=cache)
+    logits = [_logits_rows(target, last[0, -1:])[0]]
+    out = [int(logits[-1].argmax())]
+    t1 = time.perf_counter()
     while len(out) < max_new and out[-1] not in eos:
-        _, last, _ = forward_aux(target, torch.tensor([[out[-1]]]), past_key_values=cache)
-        out.append(_argmax_rows(target, last[0, -1:])[0])
-    return out, time.perf_counter() - t0
+        _, last, _ = forward_aux(target, torch.tensor([[out[-1]]], device=dev), past_key_values=cache)
+        logits.append(_logits_rows(target, last[0, -1:])[0])
+        out.append(int(logits[-1].argmax()))
+    t2 = time.perf_counter()
+    return GreedyRun(out, logits, t2 - t0, (t2 - t1) / max(len(out) - 1, 1))
 
 
-@torch.no_grad()
+def greedy_decode(target: TargetModel, prompt: Sequence[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+    run = greedy_run(target, prompt, max_new, eos)
+    return run.tokens, run.seconds
+
+
+@torch.inference_mode()
 def speculative_decode(
-    target: TargetModel, proposer, prompt: Sequence[int], max_new: int, chain: int, eos: set[int]
+    target: TargetModel, proposer, prompt: Sequence[int], max_new: int, chain: int, eos: set[int],
+    costs: Optional[RoundCosts] = None,
 ) -> tuple[list[int], DecodeStats]:
+    """Chain speculative decoding; with ``costs`` the chain stops early (dynamic drafting)."""
     from transformers import DynamicCache
 
+    dev = target.device
     stats = DecodeStats(accepted_at=[0] * chain)
     t0 = time.perf_counter()
     cache = DynamicCache()
-    aux, last, _ = forward_aux(target, torch.tensor([list(prompt)]), past_key_values=cache)
-    out = [_argmax_rows(target, last[0, -1:])[0]]
+    aux, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), past_key_values=cache)
+    out = [int(_logits_rows(target, last[0, -1:]).argmax())]
     proposer.start(list(prompt) + out, aux[0])
+    kw = {} if costs is None else {"costs": costs}
     while len(out) < max_new and out[-1] not in eos:
         base = cache.get_seq_length()  # everything before the last produced token
-        drafted = proposer.propose(chain)
-        aux, last, _ = forward_aux(target, torch.tensor([[out[-1]] + drafted]), past_key_values=cache)
-        verified = _argmax_rows(target, last[0])
+        t1 = time.perf_counter()
+        drafted = proposer.propose(chain, **kw)
+        t2 = time.perf_counter()
+        aux, last, _ = forward_aux(target, torch.tensor([[out[-1]] + drafted], device=dev), past_key_values=cache)
+        verified = _logits_rows(target, last[0]).argmax(-1).tolist()
+        t3 = time.perf_counter()
         n = 0
-        while n < chain and drafted[n] == verified[n]:
+        while n < len(drafted) and drafted[n] == verified[n]:
             stats.accepted_at[n] += 1
             n += 1
         new = drafted[:n] + [verified[n]]
         _crop(cache, base + 1 + n)
         proposer.accept(new, aux[0, : n + 1])
-        stats.verify_forwards += 1
         out.extend(new)
+        stats.verify_forwards += 1
+        stats.drafted += len(drafted)
+        stats.draft_seconds += t2 - t1
+        stats.verify_seconds += t3 - t2
+        if costs is not None:
+            costs.observe_draft(len(drafted), t2 - t1)
+            costs.observe_target(1 + len(drafted), t3 - t2)
     # a round may overshoot max_new or run past an EOS: cut where greedy decoding would stop
     for i, tok in enumerate(out):
         if tok in eos:
@@ -176,7 +286,38 @@ def speculative_decode(
     return out, stats
 
 
+def check_lossless(got: list[int], ref: GreedyRun, rtol: float, where: str = "") -> bool:
+    """True at a numerical tie (see the module docstring), False if equal; raises on a real difference."""
+    n = min(len(got), len(ref.tokens))
+    first = next((j for j in range(n) if got[j] != ref.tokens[j]), None)
+    if first is None:
+        if len(got) == len(ref.tokens):
+            return False
+        raise AssertionError(f"{where}speculative output has {len(got)} tokens, greedy {len(ref.tokens)}")
+    logits = ref.logits[first].float()
+    gap = float(logits.max() - logits[got[first]])
+    scale = float(logits.abs().max())
+    if gap <= rtol * scale:
+        return True
+    raise AssertionError(
+        f"{where}speculative output differs from greedy at token {first} (got {got[first:first + 5]}, "
+        f"greedy {ref.tokens[first:first + 5]}; logit gap {gap:.4g} > {rtol:g} x scale {scale:.4g}: not a tie)"
+    )
+
+
 # ---------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Setting:
+    """One table row: a proposer and whether it drafts dynamically."""
+
+    draft: str
+    proposer: object
+    dynamic: bool = False
+
+    def name(self, chain: int) -> str:
+        return f"dynamic <={chain}" if self.dynamic else f"chain {chain} fixed"
 
 
 @dataclass
@@ -190,46 +331,82 @@ class EvalReport:
     speedup: float
     new_tokens: int
     verify_forwards: int
+    draft: str = ""
+    setting: str = ""
+    ties: int = 0  # prompts whose comparison stopped at a numerical tie
+    drafted_per_round: float = 0.0
+    draft_ms_per_round: float = 0.0
+    verify_ms_per_round: float = 0.0
 
 
 def evaluate(
-    target: TargetModel, proposer, prompts: Sequence[Sequence[int]], max_new: int, chain: int, progress: bool = True
+    target: TargetModel, proposer, prompts: Sequence[Sequence[int]], max_new: int, chain: int,
+    progress: bool = True, dynamic: bool = False,
 ) -> EvalReport:
-    """Speculative vs plain greedy on every prompt; raises if any output differs."""
+    """Speculative vs plain greedy on every prompt; raises if an output differs beyond a tie."""
+    return evaluate_settings(target, [Setting("draft", proposer, dynamic)], prompts, max_new, chain, progress)[0]
+
+
+def evaluate_settings(
+    target: TargetModel, settings: Sequence[Setting], prompts: Sequence[Sequence[int]], max_new: int, chain: int,
+    progress: bool = True,
+) -> list[EvalReport]:
+    """Every setting against ONE greedy reference per prompt, run alternately prompt by prompt."""
     from tqdm import tqdm
 
     eos = _eos_ids(target)
-    total = DecodeStats(accepted_at=[0] * chain)
+    rtol = TIE_RTOL.get(target.lm_head_weight_VH.dtype, 2e-2)
+    _warm_up(target, settings, prompts[0], chain, eos)
+    costs = [RoundCosts() if s.dynamic else None for s in settings]
+    totals = [DecodeStats(accepted_at=[0] * chain) for _ in settings]
+    ties = [0] * len(settings)
     base_tokens, base_s = 0, 0.0
     for i, prompt in enumerate(tqdm(prompts, desc="spec-decode", disable=not progress)):
-        ref, secs = greedy_decode(target, prompt, max_new, eos)
-        got, st = speculative_decode(target, proposer, prompt, max_new, chain, eos)
-        if got != ref:
-            first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-            raise AssertionError(
-                f"prompt {i}: speculative output differs from greedy at token {first} "
-                f"(got {got[first:first + 5]}, greedy {ref[first:first + 5]})"
-            )
-        base_tokens, base_s = base_tokens + len(ref), base_s + secs
-        total.new_tokens += st.new_tokens
-        total.verify_forwards += st.verify_forwards
-        total.seconds += st.seconds
-        total.accepted_at = [a + b for a, b in zip(total.accepted_at, st.accepted_at)]
+        ref = greedy_run(target, prompt, max_new, eos)
+        base_tokens, base_s = base_tokens + len(ref.tokens), base_s + ref.seconds
+        for j, s in enumerate(settings):
+            if costs[j] is not None:  # the baseline's decode steps are target forwards over 1 token
+                costs[j].observe_target(1, ref.decode_step_s)
+            got, st = speculative_decode(target, s.proposer, prompt, max_new, chain, eos, costs[j])
+            ties[j] += check_lossless(got, ref, rtol, where=f"{s.draft} ({s.name(chain)}), prompt {i}: ")
+            _add(totals[j], st)
+    base_tps = base_tokens / max(base_s, 1e-9)
+    return [_report(s, t, n, len(prompts), chain, base_tps) for s, t, n in zip(settings, totals, ties)]
+
+
+def _warm_up(target: TargetModel, settings: Sequence[Setting], prompt: Sequence[int], chain: int, eos: set[int]) -> None:
+    """Untimed: first calls pay for allocations and kernel selection, on both sides."""
+    greedy_run(target, prompt, 4, set())
+    for s in settings:
+        speculative_decode(target, s.proposer, prompt, 2 * chain + 2, chain, set(), RoundCosts() if s.dynamic else None)
+
+
+def _add(total: DecodeStats, st: DecodeStats) -> None:
+    for name in ("new_tokens", "verify_forwards", "seconds", "drafted", "draft_seconds", "verify_seconds"):
+        setattr(total, name, getattr(total, name) + getattr(st, name))
+    total.accepted_at = [a + b for a, b in zip(total.accepted_at, st.accepted_at)]
+
+
+def _report(s: Setting, total: DecodeStats, ties: int, prompts: int, chain: int, base_tps: float) -> EvalReport:
     # The first token of each prompt comes from the prefill forward, not from a verify round.
-    produced = total.new_tokens - len(prompts)
     rounds = max(total.verify_forwards, 1)
     spec_tps = total.new_tokens / max(total.seconds, 1e-9)
-    base_tps = base_tokens / max(base_s, 1e-9)
     return EvalReport(
-        prompts=len(prompts),
+        prompts=prompts,
         chain=chain,
-        acceptance_length=produced / rounds,
+        acceptance_length=(total.new_tokens - prompts) / rounds,
         acceptance_by_position=[a / rounds for a in total.accepted_at],
         target_tokens_per_s=base_tps,
         speculative_tokens_per_s=spec_tps,
         speedup=spec_tps / base_tps,
         new_tokens=total.new_tokens,
         verify_forwards=total.verify_forwards,
+        draft=s.draft,
+        setting=s.name(chain),
+        ties=ties,
+        drafted_per_round=total.drafted / rounds,
+        draft_ms_per_round=1e3 * total.draft_seconds / rounds,
+        verify_ms_per_round=1e3 * total.verify_seconds / rounds,
     )
 
 
@@ -255,18 +432,68 @@ def eval_prompts(rows, num: int, max_prompt_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def format_report(rep: EvalReport, label: str) -> str:
-    pos = " ".join(f"{a:.2f}" for a in rep.acceptance_by_position)
-    return (
-        f"| {label} | {rep.prompts} | {rep.chain} | {rep.acceptance_length:.3f} | {pos} | "
-        f"{rep.target_tokens_per_s:.1f} | {rep.speculative_tokens_per_s:.1f} | {rep.speedup:.2f}x |"
-    )
+# ---------------------------------------------------------------- the table and the CLI
 
 
 REPORT_HEADER = (
-    "| draft | prompts | chain | acceptance length | accepted by position | target tok/s | spec tok/s | speedup |\n"
-    "|---|---|---|---|---|---|---|---|"
+    "| draft | setting | prompts | acceptance length | accepted by position | drafted/round | "
+    "round ms (draft + verify) | target tok/s | spec tok/s | speedup | ties |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def format_report(rep: EvalReport, label: Optional[str] = None) -> str:
+    pos = " ".join(f"{a:.2f}" for a in rep.acceptance_by_position)
+    return (
+        f"| {label or rep.draft} | {rep.setting} | {rep.prompts} | {rep.acceptance_length:.3f} | {pos} | "
+        f"{rep.drafted_per_round:.2f} | {rep.draft_ms_per_round:.0f} + {rep.verify_ms_per_round:.0f} | "
+        f"{rep.target_tokens_per_s:.1f} | {rep.speculative_tokens_per_s:.1f} | {rep.speedup:.2f}x | {rep.ties} |"
+    )
+
+
+def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Optional[torch.dtype]) -> list[Setting]:
+    """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting."""
+    from specforge.train.checkpoint import load_draft
+
+    settings: list[Setting] = []
+    for name in dict.fromkeys(drafts):  # a draft named twice runs once
+        if name == "prompt-lookup":
+            settings.append(Setting(name, PromptLookupProposer()))
+            continue
+        draft = load_draft(name, target).to(target.device)
+        settings.append(Setting(name, EagleProposer(draft, draft_dtype)))
+        settings.append(Setting(name, EagleProposer(draft, draft_dtype), dynamic=True))
+    return settings
+
+
+def _draft_dtype(choice: str, precision: str, device: torch.device) -> torch.dtype:
+    """auto = the dtype the draft's matmuls ran in during training (train.precision's autocast)."""
+    from specforge.device import autocast_dtype, torch_dtype
+
+    if choice == "auto":
+        return autocast_dtype(precision, device) or torch.float32
+    return torch_dtype(choice)
+
+
+def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m specforge.eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", action="append", required=True,
+                    help="draft checkpoint folder, or 'prompt-lookup'; repeat for several drafts in one run")
+    ap.add_argument("--config", default=None, help="run config (target + held-out data); default: built-in defaults")
+    ap.add_argument("--target", default=None, help="target path/hub id (overrides model.target_path)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--chain", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype the draft runs in; auto = the autocast dtype of train.precision")
+    ap.add_argument("--json", default=None, help="also write every row as JSON here")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dtype=bfloat16")
+    args = ap.parse_args(argv)
+    if args.chain < 1:
+        raise ValueError(f"--chain must be >= 1, got {args.chain}")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -275,39 +502,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     from specforge.device import set_threads
     from specforge.models.target import load_target
 
-    ap = argparse.ArgumentParser(prog="python -m specforge.eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", required=True, help="draft checkpoint folder, or 'prompt-lookup'")
-    ap.add_argument("--config", default=None, help="run config (target + held-out data); default: built-in defaults")
-    ap.add_argument("--target", default=None, help="target path/hub id (overrides model.target_path)")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384)
-    ap.add_argument("--chain", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="also write the report as JSON here")
-    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_length=512")
-    args = ap.parse_args(argv)
-
+    args = _parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"model.target_path={args.target}"] if args.target else []))
     set_threads(args.threads or cfg.train.num_threads)
-    cfg.model.dtype = "float32"  # exact greedy comparison needs the target in fp32
-    target = load_target(cfg.model)
+    target = load_target(cfg.model)  # in cfg.model.dtype: the dtype the features were captured in
     data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir)
     prompts = eval_prompts(data.eval, args.num_prompts, args.max_prompt_tokens)
     if not prompts:
         raise ValueError("no held-out prompt fits; raise --max-prompt-tokens or data.num_eval")
-    if args.draft == "prompt-lookup":
-        proposer, label = PromptLookupProposer(), "prompt-lookup"
-    else:
-        from specforge.train.checkpoint import load_draft
-
-        proposer, label = EagleProposer(load_draft(args.draft, target)), str(args.draft)
-    rep = evaluate(target, proposer, prompts, args.max_new_tokens, args.chain)
+    draft_dtype = _draft_dtype(args.draft_dtype, cfg.train.precision, target.device)
+    settings = build_settings(args.draft, target, draft_dtype)
+    reports = evaluate_settings(target, settings, prompts, args.max_new_tokens, args.chain)
+    target_dtype = str(target.lm_head_weight_VH.dtype).replace("torch.", "")
+    print(f"target {cfg.model.target_path} in {target_dtype} on {target.device.type}, draft in "
+          f"{str(draft_dtype).replace('torch.', '')}, {torch.get_num_threads()} threads, {len(prompts)} held-out "
+          f"prompts x {args.max_new_tokens} new tokens, greedy, output checked against greedy decoding")
     print(REPORT_HEADER)
-    print(format_report(rep, label))
+    for rep in reports:
+        print(format_report(rep))
     if args.json:
-        Path(args.json).write_text(json.dumps({"draft": label, **asdict(rep)}, indent=2))
+        rows = [asdict(r) for r in reports]
+        # the first row also at the top level, for callers that read one report per run
+        meta = {"target_dtype": target_dtype, "draft_dtype": str(draft_dtype), "threads": torch.get_num_threads()}
+        Path(args.json).write_text(json.dumps({**rows[0], **meta, "rows": rows}, indent=2))
     return 0
 
 
