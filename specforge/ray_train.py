@@ -34,9 +34,6 @@ from specforge.runtime.loop import check, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, total_steps
 from specforge.runtime.workers import RolloutWorker, TrainWorker
 
-__all__ = ["Cluster", "Planner", "check", "collect", "fit", "main", "prepare", "spawn_cluster", "start_ray", "train_loop"]
-
-
 # ---------------------------------------------------------------- the cluster
 
 

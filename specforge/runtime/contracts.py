@@ -269,11 +269,11 @@ def plan_step(
                 raise ValueError(f"sample {ref.sample_id} listed with two lengths")
     micro = [[group[s : s + micro_batch_size] for s in range(0, len(group), micro_batch_size)] for group in dp_groups_samples]
     padded = [[max(r.length for r in mb) for mb in group] for group in micro]
-    owner = assign_groups([sum(r.length for r in group) for group in dp_groups_samples], len(rollout_ranks), policy) \
-        if rollout_ranks else []
 
     source: dict[int, int] = {}  # sample id -> rollout worker index
     batches: list[list[int]] = [[] for _ in rollout_ranks]
+    if rollout_ranks:
+        owner = assign_groups([sum(r.length for r in group) for group in dp_groups_samples], len(rollout_ranks), policy)
     for g, group in enumerate(dp_groups_samples if rollout_ranks else ()):
         for ref in group:
             if ref.sample_id not in source:

@@ -30,9 +30,6 @@ from specforge.runtime.dataplane import SendHandle, SendWindow
 from specforge.runtime.sources import build_source, build_transport, open_data
 from specforge.train.batch import collate, pad_id
 
-__all__ = ["Layout", "RolloutWorker", "TrainWorker", "build_groups"]
-
-
 def build_groups(cfg: Config, layout: Layout, my_rank: int, device: torch.device):
     """Every process group / mesh of the train ranks. Collective over the WORLD: every rank
     (rollout ranks too) calls it, in the same order; rollout ranks get None."""

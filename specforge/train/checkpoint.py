@@ -117,16 +117,6 @@ def load_draft(path: str | Path, target=None):
 # ------------------------------------------------------------------------------ the manager
 
 
-def _to_cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
-
-
 class CheckpointManager:
     """Save and resume a ``DraftTrainer`` (its draft, optimizer, scheduler, step) under ``root``.
 
@@ -155,7 +145,7 @@ class CheckpointManager:
         self.saved_step = trainer.step_count
         if not self.writer:
             return None
-        state = {"step": trainer.step_count, "optimizer": _to_cpu(optim), "full_optimizer_state": True,
+        state = {"step": trainer.step_count, "optimizer": optim, "full_optimizer_state": True,
                  "scheduler": trainer.scheduler.state_dict(), "rng": torch.get_rng_state()}
         return save_checkpoint(self.root, trainer.step_count, draft.config.to_hf_config(), weights, state, self.keep_last)
 

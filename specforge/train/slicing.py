@@ -12,6 +12,8 @@ Two ways to a rank's batch, equal by construction (the SP placement tests check 
 * ``batch_from_samples``: assemble per-sample feature windows (received slices + halo, or whole
   samples read from disk) into this rank's ``TrainBatch`` / ``SPTrainBatch``.
 
+Both assemble through ``_fields`` (a full batch's rows are whole samples of its padded length).
+
 Legend: B batch, T tokens, H target hidden.
 """
 
@@ -46,29 +48,22 @@ class SPTrainBatch(TrainBatch):
         return int(self.input_ids_BT.shape[0] * self.num_rows)
 
 
-def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    part = x[:, start:stop]
-    missing = (stop - start) - part.shape[1]
-    if missing > 0:
-        part = torch.cat([part, part.new_zeros(part.shape[0], missing, *part.shape[2:])], dim=1)
-    return part
+_FIELDS = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BT3H",
+           "last_hidden": "last_hidden_BTH", "target_ids": "target_ids_BT"}  # sample field -> batch field
+
+
+class _Whole(dict):
+    """One row of a full batch as a whole sample (start 0)."""
+
+    start = 0
 
 
 def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, ttt_length: int) -> SPTrainBatch:
-    """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any)."""
+    """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any):
+    each row is a whole sample of the padded length, assembled like any other."""
     B, T = batch.input_ids_BT.shape
-    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
-    pos = torch.arange(start, end, device=batch.input_ids_BT.device).expand(B, end - start)
-    return SPTrainBatch(
-        input_ids_BT=_rows(batch.input_ids_BT, start, wend),
-        loss_mask_BT=_rows(batch.loss_mask_BT, start, wend),  # zero past the end: never counted
-        aux_hidden_BT3H=_rows(batch.aux_hidden_BT3H, start, end),
-        last_hidden_BTH=_rows(batch.last_hidden_BTH, start, wend),
-        target_ids_BT=_rows(batch.target_ids_BT, start, wend),
-        position_ids_BT=pos,
-        num_rows=end - start,
-        start=start,
-    )
+    rows = [_Whole({k: getattr(batch, f)[b] for k, f in _FIELDS.items()}) for b in range(B)]
+    return _sp_batch(rows, T, 0, sp_rank, sp_size, ttt_length)
 
 
 def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_rank: int = 0, sp_size: int = 1,
@@ -81,12 +76,27 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
     sample, start 0). Equal to ``sp_slice_batch`` of the full right-padded micro-batch: pad id
     inside the padded length, zeros past it. The tensors are copied (receive buffers are reused).
     """
-    T, B = padded_length, len(samples)
-    start, end, wend = (0, T, T) if sp_size == 1 else sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
+    T = padded_length
+    if sp_size == 1:
+        return TrainBatch(**_fields(samples, T, pad_id, 0, T, T))
+    return _sp_batch(samples, T, pad_id, sp_rank, sp_size, ttt_length)
 
-    def stack(name: str, stop: int, fill, dtype=None) -> torch.Tensor:
+
+def _sp_batch(samples: Sequence, T: int, pad_id: int, sp_rank: int, sp_size: int, ttt_length: int) -> SPTrainBatch:
+    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
+    pos = torch.arange(start, end, device=samples[0]["input_ids"].device).expand(len(samples), end - start)
+    return SPTrainBatch(**_fields(samples, T, pad_id, start, end, wend), position_ids_BT=pos, num_rows=end - start,
+                        start=start)
+
+
+def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: int) -> dict[str, torch.Tensor]:
+    """Batch rows ``[start, end)`` (aux) and ``[start, wend)`` (the rest) of the samples padded to ``T``."""
+    B = len(samples)
+
+    def stack(name: str, stop: int, fill) -> torch.Tensor:
         first = samples[0][name]
-        out = torch.zeros((B, stop - start, *first.shape[1:]), dtype=dtype or first.dtype, device=first.device)
+        dtype = first.dtype if first.is_floating_point() else torch.long
+        out = torch.zeros((B, stop - start, *first.shape[1:]), dtype=dtype, device=first.device)
         if fill:
             out[:, : max(0, T - start)] = fill
         for b, s in enumerate(samples):
@@ -95,14 +105,4 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
                 out[b, lo - start : hi - start] = s[name][lo - s.start : hi - s.start]
         return out
 
-    batch = dict(
-        input_ids_BT=stack("input_ids", wend, pad_id, torch.long),
-        loss_mask_BT=stack("loss_mask", wend, 0, torch.long),
-        aux_hidden_BT3H=stack("aux_hidden", end, 0),
-        last_hidden_BTH=stack("last_hidden", wend, 0),
-        target_ids_BT=stack("target_ids", wend, 0, torch.long),
-    )
-    if sp_size == 1:
-        return TrainBatch(**batch)
-    pos = torch.arange(start, end, device=batch["input_ids_BT"].device).expand(B, end - start)
-    return SPTrainBatch(**batch, position_ids_BT=pos, num_rows=end - start, start=start)
+    return {f: stack(k, end if k == "aux_hidden" else wend, pad_id if k == "input_ids" else 0) for k, f in _FIELDS.items()}
