@@ -250,7 +250,6 @@ def test_a_wrong_verifier_is_caught(monkeypatch):
 
 
 def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
-    from specforge.data import prepare
     from specforge.models import target as target_mod
     from specforge.train.checkpoint import save_checkpoint
 
@@ -260,7 +259,7 @@ def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
     rows = [{"input_ids": torch.randint(0, V, (20,)).tolist(), "loss_mask": [0] * 8 + [1] * 12} for _ in range(3)]
     loads = []
     monkeypatch.setattr(target_mod, "load_target", lambda cfg: loads.append(cfg) or target)
-    monkeypatch.setattr(prepare, "prepare_dataset", lambda *a, **k: type("D", (), {"eval": rows})())
+    monkeypatch.setattr(ev, "heldout_rows", lambda cfg, tokenizer: rows)
     out_json = tmp_path / "eval.json"
     ev.main(["--draft", str(ckpt), "--draft", "prompt-lookup", "--num-prompts", "2", "--max-new-tokens", "10",
              "--chain", "3", "--threads", str(torch.get_num_threads()), "--draft-dtype", "float32",
