@@ -30,7 +30,7 @@ import ray
 from specforge.config import Config, load_config
 from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
-from specforge.runtime.loop import check, train_loop
+from specforge.runtime.loop import check, not_applied, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, total_steps
 from specforge.runtime.workers import RolloutWorker, TrainWorker
 
@@ -77,11 +77,16 @@ class Cluster:
             ray.kill(self.mailbox)
 
 
+def num_rollout(cfg: Config) -> int:
+    """Rollout workers of the placement: only disaggregated has its own."""
+    return cfg.rollout.num_workers if cfg.placement.mode == "disaggregated" else 0
+
+
 def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     """Placement groups, one communicator (rollout ranks first), per-worker setup."""
     timeout = cfg.parallel.timeout_s
     gpus = 1 if use_gpu else 0
-    n_roll = cfg.rollout.num_workers if cfg.placement.mode == "disaggregated" else 0
+    n_roll = num_rollout(cfg)
     rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus, label="rollout", args=(cfg,), timeout_s=timeout) \
         if n_roll else ActorGroup([], [])
     train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus, label="train", args=(cfg,), timeout_s=timeout)
@@ -145,8 +150,9 @@ def fit(cfg: Config) -> Optional[str]:
     from specforge.tracking import MetricsLogger
 
     check(cfg)
-    disagg = cfg.placement.mode == "disaggregated"
-    started = start_ray(cfg, cfg.train.num_workers + (cfg.rollout.num_workers if disagg else 0))
+    if skipped := not_applied(cfg, cfg.placement.mode):
+        print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
+    started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
     cluster = None
     try:
         use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)

@@ -43,16 +43,19 @@ def test_rejected_values_name_their_key(override):
         check(load_config(None, [override]))
 
 
-def test_single_process_names_the_distribution_keys_it_does_not_apply():
+def test_placements_name_the_distribution_keys_they_do_not_apply():
     from specforge.runtime.loop import DISTRIBUTION_KEYS, not_applied
 
     assert set(DISTRIBUTION_KEYS) <= set(_keys())
     cfg = load_config(Path(__file__).parent.parent / "configs" / "smollm2-135m-cpu.yaml",
                       ["placement.mode=disaggregated"])
-    assert not_applied(cfg) == ["placement.mode='disaggregated'", "placement.max_inflight_mb=256.0"]
+    assert not_applied(cfg, "single") == ["placement.mode='disaggregated'", "placement.max_inflight_mb=256.0"]
+    assert not_applied(cfg, "disaggregated") == []
     # offline is a feature source, not a distribution: one process runs it as it is
-    assert not_applied(load_config(None, ["placement.mode=offline"])) == []
-    assert not_applied(Config()) == []
+    assert not_applied(load_config(None, ["placement.mode=offline"]), "single") == []
+    assert not_applied(Config(), "single") == []
+    colocated = load_config(None, ["placement.transport=object_store", "rollout.num_workers=2"])
+    assert not_applied(colocated, "colocated") == ["placement.transport='object_store'", "rollout.num_workers=2"]
 
 
 def test_stop_rule_first_of_max_steps_and_epochs():

@@ -26,11 +26,13 @@ from specforge.runtime.plan import Planner, RunData, total_steps
 
 MAX_STEPS_AHEAD = 8  # submitted-but-unfinished plans, whatever the byte budget allows
 
-# Keys that say how a run is distributed, not what it computes: one process names the ones it
-# does not apply (never silently).
+# Keys that say how a run is distributed, not what it computes: a placement names the ones it
+# does not apply when they are set (never ignores them silently).
 DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inflight_mb", "rollout.num_workers",
                      "rollout.tp_size", "parallel.backend", "parallel.timeout_s", "ray.address", "ray.num_cpus",
                      "ray.temp_dir")
+_NO_DATA_PLANE = ("placement.transport", "placement.max_inflight_mb", "rollout.num_workers")
+NOT_APPLIED = {"single": DISTRIBUTION_KEYS, "colocated": _NO_DATA_PLANE, "offline": _NO_DATA_PLANE, "disaggregated": ()}
 
 
 def check(cfg: Config) -> None:
@@ -41,15 +43,16 @@ def check(cfg: Config) -> None:
                          "supported (one target replica per rollout worker, e.g. on CPU); use 1")
 
 
-def not_applied(cfg: Config) -> list[str]:
-    """``key=value`` of the distribution keys that differ from their defaults."""
+def not_applied(cfg: Config, placement: str) -> list[str]:
+    """``key=value`` of the set keys ``placement`` ("single" or a placement.mode) does not apply;
+    the entry points print them."""
     default = Config()
 
     def get(c: Config, key: str) -> Any:
         section, name = key.split(".")
         return getattr(getattr(c, section), name)
 
-    keys = [k for k in DISTRIBUTION_KEYS if not (k == "placement.mode" and cfg.placement.mode == "offline")]
+    keys = [k for k in NOT_APPLIED[placement] if not (k == "placement.mode" and cfg.placement.mode == "offline")]
     return [f"{k}={get(cfg, k)!r}" for k in keys if get(cfg, k) != get(default, k)]
 
 

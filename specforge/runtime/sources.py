@@ -26,7 +26,7 @@ from specforge.config import Config
 from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
 from specforge.train.batch import TrainBatch, pad_id
-from specforge.train.slicing import batch_from_samples, sp_slice_batch
+from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
 
 
 def open_data(cfg: Config):
@@ -63,12 +63,6 @@ def open_store(cfg: Config, target):
     return store
 
 
-class _Whole(dict):
-    """A whole stored sample as ``batch_from_samples`` takes it (its tokens start at 0)."""
-
-    start = 0
-
-
 class StoreSource:
     """Offline: sample index i of a plan is the i-th sample of the store's split (``store_split``),
     read memory-mapped; several epochs are just steps past the first pass (data order = f(seed, step))."""
@@ -83,7 +77,7 @@ class StoreSource:
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
         ids, g = self.split[plan.split], self.groups
-        return [batch_from_samples([_Whole(self.store.read(ids[i])) for i in micro], T, self.pad, g.sp_rank,
+        return [batch_from_samples([WholeSample(self.store.read(ids[i])) for i in micro], T, self.pad, g.sp_rank,
                                    g.sp_size, self.ttt_length)
                 for micro, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]
 

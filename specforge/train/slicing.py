@@ -27,7 +27,7 @@ import torch
 from specforge.runtime.contracts import sp_slice_bounds
 from specforge.train.batch import TrainBatch
 
-__all__ = ["SPTrainBatch", "sp_slice_bounds", "sp_slice_batch", "batch_from_samples"]
+__all__ = ["SPTrainBatch", "WholeSample", "sp_slice_bounds", "sp_slice_batch", "batch_from_samples"]
 
 
 @dataclass
@@ -52,8 +52,9 @@ _FIELDS = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden
            "last_hidden": "last_hidden_BTH", "target_ids": "target_ids_BT"}  # sample field -> batch field
 
 
-class _Whole(dict):
-    """One row of a full batch as a whole sample (start 0)."""
+class WholeSample(dict):
+    """A whole sample (its tokens start at 0) as ``batch_from_samples`` takes it: a stored one, or a
+    row of a full batch."""
 
     start = 0
 
@@ -62,7 +63,7 @@ def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, ttt_length: in
     """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any):
     each row is a whole sample of the padded length, assembled like any other."""
     B, T = batch.input_ids_BT.shape
-    rows = [_Whole({k: getattr(batch, f)[b] for k, f in _FIELDS.items()}) for b in range(B)]
+    rows = [WholeSample({k: getattr(batch, f)[b] for k, f in _FIELDS.items()}) for b in range(B)]
     return _sp_batch(rows, T, 0, sp_rank, sp_size, ttt_length)
 
 

@@ -168,7 +168,7 @@ def run(cfg: Config) -> Optional[Path]:
     from specforge.tracking import MetricsLogger
 
     check(cfg)
-    if skipped := not_applied(cfg):
+    if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
     local = single_process(cfg)
     data = prepare(local, use_gpu=pick_device(cfg.model.device).type == "cuda")
