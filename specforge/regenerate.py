@@ -738,6 +738,9 @@ def regenerate(cfg: Config, target=None) -> Summary:
     if ray_mode:
         summary = run_ray(cfg, jobs, output, store_dir)
     else:
+        from specforge.device import set_threads
+
+        set_threads(cfg.train.num_threads)  # as the Ray workers and the trainer do
         summary = run_shard(cfg, jobs, output, store_dir, target=target, tokenizer=tokenizer)
     for reason, n in skipped.items():
         summary.skip(reason, n)
