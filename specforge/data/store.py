@@ -59,6 +59,9 @@ class StoreMeta:
     max_length: int  # data.max_length the samples were cut to
     source: str  # what the samples are: the tokenized-data cache key, or "regenerated:<hash>"
 
+    def __post_init__(self) -> None:  # a list from a caller or from JSON compares equal to the tuple
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+
 
 # ---------------------------------------------------------------- identity
 
@@ -91,7 +94,7 @@ def store_meta(cfg, target, source: str) -> StoreMeta:
         target=target_fingerprint(target),
         tokenizer=tokenizer_fingerprint(tok) if tok is not None else "none",
         vocab_size=int(target.config.vocab_size),
-        aux_layer_ids=tuple(int(i) for i in target.aux_layer_ids),
+        aux_layer_ids=target.aux_layer_ids,
         hidden_size=int(target.config.hidden_size),
         max_length=int(cfg.data.max_length),
         source=source,
@@ -187,7 +190,7 @@ def _load_index(root: Path) -> dict:
         raise ValueError(f"no feature store at {root} ({INDEX} missing); write one with python -m specforge.capture")
     try:
         idx = json.loads(path.read_text())
-        meta = StoreMeta(**{**idx["meta"], "aux_layer_ids": tuple(idx["meta"]["aux_layer_ids"])})
+        meta = StoreMeta(**idx["meta"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"feature store index {path} is corrupt ({type(e).__name__}: {e})") from e
     if idx.get("format") != FORMAT:
