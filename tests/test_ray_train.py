@@ -167,8 +167,12 @@ def test_worker_error_names_the_worker(assets, ray_session, tmp_path):
 def test_main_reports_bad_config(capsys):
     from specforge.ray_train import main
 
-    assert main(["placement.mode=offline"]) == 1
-    assert "offline" in capsys.readouterr().err
+    assert main(["rollout.tp_size=2"]) == 1
+    assert "rollout.tp_size" in capsys.readouterr().err
+    # offline mode without a filled store: one line naming the store and how to fill it
+    assert main(["placement.mode=offline", "train.output_dir=/nonexistent/run"]) == 1
+    err = capsys.readouterr().err
+    assert "no feature store" in err and "specforge.capture" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
