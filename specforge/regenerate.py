@@ -6,8 +6,9 @@ Rows. The conversations of ``data.path`` as ``specforge.data.sharegpt.iter_conve
 yields them; a row's id is its index there (``source_row``, recorded). Rows the data pipeline
 holds out for evaluation (``heldout_rows``: the last ``data.num_eval`` usable conversations,
 exactly as ``prepare_dataset`` splits) are never regenerated, so eval prompts cannot leak into
-training data. ``regenerate.max_samples`` keeps the first N remaining usable rows,
-``regenerate.max_turns`` the first K assistant turns of each.
+training data (``data.max_samples`` only moves that split, as in ``prepare_dataset``).
+``regenerate.max_samples`` keeps the first N remaining normalized rows, ``regenerate.max_turns``
+the first K assistant turns of each.
 
 Turns. Rows are processed in chunks; inside a chunk, turn k of every row is generated (one
 batched call) before turn k+1, and each prompt is the chat template over the REGENERATED history,
