@@ -51,10 +51,9 @@ def _rss_mb() -> float:
 def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     from specforge.config import Config, DraftConfig, TrainConfig
     from specforge.parallel.dims import ParallelDims
-    from specforge.parallel.parallelize import (
-        counts_reducer, global_valid_count, parallelize_draft, sp_local_batch, ttt_loss_fn,
-    )
+    from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.batch import TrainBatch
+    from specforge.train.slicing import sp_slice_batch
     from specforge.train.trainer import DraftTrainer
 
     cfg = Config(draft=DraftConfig(vocab_size=DRAFT_VOCAB, ttt_length=7),
@@ -67,14 +66,13 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     b = make_batch(1, T, draft)
     full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BT3H"], b["last_hidden_BTH"], b["target_ids_BT"])
     draft = parallelize_draft(draft, dims, groups, cfg)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), loss_fn=ttt_loss_fn(draft))
-    local = [sp_local_batch(full, groups, cfg.draft.ttt_length)]
-    n = global_valid_count(local, draft.t2d, cfg.draft.ttt_length, groups)
+    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length)]
     base = _rss_mb()
     times = []
     for _ in range(steps + 1):  # the first step warms up (allocator, optimizer state)
         t0 = time.perf_counter()
-        trainer.step(local, num_valid_global=n, all_reduce_counts=counts_reducer(groups))
+        trainer.step(local)
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_mb": peak, "base_mb": base, "times": times[1:]}))
