@@ -82,14 +82,16 @@ def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", sh
               f"= {human_bytes(total * bpt)}; {len(done):,} samples already stored, {human_bytes(left * bpt)} to write")
         check_disk(root, int(left * bpt))
         batches = [b for b in plan_batches(lengths, batch_size, max_tokens) if not done.issuperset(b)]
-        with tqdm(total=left, unit="tok", unit_scale=True, desc="capture", disable=not progress, mininterval=1.0) as bar:
+        bar = tqdm(total=left, unit="tok", unit_scale=True, desc="capture", disable=not progress, mininterval=1.0)
+        with bar:
             for sid, feats in iter_features(target, rows, batches, chunk_tokens):
                 if sid not in done:  # a batch straddling a complete shard is recomputed whole (same numbers)
                     writer.add(sid, **feats)
                     bar.update(lengths[sid])
     seconds = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in Path(root).expanduser().glob("shard-*.safetensors"))
-    print(f"captured {len(todo):,} samples ({left:,} tokens) in {seconds:.1f} s = {left / max(seconds, 1e-9):,.0f} tokens/s; "
+    rate = left / max(seconds, 1e-9)
+    print(f"captured {len(todo):,} samples ({left:,} tokens) in {seconds:.1f} s = {rate:,.0f} tokens/s; "
           f"store {human_bytes(size)} on disk")
     return Path(root).expanduser()
 

@@ -183,7 +183,8 @@ def dequantize_rows(q_TW: torch.Tensor, scale_TG: torch.Tensor, col_W: Optional[
 def quantize_smooth(x_TW: torch.Tensor, groups: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q int8 [T, W], row scales f32 [T, groups], column scales f32 [W]): x ~ q * row * col."""
     col_W = x_TW.abs().amax(0).float().clamp_min(1e-6).pow(alpha)
-    parts = [quantize_rows(x_TW[s : s + _QUANT_ROWS].float() / col_W, groups) for s in range(0, x_TW.shape[0], _QUANT_ROWS)]
+    parts = [quantize_rows(x_TW[s : s + _QUANT_ROWS].float() / col_W, groups)
+             for s in range(0, x_TW.shape[0], _QUANT_ROWS)]
     return torch.cat([q for q, _ in parts]), torch.cat([r for _, r in parts]), col_W
 
 
@@ -283,7 +284,8 @@ class FeatureStoreWriter:
             raise ValueError(f"sample id {sample_id} is already in the feature store {self.root}")
         enc = self._encode(input_ids_T, loss_mask_T, aux_hidden_T3H, last_hidden_TH, target_ids_T)
         self._buf.append((sample_id, enc))
-        self._buf_bytes += enc["input_ids"].shape[0] * bytes_per_token(self.meta.hidden_size, self.dtype, len(self.meta.aux_layer_ids))
+        m = self.meta  # shard_mb counts bytes on disk (the buffer holds bf16 for int8 stores)
+        self._buf_bytes += enc["input_ids"].shape[0] * bytes_per_token(m.hidden_size, self.dtype, len(m.aux_layer_ids))
         if self._buf_bytes >= self._shard_bytes:
             self._flush()
 
@@ -366,7 +368,8 @@ class FeatureStore:
             raise ValueError(f"feature store {self.root} is incomplete (its capture was interrupted); "
                              f"rerun the same python -m specforge.capture command to finish it")
         self._shards = idx["shards"]
-        self._where = {s["id"]: (i, s["offset"], s["length"]) for i, sh in enumerate(self._shards) for s in sh["samples"]}
+        self._where = {s["id"]: (i, s["offset"], s["length"])
+                       for i, sh in enumerate(self._shards) for s in sh["samples"]}
         self.ids: list[int] = sorted(self._where)
         self.lengths: dict[int, int] = {i: self._where[i][2] for i in self.ids}
         self._open: OrderedDict[int, object] = OrderedDict()
@@ -392,14 +395,16 @@ class FeatureStore:
         path = self.root / sh["file"]
         size = path.stat().st_size if path.is_file() else None
         if size != sh["bytes"]:
-            state = "is missing" if size is None else f"is truncated or was modified ({size} bytes, index says {sh['bytes']})"
+            state = ("is missing" if size is None
+                     else f"is truncated or was modified ({size} bytes, index says {sh['bytes']})")
             raise ValueError(f"feature store shard {path} {state}; recapture with python -m specforge.capture")
         try:
             handle = safe_open(str(path), framework="pt")
             if handle.get_slice("input_ids").get_shape() != [sh["tokens"]]:
                 raise ValueError("input_ids length differs from the index")
         except (SafetensorError, OSError, ValueError, KeyError) as e:
-            raise ValueError(f"feature store shard {path} is corrupt ({e}); recapture with python -m specforge.capture") from e
+            raise ValueError(f"feature store shard {path} is corrupt ({e}); "
+                             f"recapture with python -m specforge.capture") from e
         self._open[shard] = handle
         if len(self._open) > _MAX_OPEN:
             self._open.popitem(last=False)
