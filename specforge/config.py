@@ -96,6 +96,7 @@ class TrainConfig:
 class RolloutConfig:
     num_workers: int = 1  # target workers in disaggregated mode
     tp_size: int = 1  # tensor-parallel size of one rollout worker (GPU only)
+    max_restarts: int = 3  # rollout workers that died and were replaced, per run, before it gives up
 
 
 @dataclass
