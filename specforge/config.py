@@ -154,6 +154,10 @@ class RayConfig:
     address: Optional[str] = None  # None = start a local Ray; "auto" or host:port = join
     num_cpus: Optional[int] = None
     temp_dir: Optional[str] = None
+    # Custom Ray resources each worker's bundle requests, to pin a worker kind to nodes started with
+    # them (ray start --resources='{"rollout_node": 8}'); e.g. {rollout_node: 1}. {} = anywhere.
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    train_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -205,6 +209,9 @@ def _describe(tp: Any) -> str:
     if origin is list:
         (item,) = typing.get_args(tp)
         return f"a list of {_describe(item)}"
+    if origin is dict:
+        k_tp, v_tp = typing.get_args(tp)
+        return f"a mapping of {_describe(k_tp)} to {_describe(v_tp)}"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -230,6 +237,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (list, tuple)):
             (item,) = typing.get_args(tp)
             return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            k_tp, v_tp = typing.get_args(tp)
+            return {_coerce(k, k_tp, key): _coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
     elif tp is type(None):
         if value is None:
             return None
