@@ -104,18 +104,21 @@ def spawn_actors(
     strategy: str = "PACK",
     timeout_s: float = 300.0,
     runtime_env: Optional[dict] = None,
+    resources: Optional[dict[str, float]] = None,
 ) -> ActorGroup:
     """Start ``num`` actors of ``actor_cls``, one per bundle of a placement group with
-    ``num_cpus`` CPUs (+ ``num_gpus`` GPUs when > 0) each. Actor i is labelled ``label[i]``."""
+    ``num_cpus`` CPUs (+ ``num_gpus`` GPUs when > 0, + custom ``resources``, which pin the bundles
+    to nodes that have them) each. Actor i is labelled ``label[i]``."""
     if num < 1 or num_cpus <= 0:
         raise ValueError(f"spawn_actors: need num >= 1 and num_cpus > 0, got {num}, {num_cpus}")
-    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus > 0 else {})}
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus > 0 else {}), **(resources or {})}
     pg = placement_group([dict(bundle) for _ in range(num)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as err:
         remove_placement_group(pg)
-        raise WorkerError(f"placement group for {num} x {label} {bundle} not ready within {timeout_s:.0f} s") from err
+        raise WorkerError(f"placement group for {num} x {label} {bundle} not ready within {timeout_s:.0f} s "
+                          f"(the cluster has {ray.available_resources()})") from err
     remote_cls = actor_cls if isinstance(actor_cls, ray.actor.ActorClass) else ray.remote(actor_cls)
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"runtime_env": runtime_env} if runtime_env else {})}
     actors = [
