@@ -87,9 +87,11 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     timeout = cfg.parallel.timeout_s
     gpus = 1 if use_gpu else 0
     n_roll = num_rollout(cfg)
-    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus, label="rollout", args=(cfg,), timeout_s=timeout) \
+    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus, label="rollout", args=(cfg,), timeout_s=timeout,
+                           resources=cfg.ray.rollout_resources) \
         if n_roll else ActorGroup([], [])
-    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus, label="train", args=(cfg,), timeout_s=timeout)
+    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus, label="train", args=(cfg,), timeout_s=timeout,
+                         resources=cfg.ray.train_resources)
     mailbox = mailbox_name = None
     if cfg.placement.transport == "object_store" and n_roll:
         from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox

@@ -30,8 +30,8 @@ MAX_STEPS_AHEAD = 8  # submitted-but-unfinished plans, whatever the byte budget 
 # does not apply when they are set (never ignores them silently).
 DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inflight_mb", "rollout.num_workers",
                      "rollout.tp_size", "parallel.backend", "parallel.timeout_s", "ray.address", "ray.num_cpus",
-                     "ray.temp_dir")
-_NO_DATA_PLANE = ("placement.transport", "placement.max_inflight_mb", "rollout.num_workers")
+                     "ray.temp_dir", "ray.rollout_resources", "ray.train_resources")
+_NO_DATA_PLANE = ("placement.transport", "ray.rollout_resources", "placement.max_inflight_mb", "rollout.num_workers")
 NOT_APPLIED = {"single": DISTRIBUTION_KEYS, "colocated": _NO_DATA_PLANE, "offline": _NO_DATA_PLANE, "disaggregated": ()}
 
 
