@@ -17,6 +17,12 @@ overhead it saves. ``benchmarks/bench_transfer.py`` on gloo, with pooled buffers
 1.4-2x faster at 128-512 KiB slices, even at 1-2 MiB, per-field ~1.2x faster at 8 MiB.
 Both ends must use the same ``pack`` setting: the choice is a pure function of the slice size.
 All of a rank's slices in a step share one buffer taken from a ``BufferPool``.
+
+In-flight accounting: every transport records into its process's ``InflightLog`` (``INFLIGHT``)
+when a rank posts a step's sends (+ feature bytes) and when a rank's receives of a step are
+handed to the train step (- feature bytes). ``inflight_peak`` merges the logs of every rank: the
+high-water mark of feature bytes sent but not yet consumed, which ``placement.max_inflight_mb``
+bounds (``tests/test_memory_bound.py``, ``benchmarks/soak.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -160,6 +167,51 @@ def _step_layout(spec: FeatureSpec, transfers: list[tuple[int, Transfer]]):
     return out, base
 
 
+# ------------------------------------------------------------------------ in-flight log
+
+
+class InflightLog:
+    """One process's data-plane events: ``(wall time, +bytes)`` when a rank posts its sends of a
+    step (before they can arrive anywhere), ``(wall time, -bytes)`` when a rank's receives of a
+    step complete and go to the train step. Bytes are feature bytes (``FeatureSpec.nbytes``, the
+    unit of the in-flight budget), not wire bytes. Wall time, so logs of several processes merge
+    (one machine: one clock; across nodes NTP skew, ms, against steps of seconds). 16 bytes per
+    event, one event per rank per step: ~1.6 MB for a 100k-step run."""
+
+    def __init__(self):
+        self.times, self.deltas = array("d"), array("q")
+
+    def record(self, nbytes: int) -> None:
+        if nbytes:
+            self.times.append(time.time())
+            self.deltas.append(nbytes)
+
+    def snapshot(self) -> tuple[list[float], list[int]]:
+        return list(self.times), list(self.deltas)
+
+    def clear(self) -> None:
+        self.times, self.deltas = array("d"), array("q")
+
+
+INFLIGHT = InflightLog()  # this process's log: what a transport records into by default
+
+
+def inflight_snapshot(_actor=None) -> tuple[list[float], list[int]]:
+    """This process's log; ``actor.__ray_call__.remote(inflight_snapshot)`` fetches a worker's."""
+    return INFLIGHT.snapshot()
+
+
+def inflight_peak(snapshots: Iterable[tuple[Sequence[float], Sequence[int]]]) -> int:
+    """High-water mark of feature bytes sent but not yet consumed, over the merged logs of every
+    rank of a run (sends first on a time tie: the conservative order)."""
+    events = sorted(((t, d) for times, deltas in snapshots for t, d in zip(times, deltas)), key=lambda e: (e[0], -e[1]))
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
 # ------------------------------------------------------------------------- point-to-point
 
 
@@ -168,9 +220,11 @@ class P2PTransport:
     ranks of that group). Counts bytes in ``bytes_sent`` / ``bytes_recv``. Each step's receive
     buffer (and the sender's packing buffer) comes from a ``BufferPool``."""
 
-    def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool | str = "auto"):
+    def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool | str = "auto",
+                 log: Optional[InflightLog] = None):
         if pack not in (True, False, "auto"):
             raise ValueError(f"P2PTransport pack={pack!r}: expected True, False or 'auto'")
+        self.log = log or INFLIGHT
         self.group = group
         self.device = device or device_mod.pick_device()
         self.pack = pack
@@ -199,6 +253,7 @@ class P2PTransport:
         slots, total = _step_layout(spec, [(i, tr) for i, tr in mine if self._packs(spec, tr)])
         packed = {index: (base, layout) for index, _, base, layout in slots}
         buf = self.pool.take(total) if packed else None
+        self.log.record(sum(spec.nbytes(tr.num_tokens) for _, tr in mine))  # before anything can arrive
         ops = []
         for index, tr in mine:  # plan order on both ends (NCCL ignores tags)
             slices = [_as_bytes(_slice(features_by_sample[tr.sample_id], f, tr)) for f in spec.fields]
@@ -249,6 +304,7 @@ class P2PTransport:
         def finish() -> dict[int, FeatureBatch]:
             for w in works:
                 w.wait()
+            self.log.record(-plan.recv_bytes(rank))
             return batches
 
         return PendingRecv(plan, finish, nbytes, release_fn=lambda: self.pool.give(buf))
@@ -373,10 +429,11 @@ class ObjectStoreTransport:
     (``ray.put`` by the sender, refs handed over by the mailbox actor from ``spawn_mailbox``,
     ``ray.get`` by the receiver). For comparison only: every byte is serialized and copied."""
 
-    def __init__(self, mailbox_name: str = MAILBOX_NAME, timeout_s: float = 300.0, rank: Optional[int] = None):
+    def __init__(self, mailbox_name: str = MAILBOX_NAME, timeout_s: float = 300.0, rank: Optional[int] = None,
+                 log: Optional[InflightLog] = None):
         import ray
 
-        self._ray, self.timeout_s, self.rank = ray, timeout_s, rank
+        self._ray, self.timeout_s, self.rank, self.log = ray, timeout_s, rank, log or INFLIGHT
         self._mailbox = ray.get_actor(mailbox_name)
         self.bytes_sent = 0
         self.bytes_recv = 0
@@ -389,6 +446,7 @@ class ObjectStoreTransport:
 
     def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
         rank, items, nbytes = self.resolve_rank(my_rank), {}, 0
+        self.log.record(sum(plan.feature_spec.nbytes(tr.num_tokens) for tr in plan.sends_of(rank)))
         for index, tr in enumerate(plan.transfers):
             if tr.src_rank != rank:
                 continue
@@ -409,6 +467,7 @@ class ObjectStoreTransport:
         def finish() -> dict[int, FeatureBatch]:
             refs = self._ray.get(refs_ref, timeout=self.timeout_s)
             values = self._ray.get(refs, timeout=self.timeout_s)
+            self.log.record(-nbytes)
             return {tr.sample_id: FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, dict(v)) for (_, tr), v in zip(mine, values)}
 
         return PendingRecv(plan, finish, nbytes)
