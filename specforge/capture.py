@@ -139,4 +139,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specforge.cli import run_cli
+
+    sys.exit(run_cli(main))  # main reports ValueErrors itself; this catches the rest (files)

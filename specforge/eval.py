@@ -560,4 +560,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specforge.cli import run_cli
+
+    sys.exit(run_cli(main))

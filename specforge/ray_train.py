@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import ray
 
+from specforge.cli import run_cli
 from specforge.config import Config, load_config
 from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
@@ -196,16 +197,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=20")
     args = ap.parse_args(argv)
-    try:
-        path = fit(load_config(args.config, args.overrides))
-    except (ValueError, WorkerError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    print(f"checkpoint: {path}")
-    return 0
+
+    def body() -> int:
+        print(f"checkpoint: {fit(load_config(args.config, args.overrides))}")
+        return 0
+
+    return run_cli(body, errors=(WorkerError,))
 
 
 if __name__ == "__main__":

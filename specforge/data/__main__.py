@@ -26,38 +26,45 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = list(args.overrides) + extra  # overrides may come after --options
 
+    from specforge.cli import run_cli
     from specforge.config import load_config
-    from specforge.data.prepare import prepare_dataset
-    from specforge.models.target import load_tokenizer
 
-    t0 = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return run_cli(lambda: prepare(cfg, args.vocab_out, progress=not args.no_progress))
+
+
+def prepare(cfg, vocab_out, progress: bool) -> int:
+    """Tokenize (cached), print the statistics, optionally build + save the draft vocab."""
+    from specforge.data.prepare import prepare_dataset
+    from specforge.models.target import load_tokenizer
+
+    t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     t_tok = time.perf_counter() - t0
     out = prepare_dataset(
-        cfg.data, tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir,
-        progress=not args.no_progress,
+        cfg.data, tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir, progress=progress,
     )
     print(out.stats.table())
     print(f"{'tokenizer load seconds':<40}{t_tok:>12.1f}")
-    if args.vocab_out:
+    if vocab_out:
         from specforge.data.vocab import build_draft_vocab, save_draft_vocab
 
         V = len(tokenizer)
-        n = min(cfg.draft.vocab_size, V)
+        if cfg.draft.vocab_size > V:
+            raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's "
+                             f"vocabulary ({V} tokens); choose at most {V}")
         t1 = time.perf_counter()
-        vocab = build_draft_vocab(out.train, V, n)  # train split only: eval is never trained on
-        path = save_draft_vocab(vocab, args.vocab_out)
+        vocab = build_draft_vocab(out.train, V, cfg.draft.vocab_size)  # train split only: eval is never trained on
+        path = save_draft_vocab(vocab, vocab_out)
         cov = f"{vocab.coverage:.4f}" if vocab.coverage is not None else "n/a"
-        print(f"draft vocab: {n} of {V} target tokens, coverage of train loss tokens {cov}, "
+        print(f"draft vocab: {cfg.draft.vocab_size} of {V} target tokens, coverage of train loss tokens {cov}, "
               f"saved to {path} ({time.perf_counter() - t1:.1f} s)")
     print(f"{'total wall seconds':<40}{time.perf_counter() - t0:>12.1f}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,3 +1,6 @@
-from specforge.train.trainer import main
 import sys
-sys.exit(main())
+
+from specforge.cli import run_cli
+from specforge.train.trainer import main
+
+sys.exit(run_cli(main))
