@@ -8,6 +8,7 @@ type is a ``ValueError`` that names the dotted key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -285,19 +286,35 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where ``1e-4`` is a string; YAML 1.2 floats are resolved too, so a
+    value means the same in a config file and on the command line."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
+    list("-+.0123456789"))
+
+
+def _yaml_error(err: yaml.YAMLError, where: str) -> ValueError:
+    """One line naming ``where`` (a file or an override) and the line/column, not ``<unicode string>``."""
+    mark = getattr(err, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return ValueError(f"{where} is not valid YAML: {problem}{at}")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"train.lr=1e-4"`` -> ``("train.lr", 1e-4)``; the value is parsed as YAML."""
     if "=" not in text:
         raise ValueError(f"override {text!r} is not of the form section.key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else None
+    try:
+        value = yaml.load(raw, Loader=_Loader) if raw != "" else None
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, f"override {text!r}") from None
     if isinstance(value, str) and value.lower() in ("none", "null"):
         value = None
-    if isinstance(value, str):  # YAML 1.1 misses '1e-4'; accept it as a float
-        try:
-            value = float(value) if any(c in value for c in ".eE") and value[0] in "+-.0123456789" else value
-        except ValueError:
-            pass
     return key.strip(), value
 
 
@@ -308,7 +325,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        tree = yaml.safe_load(path.read_text()) or {}
+        try:
+            tree = yaml.load(path.read_text(), Loader=_Loader) or {}
+        except yaml.YAMLError as e:
+            raise _yaml_error(e, f"config file {str(path)!r}") from None
         if not isinstance(tree, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
     for item in overrides or []:
@@ -319,36 +339,84 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     return cfg
 
 
+# Numeric ranges a type cannot say: key -> (lowest, inclusive). A null Optional passes.
+_AT_LEAST = {
+    "model.argmax_chunk_tokens": 1, "data.max_length": 8, "data.max_samples": 1, "data.num_eval": 0,
+    "data.num_proc": 1, "draft.vocab_size": 2, "draft.hidden_size": 1, "draft.intermediate_size": 1,
+    "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1, "draft.ttt_length": 1,
+    "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1, "train.grad_accum": 1,
+    "train.max_steps": 0, "train.num_threads": 1, "train.num_workers": 1, "train.log_every": 1,
+    "train.eval_every": 0, "rollout.num_workers": 1, "rollout.max_restarts": 0, "parallel.sp_ulysses": 1,
+    "parallel.sp_ring": 1, "ray.num_cpus": 1, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0,
+    "regenerate.concurrency": 1, "regenerate.retries": 0, "regenerate.max_new_tokens": 1,
+    "regenerate.temperature": 0, "regenerate.batch_size": 1, "regenerate.num_workers": 1,
+    "regenerate.max_samples": 1, "regenerate.max_turns": 1,
+}
+_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
+             "train.epochs", "parallel.timeout_s", "placement.max_inflight_mb", "store.shard_mb",
+             "regenerate.timeout_s")
+_UNIT = {"draft.ttt_decay": "(0, 1]", "train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _range_errors(cfg: Config) -> list[str]:
+    out = [f"config key {k!r}={_get(cfg, k)!r} must be >= {lo} or null" for k, lo in _AT_LEAST.items()
+           if _get(cfg, k) is not None and _get(cfg, k) < lo]
+    out += [f"config key {k!r}={_get(cfg, k)!r} must be > 0 or null" for k in _POSITIVE
+            if _get(cfg, k) is not None and _get(cfg, k) <= 0]
+    for k, interval in _UNIT.items():
+        v = _get(cfg, k)
+        if not ((0 < v if interval[0] == "(" else 0 <= v) and v <= 1):
+            out.append(f"config key {k!r}={v!r} must be in {interval}")
+    return out
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks that a type annotation cannot express."""
-    checks = [
-        (cfg.data.max_length >= 8, "data.max_length", "must be >= 8"),
-        (cfg.draft.vocab_size >= 2, "draft.vocab_size", "must be >= 2"),
-        (cfg.draft.ttt_length >= 1, "draft.ttt_length", "must be >= 1"),
-        (0 < cfg.draft.ttt_decay <= 1, "draft.ttt_decay", "must be in (0, 1]"),
-        (cfg.train.lr > 0, "train.lr", "must be > 0"),
-        (cfg.train.batch_size >= 1, "train.batch_size", "must be >= 1"),
-        (cfg.train.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
-        (cfg.train.max_steps is None or cfg.train.max_steps >= 0, "train.max_steps", "must be >= 0 or null"),
-        (cfg.train.epochs is None or cfg.train.epochs > 0, "train.epochs", "must be > 0 or null"),
-        (cfg.train.max_steps is not None or cfg.train.epochs is not None, "train.max_steps",
-         "and 'train.epochs' may not both be null (nothing would stop training)"),
-        (cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1"),
-        (cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1"),
-        (len(cfg.train.betas) == 2, "train.betas", "must have two values"),
-        (cfg.parallel.sp_ulysses >= 1 and cfg.parallel.sp_ring >= 1, "parallel.sp_*", "degrees must be >= 1"),
-        (cfg.parallel.timeout_s > 0, "parallel.timeout_s", "must be > 0"),
-        (cfg.placement.max_inflight_mb > 0, "placement.max_inflight_mb", "must be > 0"),
-    ]
-    for ok, key, msg in checks:
-        if not ok:
-            raise ValueError(f"config key {key!r} {msg}")
+    """Cross-field checks that a type annotation cannot express; the first problem is raised,
+    naming the dotted key, its value and what is allowed."""
+    errors = _range_errors(cfg)
+    if cfg.train.max_steps is None and cfg.train.epochs is None:
+        errors.append("config keys 'train.max_steps' and 'train.epochs' may not both be null (nothing would stop training)")
+    if len(cfg.train.betas) != 2 or not all(0 <= b < 1 for b in cfg.train.betas):
+        errors.append(f"config key 'train.betas'={cfg.train.betas!r} must be two values in [0, 1)")
+    if cfg.model.aux_layer_ids is not None:
+        errors += aux_layer_errors(cfg.model.aux_layer_ids)
+    if errors:
+        raise ValueError(errors[0])
+
+
+def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None) -> list[str]:
+    """EAGLE-3 checkpoints fuse exactly 3 target layer outputs, and SGLang concatenates them in
+    ascending layer order and captures layer ``id``'s output as the input of layer ``id + 1``:
+    anything but 3 sorted unique ids in 0..L-2 trains a draft SGLang cannot serve as trained."""
+    key = f"config key 'model.aux_layer_ids'={list(ids)!r}"
+    if len(ids) != 3:
+        return [f"{key}: an EAGLE-3 draft fuses exactly 3 target layers, got {len(ids)}"]
+    if list(ids) != sorted(set(ids)):
+        return [f"{key}: must be in ascending order without repeats (SGLang concatenates them in layer order), "
+                f"e.g. {sorted(set(ids))}"]
+    top = "L-2" if num_layers is None else num_layers - 2
+    if ids[0] < 0 or (num_layers is not None and ids[-1] > num_layers - 2):
+        where = "" if num_layers is None else f" (the target has {num_layers} layers)"
+        return [f"{key}: ids must be in 0..{top}{where}: SGLang captures layer id's output as layer id+1's input"]
+    return []
 
 
 def aux_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:
-    """The target layer outputs the draft fuses (EAGLE-3 default [1, L//2 - 1, L - 4])."""
+    """The target layer outputs the draft fuses (EAGLE-3 default [1, L//2 - 1, L - 4]); a
+    ValueError naming the key unless they are 3 sorted unique ids in 0..L-2."""
     ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else [1, num_layers // 2 - 1, num_layers - 4]
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"config key 'model.aux_layer_ids': {bad} outside 0..{num_layers - 1}")
+    if cfg.aux_layer_ids is not None:
+        errors = aux_layer_errors(ids, num_layers)
+    elif min(ids) < 0:
+        errors = [f"the target has {num_layers} layers, too few for the default model.aux_layer_ids {ids}; "
+                  f"set 3 sorted ids in 0..{num_layers - 2}"]
+    else:  # the default repeats a layer only on targets under 7 layers (toy targets of the tests)
+        errors = []
+    if errors:
+        raise ValueError(errors[0])
     return list(ids)

@@ -43,9 +43,9 @@ def test_argmax_chunked_equals_full():
 
 
 def test_aux_layer_ids_override_and_range():
-    assert aux_layer_ids(ModelConfig(aux_layer_ids=[0, 3]), 8) == [0, 3]
+    assert aux_layer_ids(ModelConfig(aux_layer_ids=[0, 3, 6]), 8) == [0, 3, 6]
     with pytest.raises(ValueError, match="model.aux_layer_ids"):
-        aux_layer_ids(ModelConfig(aux_layer_ids=[9]), 8)
+        aux_layer_ids(ModelConfig(aux_layer_ids=[1, 3, 7]), 8)  # 0..L-2 (tests/test_bad_input.py has the rest)
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
