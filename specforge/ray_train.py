@@ -29,6 +29,7 @@ import ray
 
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
+from specforge.preflight import check_resources, check_run, ray_resources
 from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.loop import check, not_applied, train_loop
@@ -153,12 +154,14 @@ def fit(cfg: Config) -> Optional[str]:
     from specforge.tracking import MetricsLogger
 
     check(cfg)
+    check_run(cfg)  # the config against the target's config.json, before Ray or any worker starts
     if skipped := not_applied(cfg, cfg.placement.mode):
         print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
     started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
     cluster = None
     try:
         use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        check_resources(cfg, use_gpu, *ray_resources(cfg, started))  # before any worker starts
         data = prepare(cfg, use_gpu)
         cluster = spawn_cluster(cfg, data, use_gpu)
         plan = Planner(cfg, data, cluster.layout)

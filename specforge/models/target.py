@@ -112,6 +112,32 @@ def resolve_target_path(cfg: ModelConfig) -> str:
     return str(out)
 
 
+def load_target_config(cfg: ModelConfig):
+    """The target's HF config from its config.json alone (no weights): what the driver checks a
+    run against before any worker starts."""
+    from transformers import AutoConfig
+
+    path = resolve_target_path(cfg)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except ValueError as e:  # e.g. a config.json that is not JSON or names an unknown model_type
+        raise ValueError(f"model.target_path {path!r}: cannot read its config.json ({e})") from e
+
+
+def check_weight_files(path: str) -> None:
+    """Open the header of every safetensors file of a local target folder (no weights read): a
+    truncated or corrupt file is a ValueError naming it, not a bare "invalid header length"."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # SafetensorError and OSError: both mean the same to the user
+            raise ValueError(f"target weight file {str(f)!r} is truncated or corrupt ({e}); "
+                             "copy or download it again") from e
+
+
 # ---------------------------------------------------------------- loading
 
 
@@ -132,6 +158,7 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> Targ
 
     device = device or pick_device(cfg.device)
     path = resolve_target_path(cfg)
+    check_weight_files(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=pick_dtype(cfg.dtype, device), trust_remote_code=cfg.trust_remote_code
     )

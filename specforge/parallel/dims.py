@@ -87,6 +87,15 @@ class ParallelDims:
                 f"workers must be a multiple of the sequence-parallel degree {sp}")
         return cls(cfg.train.num_workers // sp, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring)
 
+    def check_heads(self, num_heads: int) -> None:
+        """Ulysses splits the draft's attention heads over ``sp_ulysses`` ranks. Heads that do not
+        divide are padded with zero heads (``sp.py``, exact); more ranks than heads would leave
+        ranks that hold padding only."""
+        if self.sp_ulysses > num_heads:
+            raise ValueError(
+                f"config key 'parallel.sp_ulysses'={self.sp_ulysses} exceeds the draft's {num_heads} attention heads "
+                f"(Ulysses splits heads over its ranks); use at most {num_heads}, or parallel.sp_ring for the rest")
+
     @property
     def sp(self) -> int:
         return self.sp_ulysses * self.sp_ring

@@ -163,11 +163,13 @@ def run(cfg: Config) -> Optional[Path]:
     """Train in this process: the simplest placement of THE loop (``runtime/loop.py``) with the
     same global batch, data order and loss as ``specforge.ray_train``; the reference the
     distributed placements are tested against. Returns the newest checkpoint folder."""
+    from specforge.preflight import check_run
     from specforge.runtime.loop import LocalCluster, check, not_applied, single_process, train_loop
     from specforge.runtime.plan import Planner, prepare
     from specforge.tracking import MetricsLogger
 
     check(cfg)
+    check_run(cfg)  # the config against the target's config.json, before the target loads
     if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
     local = single_process(cfg)

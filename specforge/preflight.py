@@ -1,0 +1,95 @@
+"""Checks of a run in the driver, before any worker starts (every placement and the single process).
+
+``check_run`` holds the config against the target's config.json (no weights are read) and, in
+offline mode, against the feature store's meta: a mistake there otherwise surfaces minutes later
+inside a Ray worker, or not at all (a checkpoint SGLang cannot serve). ``check_resources`` holds
+the CPUs/GPUs (and custom resources) the placement's workers request against what the Ray
+cluster, or this machine, has: more workers than cores starts them all and thrashes instead of
+failing. Both raise a ``ValueError`` naming the config keys and the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from specforge.config import Config, aux_layer_ids
+from specforge.parallel.dims import ParallelDims
+
+
+def check_run(cfg: Config) -> None:
+    """The config against the target (config.json only) and, offline, the store's meta."""
+    from specforge.models.target import load_target_config
+
+    target = load_target_config(cfg.model)
+    layers = aux_layer_ids(cfg.model, target.num_hidden_layers)
+    if cfg.draft.vocab_size > target.vocab_size:
+        raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's vocabulary "
+                         f"({target.vocab_size} tokens); choose at most {target.vocab_size}")
+    heads = cfg.draft.num_attention_heads or target.num_attention_heads
+    ParallelDims.from_config(cfg).check_heads(heads)
+    if cfg.placement.mode == "offline":
+        check_store(cfg, layers, target)
+
+
+def check_store(cfg: Config, layers: list[int], target) -> None:
+    """What the store's meta says that the config can contradict without loading weights (the
+    workers compare the target's weight fingerprint too)."""
+    from specforge.data.store import INDEX, FeatureStore, store_root
+
+    root = store_root(cfg)
+    if not (root / INDEX).is_file():
+        return  # prepare_offline names the missing store and how to fill it
+    meta = FeatureStore(root).meta
+    for key, want, got in (("model.aux_layer_ids", tuple(layers), meta.aux_layer_ids),
+                           ("data.max_length", cfg.data.max_length, meta.max_length),
+                           ("model.target_path (hidden size)", target.hidden_size, meta.hidden_size)):
+        if want != got:
+            raise ValueError(f"feature store {root} was captured with {key}={got}, this run has {want}; "
+                             f"recapture (python -m specforge.capture) or set {key.split(' ')[0]} to match")
+
+
+# ---------------------------------------------------------------- resources
+
+
+def actor_counts(cfg: Config) -> dict[str, int]:
+    """Workers of the placement by kind (the driver spawns exactly these)."""
+    rollout = cfg.rollout.num_workers if cfg.placement.mode == "disaggregated" else 0
+    return {"rollout": rollout, "train": cfg.train.num_workers}
+
+
+def needed_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:
+    """One bundle per worker: 1 CPU, 1 GPU when on GPUs, plus the kind's custom resources."""
+    counts = actor_counts(cfg)
+    need: dict[str, float] = {"CPU": float(sum(counts.values()))}
+    if use_gpu:
+        need["GPU"] = float(sum(counts.values()))
+    for kind, extra in (("rollout", cfg.ray.rollout_resources), ("train", cfg.ray.train_resources)):
+        for name, amount in extra.items():
+            need[name] = need.get(name, 0.0) + amount * counts[kind]
+    return need
+
+
+def check_resources(cfg: Config, use_gpu: bool, have: Mapping[str, float], where: str) -> None:
+    """ValueError unless ``have`` (``where`` says whose) holds every worker's bundle."""
+    counts = actor_counts(cfg)
+    keys = "train.num_workers" + (" + rollout.num_workers" if counts["rollout"] else "")
+    for name, amount in needed_resources(cfg, use_gpu).items():
+        if amount > have.get(name, 0.0) + 1e-9:
+            hint = " (set ray.num_cpus to oversubscribe the cores on purpose)" if name == "CPU" else ""
+            raise ValueError(
+                f"config keys {keys} = {' + '.join(str(n) for n in counts.values() if n)} workers need "
+                f"{amount:g} {name} (one per worker), but {where} has {have.get(name, 0.0):g}{hint}")
+
+
+def ray_resources(cfg: Config, started_here: bool) -> tuple[dict[str, float], str]:
+    """What the workers can get: a Ray we joined reports its cluster; a Ray we started here has
+    this machine's cores (``ray.num_cpus`` if set), whatever CPU count it was started with."""
+    import ray
+
+    have = dict(ray.cluster_resources())
+    if started_here and not cfg.ray.address:
+        cores = cfg.ray.num_cpus or os.cpu_count() or 1
+        have["CPU"] = float(cores)
+        return have, f"this machine ({'ray.num_cpus' if cfg.ray.num_cpus else 'cores'} = {cores})"
+    return have, f"the Ray cluster ({cfg.ray.address or 'already running'})"
