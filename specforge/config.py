@@ -60,6 +60,7 @@ class DraftConfig:
     rope_theta: Optional[float] = None
     rms_norm_eps: Optional[float] = None
     init_lm_head_from_target: bool = True
+    init_midlayer_from_target: bool = False  # start from the target layer after the deepest aux layer
     ttt_length: int = 7
     ttt_decay: float = 0.8
     attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
@@ -76,6 +77,7 @@ class TrainConfig:
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    ttt_warmup_steps: int = 0  # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 0.5
@@ -344,7 +346,8 @@ _AT_LEAST = {
     "model.argmax_chunk_tokens": 1, "data.max_length": 8, "data.max_samples": 1, "data.num_eval": 0,
     "data.num_proc": 1, "draft.vocab_size": 2, "draft.hidden_size": 1, "draft.intermediate_size": 1,
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1, "draft.ttt_length": 1,
-    "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1, "train.grad_accum": 1,
+    "train.warmup_steps": 0, "train.ttt_warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
+    "train.grad_accum": 1,
     "train.max_steps": 0, "train.num_threads": 1, "train.num_workers": 1, "train.log_every": 1,
     "train.eval_every": 0, "rollout.num_workers": 1, "rollout.max_restarts": 0, "parallel.sp_ulysses": 1,
     "parallel.sp_ring": 1, "ray.num_cpus": 1, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0,

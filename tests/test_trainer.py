@@ -1,5 +1,7 @@
 """The shared train step and checkpoints, on a tiny random target."""
 
+import copy
+
 import torch
 
 from specforge.config import Config, DraftConfig, TrainConfig
@@ -77,8 +79,12 @@ def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):
     assert latest_checkpoint(tmp_path) == path and (tmp_path / "latest").resolve() == path.resolve()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
     reloaded = load_draft(path, target)
+    served = copy.deepcopy(d).eval()  # the served file holds the trained weights in config.json's torch_dtype
     with torch.no_grad():
-        want = ttt_logits(d.eval(), batch, 3)
+        for p in served.parameters():
+            if p.requires_grad:
+                p.copy_(p.to(getattr(torch, d.config.torch_dtype)).float())
+        want = ttt_logits(served, batch, 3)
         got = ttt_logits(reloaded, batch, 3)
     for w, g in zip(want, got):
         assert torch.equal(w, g)
@@ -114,3 +120,20 @@ def test_data_order_is_a_pure_function_of_seed_and_step():
     assert global_batch_ids(10, 4, seed=4, step=0) != a[0]
     assert all(len(set(global_batch_ids(10, 4, seed=3, step=s))) == 4 for s in range(100))  # no repeat at rollovers
     assert split_for_ranks([1, 2, 3, 4, 5, 6, 7, 8], 2, 2) == [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]
+
+
+def test_ttt_warmup_trains_step_0_alone_then_the_full_unroll():
+    """train.ttt_warmup_steps=1: step 1 is exactly a ttt_length=1 step, step 2 unrolls draft.ttt_length."""
+    target, rows, warm = _setup(ttt_warmup_steps=1)
+    _, _, short = _setup()
+    short.cfg.draft.ttt_length = 1
+    batch = _batch(target, rows)
+    assert warm.unroll_length() == 1
+    w1, s1 = warm.step([batch]), short.step([batch])
+    assert w1["loss"] == s1["loss"]
+    for k, v in _params(warm).items():
+        torch.testing.assert_close(v, _params(short)[k], rtol=0, atol=0)
+    assert warm.unroll_length() == 3
+    w2, s2 = warm.step([batch]), short.step([batch])
+    assert w2["loss"] > s2["loss"] * 1.2  # steps 1 and 2 add their (decayed) losses
+    assert warm.evaluate([batch])["loss_2"] > 0  # evaluation always unrolls the full length

@@ -433,6 +433,29 @@ class Eagle3Draft(nn.Module):
             )
         self.lm_head.weight.copy_(W[self.draft_to_target_ids()].to(self.lm_head.weight))
 
+    @torch.no_grad()
+    def init_midlayer_from_target(self, layer: nn.Module, top_aux: int) -> None:
+        """Start from the target decoder layer that follows the deepest aux layer.
+
+        ``fc`` starts as the selector of the deepest aux hidden (the ``top_aux``-th of the 3 slots),
+        so at step 0 the residual stream is the target's own hidden there; the hidden half of q/k/v,
+        o_proj, the MLP and the norms are that next layer's. The embedding half of q/k/v keeps its
+        random init: the draft has to learn what the next token adds (the target never saw it).
+        """
+        H = self.config.hidden_size
+        if H != self.config.target_hidden_size:
+            raise ValueError("init from a target layer needs draft hidden size == target hidden size")
+        self.fc.weight.zero_()
+        self.fc.weight[:, top_aux * H:(top_aux + 1) * H].copy_(torch.eye(H))
+        mine, theirs = self.midlayer, layer
+        mine.hidden_norm.weight.copy_(theirs.input_layernorm.weight)
+        mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(mine.self_attn, name).weight[:, H:].copy_(getattr(theirs.self_attn, name).weight)
+        mine.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mine.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
+
     def draft_to_target_ids(self, draft_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if draft_ids is None:
             draft_ids = torch.arange(self.d2t.numel(), device=self.d2t.device)

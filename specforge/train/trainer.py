@@ -24,7 +24,7 @@ from specforge.config import Config, load_config
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, pick_device
 from specforge.models.draft import Eagle3Draft, draft_config_from_target
-from specforge.models.target import TargetModel, capture
+from specforge.models.target import TargetModel, _decoder_layers, capture
 from specforge.train.batch import TrainBatch, collate, pad_id
 from specforge.train.checkpoint import latest_checkpoint
 from specforge.train.optim import build_optimizer
@@ -67,6 +67,10 @@ def build_draft(cfg: Config, target: TargetModel, vocab: DraftVocab) -> Eagle3Dr
         if final_norm is not None:  # lm_head rows were trained against this norm's scale
             with torch.no_grad():
                 draft.norm.weight.copy_(final_norm.weight.to(draft.norm.weight))
+    if cfg.draft.init_midlayer_from_target:
+        layers = _decoder_layers(target.model)
+        draft.init_midlayer_from_target(layers[min(max(target.aux_layer_ids) + 1, len(layers) - 1)],
+                                        target.aux_layer_ids.index(max(target.aux_layer_ids)))
     return draft
 
 
@@ -95,15 +99,21 @@ class DraftTrainer:
     def _counts(self, micro_batches: Sequence[TrainBatch], num_valid: Optional[float]) -> torch.Tensor:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters."""
         counts = torch.zeros(self.cfg.draft.ttt_length, 4, dtype=torch.float64)
+        steps = self.unroll_length() if torch.is_grad_enabled() else self.cfg.draft.ttt_length
         for mb in micro_batches:
             mb = _compute_dtype(mb.to(self.device), self.amp_dtype)
             with autocast(self.device, self.amp_dtype):
-                loss, c = ttt_loss(self.draft, mb, self.teacher_NH, self.cfg.draft.ttt_length,
-                                   self.cfg.draft.ttt_decay, num_valid_global=num_valid)
+                loss, c = ttt_loss(self.draft, mb, self.teacher_NH, steps, self.cfg.draft.ttt_decay,
+                                   num_valid_global=num_valid)
             if torch.is_grad_enabled():
                 loss.backward()
-            counts += c.cpu()
+            counts[:steps] += c.cpu()
         return self.reduce_sum(counts)
+
+    def unroll_length(self) -> int:
+        """TTT steps this optimizer step trains: 1 during ``train.ttt_warmup_steps``, then
+        ``draft.ttt_length``. A function of the step alone, so every rank agrees without talking."""
+        return 1 if self.step_count < self.cfg.train.ttt_warmup_steps else self.cfg.draft.ttt_length
 
     def step(self, micro_batches: Sequence[TrainBatch]) -> dict[str, float]:
         """One optimizer step over this rank's ``micro_batches``; the loss is normalized by the
