@@ -113,3 +113,34 @@ def test_rope_llama3_scaling_changes_low_frequencies_only():
         "original_max_position_embeddings": 8192}))
     assert torch.allclose(plain.inv_freq[:2], scaled.inv_freq[:2])
     assert torch.allclose(plain.inv_freq[-1] / 8, scaled.inv_freq[-1])
+
+
+def test_init_midlayer_from_target_is_the_target_layer_on_the_deepest_aux_hidden():
+    """With the embedding half of q/k/v zeroed, TTT step 0 of a draft started from target layer
+    j computes exactly layer j of the target on the deepest aux hidden (fc selects it)."""
+    from specforge.models.generate import _layer
+    from tests.test_target import tiny_target
+
+    model = tiny_target()
+    H, layer = model.config.hidden_size, model.model.layers[3]
+    dcfg = draft_config_from_target(model.config, DraftConfig(vocab_size=64), [0, 1, 2])
+    draft = Eagle3Draft(dcfg)
+    draft.init_midlayer_from_target(layer, top_aux=2)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(draft.midlayer.self_attn, name).weight[:, :H].zero_()
+    T = 9
+    x = torch.randn(1, T, H)
+    aux = torch.cat([torch.randn(1, T, H), torch.randn(1, T, H), x], dim=-1)
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        got = draft(torch.randint(0, 300, (1, T)), aux, pos, [T])[0]
+        cos, sin = model.model.rotary_emb(x, pos)
+        K, D = model.config.num_key_value_heads, H // model.config.num_attention_heads
+        kv = (torch.zeros(1, K, T, D), torch.zeros(1, K, T, D))
+        causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+        want = _layer(layer, x, cos, sin, kv, 0, causal)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="hidden size"):
+        Eagle3Draft(draft_config_from_target(model.config, DraftConfig(vocab_size=64, hidden_size=32), [0, 1, 2])) \
+            .init_midlayer_from_target(layer, top_aux=2)

@@ -26,7 +26,7 @@ from specforge.device import autocast, autocast_dtype, pick_device
 from specforge.models.draft import Eagle3Draft, draft_config_from_target
 from specforge.models.target import TargetModel, _decoder_layers, capture
 from specforge.train.batch import TrainBatch, collate, pad_id
-from specforge.train.checkpoint import latest_checkpoint
+from specforge.train.checkpoint import latest_checkpoint, tensor_digest
 from specforge.train.optim import build_optimizer
 from specforge.train.ttt import metrics_from_counts, num_valid_rows, teacher_weight_from_target, ttt_loss
 
@@ -77,6 +77,30 @@ def build_draft(cfg: Config, target: TargetModel, vocab: DraftVocab) -> Eagle3Dr
 def teacher_weight(target: TargetModel, vocab: DraftVocab) -> torch.Tensor:
     """Target lm_head rows of the draft vocab (N x H): the teacher over the draft vocab."""
     return teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone()
+
+
+# Config keys that change what a step computes (besides the draft's shape, draft.*): a checkpoint
+# resumes only into a run with the same values (a restored scheduler would silently keep the old LR).
+RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
+               "train.betas", "train.max_grad_norm", "train.precision")
+
+
+def run_identity(cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
+    """What a checkpoint must share with the run resuming it: hashes of the target weights and the
+    vocab mapping, the data (``plan.run_facts``: key, sample count, global batch), the LR horizon
+    and the config keys that change the math (``RESUME_KEYS``, every draft.* but the attention impl)."""
+    def get(key: str):
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    draft_keys = [f"draft.{f.name}" for f in dataclasses.fields(cfg.draft) if f.name != "attention"]
+    return {
+        "target": tensor_digest(target.model.state_dict().items(), sample=64),
+        "vocab": tensor_digest([("d2t", vocab.d2t), ("t2d", vocab.t2d)]),
+        **facts,
+        "total_steps": total_steps,
+        **{k: get(k) for k in (*RESUME_KEYS, *draft_keys)},
+    }
 
 
 # ---------------------------------------------------------------- the train step
