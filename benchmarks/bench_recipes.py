@@ -1,6 +1,6 @@
 """Acceptance length vs wall-clock minutes for three training recipes on the embedded default.
 
-    python benchmarks/bench_recipes.py [--segments 4,8] [--data-minutes 8] [--prompts 12] [--recipes a,b,c]
+    python benchmarks/bench_recipes.py [--segments 3,8] [--capture-rows 300] [--prompts 10] [--recipes a,b,c]
 
 Recipes (same target, same draft shape and optimizer, same held-out prompts):
 
@@ -102,9 +102,9 @@ def plot(points: list[dict], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipes", default="sharegpt-online,sharegpt-offline,self-distilled")
-    ap.add_argument("--segments", default="4,8", help="cumulative training minutes at which to evaluate")
-    ap.add_argument("--capture-rows", type=int, default=1500, help="ShareGPT rows captured by sharegpt-offline")
-    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--segments", default="3,8", help="cumulative training minutes at which to evaluate")
+    ap.add_argument("--capture-rows", type=int, default=300, help="ShareGPT rows captured by sharegpt-offline")
+    ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--out", default="runs/bench-recipes")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for every step")
     args = ap.parse_args()

@@ -30,6 +30,8 @@ def git_commit(repo: Path = REPO) -> str:
     """The checked-out commit, read from .git without running git ("unknown" if absent)."""
     git = repo / ".git"
     try:
+        if git.is_file():  # a worktree: ".git" names its own git dir (a detached HEAD is written there)
+            git = Path(git.read_text().split("gitdir:", 1)[1].strip())
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head[:12]

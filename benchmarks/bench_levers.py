@@ -1,0 +1,124 @@
+"""What each training lever buys per minute: held-out simulated acceptance after M minutes of
+training on ONE feature store, lever by lever (one process, one job at a time).
+
+    python benchmarks/bench_levers.py --store runs/bench-recipes/self-distilled/features \
+        [--minutes 5] [--levers base,ttt2,ttt1,init-ttt2,warmup-ttt7]
+
+The last 16 samples of the store are held out; every lever trains the same draft shape from the
+same seed on the rest, batch 4 rows, the default config otherwise, and is measured after equal
+*training* seconds (the data and model loading are excluded) by the TTT metrics of the held-out
+rows at 7 steps: ``acc_i`` (draft argmax == target argmax at step i, teacher-forced chain) and
+``tau`` = 1 + sum_k prod_{i<=k} acc_i, the simulated chain-7 acceptance length. ``tau`` tracks
+real speculative decoding (benchmarks/README.md): a quick way to rank levers before running the
+eval. Writes a section of benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_section, header_markdown, markdown_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "smollm2-135m-cpu.yaml"
+_PLAIN = ["draft.init_midlayer_from_target=false", "train.ttt_warmup_steps=0"]
+LEVERS = {  # name -> (config overrides, loss on every token instead of the answer tokens only)
+    "base": (_PLAIN + ["draft.ttt_length=7"], False),
+    "init": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=7"], False),
+    "ttt2": (_PLAIN + ["draft.ttt_length=2"], False),
+    "ttt1": (_PLAIN + ["draft.ttt_length=1"], False),
+    "lr3e-3": (_PLAIN + ["draft.ttt_length=7", "train.lr=3e-3"], False),
+    "all-tokens": (_PLAIN + ["draft.ttt_length=7"], True),
+    "ttt2-all-tokens": (_PLAIN + ["draft.ttt_length=2"], True),
+    "init-ttt2": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=2"], False),
+    "init-warmup150-ttt7": (["draft.init_midlayer_from_target=true", "train.ttt_warmup_steps=150",
+                             "draft.ttt_length=7"], False),
+    "init-warmup150-ttt3": (["draft.init_midlayer_from_target=true", "train.ttt_warmup_steps=150",
+                             "draft.ttt_length=3"], False),
+}
+
+
+def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: int) -> list[dict]:
+    from specforge.config import load_config
+    from specforge.data.vocab import build_draft_vocab
+    from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
+
+    overrides, all_tokens = LEVERS[name]
+    base = ["train.precision=fp32", f"train.batch_size={batch_size}"]
+    cfg = load_config(CONFIG, base + overrides)
+    cfg7 = load_config(CONFIG, base + overrides + ["draft.ttt_length=7", "train.ttt_warmup_steps=0"])
+    ids = list(store.ids)
+    hold, train = ids[-16:], ids[:-16]
+    rows = [store.read(i) for i in train]
+    vocab = build_draft_vocab([{"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
+                               for r in rows], target.config.vocab_size, cfg.draft.vocab_size)
+    draft = build_draft(cfg, target, vocab)
+    teacher = teacher_weight(target, vocab)
+    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), total_steps=2000)
+    judge = DraftTrainer(draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
+    held = [store.batch(hold[i : i + 4], 0) for i in range(0, len(hold), 4)]
+    marks = [minutes * 60 * (k + 1) / evals for k in range(evals)]
+    out, step, epoch, train_s = [], 0, 0, 0.0
+    while marks:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch)).tolist()
+        epoch += 1
+        for s in range(len(train) // batch_size):
+            b = store.batch([train[i] for i in order[s * batch_size : (s + 1) * batch_size]], 0)
+            if all_tokens:
+                b.loss_mask_BT = (b.aux_hidden_BT3H.abs().sum(-1) > 0).long()  # every real (unpadded) token
+            t0 = time.perf_counter()
+            trainer.step([b])
+            train_s += time.perf_counter() - t0
+            step += 1
+            if train_s >= marks[0]:
+                marks.pop(0)
+                ev = judge.evaluate(held)
+                out.append({"lever": name, "train_min": round(train_s / 60, 2), "steps": step,
+                            "epochs": round(step * batch_size / len(train), 2),
+                            **{k: round(ev[k], 3) for k in ("acc_0", "acc_1", "acc_2", "tau")}})
+                print(json.dumps(out[-1]), flush=True)
+                if not marks:
+                    break
+    return out
+
+
+def main() -> int:
+    from specforge.config import load_config
+    from specforge.data.store import FeatureStore
+    from specforge.models.target import load_target
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", required=True, help="a feature store (python -m specforge.regenerate / capture)")
+    ap.add_argument("--minutes", type=float, default=5.0, help="training seconds per lever, excluding loading")
+    ap.add_argument("--evals", type=int, default=2, help="held-out measurements per lever (evenly spaced)")
+    ap.add_argument("--levers", default="base,ttt2,ttt1,init-ttt2,init-warmup150-ttt7")
+    ap.add_argument("--batch-size", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = load_config(CONFIG)
+    target = load_target(cfg.model)
+    store = FeatureStore(args.store)
+    points = [p for name in args.levers.split(",") for p in run_lever(name, store, target, args.minutes,
+                                                                     args.evals, args.batch_size)]
+    rows = [[p["lever"], " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
+             p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]] for p in points]
+    table = markdown_table(["lever", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1", "acc_2",
+                            "tau (sim., chain 7)"], rows)
+    n = len(store.ids)
+    body = (f"`python benchmarks/bench_levers.py --store {args.store} --minutes {args.minutes:g}` -- "
+            f"{header_markdown()}\n\n{n - 16} stored samples train, 16 held out; batch {args.batch_size} rows, fp32.\n\n"
+            + table)
+    print(body)
+    append_section("Training levers: held-out acceptance per training minute", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
