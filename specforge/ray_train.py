@@ -29,7 +29,7 @@ import ray
 
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
-from specforge.preflight import check_resources, check_run, ray_resources
+from specforge.preflight import check_placement, check_resources, ray_resources
 from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.loop import check, not_applied, train_loop
@@ -154,7 +154,7 @@ def fit(cfg: Config) -> Optional[str]:
     from specforge.tracking import MetricsLogger
 
     check(cfg)
-    check_run(cfg)  # the config against the target's config.json, before Ray or any worker starts
+    check_placement(cfg)  # the config against the target's config.json and, if Ray starts here, the cores
     if skipped := not_applied(cfg, cfg.placement.mode):
         print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
     started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
