@@ -15,11 +15,23 @@ train ranks; each gets only its slice (+ halo) of every sample (``runtime/plan.p
 
 Rollout may run ahead of training, bounded by ``placement.max_inflight_mb`` of features in
 flight; completion is signalled by ObjectRefs (``gather``, with a timeout), never by polling.
+
+Failures (every wait is bounded by ``parallel.timeout_s``; a dead actor is seen at once):
+
+    rollout worker dies   the train ranks all stop at the same step (``workers.FeaturesLost``),
+                          save it, and the placement is respawned around a new rollout worker
+                          (torch.distributed cannot add a rank to a live communicator); the train
+                          workers resume that checkpoint and the loop re-plans from its step, so
+                          no sample is lost or trained twice (``recover``; ``rollout.max_restarts``)
+    train worker dies     the run ends, naming the worker and the last good checkpoint; rerunning
+                          the same command resumes from it (a hard-killed driver too)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -30,13 +42,24 @@ import ray
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
 from specforge.preflight import check_placement, check_resources, ray_resources
-from specforge.runtime.actors import ActorGroup, WorkerError, gather, init_communicator, spawn_actors
+from specforge.runtime.actors import (
+    ActorDied, ActorGroup, WorkerError, dead_actors, gather, init_communicator, spawn_actors)
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.loop import check, not_applied, train_loop
-from specforge.runtime.plan import Planner, RunData, prepare, total_steps
-from specforge.runtime.workers import RolloutWorker, TrainWorker
+from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
+from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
+
+
+class RolloutLost(WorkerError):
+    """Rollout workers died; the train ranks stopped at one consistent step (recoverable)."""
+
+
+class TrainWorkerLost(WorkerError):
+    """A train worker died; the run cannot continue without it (resume from the last checkpoint)."""
 
 # ---------------------------------------------------------------- the cluster
+
+_GENERATION = itertools.count()
 
 
 @dataclass
@@ -58,16 +81,47 @@ class Cluster:
         return rollout, [w.eval_step.remote(plan, upcoming) for w in self.train.actors]
 
     def collect(self, handle: tuple[list, list], what: str) -> tuple[list[StepReport], list[StepReport]]:
+        """The plan's reports (the first failure of any worker ends the wait), a failure told
+        apart: ``RolloutLost`` (recoverable), ``TrainWorkerLost``, or the worker's own error."""
         rollout, train = handle
-        return (collect(rollout, self.rollout.labels, self.timeout_s, f"rollout {what}"),
-                collect(train, self.train.labels, self.timeout_s, f"train {what}"))
+        try:
+            reports = collect(rollout + train, self.rollout.labels + self.train.labels, self.timeout_s, what)
+            return reports[: len(rollout)], reports[len(rollout):]
+        except ActorDied as err:
+            if err.label not in self.rollout.labels:
+                raise TrainWorkerLost(f"train worker {err.label} died", err.label) from err
+            try:  # it may have died once its sends were out: then this plan trained all the same
+                return [], collect(train, self.train.labels, self.timeout_s, what)
+            except WorkerError as train_err:
+                raise self.diagnose(train_err) from err
+        except WorkerError as err:
+            raise self.diagnose(err) from err
+
+    def diagnose(self, err: WorkerError) -> WorkerError:
+        """A train rank's failure: the death behind it, if an actor died, else ``err`` itself."""
+        if err.label not in self.train.labels:
+            return err
+        if isinstance(err, ActorDied):
+            return TrainWorkerLost(f"train worker {err.label} died", err.label)
+        if isinstance(err.cause, FeaturesLost):
+            if dead := dead_actors(self.rollout):
+                return RolloutLost(f"rollout worker {', '.join(dead)} died; the train workers stopped at a "
+                                   f"consistent step ({err.cause})", dead[0], err.cause)
+        elif dead := dead_actors(self.train):  # a collective with a dead rank failed on the others
+            return TrainWorkerLost(f"train worker {', '.join(dead)} died ({err.label}: {err.cause})", dead[0])
+        return err
 
     def save(self, timeout_s: Optional[float] = None) -> Optional[str]:
         """Write the newest state (no-op on workers that already saved this step)."""
         refs = [w.save.remote() for w in self.train.actors]
         return collect(refs, self.train.labels, timeout_s or self.timeout_s, "save")[0]
 
+    def adopt(self, other: "Cluster") -> None:
+        """Go on with ``other``'s actors (a respawned placement) under this handle."""
+        self.__dict__.update(other.__dict__)
+
     def shutdown(self) -> None:
+        """Every actor and placement group goes (a second call finds nothing left)."""
         for g in (self.rollout, self.train):
             refs = [a.leave_communicator.remote() for a in g.actors]
             try:
@@ -77,6 +131,7 @@ class Cluster:
             g.shutdown()
         if self.mailbox is not None:
             ray.kill(self.mailbox)
+            self.mailbox = None
 
 
 def num_rollout(cfg: Config) -> int:
@@ -98,7 +153,7 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     if cfg.placement.transport == "object_store" and n_roll:
         from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox
 
-        mailbox_name = f"{MAILBOX_NAME}-{os.getpid()}"
+        mailbox_name = f"{MAILBOX_NAME}-{os.getpid()}-{next(_GENERATION)}"  # a respawn's is new
         mailbox = spawn_mailbox(mailbox_name)
     layout = Layout(
         mode=cfg.placement.mode,
@@ -112,14 +167,25 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
         actors, labels = rollout.actors + train.actors, rollout.labels + train.labels
         init_communicator(actors, labels, cfg.parallel.backend, timeout)
         # new_group is collective over the world: every rank sets up at once.
-        horizon = total_steps(cfg, len(data.lengths))
-        refs = [a.setup.remote(layout) for a in rollout.actors] + [a.setup.remote(layout, horizon) for a in train.actors]
+        horizon, facts = total_steps(cfg, len(data.lengths)), run_facts(cfg, data)
+        refs = [a.setup.remote(layout) for a in rollout.actors] + \
+               [a.setup.remote(layout, horizon, facts) for a in train.actors]
         starts = collect(refs, labels, timeout + 60, "setup")
+        cluster.start_step = agreed_start(starts[n_roll:], train.labels)
     except BaseException:
         cluster.shutdown()
         raise
-    cluster.start_step = max(starts[n_roll:])
     return cluster
+
+
+def agreed_start(starts: Sequence[int], labels: Sequence[str]) -> int:
+    """The step every train rank resumed at; ranks that disagree (they read different checkpoint
+    folders, e.g. a checkpoint.dir not shared between nodes) are refused, never reconciled."""
+    if len(set(starts)) > 1:
+        got = ", ".join(f"{label} at step {s}" for label, s in zip(labels, starts))
+        raise WorkerError(f"train ranks resumed at different steps ({got}); every train rank must read the same "
+                          "checkpoint: put checkpoint.dir on storage all nodes share")
+    return starts[0]
 
 
 def collect(refs: list, labels: list[str], timeout_s: float, what: str) -> list:
@@ -152,6 +218,8 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
 def fit(cfg: Config) -> Optional[str]:
     """Train; returns the newest checkpoint folder."""
     from specforge.tracking import MetricsLogger
+    from specforge.train.checkpoint import latest_checkpoint
+    from specforge.train.trainer import checkpoint_root
 
     check(cfg)
     check_placement(cfg)  # the config against the target's config.json and, if Ray starts here, the cores
@@ -164,28 +232,24 @@ def fit(cfg: Config) -> Optional[str]:
         check_resources(cfg, use_gpu, *ray_resources(cfg, started))  # before any worker starts
         data = prepare(cfg, use_gpu)
         cluster = spawn_cluster(cfg, data, use_gpu)
+        if cluster.start_step:
+            print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
         plan = Planner(cfg, data, cluster.layout)
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
-        worker_failed = False
+        failed: Optional[WorkerError] = None
         try:
-            train_loop(cfg, cluster, plan, logger)
-        except WorkerError:
-            worker_failed = True
+            train_with_recovery(cfg, cluster, plan, logger, lambda err: recover(cfg, data, use_gpu, err, cluster))
+        except TrainWorkerLost as err:
+            failed = err
+            last = latest_checkpoint(checkpoint_root(cfg))
+            raise TrainWorkerLost(f"{err}\nthe run stopped; last good checkpoint: {last or 'none yet'}"
+                                  + ("; rerun the same command to resume from it" if last else ""), err.label) from err
+        except WorkerError as err:
+            failed = err
             raise
         finally:
-            # Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save
-            # (after Ctrl-C the queued steps finish first). After a worker failure its peers may
-            # sit in a collective until their group timeout: try, but do not wait that long.
-            try:
-                path = cluster.save(min(cluster.timeout_s, 30) if worker_failed else cluster.timeout_s)
-                if path:
-                    print(f"saved {path}")
-            except (WorkerError, KeyboardInterrupt) as err:
-                print(f"could not save the final checkpoint: {err}", file=sys.stderr)
+            final_save(cluster, failed)
             logger.close()
-        from specforge.train.checkpoint import latest_checkpoint
-        from specforge.train.trainer import checkpoint_root
-
         latest = latest_checkpoint(checkpoint_root(cfg))
         return str(latest) if latest else None
     finally:
@@ -193,6 +257,48 @@ def fit(cfg: Config) -> Optional[str]:
             cluster.shutdown()
         if started:
             ray.shutdown()
+
+
+def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> None:
+    """Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save (after
+    Ctrl-C the queued steps finish first). Not after a train worker died: the save is collective
+    over the train ranks. After another failure the peers may sit in a collective until their
+    group timeout: try, but do not wait that long."""
+    if cluster is None or isinstance(failed, TrainWorkerLost):
+        return
+    try:
+        path = cluster.save(min(cluster.timeout_s, 30) if failed else cluster.timeout_s)
+        if path:
+            print(f"saved {path}")
+    except (WorkerError, KeyboardInterrupt) as err:
+        print(f"could not save the final checkpoint: {err}", file=sys.stderr)
+
+
+def train_with_recovery(cfg: Config, cluster: Cluster, plan: Planner, logger, recover_fn) -> None:
+    """THE loop; after ``RolloutLost``, ``recover_fn(err)`` replaces the placement's actors and the
+    loop goes on from the step they resumed at (at most ``rollout.max_restarts`` times)."""
+    for restarts in itertools.count():
+        try:
+            train_loop(cfg, cluster, plan, logger)
+            return
+        except RolloutLost as err:
+            if restarts >= cfg.rollout.max_restarts:
+                raise WorkerError(f"{err}; gave up after {restarts} replacements (rollout.max_restarts)") from err
+            recover_fn(err)
+
+
+def recover(cfg: Config, data: RunData, use_gpu: bool, err: RolloutLost, cluster: Cluster) -> None:
+    """Replace a placement whose rollout worker died, in place: the train ranks (stopped at one step)
+    save it, every actor goes, new ones resume that checkpoint (whatever checkpoint.resume says)."""
+    print(f"{err.label} died: saving, replacing it and resuming", file=sys.stderr)
+    try:
+        cluster.save(min(cluster.timeout_s, 60))
+    except WorkerError as save_err:  # then the newest periodic checkpoint: exact all the same
+        print(f"could not save at the failure ({save_err}); resuming the newest checkpoint", file=sys.stderr)
+    cluster.shutdown()
+    resume = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+    cluster.adopt(spawn_cluster(resume, data, use_gpu))
+    print(f"resumed at step {cluster.start_step} with a new rollout worker", file=sys.stderr)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

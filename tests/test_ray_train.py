@@ -52,6 +52,11 @@ def assets(tmp_path_factory):
 
 
 def make_cfg(assets, out, *overrides):
+    return load_config(None, cfg_overrides(assets, out, *overrides))
+
+
+def cfg_overrides(assets, out, *overrides):
+    """The tiny run's dotted overrides (also the command line of ``python -m specforge.ray_train``)."""
     base = [
         f"model.target_path={assets / 'target'}", "model.dtype=float32", "model.device=cpu",
         f"model.cache_dir={assets / 'cache'}", f"data.path={assets / 'data.jsonl'}", "data.max_length=64",
@@ -61,7 +66,7 @@ def make_cfg(assets, out, *overrides):
         "tracking.wandb=false", "checkpoint.every_steps=0", "checkpoint.keep_last=1", "checkpoint.resume=false",
         "parallel.timeout_s=90", "placement.max_inflight_mb=1",
     ]
-    return load_config(None, base + list(overrides))
+    return base + list(overrides)
 
 
 def losses(out, kind="train"):

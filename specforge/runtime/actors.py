@@ -24,7 +24,16 @@ from specforge import device
 
 
 class WorkerError(RuntimeError):
-    """A remote call failed or timed out; the message names the actor."""
+    """A remote call failed or timed out; the message names the actor (``label``, when one failed).
+    ``cause`` is the exception the actor raised (None for a timeout or a dead actor)."""
+
+    def __init__(self, message: str, label: Optional[str] = None, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.label, self.cause = label, cause
+
+
+class ActorDied(WorkerError):
+    """The actor's process is gone (killed, crashed, its node lost): nothing it held survives."""
 
 
 class DistributedWorker:
@@ -70,6 +79,7 @@ class ActorGroup:
             ray.kill(a)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+        self.actors, self.placement_group = [], None  # shut down once
 
 
 def gather(refs: Sequence, labels: Sequence[str], timeout_s: float, what: str = "call") -> list:
@@ -88,8 +98,34 @@ def gather(refs: Sequence, labels: Sequence[str], timeout_s: float, what: str = 
             try:
                 results[i] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
             except ray.exceptions.RayError as err:
-                raise WorkerError(f"{what} failed on {labels[i]}:\n{err}") from err
+                raise worker_error(err, labels[i], what) from err
     return results
+
+
+def worker_error(err: "ray.exceptions.RayError", label: str, what: str) -> WorkerError:
+    """``err`` as a ``WorkerError`` naming ``label``: ``ActorDied`` when its process is gone; a
+    user mistake (ValueError) in one line, without the remote traceback."""
+    if isinstance(err, ray.exceptions.RayActorError):
+        return ActorDied(f"{what}: {label} died ({type(err).__name__})", label)
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, ValueError):
+        return WorkerError(f"{what} failed on {label}: {cause}", label, cause)
+    return WorkerError(f"{what} failed on {label}:\n{err}", label, cause)
+
+
+def dead_actors(group: "ActorGroup", wait_s: float = 5.0) -> list[str]:
+    """Labels of the actors of ``group`` whose process is gone. A call to a dead actor fails at
+    once; a live one may be busy (its answer is not waited for beyond ``wait_s``)."""
+    refs = [a.node_address.remote() for a in group.actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    dead = []
+    for label, ref in zip(group.labels, refs):
+        if ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead.append(label)
+    return dead
 
 
 def spawn_actors(

@@ -22,16 +22,17 @@ from typing import Any, Optional, Sequence
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import Layout, StepPlan, StepReport
-from specforge.runtime.plan import Planner, RunData, total_steps
+from specforge.runtime.plan import Planner, RunData, run_facts, total_steps
 
 MAX_STEPS_AHEAD = 8  # submitted-but-unfinished plans, whatever the byte budget allows
 
 # Keys that say how a run is distributed, not what it computes: a placement names the ones it
 # does not apply when they are set (never ignores them silently).
 DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inflight_mb", "rollout.num_workers",
-                     "rollout.tp_size", "parallel.backend", "parallel.timeout_s", "ray.address", "ray.num_cpus",
-                     "ray.temp_dir", "ray.rollout_resources", "ray.train_resources")
-_NO_DATA_PLANE = ("placement.transport", "ray.rollout_resources", "placement.max_inflight_mb", "rollout.num_workers")
+                     "rollout.tp_size", "rollout.max_restarts", "parallel.backend", "parallel.timeout_s", "ray.address",
+                     "ray.num_cpus", "ray.temp_dir", "ray.rollout_resources", "ray.train_resources")
+_NO_DATA_PLANE = ("placement.transport", "ray.rollout_resources", "placement.max_inflight_mb", "rollout.num_workers",
+                  "rollout.max_restarts")
 NOT_APPLIED = {"single": DISTRIBUTION_KEYS, "colocated": _NO_DATA_PLANE, "offline": _NO_DATA_PLANE, "disaggregated": ()}
 
 
@@ -74,7 +75,7 @@ class LocalCluster:
 
         self.layout = Layout(cfg.placement.mode, (), (0,), data.vocab_path)
         self.worker = TrainWorker(cfg)
-        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths)))
+        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths)), run_facts(cfg, data))
 
     def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool):
         w = self.worker

@@ -34,6 +34,14 @@ class RunData:
     vocab_path: str
     hidden_size: int
     wire_dtype: str  # dtype of the hidden-state features on the data plane
+    data_key: str = ""  # identifies the samples (token cache key / feature store digest): checkpoints keep it
+
+
+def run_facts(cfg: Config, data: RunData) -> dict:
+    """What a train worker's checkpoints record about the data (its resume refuses other data):
+    the data's key, and the data cursor's sample count and global batch (order = f(seed, step))."""
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * ParallelDims.from_config(cfg).dp
+    return {"data": data.data_key, "num_samples": len(data.lengths), "global_batch": global_batch}
 
 
 def prepare(cfg: Config, use_gpu: bool) -> RunData:
@@ -58,6 +66,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
         vocab_path=str(vocab_path(cfg, data.cache_key)),
         hidden_size=int(target_cfg.hidden_size),
         wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
+        data_key=data.cache_key,
     )
 
 
@@ -99,6 +108,7 @@ def prepare_offline(cfg: Config) -> RunData:
         vocab_path=str(path),
         hidden_size=store.meta.hidden_size,
         wire_dtype=store.dtype if store.dtype != "int8" else "float32",
+        data_key=f"store-{key}",
     )
 
 

@@ -10,6 +10,11 @@ they answer with ``StepReport`` records and execute ``StepPlan``s without derivi
 Every rank joins one communicator (rollout ranks first, the data plane) and every rank builds
 the train ranks' groups with ``ParallelDims.build`` (``dist.new_group`` is collective over the
 world, so all ranks call it, in the same order).
+A rank whose feature source fails (a rollout peer died: gloo reports the closed connection at
+once) must not enter the step's collectives alone: every train rank first agrees, in one tiny
+all-reduce over the train ranks, that all of them have their features (``TrainWorker._features``);
+if one does not, all raise ``FeaturesLost`` at the same step and stay there, still consistent,
+so the driver can save that state and replace the rollout side (``ray_train.recover``).
 Legend: B batch, T tokens, H target hidden.
 """
 
@@ -28,7 +33,12 @@ from specforge.runtime.actors import DistributedWorker
 from specforge.runtime.contracts import Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow
 from specforge.runtime.sources import build_source, build_transport, open_data
-from specforge.train.batch import collate, pad_id
+from specforge.train.batch import TrainBatch, collate, pad_id
+
+
+class FeaturesLost(RuntimeError):
+    """A train rank (this or another) could not get a plan's features; no rank trained that plan."""
+
 
 def build_groups(cfg: Config, layout: Layout, my_rank: int, device: torch.device):
     """Every process group / mesh of the train ranks. Collective over the WORLD: every rank
@@ -132,15 +142,16 @@ class TrainWorker(DistributedWorker):
         super().__init__(cfg.train.num_threads)
         self.cfg = cfg
 
-    def setup(self, layout: Layout, total_steps: int) -> int:
+    def setup(self, layout: Layout, total_steps: int, facts: Optional[dict] = None) -> int:
         """Groups, the draft and its trainer (LR schedule over ``total_steps``), the feature source;
-        resume from the newest checkpoint. Returns the step to start from. Without a process
+        resume from the newest checkpoint of the same run (``facts``: ``plan.run_facts``, what the
+        checkpoints record about the data). Returns the step to start from. Without a process
         group (the single-process placement) this is rank 0 of one."""
         from specforge.data.vocab import load_draft_vocab
         from specforge.models.target import load_target
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
         from specforge.train.checkpoint import CheckpointManager
-        from specforge.train.trainer import DraftTrainer, build_draft, checkpoint_root, teacher_weight
+        from specforge.train.trainer import DraftTrainer, build_draft, checkpoint_root, run_identity, teacher_weight
 
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
@@ -156,13 +167,33 @@ class TrainWorker(DistributedWorker):
         self.trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device,
                                     reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)
+        self.lost: Optional[str] = None  # set once the train ranks agreed a plan's features were lost
+        identity = run_identity(cfg, target, vocab, facts or {}, total_steps)
         self.checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last,
-                                             writer=self.rank == layout.train_ranks[0])  # the FSDP mesh's first rank
+                                             writer=self.rank == layout.train_ranks[0],  # the FSDP mesh's first rank
+                                             identity=identity)
         return self.checkpoints.load(self.trainer) if cfg.checkpoint.resume else 0
+
+    def _features(self, plan: StepPlan, upcoming: Sequence[StepPlan]) -> list[TrainBatch]:
+        """This rank's batches of ``plan``, once every train rank has its own (one all-reduce of a
+        flag); else ``FeaturesLost`` on every train rank, for this plan and every later one."""
+        err = batches = None
+        if self.lost is None:
+            try:
+                batches = self.source.next_batches(plan, upcoming)
+            except Exception as e:  # a data-plane peer is gone (or a store read failed): tell the others
+                err = e
+            failed = self.trainer.reduce_sum(torch.tensor([float(err is not None)], dtype=torch.float64)).item()
+            if failed:
+                why = f"{type(err).__name__}: {err}" if err is not None else "another train rank's features were lost"
+                self.lost = f"{plan.split} step {plan.step}: {why}"
+        if self.lost is not None:  # every later plan fails alike, with no collective
+            raise FeaturesLost(f"train rank {self.rank} trained nothing since {self.lost}") from err
+        return batches
 
     def train_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = (), save: bool = False) -> StepReport:
         t0, wait0, recv0 = time.perf_counter(), self.source.wait_ms, self.source.bytes_recv
-        self._last_batches = self.source.next_batches(plan, upcoming)
+        self._last_batches = self._features(plan, upcoming)
         t1 = time.perf_counter()
         metrics = self.trainer.step(self._last_batches)
         if save:
@@ -176,7 +207,7 @@ class TrainWorker(DistributedWorker):
     def eval_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> StepReport:
         """Metrics of ``plan``'s held-out micro-batches, summed over all train ranks; no update."""
         t0 = time.perf_counter()
-        metrics = self.trainer.evaluate(self.source.next_batches(plan, upcoming))
+        metrics = self.trainer.evaluate(self._features(plan, upcoming))
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms={"eval": (time.perf_counter() - t0) * 1e3})
 
     def train_repeat(self, reps: int) -> StepReport:
@@ -189,6 +220,7 @@ class TrainWorker(DistributedWorker):
         return StepReport(self.rank, -1, metrics={"tokens_local": m["tokens"]}, timings_ms={f"train_{i}": t for i, t in enumerate(times)})
 
     def save(self) -> Optional[str]:
-        """Write the newest state (collective over the train ranks; the first one writes)."""
+        """Write the newest state (collective over the train ranks; the first one writes). After
+        ``FeaturesLost`` that is still a consistent state: every rank stopped at the same step."""
         path = self.checkpoints.save(self.trainer)
         return None if path is None else str(path)

@@ -2,11 +2,18 @@
 
     <root>/step-000400/config.json          LlamaForCausalLMEagle3 config
     <root>/step-000400/model.safetensors    fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
-    <root>/step-000400/training_state.pt    optimizer (full, keyed by parameter name), scheduler, step, RNG
+                                            (floats in config.json's torch_dtype: what a server loads)
+    <root>/step-000400/training_state.pt    fp32 master weights, optimizer (full, keyed by parameter
+                                            name), scheduler, step, data cursor, RNG states, and the
+                                            run identity (hashes of target, vocab, data + the config
+                                            keys a resume must share)
     <root>/latest -> step-000400            the last completed save of the run
 
-Writes go to a hidden temp folder that is renamed into place, so a crash mid-save never leaves
-a folder that looks complete; ``latest`` moves only after that. ``CheckpointManager`` is the one
+Writes go to a hidden temp folder that is renamed into place, so a crash (even SIGKILL) mid-save
+never leaves a folder that looks complete; ``latest`` moves only after that. Folders and files get
+the permissions a plain mkdir/open would (umask applied), not mkdtemp's 0700, so an inference
+server running as another user can read them. Resume restores the fp32 master weights from the
+training state (the served file may be bf16), so it continues exactly. ``CheckpointManager`` is the one
 component the single-process trainer and the Ray train workers save and resume with, plain or
 FSDP2-sharded alike: full weights and full optimizer state are gathered by torch's distributed
 state-dict API (collective over the train ranks) and written by one rank.
@@ -14,13 +21,15 @@ state-dict API (collective over the train ranks) and written by one rank.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -49,10 +58,11 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step}-"))
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+        tensors = served_tensors(weights, hf_config.get("torch_dtype"))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
         if train_state is not None:
             torch.save(train_state, tmp / "training_state.pt")
+        make_readable(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -67,6 +77,30 @@ def save_checkpoint(
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def served_tensors(weights: dict[str, torch.Tensor], dtype_name: Optional[str]) -> dict[str, torch.Tensor]:
+    """CPU copies of ``weights`` with floating tensors in ``dtype_name`` (config.json's torch_dtype,
+    so the file holds what it declares); d2t/t2d (int64/bool) keep their dtypes."""
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"config.json torch_dtype {dtype_name!r} is not a torch dtype name")
+
+    def cast(v: torch.Tensor) -> torch.Tensor:
+        v = v.detach().to("cpu")
+        return (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+
+    return {k: cast(v) for k, v in weights.items()}
+
+
+def make_readable(folder: Path) -> None:
+    """Give ``folder`` and its files the modes a plain mkdir/open would (0777/0666 minus the umask):
+    mkdtemp makes 0700 and some writers 0600, which another user's server cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for f in folder.iterdir():
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -114,18 +148,78 @@ def load_draft(path: str | Path, target=None):
     return draft.eval()
 
 
+# ------------------------------------------------------------------------------ what a resume must share
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], sample: int = 0) -> str:
+    """sha256 over names, shapes, dtypes and values: every value, or ``sample`` evenly strided values
+    per tensor (a cheap fingerprint of a large model that still tells two fine-tunes apart)."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        flat = t.detach().reshape(-1)
+        if sample and flat.numel() > sample:
+            flat = flat[:: flat.numel() // sample][:sample]
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(flat.to("cpu", torch.float64 if t.is_floating_point() else torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def data_cursor(step: int, global_batch: int, num_samples: int) -> dict[str, int]:
+    """Where the data order stands after ``step`` optimizer steps (order = f(seed, epoch, step))."""
+    epoch, offset = divmod(step * global_batch, max(num_samples, 1))
+    return {"step": step, "epoch": epoch, "sample_offset": offset, "global_batch": global_batch, "num_samples": num_samples}
+
+
+def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``name: checkpoint X, this run Y`` for every entry of the run identity that differs."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if a != b:
+            out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+    return out
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG a step may draw from (torch CPU + accelerator, Python, NumPy)."""
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Any) -> None:
+    import numpy as np
+
+    if isinstance(state, torch.Tensor):  # written before the RNG dict: torch CPU only
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 # ------------------------------------------------------------------------------ the manager
 
 
 class CheckpointManager:
-    """Save and resume a ``DraftTrainer`` (its draft, optimizer, scheduler, step) under ``root``.
+    """Save and resume a ``DraftTrainer`` (its draft, optimizer, scheduler, step, RNG) under ``root``.
 
     One code path for a plain and an FSDP2-sharded draft: ``save``/``load`` are collective over
     the train ranks when sharded (call them on every train rank), and only ``writer`` writes.
+    ``identity`` (``trainer.run_identity``: hashes of target, vocab mapping and data, the data
+    cursor's global batch and sample count, the config keys that change what a step computes)
+    is written with every save; ``load`` refuses a checkpoint whose identity differs, naming what.
     """
 
-    def __init__(self, root: str | Path, keep_last: int = 0, writer: bool = True):
+    def __init__(self, root: str | Path, keep_last: int = 0, writer: bool = True,
+                 identity: Optional[dict[str, Any]] = None):
         self.root, self.keep_last, self.writer = Path(root), keep_last, writer
+        self.identity = dict(identity or {})
         self.saved_step = -1  # the step whose state is on disk (a save of it again is a no-op)
 
     def save(self, trainer) -> Optional[Path]:
@@ -145,9 +239,24 @@ class CheckpointManager:
         self.saved_step = trainer.step_count
         if not self.writer:
             return None
-        state = {"step": trainer.step_count, "optimizer": optim, "full_optimizer_state": True,
-                 "scheduler": trainer.scheduler.state_dict(), "rng": torch.get_rng_state()}
-        return save_checkpoint(self.root, trainer.step_count, draft.config.to_hf_config(), weights, state, self.keep_last)
+        step = trainer.step_count
+        state = {"step": step, "optimizer": optim, "full_optimizer_state": True,
+                 "model": {k: v.detach().to("cpu") for k, v in weights.items()},  # fp32 master weights
+                 "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng(), "identity": self.identity}
+        if "global_batch" in self.identity:
+            state["cursor"] = data_cursor(step, self.identity["global_batch"], self.identity["num_samples"])
+        return save_checkpoint(self.root, step, draft.config.to_hf_config(), weights, state, self.keep_last)
+
+    def check(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another run (ValueError naming every difference)."""
+        saved = state.get("identity")
+        if saved is None or not self.identity:  # written before identities, or nothing to compare
+            return
+        if diffs := identity_differences(saved, self.identity):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from a different run, refusing to resume from it: " + "; ".join(diffs)
+                + ". Resume with the same target, data, vocab and these config values, or start fresh "
+                "(checkpoint.resume=false, or another checkpoint.dir)")
 
     def load(self, trainer, path: Optional[str | Path] = None) -> int:
         """Restore ``path`` (default: the latest checkpoint) into the trainer; returns the step to
@@ -158,10 +267,14 @@ class CheckpointManager:
         path = path or latest_checkpoint(self.root)
         if path is None:
             return 0
-        weights, state = load_draft_folder(path)[1], load_train_state(path)
+        state = load_train_state(path)
+        if state is None:
+            raise ValueError(f"{str(path)!r} cannot be resumed from: missing training_state.pt")
+        self.check(path, state)
+        weights = state.get("model") or load_draft_folder(path)[1]  # older saves: the served file
         missing = set(trainer.draft.export_state_dict()) - set(weights)
-        if missing or state is None:
-            raise ValueError(f"{str(path)!r} cannot be resumed from: missing {sorted(missing) or 'training_state.pt'}")
+        if missing:
+            raise ValueError(f"{str(path)!r} cannot be resumed from: missing {sorted(missing)}")
         opts = StateDictOptions(full_state_dict=True, strict=False)  # the frozen embedding is not saved
         set_model_state_dict(trainer.draft, weights, options=opts)
         if state.get("full_optimizer_state"):
@@ -169,6 +282,6 @@ class CheckpointManager:
         else:  # written before the manager: a plain optimizer.state_dict()
             trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
+        restore_rng(state["rng"])
         trainer.step_count = self.saved_step = int(state["step"])
         return trainer.step_count

@@ -81,8 +81,8 @@ def teacher_weight(target: TargetModel, vocab: DraftVocab) -> torch.Tensor:
 
 # Config keys that change what a step computes (besides the draft's shape, draft.*): a checkpoint
 # resumes only into a run with the same values (a restored scheduler would silently keep the old LR).
-RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
-               "train.betas", "train.max_grad_norm", "train.precision")
+RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.ttt_warmup_steps",
+               "train.weight_decay", "train.betas", "train.max_grad_norm", "train.precision")
 
 
 def run_identity(cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:

@@ -1,0 +1,102 @@
+"""Worker failures in a disaggregated Ray run (1 rollout worker -> 2 train ranks over gloo p2p).
+
+A worker is SIGKILLed (its pid taken at spawn) right after the driver collected a given step, so
+later plans are in flight when it dies. Judged by the exact per-step losses of the same run
+without a failure:
+
+* rollout worker killed: the run notices (the train ranks' receives fail at once; every wait is
+  bounded by parallel.timeout_s), replaces it, re-plans from the step the train ranks stopped at,
+  and finishes with every step trained and logged once and every loss unchanged.
+* train worker killed: the run ends with an error naming that worker and the last good
+  checkpoint; the same command then resumes from it, with unchanged losses.
+"""
+
+import contextlib
+import os
+import signal
+
+import pytest
+
+from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401  (shared fixtures)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
+STEPS = 6
+
+
+def _cfg(assets, out):
+    # a tiny in-flight budget: 2 plans at a time, so a worker killed after step k has steps left to do
+    return make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1", f"train.max_steps={STEPS}",
+                    "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true",
+                    "placement.max_inflight_mb=0.001")
+
+
+@pytest.fixture(scope="module")
+def straight(assets, ray_session, tmp_path_factory):
+    """Per-step losses of the run with no failure."""
+    from specforge.ray_train import fit
+
+    out = tmp_path_factory.mktemp("straight")
+    fit(_cfg(assets, out))
+    return {r["step"]: r["loss"] for r in losses(out)}
+
+
+@contextlib.contextmanager
+def killing(group: str, index: int, after_step: int):
+    """SIGKILL actor ``index`` of the first placement's ``group`` ("rollout"/"train") once the driver
+    has collected train step ``after_step``; yields the placements spawned meanwhile."""
+    import ray
+
+    import specforge.ray_train as rt
+
+    spawned, real_spawn, real_collect = [], rt.spawn_cluster, rt.Cluster.collect
+
+    def spawn(*args, **kw):
+        cluster = real_spawn(*args, **kw)
+        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in getattr(cluster, group).actors], timeout=60)
+        spawned.append((cluster, pids))
+        return cluster
+
+    def collect(self, handle, what):
+        out = real_collect(self, handle, what)
+        first, pids = spawned[0]
+        if self is first and what == f"train step {after_step}":
+            os.kill(pids[index], signal.SIGKILL)
+        return out
+
+    rt.spawn_cluster, rt.Cluster.collect = spawn, collect
+    try:
+        yield spawned
+    finally:
+        rt.spawn_cluster, rt.Cluster.collect = real_spawn, real_collect
+
+
+def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_session, straight, tmp_path):
+    from specforge.ray_train import fit
+
+    out = tmp_path / "rollout-killed"
+    with killing("rollout", 0, after_step=1) as spawned:
+        path = fit(_cfg(assets, out))
+    assert len(spawned) == 2  # the first placement, then one around the new rollout worker
+    assert spawned[1][0].start_step >= 2  # resumed where the train ranks stopped, not from scratch
+    got = losses(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # each step trained (and logged) once
+    for r in got:
+        assert r["loss"] == straight[r["step"]], r["step"]
+    assert path.endswith(f"step-{STEPS:06d}")
+
+
+def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray_session, straight, tmp_path):
+    from specforge.ray_train import TrainWorkerLost, fit
+
+    out = tmp_path / "train-killed"
+    cfg = _cfg(assets, out)
+    with killing("train", 1, after_step=1):
+        with pytest.raises(TrainWorkerLost, match=r"(?s)train worker train\[1\] died.*last good checkpoint: "
+                                                  r"\S+step-00000[2-6]; rerun the same command"):
+            fit(cfg)
+    path = fit(cfg)  # the same command resumes
+    assert path.endswith(f"step-{STEPS:06d}")
+    got = losses(out)
+    assert {r["step"] for r in got} == set(range(1, STEPS + 1)) and got[-1]["step"] == STEPS
+    for r in got:  # before the kill and after the resume alike
+        assert r["loss"] == straight[r["step"]], r["step"]

@@ -1,0 +1,209 @@
+"""Exact resume: what a checkpoint carries, what it refuses, and a hard-killed driver.
+
+* The saved draft folder is what a server running as another user can load: world-readable
+  (umask applied), floats stored in the dtype config.json declares; the fp32 master weights stay
+  in the training state, so a resume continues bit for bit.
+* A checkpoint of another run (other target weights, vocab mapping, data, or a config key that
+  changes the math) is refused with a message naming every difference.
+* Train ranks that resumed at different steps are refused, not reconciled.
+* ``python -m specforge.ray_train`` SIGKILLed after a periodic checkpoint (its own Ray cluster
+  killed with it), then rerun unchanged, logs per-step losses equal to an uninterrupted run's.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from specforge.config import Config, DraftConfig, TrainConfig
+from specforge.data.vocab import DraftVocab
+from specforge.train.checkpoint import CheckpointManager, load_draft, load_train_state
+from specforge.train.trainer import run_identity
+from tests.test_trainer import _batch, _params, _setup
+
+REPO = Path(__file__).parent.parent
+
+
+def _cfg(**train) -> Config:
+    train = {"precision": "fp32", "lr": 1e-2, "warmup_steps": 0, "max_grad_norm": 10.0, **train}
+    return Config(draft=DraftConfig(vocab_size=48, ttt_length=3), train=TrainConfig(**train))
+
+
+FACTS = {"data": "cache-abc", "num_samples": 12, "global_batch": 2}
+
+
+def test_checkpoint_is_servable_by_another_user_and_resumes_exactly(tmp_path):
+    target, rows, trainer = _setup()
+    batch = _batch(target, rows)
+    for _ in range(2):
+        trainer.step([batch])
+    vocab = DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
+    identity = run_identity(_cfg(), target, vocab, FACTS, total_steps=10)
+    old = os.umask(0o022)
+    try:
+        path = CheckpointManager(tmp_path, identity=identity).save(trainer)
+    finally:
+        os.umask(old)
+    # readable (and the folder listable) by others, like a plain mkdir/open under umask 022
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644, "training_state.pt": 0o644}
+    # the served file holds the dtype config.json declares (d2t/t2d keep int64/bool)
+    declared = json.loads((path / "config.json").read_text())["torch_dtype"]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert declared == "bfloat16"
+    assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL"
+    assert set(dtypes.values()) == {"BF16"}, dtypes
+    # what a server loads = the trained weights rounded to that dtype
+    served = load_draft(path, target).trainable_state_dict()
+    for k, v in _params(trainer).items():
+        assert torch.equal(served[k], v.to(torch.bfloat16).float()), k
+    # the training state keeps the fp32 master weights, the data cursor and the run identity
+    state = load_train_state(path)
+    assert all(v.dtype == torch.float32 for k, v in state["model"].items() if v.is_floating_point())
+    assert state["cursor"] == {"step": 2, "epoch": 0, "sample_offset": 4, "global_batch": 2, "num_samples": 12}
+    assert state["identity"] == identity and set(state["rng"]) >= {"torch", "python", "numpy"}
+    # resume: two more steps from the checkpoint == two more steps straight through, bit for bit
+    _, _, resumed = _setup(seed=123)
+    assert CheckpointManager(tmp_path, identity=identity).load(resumed) == 2
+    for _ in range(2):
+        trainer.step([batch])
+        resumed.step([batch])
+    for k, v in _params(trainer).items():
+        assert torch.equal(_params(resumed)[k], v), k
+
+
+def test_resume_refuses_another_run_naming_what_differs(tmp_path):
+    target, _, trainer = _setup()
+    vocab = DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
+    saved = run_identity(_cfg(), target, vocab, FACTS, total_steps=10)
+    CheckpointManager(tmp_path, identity=saved).save(trainer)
+
+    def refused(identity) -> str:
+        _, _, other = _setup(seed=1)
+        with pytest.raises(ValueError, match="different run") as err:
+            CheckpointManager(tmp_path, identity=identity).load(other)
+        return str(err.value)
+
+    up = target.model.model.layers[3].mlp.up_proj.weight
+    original = up.detach().clone()
+    with torch.no_grad():  # a fine-tune of the same target that moved one matrix a little
+        up.mul_(1.001)
+    msg = refused(run_identity(_cfg(), target, vocab, FACTS, total_steps=10))
+    assert msg.count(": checkpoint ") == 1 and "target: checkpoint" in msg
+    with torch.no_grad():
+        up.copy_(original)
+    other_vocab = DraftVocab(vocab.d2t.roll(1), vocab.t2d)
+    assert "vocab: checkpoint" in refused(run_identity(_cfg(), target, other_vocab, FACTS, total_steps=10))
+    msg = refused(run_identity(_cfg(lr=2e-2), target, vocab, {**FACTS, "data": "cache-other", "global_batch": 4},
+                               total_steps=10))
+    for part in ("data: checkpoint 'cache-abc', this run 'cache-other'", "global_batch: checkpoint 2, this run 4",
+                 "train.lr: checkpoint 0.01, this run 0.02", "checkpoint.resume=false"):
+        assert part in msg, (part, msg)
+    # the same run resumes (the attention implementation is not part of the identity)
+    _, _, same = _setup(seed=2)
+    cfg = _cfg()
+    cfg.draft.attention = "eager"
+    assert CheckpointManager(tmp_path, identity=run_identity(cfg, target, vocab, FACTS, total_steps=10)).load(same) == 0
+
+
+def test_train_ranks_at_different_steps_are_refused():
+    from specforge.ray_train import agreed_start
+    from specforge.runtime.actors import WorkerError
+
+    assert agreed_start([4, 4], ["train[0]", "train[1]"]) == 4
+    with pytest.raises(WorkerError, match=r"train\[0\] at step 4, train\[1\] at step 2.*checkpoint.dir"):
+        agreed_start([4, 2], ["train[0]", "train[1]"])
+
+
+# ---------------------------------------------------------------- a hard-killed driver
+
+from tests.test_ray_train import assets, cfg_overrides, losses  # noqa: E402,F401  (the tiny Ray run's fixture)
+
+KILL_STEPS = 12  # two epochs of the 12 train samples: the kill lands well before the end
+
+
+def _cli(args, **kw) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    # its own session: the driver and every process of the Ray cluster it starts can be found and killed
+    return subprocess.Popen([sys.executable, "-m", "specforge.ray_train", *args], cwd=REPO, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == sid:
+                    pids.append(int(d.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL what is left of that session (the Ray cluster the killed driver started), nothing else."""
+    deadline = time.time() + 30
+    while (pids := _session_pids(sid)) and time.time() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    assert not _session_pids(sid), "processes of the killed run survived"
+
+
+def _run(args, timeout=240) -> str:
+    p = _cli(args)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            _kill_session(p.pid)
+    assert p.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hard_killed_driver_resumes_exactly(assets, tmp_path):
+    ray_tmp = tempfile.mkdtemp(prefix="/tmp/sfk")  # short: Ray's socket paths live under it
+
+    def args(out):
+        return cfg_overrides(assets, out, "placement.mode=colocated", f"train.max_steps={KILL_STEPS}",
+                             "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true",
+                             f"ray.temp_dir={ray_tmp}", "ray.num_cpus=4")
+
+    _run(args(tmp_path / "straight"))
+    out = tmp_path / "killed"
+    p = _cli(args(out))
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoints" / "step-000002").is_dir() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None, "the run ended before it could be killed:\n" + p.stdout.read()[-3000:]
+        os.kill(p.pid, signal.SIGKILL)  # the driver, mid-run, no chance to clean up
+        p.wait(30)
+    finally:
+        _kill_session(p.pid)
+    assert not (out / "checkpoints" / f"step-{KILL_STEPS:06d}").exists()
+    resumed_at = int(os.readlink(out / "checkpoints" / "latest").split("-")[1])
+    log = _run(args(out))  # the same command
+    assert f"resuming at step {resumed_at}" in log
+    want = {r["step"]: r["loss"] for r in losses(tmp_path / "straight")}
+    got = losses(out)
+    assert sorted(want) == list(range(1, KILL_STEPS + 1)) and got[-1]["step"] == KILL_STEPS
+    assert {r["step"] for r in got} == set(want)  # nothing skipped
+    for r in got:  # the killed run's steps and the resumed run's alike
+        assert r["loss"] == want[r["step"]], r["step"]
