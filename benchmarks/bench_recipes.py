@@ -44,15 +44,25 @@ def run(cmd: list[str]) -> float:
     return time.time() - t0
 
 
-def data_step(recipe: str, common: list[str], args) -> tuple[list[str], float]:
-    """Fill the store (offline recipes); returns the training overrides and the minutes it took."""
+def data_step(recipe: str, common: list[str], out: Path, args) -> tuple[list[str], float]:
+    """Fill the store (offline recipes); returns the training overrides and the minutes it took.
+    The minutes are kept beside the store, so a rerun (which finds the store complete) keeps them."""
     if recipe == "sharegpt-online":
         return ["placement.mode=colocated", "train.num_workers=1"], 0.0
     if recipe == "sharegpt-offline":
         extra = ["placement.mode=offline", "store.fill=capture", f"data.max_samples={args.capture_rows}"]
-        return extra, run([PY, "-m", "specforge.capture", *common, *extra]) / 60
-    extra = ["placement.mode=offline", "store.fill=regenerate"]
-    return extra, run([PY, "-m", "specforge.regenerate", *common, *extra]) / 60
+        cmd = [PY, "-m", "specforge.capture", *common, *extra]
+    else:
+        extra = ["placement.mode=offline", "store.fill=regenerate"]
+        cmd = [PY, "-m", "specforge.regenerate", *common, *extra]
+    kept = out / "data_minutes.json"
+    if kept.is_file():
+        run(cmd)  # completes an interrupted store; a complete one returns at once
+        return extra, json.loads(kept.read_text())["minutes"]
+    minutes = run(cmd) / 60
+    out.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps({"minutes": minutes}))
+    return extra, minutes
 
 
 def eval_point(ckpt: Path, common: list[str], out_json: Path, args) -> dict:
@@ -68,7 +78,7 @@ def eval_point(ckpt: Path, common: list[str], out_json: Path, args) -> dict:
 def run_recipe(recipe: str, args) -> list[dict]:
     out = REPO / args.out / recipe
     common = ["--config", CONFIG, f"train.output_dir={out}", "tracking.wandb=false", *args.overrides]
-    extra, data_min = data_step(recipe, common, args)
+    extra, data_min = data_step(recipe, common, out, args)
     points, trained = [], 0.0
     for seg in args.segments:
         trained += run([PY, "-m", "specforge.ray_train", *common, *extra, f"train.max_minutes={seg - trained}"]) / 60
