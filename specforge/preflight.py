@@ -17,6 +17,20 @@ from specforge.config import Config, aux_layer_ids
 from specforge.parallel.dims import ParallelDims
 
 
+def check_placement(cfg: Config) -> None:
+    """The Ray driver's checks before ``start_ray``: ``check_run``, and when this process is about
+    to start Ray itself, the workers against this machine. (Ray prestarts a worker process per
+    CPU it is given, so checking after it started would be too late.)"""
+    import ray
+
+    check_run(cfg)
+    if not ray.is_initialized() and not cfg.ray.address:
+        import torch
+
+        use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+        check_resources(cfg, use_gpu, *machine_resources(cfg))
+
+
 def check_run(cfg: Config) -> None:
     """The config against the target (config.json only) and, offline, the store's meta."""
     from specforge.models.target import load_target_config
@@ -82,6 +96,15 @@ def check_resources(cfg: Config, use_gpu: bool, have: Mapping[str, float], where
                 f"{amount:g} {name} (one per worker), but {where} has {have.get(name, 0.0):g}{hint}")
 
 
+def machine_resources(cfg: Config) -> tuple[dict[str, float], str]:
+    """This machine's cores (``ray.num_cpus`` if set: oversubscribing on purpose) and GPUs."""
+    import torch
+
+    cores = cfg.ray.num_cpus or os.cpu_count() or 1
+    have = {"CPU": float(cores), "GPU": float(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
+    return have, f"this machine ({'ray.num_cpus' if cfg.ray.num_cpus else 'cores'} = {cores})"
+
+
 def ray_resources(cfg: Config, started_here: bool) -> tuple[dict[str, float], str]:
     """What the workers can get: a Ray we joined reports its cluster; a Ray we started here has
     this machine's cores (``ray.num_cpus`` if set), whatever CPU count it was started with."""
@@ -89,7 +112,6 @@ def ray_resources(cfg: Config, started_here: bool) -> tuple[dict[str, float], st
 
     have = dict(ray.cluster_resources())
     if started_here and not cfg.ray.address:
-        cores = cfg.ray.num_cpus or os.cpu_count() or 1
-        have["CPU"] = float(cores)
-        return have, f"this machine ({'ray.num_cpus' if cfg.ray.num_cpus else 'cores'} = {cores})"
+        mine, where = machine_resources(cfg)
+        return {**have, "CPU": mine["CPU"]}, where
     return have, f"the Ray cluster ({cfg.ray.address or 'already running'})"

@@ -1,0 +1,345 @@
+"""Bad input: each is a clear error naming the problem (or a counted skip for a data row), found
+before any worker starts. One test per case; tiny random Llama target (6 layers, 4 heads, vocab 297).
+
+| input | before (issue 10) | now | test |
+|---|---|---|---|
+| ``train.num_workers=64`` on 2 cores | Ray started with 65 CPUs prestarts ~60 worker processes, near OOM, never fails | error before Ray starts: keys, 64 CPU needed, cores | test_more_workers_than_cores_* |
+| workers need GPUs / custom resources the cluster lacks | placement group waits | error naming the resource and the numbers | test_resources_table |
+| ``ray.num_cpus=64`` (oversubscribe on purpose) | - | accepted | test_ray_num_cpus_oversubscribes_on_purpose |
+| ``train.max_steps=-1`` | error (already) | error naming the key | test_config_error |
+| ``train.max_minutes=-5`` | trains nothing, exit 0 | error naming the key | test_config_error |
+| other out-of-range numbers (log_every=0, betas, top_p, lr) | some accepted | error naming key and value | test_config_error |
+| ``model.aux_layer_ids=[26,14,1]`` / ``[1,1,2]`` | checkpoint SGLang serves wrongly, exit 0 | error: ascending, no repeats | test_config_error |
+| ``model.aux_layer_ids=[1,2]`` | shape error after 90 s in the data plane | error: exactly 3 | test_config_error |
+| ``model.aux_layer_ids=[1,14,29]`` (30 layers) / ``[1,14,99]`` | silent / caught in a Ray worker after the model loads | error from config.json, before Ray starts, every placement | test_aux_ids_checked_against_the_target, test_every_placement_checks_the_target_before_ray |
+| ``draft.vocab_size`` > target vocab | cut silently (data CLI) / later failure | error naming both sizes | test_target_table |
+| ``parallel.sp_ulysses`` > draft heads | ranks holding padding only | error naming the key | test_target_table |
+| ``parallel.sp_ulysses`` that does not divide the heads | - | accepted: zero heads padded (exact, tests/test_parallel_sp.py) | test_target_table |
+| offline store captured with other aux ids / max_length | refused inside the worker | refused by the driver, naming the key | test_offline_store_meta_is_checked_by_the_driver |
+| YAML syntax error in the config file | names ``<unicode string>`` | names the file, line and column | test_yaml_syntax_error_names_the_file |
+| ``lr: 1e-4`` in a YAML file | rejected as a string | a float, as on the command line | test_yaml_float_like_the_command_line |
+| override that is not valid YAML (``train.betas=[0.9``) | traceback | error naming the override | test_config_error |
+| truncated target ``model.safetensors`` | "invalid header length", no file | error naming the file | test_truncated_target_weights_name_the_file |
+| corrupt / truncated feature-store shard | names the shard (already) | names the shard | test_corrupt_store_shard_names_the_file |
+| data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string content, empty content, no assistant turn | counted skips (already) | counted skips by reason | test_bad_row_is_a_counted_skip |
+| over-long row | truncated (already) | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
+| ``data prepare``: missing data path, empty file, no usable rows | traceback | one ``error:`` line, exit 1 | test_data_cli_one_line_error |
+| ``eval``: missing model, draft folder that is not a checkpoint | traceback | one ``error:`` line, exit 1 | test_eval_one_line_error |
+| any ``python -m specforge.*`` entry point (ray_train, data, train, eval, regenerate, capture) | mixed styles | one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_error_line |
+| unknown key, wrong type | error (already, tests/test_config.py) | error naming the dotted key | tests/test_config.py |
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge.cli import run_cli
+from specforge.config import load_config
+from specforge.preflight import check_resources, check_run, needed_resources, ray_resources
+from tests.test_data_prepare import make_tokenizer, rec, write_jsonl
+from tests.test_ray_train import assets, make_cfg  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.timeout(300)]
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- config keys
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("train.max_steps=-1", r"'train\.max_steps'=-1 must be >= 0"),
+    ("train.max_minutes=-5", r"'train\.max_minutes'=-5\.0 must be > 0"),
+    ("train.log_every=0", r"'train\.log_every'=0 must be >= 1"),
+    ("train.lr=0", r"'train\.lr'=0\.0 must be > 0"),
+    ("train.betas=[0.9,1.5]", r"'train\.betas'.*two values in \[0, 1\)"),
+    ("regenerate.top_p=0", r"'regenerate\.top_p'=0\.0 must be in \(0, 1\]"),
+    ("model.aux_layer_ids=[26,14,1]", r"'model\.aux_layer_ids'=\[26, 14, 1\].*ascending.*\[1, 14, 26\]"),
+    ("model.aux_layer_ids=[1,1,2]", r"'model\.aux_layer_ids'.*without repeats"),
+    ("model.aux_layer_ids=[1,2]", r"'model\.aux_layer_ids'=\[1, 2\].*exactly 3"),
+    ("model.aux_layer_ids=[-1,2,3]", r"'model\.aux_layer_ids'.*0\.\.L-2"),
+    ("train.betas=[0.9", r"override 'train\.betas=\[0\.9' is not valid YAML"),
+])
+def test_config_error(override, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(None, [override])
+
+
+def test_yaml_syntax_error_names_the_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  lr: 1e-4\n  betas: [0.9, 0.95\nmodel:\n  dtype: auto\n")
+    with pytest.raises(ValueError, match=rf"config file '{f}' is not valid YAML: .* at line \d+, column \d+") as e:
+        load_config(f)
+    assert "<unicode string>" not in str(e.value)
+
+
+def test_yaml_float_like_the_command_line(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  lr: 1e-4\n  max_grad_norm: 5E-1\n  weight_decay: 1.0e-2\n  max_steps: 10\n")
+    cfg = load_config(f)
+    assert cfg.train.lr == load_config(None, ["train.lr=1e-4"]).train.lr == pytest.approx(1e-4)
+    assert cfg.train.max_grad_norm == 0.5 and cfg.train.weight_decay == 0.01
+    assert cfg.train.max_steps == 10 and isinstance(cfg.train.max_steps, int)  # ints stay ints
+
+
+# ---------------------------------------------------------------- the config against the target
+
+
+def test_aux_ids_checked_against_the_target(assets, tmp_path):  # noqa: F811
+    # the target has 6 layers: ids 0..4 (SGLang captures layer id's output at layer id+1)
+    for ids in ("[1,2,5]", "[1,2,99]"):
+        with pytest.raises(ValueError, match=r"'model\.aux_layer_ids'.*0\.\.4 \(the target has 6 layers\)"):
+            check_run(make_cfg(assets, tmp_path, f"model.aux_layer_ids={ids}"))
+    check_run(make_cfg(assets, tmp_path, "model.aux_layer_ids=[0,2,4]"))
+
+
+@pytest.mark.parametrize("placement", ["single", "colocated", "disaggregated", "offline"])
+def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placement, monkeypatch):  # noqa: F811
+    import ray
+
+    import specforge.ray_train as rt
+    from specforge.train.trainer import run
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray started before the config was checked against the target")
+
+    monkeypatch.setattr(rt, "start_ray", no_ray)
+    mode = "colocated" if placement == "single" else placement
+    cfg = make_cfg(assets, tmp_path, f"placement.mode={mode}", "model.aux_layer_ids=[1,2,99]",
+                   f"store.dir={tmp_path / 'features'}")
+    was = ray.is_initialized()
+    with pytest.raises(ValueError, match=r"'model\.aux_layer_ids'=\[1, 2, 99\]"):
+        (run if placement == "single" else rt.fit)(cfg)
+    assert ray.is_initialized() == was
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["draft.vocab_size=5000"], r"'draft\.vocab_size'=5000 exceeds the target's vocabulary \(297 tokens\)"),
+    (["parallel.sp_ulysses=8", "train.num_workers=8"], r"'parallel\.sp_ulysses'=8 exceeds the draft's 4 attention"),
+    (["parallel.sp_ulysses=4", "train.num_workers=4", "draft.num_attention_heads=2"],
+     r"'parallel\.sp_ulysses'=4 exceeds the draft's 2"),
+    (["parallel.sp_ulysses=3", "train.num_workers=3"], None),  # 4 heads over 3 ranks: padded, exact
+])
+def test_target_table(assets, tmp_path, overrides, pattern):  # noqa: F811
+    cfg = make_cfg(assets, tmp_path, *overrides)
+    if pattern is None:
+        check_run(cfg)
+        return
+    with pytest.raises(ValueError, match=pattern):
+        check_run(cfg)
+
+
+def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):  # noqa: F811
+    from specforge.data.store import FeatureStoreWriter, StoreMeta
+
+    root = tmp_path / "features"
+    meta = StoreMeta(target="t", tokenizer="k", vocab_size=297, aux_layer_ids=(0, 1, 2), hidden_size=48,
+                     max_length=64, source="rows")
+    with FeatureStoreWriter(root, meta) as w:
+        w.add(0, torch.arange(5), torch.ones(5), torch.zeros(5, 144), torch.zeros(5, 48), torch.arange(5))
+    offline = ("placement.mode=offline", f"store.dir={root}")
+    check_run(make_cfg(assets, tmp_path, *offline, "model.aux_layer_ids=[0,1,2]"))
+    with pytest.raises(ValueError, match=r"captured with model\.aux_layer_ids=\(0, 1, 2\), this run has \(1, 2, 3\)"):
+        check_run(make_cfg(assets, tmp_path, *offline, "model.aux_layer_ids=[1,2,3]"))
+    with pytest.raises(ValueError, match=r"data\.max_length=64, this run has 32"):
+        check_run(make_cfg(assets, tmp_path, *offline, "model.aux_layer_ids=[0,1,2]", "data.max_length=32"))
+
+
+# ---------------------------------------------------------------- resources
+
+
+@pytest.mark.parametrize("overrides, use_gpu, have, pattern", [
+    (["train.num_workers=64"], False, {"CPU": 2.0},
+     r"train\.num_workers = 64 workers need 64 CPU \(one per worker\), but this machine has 2 .*ray\.num_cpus"),
+    (["placement.mode=disaggregated", "rollout.num_workers=2", "train.num_workers=2"], False, {"CPU": 3.0},
+     r"train\.num_workers \+ rollout\.num_workers = 2 \+ 2 workers need 4 CPU"),
+    (["train.num_workers=2"], True, {"CPU": 8.0, "GPU": 1.0}, r"need 2 GPU .* has 1"),
+    (["train.num_workers=4", "ray.train_resources={train_node: 1}"], False, {"CPU": 8.0, "train_node": 2.0},
+     r"need 4 train_node .* has 2"),
+    (["train.num_workers=2"], False, {"CPU": 2.0}, None),
+])
+def test_resources_table(overrides, use_gpu, have, pattern):
+    cfg = load_config(None, overrides)
+    if pattern is None:
+        check_resources(cfg, use_gpu, have, "this machine")
+        return
+    with pytest.raises(ValueError, match=pattern):
+        check_resources(cfg, use_gpu, have, "this machine")
+
+
+def test_ray_num_cpus_oversubscribes_on_purpose(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 65.0})  # what start_ray raised it to
+    cfg = load_config(None, ["train.num_workers=64"])
+    have, where = ray_resources(cfg, started_here=True)
+    assert have["CPU"] == (os.cpu_count() or 1) and "cores" in where  # the machine, not the raised count
+    if (os.cpu_count() or 1) < 64:
+        with pytest.raises(ValueError, match="64 CPU"):
+            check_resources(cfg, False, have, where)
+    cfg = load_config(None, ["train.num_workers=64", "ray.num_cpus=64"])
+    check_resources(cfg, False, *ray_resources(cfg, started_here=True))
+    assert needed_resources(cfg, False) == {"CPU": 64.0}
+    joined = load_config(None, ["train.num_workers=64", "ray.address=auto"])
+    assert ray_resources(joined, started_here=False)[0]["CPU"] == 65.0  # a joined cluster reports itself
+
+
+def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):  # noqa: F811
+    """Ray prestarts a worker process per CPU it is given: the check must come before ray.init."""
+    import ray
+
+    import specforge.preflight as pf
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session is running: the driver would join it")
+    monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"train\.num_workers = 64 workers need 64 CPU .* this machine \(cores = 2\)"):
+        pf.check_placement(make_cfg(assets, tmp_path, "train.num_workers=64"))
+    pf.check_placement(make_cfg(assets, tmp_path, "train.num_workers=2"))
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):  # noqa: F811
+    """The HANG of issue 10 end to end: the CLI exits with one line, and Ray never started."""
+    if (os.cpu_count() or 1) >= 64:
+        pytest.skip("this machine has 64 cores")
+    out = _cli(["specforge.ray_train", *_base(assets, tmp_path), "train.num_workers=64"], timeout=240)
+    assert out.returncode == 1, out.stderr[-2000:]
+    _one_error_line(out.stderr, "train.num_workers = 64 workers need 64 CPU")
+    assert not Path(f"/tmp/sfray-bad-{os.getpid()}").exists()  # the run's ray.temp_dir: Ray never started
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_truncated_target_weights_name_the_file(assets, tmp_path):  # noqa: F811
+    from specforge.config import ModelConfig
+    from specforge.models.target import load_target
+
+    broken = tmp_path / "target"
+    shutil.copytree(assets / "target", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"target weight file '{weights}' is truncated or corrupt"):
+        load_target(ModelConfig(target_path=str(broken), device="cpu"))
+
+
+def test_corrupt_store_shard_names_the_file(tmp_path):
+    from specforge.data.store import FeatureStore, FeatureStoreWriter, StoreMeta
+
+    meta = StoreMeta(target="t", tokenizer="k", vocab_size=50, aux_layer_ids=(0, 1, 2), hidden_size=8,
+                     max_length=16, source="rows")
+    with FeatureStoreWriter(tmp_path, meta) as w:
+        w.add(0, torch.arange(6), torch.ones(6), torch.randn(6, 24), torch.randn(6, 8), torch.arange(6))
+    (shard,) = tmp_path.glob("shard-*.safetensors")
+    shard.write_bytes(b"\xff" * 16 + shard.read_bytes()[16:])
+    with pytest.raises(ValueError, match=rf"feature store shard {shard} is corrupt"):
+        FeatureStore(tmp_path).read(0)
+
+
+# ---------------------------------------------------------------- data rows
+
+
+BAD_ROWS = {
+    "bad json": "{broken",
+    "record is not an object": [1, 2],
+    "no conversations/messages list": {"text": "hi"},
+    "empty conversation": {"conversations": []},
+    "turn is not an object": {"conversations": ["hi", {"from": "gpt", "value": "x"}]},
+    "unknown role": {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    "non-string content": {"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "y"}]},
+    "empty content": {"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "y"}]},
+    "no assistant turn": {"conversations": [{"from": "human", "value": "anyone?"}]},
+}
+LONG = " ".join(["hello world"] * 200)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from specforge.config import DataConfig
+    from specforge.data.prepare import prepare_dataset
+
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    good = [rec(f"question {i}", f"answer {i} hello world") for i in range(4)]
+    write_jsonl(path, good[:2] + list(BAD_ROWS.values()) + [rec("question", LONG)] + good[2:])
+    return prepare_dataset(DataConfig(path=str(path), max_length=64, num_eval=1), make_tokenizer(), cache_dir=None,
+                           progress=False)
+
+
+@pytest.mark.parametrize("reason", list(BAD_ROWS))
+def test_bad_row_is_a_counted_skip(prepared, reason):
+    stats = prepared.stats
+    assert stats.skipped.get(reason) == 1, stats.skipped
+    assert f"  {reason}" in stats.table()  # the statistics table lists it by reason
+
+
+def test_over_long_row_is_truncated_and_counted(prepared):
+    stats = prepared.stats
+    assert stats.rows_read == 4 + len(BAD_ROWS) + 1 and stats.rows_kept == 5 and stats.truncated == 1
+    lengths = list(prepared.train["length"]) + list(prepared.eval["length"])
+    assert max(lengths) == 64
+
+
+# ---------------------------------------------------------------- entry points: one error line
+
+
+def _base(assets, tmp_path):  # noqa: F811
+    return [f"model.target_path={assets / 'target'}", "model.device=cpu", f"model.cache_dir={tmp_path / 'cache'}",
+            f"data.path={assets / 'data.jsonl'}", "data.max_length=64", "data.num_eval=2", "draft.vocab_size=64",
+            "train.max_steps=1", "train.eval_every=0", f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false",
+            f"ray.temp_dir=/tmp/sfray-bad-{os.getpid()}"]
+
+
+def _one_error_line(err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case, data, needle", [
+    ("missing data path", "nowhere.jsonl", "does not exist"),
+    ("empty file", "empty.jsonl", "no usable conversation among 0 rows"),
+    ("no usable rows", "bad.jsonl", "no usable conversation among 2 rows (no assistant turn: 1, empty conversation: 1)"),
+])
+def test_data_cli_one_line_error(assets, tmp_path, capsys, case, data, needle):  # noqa: F811
+    from specforge.data.__main__ import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "bad.jsonl", [BAD_ROWS["no assistant turn"], BAD_ROWS["empty conversation"]])
+    args = [a for a in _base(assets, tmp_path) if not a.startswith("data.path=")]
+    assert main(["prepare", "--no-progress", *args, f"data.path={tmp_path / data}"]) == 1
+    _one_error_line(capsys.readouterr().err, needle)
+
+
+def test_eval_one_line_error(assets, tmp_path, capsys):  # noqa: F811
+    import specforge.eval as ev
+
+    base = _base(assets, tmp_path)
+    assert run_cli(lambda: ev.main(["--draft", "prompt-lookup", *base, f"model.target_path={tmp_path / 'nope'}"])) == 1
+    _one_error_line(capsys.readouterr().err, "model.target_path", "does not exist")
+    (tmp_path / "notackpt").mkdir()
+    assert run_cli(lambda: ev.main(["--draft", str(tmp_path / "notackpt"), "--num-prompts", "1", *base])) == 1
+    _one_error_line(capsys.readouterr().err, "is not a draft checkpoint")
+
+
+def _cli(args, timeout=120):
+    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    env.pop("SPECFORGE_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [["specforge.ray_train"], ["specforge.data", "prepare"], ["specforge.train"],
+                                    ["specforge.eval", "--draft", "prompt-lookup"], ["specforge.regenerate"],
+                                    ["specforge.capture"]], ids=lambda m: m[0])
+def test_every_entry_point_prints_one_error_line(assets, tmp_path, module):  # noqa: F811
+    out = _cli([*module, *_base(assets, tmp_path), f"model.target_path={tmp_path / 'missing-model'}"])
+    assert out.returncode == 1, out.stderr[-2000:]
+    _one_error_line(out.stderr, "missing-model", "does not exist")
