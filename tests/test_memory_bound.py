@@ -1,0 +1,79 @@
+"""Bounded memory: feature bytes sent but not yet consumed never exceed ``placement.max_inflight_mb``.
+
+Every transport logs when a rank posts a step's sends (+bytes) and when a rank's receives of a
+step go to the train step (-bytes) (``dataplane.InflightLog``); ``inflight_peak`` merges the logs
+of all ranks into the high-water mark. A disaggregated run with a budget of 2.5 steps stays
+within it; the same run with a budget that never binds lets the rollout worker run ahead, and
+its peak goes past that budget (so the first run's bound is what held it).
+"""
+
+import os
+
+import pytest
+
+from specforge.runtime.dataplane import InflightLog, inflight_peak
+from tests.test_ray_train import assets, make_cfg, ray_session  # noqa: F401 (fixtures)
+
+STEPS = 12
+# A starved box (benchmarks at normal priority, tests at idle) can take minutes to start a worker
+# process; Ray's default (60 s) kills and retries it until actor creation fails.
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "900")
+
+
+def test_inflight_peak_merges_the_ranks_logs():
+    send, recv = InflightLog(), InflightLog()
+    send.times.extend([1.0, 2.0, 3.0, 5.0])
+    send.deltas.extend([10, 10, 10, 10])
+    recv.times.extend([2.0, 4.0, 6.0, 7.0])  # a receive at the same instant as a send counts after it
+    recv.deltas.extend([-10, -10, -10, -10])
+    assert inflight_peak([send.snapshot(), recv.snapshot()]) == 20
+    assert inflight_peak([send.snapshot()]) == 40 and inflight_peak([]) == 0
+    send.record(0)  # nothing moved: no event
+    assert len(send.times) == 4
+
+
+def _step_bytes(cfg) -> list[int]:
+    """Feature bytes of each step's transfers (rollout rank 0 -> train rank 1)."""
+    from specforge.runtime.contracts import Layout
+    from specforge.runtime.plan import Planner, prepare
+
+    data = prepare(cfg, use_gpu=False)
+    plan = Planner(cfg, data, Layout(cfg.placement.mode, (0,), (1,), data.vocab_path))
+    return [plan.step_bytes(s) for s in range(STEPS)]
+
+
+def _run_peak(cfg) -> int:
+    """Train ``cfg`` on a Ray cluster of the driver's own pieces; the merged in-flight peak."""
+    from specforge.ray_train import Planner, collect, prepare, spawn_cluster, train_loop
+    from specforge.runtime.dataplane import inflight_snapshot
+    from specforge.tracking import MetricsLogger
+
+    data = prepare(cfg, use_gpu=False)
+    cluster = spawn_cluster(cfg, data, use_gpu=False)
+    try:
+        logger = MetricsLogger(cfg.tracking, cfg.train.output_dir)
+        assert train_loop(cfg, cluster, Planner(cfg, data, cluster.layout), logger) == STEPS
+        logger.close()
+        actors, labels = cluster.rollout.actors + cluster.train.actors, cluster.rollout.labels + cluster.train.labels
+        logs = collect([a.__ray_call__.remote(inflight_snapshot) for a in actors], labels, 60, "inflight log")
+    finally:
+        cluster.shutdown()
+    assert sum(sum(d) for _, d in logs) == 0  # every byte sent was consumed
+    return inflight_peak(logs)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_session, tmp_path):  # noqa: F811
+    # 1 rollout worker -> 1 train worker; a 7-step TTT unroll makes training slower than the
+    # tiny target's forward, so without a bound the rollout worker runs ahead of training.
+    common = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1",
+              f"train.max_steps={STEPS}", "draft.ttt_length=7"]
+    per_step = _step_bytes(make_cfg(assets, tmp_path / "plan", *common))
+    budget = int(2.5 * max(per_step))
+    bounded = _run_peak(make_cfg(assets, tmp_path / "bounded", *common, f"placement.max_inflight_mb={budget / 2**20}"))
+    assert max(per_step) <= bounded <= budget, (bounded, budget, per_step)
+    unbounded = _run_peak(make_cfg(assets, tmp_path / "unbounded", *common, "placement.max_inflight_mb=1024"))
+    print(f"in-flight peak: bounded {bounded}, unbounded {unbounded}, budget {budget}, largest step {max(per_step)}")
+    assert unbounded > budget, (unbounded, budget, per_step)
