@@ -146,7 +146,8 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger) -> int:
     deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
     inflight: collections.deque[InFlight] = collections.deque()
     done, i = cluster.start_step, 0
-    bar = tqdm(total=plan.total_steps, initial=done, desc=f"train ({cfg.placement.mode})", dynamic_ncols=True)
+    limit = f", or {cfg.train.max_minutes:g} min if sooner" if cfg.train.max_minutes else ""  # a time-bounded phase says so
+    bar = tqdm(total=plan.total_steps, initial=done, desc=f"train ({cfg.placement.mode}{limit})", dynamic_ncols=True)
     t_last = time.perf_counter()
     try:
         while True:
