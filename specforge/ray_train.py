@@ -112,7 +112,9 @@ class Cluster:
         return err
 
     def save(self, timeout_s: Optional[float] = None) -> Optional[str]:
-        """Write the newest state (no-op on workers that already saved this step)."""
+        """Write the newest state (no-op on workers that already saved this step; None once shut down)."""
+        if not self.train.actors:
+            return None
         refs = [w.save.remote() for w in self.train.actors]
         return collect(refs, self.train.labels, timeout_s or self.timeout_s, "save")[0]
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401  (shared fixtures)
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = 6
 
 

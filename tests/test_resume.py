@@ -140,13 +140,14 @@ def _cli(args, **kw) -> subprocess.Popen:
 
 
 def _session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if os.getsid(int(d.name)) == sid:
+                if os.getsid(int(d.name)) == sid and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     pids.append(int(d.name))
-            except (ProcessLookupError, PermissionError):
+            except (OSError, IndexError):  # gone meanwhile
                 pass
     return pids
 
@@ -164,19 +165,21 @@ def _kill_session(sid: int) -> None:
     assert not _session_pids(sid), "processes of the killed run survived"
 
 
-def _run(args, timeout=240) -> str:
+def _run(args, timeout=400) -> str:
     p = _cli(args)
     try:
         out, _ = p.communicate(timeout=timeout)
     finally:
         if p.poll() is None:
+            p.kill()
+            p.wait(30)
             _kill_session(p.pid)
     assert p.returncode == 0, out[-3000:]
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_hard_killed_driver_resumes_exactly(assets, tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/sfk")  # short: Ray's socket paths live under it
 
@@ -189,7 +192,7 @@ def test_hard_killed_driver_resumes_exactly(assets, tmp_path):
     out = tmp_path / "killed"
     p = _cli(args(out))
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 400
         while not (out / "checkpoints" / "step-000002").is_dir() and p.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert p.poll() is None, "the run ended before it could be killed:\n" + p.stdout.read()[-3000:]
