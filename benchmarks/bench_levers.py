@@ -2,7 +2,8 @@
 training on ONE feature store, lever by lever (one process, one job at a time).
 
     python benchmarks/bench_levers.py --store runs/bench-recipes/self-distilled/features \
-        [--minutes 5] [--levers base,ttt2,ttt1,init-ttt2,warmup-ttt7]
+        [--minutes 5] [--levers base,ttt2,ttt1,init-ttt2,init-warmup150-ttt7]
+    python benchmarks/bench_levers.py --store ... --levers init-ttt1 --fractions 0.25,0.5,1 --epochs 3
 
 The last 16 samples of the store are held out; every lever trains the same draft shape from the
 same seed on the rest, batch 4 rows, the default config otherwise, and is measured after equal
@@ -10,7 +11,9 @@ same seed on the rest, batch 4 rows, the default config otherwise, and is measur
 rows at 7 steps: ``acc_i`` (draft argmax == target argmax at step i, teacher-forced chain) and
 ``tau`` = 1 + sum_k prod_{i<=k} acc_i, the simulated chain-7 acceptance length. ``tau`` tracks
 real speculative decoding (benchmarks/README.md): a quick way to rank levers before running the
-eval. Writes a section of benchmarks/README.md.
+eval. With ``--fractions``/``--epochs``: the same lever on growing shares of the data, each for
+the same number of epochs (how acceptance scales with distinct samples). Writes a section of
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ LEVERS = {  # name -> (config overrides, loss on every token instead of the answ
     "lr3e-3": (_PLAIN + ["draft.ttt_length=7", "train.lr=3e-3"], False),
     "all-tokens": (_PLAIN + ["draft.ttt_length=7"], True),
     "ttt2-all-tokens": (_PLAIN + ["draft.ttt_length=2"], True),
+    "init-ttt1": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=1"], False),
     "init-ttt2": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=2"], False),
     "init-warmup150-ttt7": (["draft.init_midlayer_from_target=true", "train.ttt_warmup_steps=150",
                              "draft.ttt_length=7"], False),
@@ -45,7 +49,10 @@ LEVERS = {  # name -> (config overrides, loss on every token instead of the answ
 }
 
 
-def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: int) -> list[dict]:
+def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: int,
+              fraction: float = 1.0, epochs: float = 0.0) -> list[dict]:
+    """Train lever ``name`` on the first ``fraction`` of the train samples; measure the held-out
+    rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given."""
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
     from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
@@ -56,6 +63,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     cfg7 = load_config(CONFIG, base + overrides + ["draft.ttt_length=7", "train.ttt_warmup_steps=0"])
     ids = list(store.ids)
     hold, train = ids[-16:], ids[:-16]
+    train = train[: max(batch_size, round(len(train) * fraction))]
     rows = [store.read(i) for i in train]
     vocab = build_draft_vocab([{"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
                                for r in rows], target.config.vocab_size, cfg.draft.vocab_size)
@@ -65,6 +73,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     judge = DraftTrainer(draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
     held = [store.batch(hold[i : i + 4], 0) for i in range(0, len(hold), 4)]
     marks = [minutes * 60 * (k + 1) / evals for k in range(evals)]
+    stop_step = round(epochs * len(train) / batch_size) if epochs else None
     out, step, epoch, train_s = [], 0, 0, 0.0
     while marks:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch)).tolist()
@@ -77,10 +86,10 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
             trainer.step([b])
             train_s += time.perf_counter() - t0
             step += 1
-            if train_s >= marks[0]:
-                marks.pop(0)
+            if (stop_step is None and train_s >= marks[0]) or step == stop_step:
+                marks = marks[1:] if stop_step is None else []
                 ev = judge.evaluate(held)
-                out.append({"lever": name, "train_min": round(train_s / 60, 2), "steps": step,
+                out.append({"lever": name, "samples": len(train), "train_min": round(train_s / 60, 2), "steps": step,
                             "epochs": round(step * batch_size / len(train), 2),
                             **{k: round(ev[k], 3) for k in ("acc_0", "acc_1", "acc_2", "tau")}})
                 print(json.dumps(out[-1]), flush=True)
@@ -100,23 +109,28 @@ def main() -> int:
     ap.add_argument("--evals", type=int, default=2, help="held-out measurements per lever (evenly spaced)")
     ap.add_argument("--levers", default="base,ttt2,ttt1,init-ttt2,init-warmup150-ttt7")
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--fractions", default="1", help="data scaling: train on these fractions of the samples")
+    ap.add_argument("--epochs", type=float, default=0.0, help="with --fractions: stop after this many epochs")
     args = ap.parse_args()
     torch.set_num_threads(2)
     cfg = load_config(CONFIG)
     target = load_target(cfg.model)
     store = FeatureStore(args.store)
-    points = [p for name in args.levers.split(",") for p in run_lever(name, store, target, args.minutes,
-                                                                     args.evals, args.batch_size)]
-    rows = [[p["lever"], " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
+    points = [p for name in args.levers.split(",") for f in args.fractions.split(",")
+              for p in run_lever(name, store, target, args.minutes, args.evals, args.batch_size, float(f), args.epochs)]
+    rows = [[p["lever"], p["samples"], " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
              p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]] for p in points]
-    table = markdown_table(["lever", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1", "acc_2",
+    table = markdown_table(["lever", "train samples", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1", "acc_2",
                             "tau (sim., chain 7)"], rows)
     n = len(store.ids)
-    body = (f"`python benchmarks/bench_levers.py --store {args.store} --minutes {args.minutes:g}` -- "
+    how = f"--epochs {args.epochs:g} --fractions {args.fractions}" if args.epochs else f"--minutes {args.minutes:g}"
+    body = (f"`python benchmarks/bench_levers.py --store {args.store} --levers {args.levers} {how}` -- "
             f"{header_markdown()}\n\n{n - 16} stored samples train, 16 held out; batch {args.batch_size} rows, fp32.\n\n"
             + table)
     print(body)
-    append_section("Training levers: held-out acceptance per training minute", body)
+    title = "Data scaling: held-out acceptance vs distinct samples" if args.epochs else \
+        "Training levers: held-out acceptance per training minute"
+    append_section(title, body)
     return 0
 
 
