@@ -7,6 +7,7 @@ gloo p2p) must give the same per-step losses. Each run writes its own metrics.js
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -134,8 +135,7 @@ def test_modes_give_the_same_losses(assets, reference, disaggregated, ray_sessio
     hf, got = load_draft_folder(disaggregated[1])
     assert hf["architectures"] == ["LlamaForCausalLMEagle3"]
     assert set(got) == set(want) and {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(got)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    _assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(disaggregated[1]), got, want)
 
 
 def test_driver_received_no_tensors_and_one_forward_per_step(disaggregated):
@@ -260,8 +260,7 @@ def test_sequence_parallel_disaggregated_matches_single_process(assets, referenc
     _, want = load_draft_folder(reference / "checkpoints" / f"step-{STEPS:06d}")
     _, got = load_draft_folder(path)
     assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    _assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(path), got, want)
 
 
 def test_check_rejects_indivisible_sp_and_tensor_parallel_rollout(tmp_path):
@@ -272,3 +271,20 @@ def test_check_rejects_indivisible_sp_and_tensor_parallel_rollout(tmp_path):
     with pytest.raises(ValueError, match=r"rollout.tp_size"):
         check(make_cfg(tmp_path, tmp_path / "o", "rollout.tp_size=2"))
     check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=4", "parallel.sp_ring=2"))  # dp = 2
+
+
+def _assert_same_weights(ref_dir: Path, got_dir: Path, got: dict, want: dict) -> None:
+    """The fp32 master weights (training_state.pt) match at fp32 tolerance; the served file is those
+    weights rounded to its torch_dtype (bf16), where a 1e-7 difference may flip one rounding step."""
+    import torch
+
+    ref_m = torch.load(ref_dir / "training_state.pt", weights_only=False)["model"]
+    got_m = torch.load(got_dir / "training_state.pt", weights_only=False)["model"]
+    assert set(ref_m) == set(got_m)
+    for k in ref_m:
+        torch.testing.assert_close(got_m[k], ref_m[k], rtol=1e-4, atol=1e-5)
+    for k in want:
+        if want[k].is_floating_point():
+            torch.testing.assert_close(got[k].float(), want[k].float(), rtol=1e-2, atol=1e-3)
+        else:
+            assert torch.equal(got[k], want[k]), k
