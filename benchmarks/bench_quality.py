@@ -13,24 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_section, header_markdown, markdown_table  # noqa: E402
+from common import append_section, header_markdown, markdown_table, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 CONFIG = "configs/smollm2-135m-cpu.yaml"
 
-
-def run(cmd: list[str]) -> float:
-    print("+", " ".join(cmd), flush=True)
-    t0 = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return time.time() - t0
 
 
 def evaluate(draft: str, out_json: Path, args) -> dict:

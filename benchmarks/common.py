@@ -95,3 +95,13 @@ def append_section(title: str, body: str, path: Path = README) -> None:
         f.seek(0)
         f.truncate()
         f.write(text)
+
+
+def run(cmd: list[str]) -> float:
+    """Run a command from the repo root, echoing it; its wall-clock seconds (fails on error)."""
+    import subprocess
+
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return time.time() - t0
