@@ -88,12 +88,22 @@ def check_resources(cfg: Config, use_gpu: bool, have: Mapping[str, float], where
     """ValueError unless ``have`` (``where`` says whose) holds every worker's bundle."""
     counts = actor_counts(cfg)
     keys = "train.num_workers" + (" + rollout.num_workers" if counts["rollout"] else "")
-    for name, amount in needed_resources(cfg, use_gpu).items():
+    check_bundles(needed_resources(cfg, use_gpu), have, where,
+                  f"config keys {keys} = {' + '.join(str(n) for n in counts.values() if n)} workers")
+
+
+def check_workers(key: str, n: int, use_gpu: bool, have: Mapping[str, float], where: str) -> None:
+    """The same check for ``n`` workers of one kind, each 1 CPU (+ 1 GPU), set by config ``key``."""
+    check_bundles({"CPU": float(n), **({"GPU": float(n)} if use_gpu else {})}, have, where,
+                  f"config key {key}={n} workers")
+
+
+def check_bundles(need: Mapping[str, float], have: Mapping[str, float], where: str, who: str) -> None:
+    for name, amount in need.items():
         if amount > have.get(name, 0.0) + 1e-9:
             hint = " (set ray.num_cpus to oversubscribe the cores on purpose)" if name == "CPU" else ""
-            raise ValueError(
-                f"config keys {keys} = {' + '.join(str(n) for n in counts.values() if n)} workers need "
-                f"{amount:g} {name} (one per worker), but {where} has {have.get(name, 0.0):g}{hint}")
+            raise ValueError(f"{who} need {amount:g} {name} (one per worker), but {where} has "
+                             f"{have.get(name, 0.0):g}{hint}")
 
 
 def machine_resources(cfg: Config) -> tuple[dict[str, float], str]:

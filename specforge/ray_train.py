@@ -45,7 +45,7 @@ from specforge.preflight import check_placement, check_resources, ray_resources
 from specforge.runtime.actors import (
     ActorDied, ActorGroup, WorkerError, dead_actors, gather, init_communicator, spawn_actors)
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
-from specforge.runtime.loop import check, not_applied, train_loop
+from specforge.runtime.loop import check, not_applied, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
 from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
 
@@ -278,10 +278,12 @@ def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> Non
 
 def train_with_recovery(cfg: Config, cluster: Cluster, plan: Planner, logger, recover_fn) -> None:
     """THE loop; after ``RolloutLost``, ``recover_fn(err)`` replaces the placement's actors and the
-    loop goes on from the step they resumed at (at most ``rollout.max_restarts`` times)."""
+    loop goes on from the step they resumed at (at most ``rollout.max_restarts`` times). The
+    ``train.max_minutes`` clock runs from the first start: a recovery does not reset it."""
+    deadline = run_deadline(cfg)
     for restarts in itertools.count():
         try:
-            train_loop(cfg, cluster, plan, logger)
+            train_loop(cfg, cluster, plan, logger, deadline)
             return
         except RolloutLost as err:
             if restarts >= cfg.rollout.max_restarts:

@@ -646,12 +646,19 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
     """``num_workers`` Ray tasks, worker k taking rows k, k+W, ... (stable across reruns)."""
     import ray
 
+    from specforge.preflight import check_workers, machine_resources, ray_resources
     from specforge.ray_train import start_ray
 
     W = cfg.regenerate.num_workers
+    if not ray.is_initialized() and not cfg.ray.address:  # before Ray prestarts a process per CPU it is given
+        import torch
+
+        check_workers("regenerate.num_workers", W, cfg.model.device == "cuda" or (
+            cfg.model.device == "auto" and torch.cuda.is_available()), *machine_resources(cfg))
     started = start_ray(cfg, W)
     try:
         use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        check_workers("regenerate.num_workers", W, use_gpu, *ray_resources(cfg, started))
         threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // W)
         task = ray.remote(_worker).options(num_cpus=1, num_gpus=1 if use_gpu else 0, max_retries=0)
         refs = [task.remote(cfg, jobs[k::W], str(part_path(output, k, W)),

@@ -4,6 +4,8 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 | input | before (issue 10) | now | test |
 |---|---|---|---|
 | ``train.num_workers=64`` on 2 cores | Ray started with 65 CPUs prestarts ~60 worker processes, near OOM, never fails | error before Ray starts: keys, 64 CPU needed, cores | test_more_workers_than_cores_* |
+| ``regenerate.num_workers=64`` on 2 cores | Ray started with 65 CPUs, 64 tasks each loading the target | error before Ray starts | test_more_regenerate_workers_than_cores_checked_before_ray_starts |
+| ``placement.max_inflight_mb`` below one step's features | two plans admitted anyway: the budget exceeded | error before the first step naming the key and the MB needed | tests/test_memory_bound.py::test_a_budget_smaller_than_one_step_is_refused_before_training |
 | workers need GPUs / custom resources the cluster lacks | placement group waits | error naming the resource and the numbers | test_resources_table |
 | ``ray.num_cpus=64`` (oversubscribe on purpose) | - | accepted | test_ray_num_cpus_oversubscribes_on_purpose |
 | ``train.max_steps=-1`` | error (already) | error naming the key | test_config_error |
@@ -20,6 +22,7 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 | ``lr: 1e-4`` in a YAML file | rejected as a string | a float, as on the command line | test_yaml_float_like_the_command_line |
 | override that is not valid YAML (``train.betas=[0.9``) | traceback | error naming the override | test_config_error |
 | truncated target ``model.safetensors`` | "invalid header length", no file | error naming the file | test_truncated_target_weights_name_the_file |
+| truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | "invalid header length", no file / JSON traceback | error naming the file | test_truncated_draft_checkpoint_names_the_file |
 | corrupt / truncated feature-store shard | names the shard (already) | names the shard | test_corrupt_store_shard_names_the_file |
 | data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string content, empty content, no assistant turn | counted skips (already) | counted skips by reason | test_bad_row_is_a_counted_skip |
 | over-long row | truncated (already) | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
@@ -203,6 +206,21 @@ def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, mon
     assert not ray.is_initialized()
 
 
+def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):  # noqa: F811
+    import ray
+
+    import specforge.preflight as pf
+    from specforge.regenerate import run_ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session is running: the driver would join it")
+    monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
+    cfg = make_cfg(assets, tmp_path, "regenerate.num_workers=64")
+    with pytest.raises(ValueError, match=r"regenerate\.num_workers=64 workers need 64 CPU .* this machine \(cores = 2\)"):
+        run_ray(cfg, [], tmp_path / "out.jsonl", None)
+    assert not ray.is_initialized()
+
+
 @pytest.mark.slow
 def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):  # noqa: F811
     """The HANG of issue 10 end to end: the CLI exits with one line, and Ray never started."""
@@ -227,6 +245,23 @@ def test_truncated_target_weights_name_the_file(assets, tmp_path):  # noqa: F811
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"target weight file '{weights}' is truncated or corrupt"):
         load_target(ModelConfig(target_path=str(broken), device="cpu"))
+
+
+def test_truncated_draft_checkpoint_names_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from specforge.train.checkpoint import load_draft_folder
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    weights = tmp_path / "model.safetensors"
+    save_file({"fc.weight": torch.zeros(64, 192)}, str(weights))
+    assert load_draft_folder(tmp_path)[1]["fc.weight"].shape == (64, 192)
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"'{weights}' cannot be read .*truncated or corrupt draft checkpoint"):
+        load_draft_folder(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 6')
+    with pytest.raises(ValueError, match=rf"'{tmp_path / 'config.json'}' is not valid JSON"):
+        load_draft_folder(tmp_path)
 
 
 def test_corrupt_store_shard_names_the_file(tmp_path):

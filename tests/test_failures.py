@@ -17,17 +17,26 @@ import signal
 
 import pytest
 
+from tests.test_memory_bound import _planner
 from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401  (shared fixtures)
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+ON_RAY = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def on_ray(test):
+    for mark in ON_RAY:
+        test = mark(test)
+    return test
 STEPS = 6
 
 
 def _cfg(assets, out):
-    # a tiny in-flight budget: 2 plans at a time, so a worker killed after step k has steps left to do
-    return make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1", f"train.max_steps={STEPS}",
-                    "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true",
-                    "placement.max_inflight_mb=0.001")
+    # an in-flight budget of two of the largest steps: few plans at a time, so a worker killed after
+    # step k has steps left to do
+    common = ["placement.mode=disaggregated", "rollout.num_workers=1", f"train.max_steps={STEPS}",
+              "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true"]
+    largest = _planner(make_cfg(assets, out, *common), train_ranks=(1, 2)).largest_step_bytes()
+    return make_cfg(assets, out, *common, f"placement.max_inflight_mb={2 * largest / 2**20}")
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +79,7 @@ def killing(group: str, index: int, after_step: int):
         rt.spawn_cluster, rt.Cluster.collect = real_spawn, real_collect
 
 
+@on_ray
 def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_session, straight, tmp_path):
     from specforge.ray_train import fit
 
@@ -85,6 +95,7 @@ def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_sessi
     assert path.endswith(f"step-{STEPS:06d}")
 
 
+@on_ray
 def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray_session, straight, tmp_path):
     from specforge.ray_train import TrainWorkerLost, fit
 
@@ -100,3 +111,26 @@ def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray
     assert {r["step"] for r in got} == set(range(1, STEPS + 1)) and got[-1]["step"] == STEPS
     for r in got:  # before the kill and after the resume alike
         assert r["loss"] == straight[r["step"]], r["step"]
+
+
+def test_a_recovery_keeps_the_max_minutes_clock(monkeypatch):
+    """``train.max_minutes`` bounds the whole run: the loop after a replaced rollout worker gets the
+    first start's deadline, not a fresh one."""
+    import time
+
+    import specforge.ray_train as rt
+    from specforge.config import load_config
+
+    deadlines, recoveries = [], []
+
+    def loop(cfg, cluster, plan, logger, deadline=None):
+        deadlines.append(deadline)
+        if len(deadlines) < 3:
+            raise rt.RolloutLost("rollout<0> died", "rollout<0>")
+
+    monkeypatch.setattr(rt, "train_loop", loop)
+    t0 = time.time()
+    rt.train_with_recovery(load_config(None, ["train.max_minutes=5"]), None, None, None,
+                           lambda err: (recoveries.append(err.label), time.sleep(0.2)))
+    assert recoveries == ["rollout<0>", "rollout<0>"]
+    assert len(set(deadlines)) == 1 and abs(deadlines[0] - (t0 + 300)) < 5, deadlines

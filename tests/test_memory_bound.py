@@ -3,15 +3,18 @@
 Every transport logs when a rank posts a step's sends (+bytes) and when a rank's receives of a
 step go to the train step (-bytes) (``dataplane.InflightLog``); ``inflight_peak`` merges the logs
 of all ranks into the high-water mark. A disaggregated run with a budget of 2.5 steps stays
-within it; the same run with a budget that never binds lets the rollout worker run ahead, and
+within it (a budget one step could exceed is refused before training: the loop always lets one
+plan run); the same run with a budget that never binds lets the rollout worker run ahead, and
 its peak goes past that budget (so the first run's bound is what held it).
 """
 
+import collections
 import os
 
 import pytest
 
 from specforge.runtime.dataplane import InflightLog, inflight_peak
+from specforge.runtime.loop import MAX_STEPS_AHEAD
 from tests.test_ray_train import assets, make_cfg, ray_session  # noqa: F401 (fixtures)
 
 STEPS = 12
@@ -32,14 +35,47 @@ def test_inflight_peak_merges_the_ranks_logs():
     assert len(send.times) == 4
 
 
-def _step_bytes(cfg) -> list[int]:
-    """Feature bytes of each step's transfers (rollout rank 0 -> train rank 1)."""
+def _planner(cfg, train_ranks=(1,)):
+    """The driver's planner of a disaggregated ``cfg`` (rollout rank 0 -> ``train_ranks``)."""
     from specforge.runtime.contracts import Layout
     from specforge.runtime.plan import Planner, prepare
 
     data = prepare(cfg, use_gpu=False)
-    plan = Planner(cfg, data, Layout(cfg.placement.mode, (0,), (1,), data.vocab_path))
+    return Planner(cfg, data, Layout(cfg.placement.mode, (0,), tuple(train_ranks), data.vocab_path))
+
+
+def _step_bytes(cfg) -> list[int]:
+    """Feature bytes of each step's transfers (rollout rank 0 -> train rank 1)."""
+    plan = _planner(cfg)
     return [plan.step_bytes(s) for s in range(STEPS)]
+
+
+def test_has_room_admits_within_the_budget_only():
+    from specforge.runtime.loop import InFlight, has_room
+
+    def flying(*sizes):
+        return collections.deque(InFlight(None, None, n) for n in sizes)
+
+    assert has_room(flying(), 500, budget=100)  # one plan always: check_budget refused budgets below a step
+    assert has_room(flying(60), 40, budget=100) and not has_room(flying(60), 41, budget=100)
+    assert has_room(flying(30, 30, 30), 10, budget=100) and not has_room(flying(30, 30, 30), 11, budget=100)
+    assert not has_room(flying(*[1] * MAX_STEPS_AHEAD), 1, budget=100)
+    # plans that move no bytes (colocated, offline): two at a time
+    assert has_room(flying(0), 0, budget=0) and not has_room(flying(0, 0), 0, budget=0)
+
+
+def test_a_budget_smaller_than_one_step_is_refused_before_training(assets, tmp_path):  # noqa: F811
+    common = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=2", "train.batch_size=2",
+              f"train.max_steps={STEPS}", "train.eval_every=4"]
+    plan = _planner(make_cfg(assets, tmp_path, *common), train_ranks=(1, 2))
+    largest = plan.largest_step_bytes()
+    # a bound on every plan of the schedule, and not a loose one: the 2 x 2 longest samples padded to the longest
+    every = [plan.recv_bytes(plan.task(t)) for t in plan.schedule(0)]
+    assert max(every) <= largest < 2 * max(every), (largest, every)
+    plan.check_budget(largest)
+    with pytest.raises(ValueError, match=r"placement.max_inflight_mb'=.* smaller than one step's features: a step "
+                                         r"of 4 samples of \d+ tokens"):
+        plan.check_budget(largest - 1)
 
 
 def _run_peak(cfg) -> int:

@@ -99,11 +99,15 @@ class InFlight:
 
 
 def has_room(inflight: collections.deque, next_bytes: int, budget: int) -> bool:
-    """Backpressure: two plans always (so rollout k+1 overlaps train k), more within the byte
-    budget (plans that move no bytes: two)."""
-    if len(inflight) < 2:
+    """Backpressure: the next plan goes up if its feature bytes fit in the budget beside those of
+    the plans in flight (one plan always: ``Planner.check_budget`` refused a budget smaller than a
+    step before the run started). Plans that move no bytes (colocated, offline): two at a time,
+    so step k+1's work is queued while step k runs."""
+    if not inflight:
         return True
-    return 0 < next_bytes and len(inflight) < MAX_STEPS_AHEAD and sum(f.nbytes for f in inflight) + next_bytes <= budget
+    if not next_bytes and not any(f.nbytes for f in inflight):
+        return len(inflight) < 2
+    return len(inflight) < MAX_STEPS_AHEAD and sum(f.nbytes for f in inflight) + next_bytes <= budget
 
 
 def step_metrics(rollout: list[StepReport], train: list[StepReport], seconds: float, inflight_bytes: int) -> dict:
@@ -135,15 +139,22 @@ def step_metrics(rollout: list[StepReport], train: list[StepReport], seconds: fl
     return m
 
 
-def train_loop(cfg: Config, cluster, plan: Planner, logger) -> int:
+def run_deadline(cfg: Config) -> float:
+    """When ``train.max_minutes`` ends the run (``time.time()`` clock), from now."""
+    return time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
+
+
+def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[float] = None) -> int:
     """Run the schedule from ``cluster.start_step`` until the stop rule; returns the last trained
-    step count. Checkpoints every ``checkpoint.every_steps``; the caller saves the final one."""
+    step count. Checkpoints every ``checkpoint.every_steps``; the caller saves the final one.
+    ``deadline`` (default: ``train.max_minutes`` from now) is the same across a recovery."""
     from tqdm import tqdm
 
     todo = plan.schedule(cluster.start_step)
     budget = int(cfg.placement.max_inflight_mb * 2**20)
+    plan.check_budget(budget)
     every = cfg.checkpoint.every_steps
-    deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
+    deadline = run_deadline(cfg) if deadline is None else deadline
     inflight: collections.deque[InFlight] = collections.deque()
     done, i = cluster.start_step, 0
     limit = f", or {cfg.train.max_minutes:g} min if sooner" if cfg.train.max_minutes else ""  # a time-bounded phase says so

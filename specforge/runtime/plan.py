@@ -170,7 +170,10 @@ class Planner:
 
     def _plan(self, step: int, ids: list[int], split: str = "train") -> StepPlan:
         lengths = self.data.lengths if split == "train" else self.data.eval_lengths
-        groups = [[SampleRef(i, lengths[i]) for i in share[0]] for share in split_for_ranks(ids, self.dp, 1)]
+        return self._plan_refs(step, [SampleRef(i, lengths[i]) for i in ids], split)
+
+    def _plan_refs(self, step: int, refs: list[SampleRef], split: str = "train") -> StepPlan:
+        groups = [list(share[0]) for share in split_for_ranks(refs, self.dp, 1)]
         P = len(self.layout.train_ranks) // self.dp
         ranks = [self.layout.train_ranks[g * P : (g + 1) * P] for g in range(self.dp)]
         return plan_step(step, groups, self.layout.rollout_ranks, ranks, self.spec, halo=sp_halo(self.cfg.draft.ttt_length),
@@ -182,3 +185,21 @@ class Planner:
 
     def step_bytes(self, step: int) -> int:
         return self.recv_bytes(self(step))
+
+    def largest_step_bytes(self) -> int:
+        """A bound on the feature bytes of any plan of the schedule: a global batch of samples all as
+        long as the longest one (padding never goes past it), or the periodic eval plan."""
+        longest = max(self.data.lengths, default=0)
+        worst = self.recv_bytes(self._plan_refs(0, [SampleRef(i, longest) for i in range(self.global_batch)]))
+        return max(worst, self.recv_bytes(self._eval) if self._eval else 0)
+
+    def check_budget(self, budget_bytes: int) -> None:
+        """Refuse, before the first step, an in-flight budget that one step could exceed (the loop
+        always lets one plan run, so the bound would not hold)."""
+        need = self.largest_step_bytes()
+        if need > budget_bytes:
+            raise ValueError(
+                f"config key 'placement.max_inflight_mb'={self.cfg.placement.max_inflight_mb:g} is smaller than one "
+                f"step's features: a step of {self.global_batch} samples of {max(self.data.lengths, default=0)} tokens (the "
+                f"longest) sends {need / 2**20:.3g} MB; set placement.max_inflight_mb >= {math.ceil(need / 2**20 * 100) / 100:g} "
+                "(twice that lets rollout overlap training)")

@@ -126,7 +126,15 @@ def load_draft_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg_file, w_file = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not w_file.is_file():
         raise ValueError(f"{str(path)!r} is not a draft checkpoint (needs config.json and model.safetensors)")
-    return json.loads(cfg_file.read_text()), load_file(str(w_file))
+    try:
+        hf_config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(cfg_file)!r} is not valid JSON ({e}): a truncated or hand-edited draft checkpoint") from None
+    try:
+        return hf_config, load_file(str(w_file))
+    except Exception as e:  # SafetensorError (truncated, bad header) and OSError mean the same to the user
+        raise ValueError(f"{str(w_file)!r} cannot be read ({e}): a truncated or corrupt draft checkpoint; "
+                         "use another checkpoint folder (step-*) or retrain") from None
 
 
 def load_train_state(path: str | Path) -> Optional[dict[str, Any]]:
