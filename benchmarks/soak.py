@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,11 +33,45 @@ from benchmarks.common import append_section, header_markdown, machine_info, mar
 TITLE = "Soak: memory over a long run"
 
 
-def rss_mb(_actor=None) -> float:
-    """This process's resident set size in MB (``actor.__ray_call__.remote(rss_mb)`` asks a worker)."""
+def rss_mb(_actor=None, settle: bool = False) -> float:
+    """This process's resident set size in MB (``actor.__ray_call__.remote(rss_mb)`` asks a worker).
+    ``settle``: first a full garbage collection and glibc ``malloc_trim(0)`` (freed memory the
+    allocator still holds goes back to the OS), so what remains is memory in use."""
     import psutil
 
+    if settle:
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
     return psutil.Process().memory_info().rss / 2**20
+
+
+def trace_start(actor=None) -> None:
+    """``--trace``: start tracemalloc in this process and keep a baseline snapshot (on the actor)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start(4)
+    holder = actor if actor is not None else sys.modules[__name__]
+    holder._soak_base = tracemalloc.take_snapshot()
+
+
+def trace_growth(actor=None, top: int = 6) -> list[str]:
+    """The Python allocations that grew most since ``trace_start`` (file:line, KB, count)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    holder = actor if actor is not None else sys.modules[__name__]
+    diff = tracemalloc.take_snapshot().compare_to(holder._soak_base, "lineno")
+    return [f"{d.size_diff / 1024:+.1f} KB in {d.count_diff:+d} blocks at {d.traceback[0].filename}:{d.traceback[0].lineno}"
+            for d in sorted(diff, key=lambda d: -d.size_diff)[:top]]
 
 
 def build_assets(root: Path) -> None:
@@ -98,7 +133,7 @@ def line_fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
     return 100 * slope, max(abs(y - my - slope * (x - mx)) for x, y in zip(xs, ys))
 
 
-def run(steps: int, every: int, budget_steps: float) -> dict:
+def run(steps: int, every: int, budget_steps: float, trace_at: Optional[int] = None, settle: bool = False) -> dict:
     import ray
 
     from specforge.ray_train import Planner, collect, prepare, spawn_cluster, start_ray, train_loop
@@ -110,8 +145,9 @@ def run(steps: int, every: int, budget_steps: float) -> dict:
     build_assets(root)
     probe = soak_config(root, steps, 1.0)
     data = prepare(probe, use_gpu=False)
-    per_step = [Planner(probe, data, Layout("disaggregated", (0,), (1, 2), data.vocab_path)).step_bytes(s) for s in range(steps)]
-    budget = budget_steps * max(per_step)
+    planner = Planner(probe, data, Layout("disaggregated", (0,), (1, 2), data.vocab_path))
+    per_step = [planner.step_bytes(s) for s in range(steps)]
+    budget = budget_steps * planner.largest_step_bytes()  # the loop refuses a budget one step could exceed
     cfg = soak_config(root, steps, budget / 2**20)
     started = start_ray(cfg, 3)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import benchmarks/
@@ -122,9 +158,12 @@ def run(steps: int, every: int, budget_steps: float) -> dict:
         actors, labels = cluster.rollout.actors + cluster.train.actors, cluster.rollout.labels + cluster.train.labels
 
         def sample(step: int) -> None:
-            rss = collect([a.__ray_call__.remote(rss_mb) for a in actors], labels, 600, "rss")
-            for label, mb in zip(["driver", *labels], [rss_mb(), *rss]):
+            rss = collect([a.__ray_call__.remote(rss_mb, settle) for a in actors], labels, 600, "rss")
+            for label, mb in zip(["driver", *labels], [rss_mb(None, settle), *rss]):
                 samples.setdefault(label, []).append((step, mb))
+            if step == trace_at:
+                trace_start()
+                collect([a.__ray_call__.remote(trace_start) for a in actors], labels, 600, "trace")
 
         sample(0)
         logger = SamplingLogger(MetricsLogger(cfg.tracking, cfg.train.output_dir), every, sample)
@@ -135,6 +174,10 @@ def run(steps: int, every: int, budget_steps: float) -> dict:
             sample(done)
         logger.close()
         logs = collect([a.__ray_call__.remote(inflight_snapshot) for a in actors], labels, 600, "inflight log")
+        if trace_at is not None:
+            grown = collect([a.__ray_call__.remote(trace_growth) for a in actors], labels, 600, "trace")
+            for label, lines in zip(["driver", *labels], [trace_growth(), *grown]):
+                print(f"{label}: Python allocations grown since step {trace_at}:\n  " + "\n  ".join(lines))
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -164,6 +207,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50, help="growth is measured from this step (a sample step)")
     ap.add_argument("--budget-steps", type=float, default=3.0, help="placement.max_inflight_mb = this many of the largest step")
     ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--settle", action="store_true",
+                    help="gc.collect() + malloc_trim(0) in every process before each RSS sample (memory in use, "
+                         "not what the allocator keeps)")
+    ap.add_argument("--trace", action="store_true",
+                    help="tracemalloc from the warm-up step on: print each process's Python allocations that grew")
     args = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -172,22 +220,23 @@ def main() -> None:
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "900")
     info = machine_info()
     info["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    res = run(args.steps, args.every, args.budget_steps)
+    res = run(args.steps, args.every, args.budget_steps, args.warmup if args.trace else None, args.settle)
     info["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     headers, rows = report(res, args.warmup)
     table = markdown_table(headers, rows)
     kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
     within = "within" if res["peak"] <= res["budget"] else "OVER"
     summary = (f"{res['steps']} steps in {res['seconds']:.0f} s; in-flight high-water mark {kib(res['peak'])} "
-               f"({within} placement.max_inflight_mb = {kib(res['budget'])} = {args.budget_steps:g} x the largest step, "
-               f"{kib(res['max_step'])}); {res['events']} in-flight log events")
+               f"({within} placement.max_inflight_mb = {kib(res['budget'])} = {args.budget_steps:g} x the largest possible step; "
+               f"the largest step of the run: {kib(res['max_step'])}); {res['events']} in-flight log events")
     print(header_markdown(info))
     for label, pts in res["samples"].items():  # the raw series, to tell a slope from a warm-up step
         print(f"{label}: " + " ".join(f"{s}:{mb:.1f}" for s, mb in pts))
     print(table)
     print(summary)
     if not args.no_readme:
-        cmd = f"`nice -n 19 python benchmarks/soak.py --steps {args.steps} --every {args.every} --warmup {args.warmup}`"
+        cmd = (f"`nice -n 19 python benchmarks/soak.py --steps {args.steps} --every {args.every} --warmup {args.warmup}"
+               f"{' --settle' if args.settle else ''}`")
         body = f"{cmd} -- {header_markdown(info)}\n\n{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\n{table}\n\n{summary}\n"
         append_section(TITLE, body)
 
