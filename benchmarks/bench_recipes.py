@@ -15,8 +15,9 @@ Each recipe trains in segments (``--segments`` = cumulative training minutes; a 
 previous one from its checkpoint) and every segment's checkpoint is evaluated with
 ``python -m specforge.eval`` (chain of 7, greedy, lossless). The x axis is wall-clock minutes of the
 whole recipe: data preparation (generation / capture) + training. One job at a time; the load
-average is recorded with every point. Writes a table + plot (benchmarks/bench_recipes.png) and a
-section of benchmarks/README.md.
+average is recorded with every point. Every point is kept in benchmarks/bench_recipes.json (a rerun
+of some recipes replaces theirs); writes a table + plot of all of them (benchmarks/bench_recipes.png)
+and a section of benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_section, header_markdown, markdown_table, run  # noqa: E402
+from common import append_section, git_commit, header_markdown, markdown_table, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -77,9 +78,23 @@ def run_recipe(recipe: str, args) -> list[dict]:
         ckpt = sorted((out / "checkpoints").glob("step-*"))[-1]
         p = eval_point(ckpt, common, out / f"eval-{ckpt.name}.json", args)
         p.update(recipe=recipe, minutes=data_min + trained, data_minutes=data_min, step=ckpt.name,
-                 load=os.getloadavg()[0])
+                 load=os.getloadavg()[0], commit=git_commit()[:7])
         print(json.dumps(p), flush=True)
         points.append(p)
+    return points
+
+
+POINTS = REPO / "benchmarks" / "bench_recipes.json"
+
+
+def merge_points(path: Path, new: list[dict]) -> list[dict]:
+    """Every recipe's points, kept in ``path``: a rerun of some recipes replaces theirs only, so the
+    plot always shows the latest measurement of each recipe."""
+    old = json.loads(path.read_text()) if path.is_file() else []
+    rerun = {p["recipe"] for p in new}
+    points = [p for p in old if p["recipe"] not in rerun] + new
+    if new:
+        path.write_text(json.dumps(points, indent=1) + "\n")
     return points
 
 
@@ -108,11 +123,16 @@ def main() -> int:
     ap.add_argument("--capture-rows", type=int, default=300, help="ShareGPT rows captured by sharegpt-offline")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--out", default="runs/bench-recipes")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from benchmarks/bench_recipes.json")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for every step")
     args = ap.parse_args()
     args.segments = [float(s) for s in args.segments.split(",")]
-    points = [p for r in args.recipes.split(",") for p in run_recipe(r, args)]
+    recipes = args.recipes.split(",")
+    new = [] if args.plot_only else [p for r in recipes for p in run_recipe(r, args)]
+    points = merge_points(POINTS, new)
     plot(points, REPO / "benchmarks" / "bench_recipes.png")
+    if args.plot_only:
+        return 0
     rows = [[p["recipe"], f"{p['data_minutes']:.1f}", f"{p['minutes']:.1f}", p["step"], f"{p['acceptance']:.3f}",
              f"{p['speedup']:.2f}x ({p['setting']})", f"{p['load']:.1f}"] for p in points]
     table = markdown_table(["recipe", "data min", "total min", "checkpoint", "acceptance (chain 7)",
