@@ -106,7 +106,9 @@ class RolloutConfig:
 class PlacementConfig:
     mode: Literal["colocated", "disaggregated", "offline"] = "colocated"
     transport: Literal["p2p", "object_store"] = "p2p"
-    max_inflight_mb: float = 512.0  # backpressure: features sent but not yet trained on
+    # backpressure: features sent but not yet trained on never exceed this; it must hold the largest
+    # possible step (a global batch of samples as long as the longest), else the run is refused before step 0
+    max_inflight_mb: float = 512.0
 
 
 @dataclass
