@@ -12,8 +12,8 @@ rows at 7 steps: ``acc_i`` (draft argmax == target argmax at step i, teacher-for
 ``tau`` = 1 + sum_k prod_{i<=k} acc_i, the simulated chain-7 acceptance length. ``tau`` tracks
 real speculative decoding (benchmarks/README.md): a quick way to rank levers before running the
 eval. With ``--fractions``/``--epochs``: the same lever on growing shares of the data, each for
-the same number of epochs (how acceptance scales with distinct samples). Writes a section of
-benchmarks/README.md.
+the same number of epochs (how acceptance scales with distinct samples; the points go to
+benchmarks/bench_data_scaling.json and .png). Writes a section of benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -98,26 +98,61 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     return out
 
 
+SCALING = Path(__file__).resolve().parent / "bench_data_scaling.json"
+
+
+def plot_scaling(points: list[dict], path: Path) -> None:
+    """acc_0 and simulated tau vs distinct train samples (log scale), one line per lever."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for lever in dict.fromkeys(p["lever"] for p in points):
+        ps = sorted((p for p in points if p["lever"] == lever), key=lambda p: p["samples"])
+        for ax, key in zip(axes, ("acc_0", "tau")):
+            ax.plot([p["samples"] for p in ps], [p[key] for p in ps], "o-", label=f"{lever}, {ps[0]['epochs']:g} epochs")
+    for ax, key, goal in zip(axes, ("acc_0", "tau"), (0.6, 2.5)):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distinct train samples (conversations)")
+        ax.set_ylabel(f"held-out {key}" + (" (simulated chain 7)" if key == "tau" else ""))
+        ax.axhline(goal, color="gray", ls="--", lw=0.8, label=f"needed for acceptance 2.5: ~{goal}" if key == "acc_0" else "target 2.5")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     from specforge.config import load_config
     from specforge.data.store import FeatureStore
     from specforge.models.target import load_target
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--store", required=True, help="a feature store (python -m specforge.regenerate / capture)")
+    ap.add_argument("--store", default=None, help="a feature store (python -m specforge.regenerate / capture)")
     ap.add_argument("--minutes", type=float, default=5.0, help="training seconds per lever, excluding loading")
     ap.add_argument("--evals", type=int, default=2, help="held-out measurements per lever (evenly spaced)")
     ap.add_argument("--levers", default="base,ttt2,ttt1,init-ttt2,init-warmup150-ttt7")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--fractions", default="1", help="data scaling: train on these fractions of the samples")
     ap.add_argument("--epochs", type=float, default=0.0, help="with --fractions: stop after this many epochs")
+    ap.add_argument("--plot-only", action="store_true", help="redraw bench_data_scaling.png from bench_data_scaling.json")
     args = ap.parse_args()
+    png = SCALING.with_suffix(".png")
+    if args.plot_only:
+        plot_scaling(json.loads(SCALING.read_text()), png)
+        return 0
+    if not args.store:
+        ap.error("--store is required (a feature store: python -m specforge.capture / regenerate)")
     torch.set_num_threads(2)
     cfg = load_config(CONFIG)
     target = load_target(cfg.model)
     store = FeatureStore(args.store)
     points = [p for name in args.levers.split(",") for f in args.fractions.split(",")
               for p in run_lever(name, store, target, args.minutes, args.evals, args.batch_size, float(f), args.epochs)]
+    if args.epochs:  # the data-scaling points, kept and plotted
+        SCALING.write_text(json.dumps(points, indent=1) + "\n")
+        plot_scaling(points, png)
     rows = [[p["lever"], p["samples"], " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
              p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]] for p in points]
     table = markdown_table(["lever", "train samples", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1", "acc_2",
