@@ -237,6 +237,7 @@ def fit(cfg: Config) -> Optional[str]:
         if cluster.start_step:
             print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
         plan = Planner(cfg, data, cluster.layout)
+        plan.check_budget(int(cfg.placement.max_inflight_mb * 2**20))  # before anything could save a checkpoint
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
         failed: Optional[WorkerError] = None
         try:

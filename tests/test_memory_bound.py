@@ -113,3 +113,15 @@ def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_
     unbounded = _run_peak(make_cfg(assets, tmp_path / "unbounded", *common, "placement.max_inflight_mb=1024"))
     print(f"in-flight peak: bounded {bounded}, unbounded {unbounded}, budget {budget}, largest step {max(per_step)}")
     assert unbounded > budget, (unbounded, budget, per_step)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_fit_refuses_a_budget_below_one_step_before_training(assets, ray_session, tmp_path):  # noqa: F811
+    from specforge.ray_train import fit
+
+    cfg = make_cfg(assets, tmp_path, "placement.mode=disaggregated", "rollout.num_workers=1",
+                   "placement.max_inflight_mb=0.001")
+    with pytest.raises(ValueError, match=r"placement\.max_inflight_mb'=0\.001 is smaller than one step's features"):
+        fit(cfg)
+    assert not list(tmp_path.rglob("step-*"))  # refused before step 0: nothing trained, nothing saved
