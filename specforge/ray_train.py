@@ -236,8 +236,7 @@ def fit(cfg: Config) -> Optional[str]:
         cluster = spawn_cluster(cfg, data, use_gpu)
         if cluster.start_step:
             print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
-        plan = Planner(cfg, data, cluster.layout)
-        plan.check_budget(int(cfg.placement.max_inflight_mb * 2**20))  # before anything could save a checkpoint
+        plan = Planner(cfg, data, cluster.layout)  # refuses an in-flight budget below one step: before any save
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
         failed: Optional[WorkerError] = None
         try:

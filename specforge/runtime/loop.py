@@ -100,8 +100,8 @@ class InFlight:
 
 def has_room(inflight: collections.deque, next_bytes: int, budget: int) -> bool:
     """Backpressure: the next plan goes up if its feature bytes fit in the budget beside those of
-    the plans in flight (one plan always: ``Planner.check_budget`` refused a budget smaller than a
-    step before the run started). Plans that move no bytes (colocated, offline): two at a time,
+    the plans in flight (one plan always: the ``Planner`` refused a budget smaller than a step
+    when it was built). Plans that move no bytes (colocated, offline): two at a time,
     so step k+1's work is queued while step k runs."""
     if not inflight:
         return True
@@ -151,8 +151,7 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
     from tqdm import tqdm
 
     todo = plan.schedule(cluster.start_step)
-    budget = int(cfg.placement.max_inflight_mb * 2**20)
-    plan.check_budget(budget)
+    budget = int(cfg.placement.max_inflight_mb * 2**20)  # the Planner refused one a step could exceed
     every = cfg.checkpoint.every_steps
     deadline = run_deadline(cfg) if deadline is None else deadline
     inflight: collections.deque[InFlight] = collections.deque()

@@ -147,6 +147,7 @@ class Planner:
                              f"{self.dp} held-out samples (one per data-parallel group), data.num_eval gave "
                              f"{len(data.eval_lengths)}; raise data.num_eval or set train.eval_every=0")
         self._eval: Optional[StepPlan] = self._plan(0, list(range(n_eval)), "eval") if n_eval else None
+        self.check_budget(int(cfg.placement.max_inflight_mb * 2**20))
 
     def schedule(self, start: int) -> list[tuple[str, int]]:
         """``(split, step)`` of every plan from step ``start`` on, in the order all workers run
@@ -194,8 +195,9 @@ class Planner:
         return max(worst, self.recv_bytes(self._eval) if self._eval else 0)
 
     def check_budget(self, budget_bytes: int) -> None:
-        """Refuse, before the first step, an in-flight budget that one step could exceed (the loop
-        always lets one plan run, so the bound would not hold)."""
+        """Refuse an in-flight budget that one step could exceed (the loop always lets one plan run,
+        so the bound would not hold). The constructor checks ``placement.max_inflight_mb``: a run
+        is refused when it is planned, before any step or checkpoint."""
         need = self.largest_step_bytes()
         if need > budget_bytes:
             raise ValueError(
