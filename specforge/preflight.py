@@ -11,7 +11,7 @@ failing. Both raise a ``ValueError`` naming the config keys and the numbers.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Mapping, Optional
 
 from specforge.config import Config, aux_layer_ids
 from specforge.parallel.dims import ParallelDims
@@ -21,14 +21,23 @@ def check_placement(cfg: Config) -> None:
     """The Ray driver's checks before ``start_ray``: ``check_run``, and when this process is about
     to start Ray itself, the workers against this machine. (Ray prestarts a worker process per
     CPU it is given, so checking after it started would be too late.)"""
+    check_run(cfg)
+    if local := before_local_ray(cfg):
+        check_resources(cfg, *local)
+
+
+def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]]:
+    """When this process is about to start Ray itself (none running, no ``ray.address``): whether
+    the workers will use GPUs, and this machine's resources with who has them; else None (a Ray we
+    join is checked after joining, against what it reports)."""
     import ray
 
-    check_run(cfg)
-    if not ray.is_initialized() and not cfg.ray.address:
-        import torch
+    if ray.is_initialized() or cfg.ray.address:
+        return None
+    import torch
 
-        use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
-        check_resources(cfg, use_gpu, *machine_resources(cfg))
+    use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    return (use_gpu, *machine_resources(cfg))
 
 
 def check_run(cfg: Config) -> None:

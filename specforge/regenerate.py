@@ -646,15 +646,12 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
     """``num_workers`` Ray tasks, worker k taking rows k, k+W, ... (stable across reruns)."""
     import ray
 
-    from specforge.preflight import check_workers, machine_resources, ray_resources
+    from specforge.preflight import before_local_ray, check_workers, ray_resources
     from specforge.ray_train import start_ray
 
     W = cfg.regenerate.num_workers
-    if not ray.is_initialized() and not cfg.ray.address:  # before Ray prestarts a process per CPU it is given
-        import torch
-
-        check_workers("regenerate.num_workers", W, cfg.model.device == "cuda" or (
-            cfg.model.device == "auto" and torch.cuda.is_available()), *machine_resources(cfg))
+    if local := before_local_ray(cfg):  # before Ray prestarts a process per CPU it is given
+        check_workers("regenerate.num_workers", W, *local)
     started = start_ray(cfg, W)
     try:
         use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
