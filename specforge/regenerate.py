@@ -707,6 +707,9 @@ def validate(cfg: Config) -> None:
         (0 < r.top_p <= 1, "regenerate.top_p", "must be in (0, 1]"),
         (r.batch_size >= 1, "regenerate.batch_size", "must be >= 1"),
         (r.num_workers >= 1, "regenerate.num_workers", "must be >= 1"),
+        (r.backend == "local" or r.num_workers == 1, "regenerate.num_workers",
+         f"({r.num_workers}) applies only to regenerate.backend=local (Ray generation workers); with the openai "
+         "backend the server is the worker: set regenerate.concurrency for requests in flight"),
         (r.max_samples is None or r.max_samples >= 1, "regenerate.max_samples", "must be >= 1 or null"),
         (r.max_turns is None or r.max_turns >= 1, "regenerate.max_turns", "must be >= 1 or null"),
     ]

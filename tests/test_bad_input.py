@@ -5,6 +5,7 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 |---|---|---|---|
 | ``train.num_workers=64`` on 2 cores | Ray started with 65 CPUs prestarts ~60 worker processes, near OOM, never fails | error before Ray starts: keys, 64 CPU needed, cores | test_more_workers_than_cores_* |
 | ``regenerate.num_workers=64`` on 2 cores | Ray started with 65 CPUs, 64 tasks each loading the target | error before Ray starts | test_more_regenerate_workers_than_cores_checked_before_ray_starts |
+| ``regenerate.num_workers`` > 1 with ``regenerate.backend=openai`` | ignored silently | error pointing at regenerate.concurrency | test_regenerate_workers_with_the_openai_backend_is_an_error |
 | ``placement.max_inflight_mb`` below one step's features | two plans admitted anyway: the budget exceeded | error before the first step naming the key and the MB needed | tests/test_memory_bound.py::test_a_budget_smaller_than_one_step_is_refused_before_training |
 | workers need GPUs / custom resources the cluster lacks | placement group waits | error naming the resource and the numbers | test_resources_table |
 | ``ray.num_cpus=64`` (oversubscribe on purpose) | - | accepted | test_ray_num_cpus_oversubscribes_on_purpose |
@@ -219,6 +220,17 @@ def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tm
     with pytest.raises(ValueError, match=r"regenerate\.num_workers=64 workers need 64 CPU .* this machine \(cores = 2\)"):
         run_ray(cfg, [], tmp_path / "out.jsonl", None)
     assert not ray.is_initialized()
+
+
+def test_regenerate_workers_with_the_openai_backend_is_an_error():
+    from specforge.regenerate import validate
+
+    cfg = load_config(None, ["regenerate.backend=openai", "regenerate.endpoint=http://localhost:1/v1",
+                             "regenerate.num_workers=4"])
+    with pytest.raises(ValueError, match=r"'regenerate\.num_workers' \(4\) applies only to regenerate\.backend=local.*"
+                                         r"regenerate\.concurrency"):
+        validate(cfg)
+    validate(load_config(None, ["regenerate.backend=openai", "regenerate.endpoint=http://localhost:1/v1"]))
 
 
 @pytest.mark.slow
