@@ -1,0 +1,116 @@
+"""Save / load a DFlash draft in the public format (z-lab's ``DFlashDraftModel``).
+
+That format is what z-lab's ``dflash`` package, SpecForge (``configs/*-dflash.json``), SGLang and
+llama.cpp's converter (``conversion/qwen.py`` ``DFlashModel``, with ``--target-model-dir``) read:
+
+* ``config.json``: a Qwen3 config of the DRAFT (``model_type`` "qwen3", its own
+  ``num_hidden_layers``; ``hidden_size`` and ``vocab_size`` equal the target's) plus
+  ``architectures: ["DFlashDraftModel"]``, top-level ``block_size``, ``num_target_layers`` and
+  ``dflash_config: {mask_token_id, target_layer_ids}`` (layer OUTPUT ids: HF
+  ``hidden_states[i + 1]``; llama.cpp writes ``i + 1`` as its extract layers and refuses a draft
+  without them).
+* ``model.safetensors``: ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` and
+  ``layers.{i}.{self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj,
+  input_layernorm, post_attention_layernorm}.weight``. No embedding, no ``lm_head``: both come
+  from the target at load time.
+
+No draft vocabulary: the format has no ``d2t`` (llama.cpp reads one only for its DSpark family),
+so the draft's logits are the target's full vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .model import DFlashConfig, DFlashDraft
+
+__all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dflash", "load_dflash"]
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    n = cfg.num_hidden_layers
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": cfg.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.intermediate_size,
+        "layer_types": ["full_attention"] * n,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "max_window_layers": n,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": n,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "num_target_layers": cfg.num_target_layers,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": cfg.rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def from_hf_config(d: Mapping) -> DFlashConfig:
+    if ARCHITECTURE not in d.get("architectures", []):
+        raise ValueError(f"architectures={d.get('architectures')}: expected [{ARCHITECTURE!r}]")
+    extra = d.get("dflash_config") or {}
+    unsupported = [k for k in ("use_swa", "causal", "conv_kernel_size", "output_multiplier",
+                               "final_logit_softcapping", "input_embedding_scale") if extra.get(k)]
+    if d.get("use_sliding_window") or d.get("is_causal") or d.get("rope_scaling") or unsupported:
+        raise ValueError(f"DFlash config uses features this draft does not implement: "
+                         f"{unsupported or 'sliding window / causal / rope_scaling'}")
+    theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta")
+    heads = d["num_attention_heads"]
+    return DFlashConfig(
+        hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=d.get("num_key_value_heads", heads), head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        intermediate_size=d["intermediate_size"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, max_position_embeddings=d.get("max_position_embeddings", 8192),
+        vocab_size=d["vocab_size"], num_target_layers=d["num_target_layers"],
+        target_layer_ids=list(extra.get("target_layer_ids") or d.get("target_layer_ids") or []),
+        block_size=extra.get("block_size") or d.get("block_size") or 16,
+        mask_token_id=extra.get("mask_token_id", d.get("mask_token_id")))
+
+
+def save_dflash(draft: DFlashDraft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.export_state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_hf_config(draft.config, dtype), indent=2) + "\n")
+    return out
+
+
+def load_dflash(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optional[torch.Tensor] = None,
+                dtype: torch.dtype = torch.float32) -> DFlashDraft:
+    """Rebuild the draft from a folder; pass the target's embedding and lm_head to make it usable."""
+    p = Path(path)
+    cfg = from_hf_config(json.loads((p / "config.json").read_text()))
+    draft = DFlashDraft(cfg).to(dtype)
+    sd = load_file(str(p / "model.safetensors"))
+    missing, unexpected = draft.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
+    if missing or unexpected:
+        raise ValueError(f"{p / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
+    if embed_VH is not None and lm_head_VH is not None:
+        draft.set_target_weights(embed_VH, lm_head_VH)
+    return draft

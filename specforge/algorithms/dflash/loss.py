@@ -1,0 +1,183 @@
+"""The DFlash training objective: random anchors, blocks, decayed block cross-entropy, metrics.
+
+Legend: B batch, T tokens, N blocks (anchors) per row, K block size, H hidden, V target vocab.
+
+What the public implementations do, and what we do:
+
+* Anchors (SpecForge PR #463, ``OnlineDFlashModel``): up to ``num_anchors`` positions per row,
+  drawn uniformly without replacement among positions ``a`` where token ``a`` AND token ``a+1``
+  are loss-masked (assistant) tokens; sorted. Rows with fewer candidates keep fewer blocks
+  (``keep`` False for the rest). A block is ``[x_a, mask, ..., mask]``.
+* Labels: block row k (k >= 1) of anchor a predicts the token at ``a + k``. The reference trains
+  hard cross-entropy against the DATA token ``x_{a+k}`` (its data are target-generated answers);
+  speculators trains KL against the target's distribution. :func:`next_token_labels` gives either
+  the data tokens or the target's greedy prediction for each position (``target_ids[p-1]``).
+  Row 0 (the anchor) is never trained.
+* Which rows count: row k counts iff ``a + k < T``, the block is kept and every token
+  ``x_{a+1} .. x_{a+k}`` is an assistant token (of the anchor's document). The reference counts
+  any assistant token in the window, also past a gap (a user turn in between); a draft never has
+  to cross a turn boundary, so we stop at the first gap.
+* Weights: ``exp(-(k - 1) / gamma)`` for k >= 1, 0 for the anchor (reference gamma: 7 for K=16,
+  5 for K=10, 4 for K=8); loss = weighted sum / sum of weights of the counted rows.
+* Metrics travel as raw sums ``counts[K, 4]`` (columns :data:`COUNTERS`), reduced once, turned into
+  rates by :func:`metrics_from_counts`: per-position accuracy, and the simulated acceptance
+  length of a block (1 + leading run of correct drafts, the run stopping at the first wrong or
+  uncounted row: speculators' convention, which keeps the correlation between positions).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["COUNTERS", "sample_anchors", "build_block_ids", "next_token_labels", "block_targets",
+           "decay_weights", "block_loss", "dflash_loss", "metrics_from_counts"]
+
+COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
+
+
+def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
+                   document_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``; N = the most any row has."""
+    m = loss_mask_BT.bool()
+    valid = m[:, :-1] & m[:, 1:]
+    if document_ids_BT is not None:
+        valid &= document_ids_BT[:, :-1] == document_ids_BT[:, 1:]
+    counts = valid.sum(1)
+    width = min(int(num_anchors), int(counts.max()) if counts.numel() else 0)
+    if width == 0:
+        raise ValueError("DFlash needs two consecutive assistant (loss-masked) tokens in at least one row")
+    r = torch.rand(valid.shape, generator=generator, device=valid.device)
+    r = r.masked_fill(~valid, 2.0)
+    picked = r.argsort(dim=1)[:, :width]
+    keep = torch.arange(width, device=valid.device) < counts.clamp(max=width).unsqueeze(1)
+    sentinel = valid.shape[1]
+    anchors = torch.where(keep, picked, sentinel).sort(dim=1).values
+    keep = anchors < sentinel
+    return torch.where(keep, anchors, 0), keep
+
+
+def build_block_ids(input_ids_BT: torch.Tensor, anchors_BN: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> torch.Tensor:
+    """``[B, N, K]``: the anchor's token, then ``K - 1`` mask tokens."""
+    B, N = anchors_BN.shape
+    ids = torch.full((B, N, block_size), mask_token_id, dtype=input_ids_BT.dtype, device=input_ids_BT.device)
+    ids[..., 0] = input_ids_BT.gather(1, anchors_BN)
+    return ids
+
+
+def next_token_labels(input_ids_BT: torch.Tensor, target_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The token the draft should produce at each position p.
+
+    Without ``target_ids_BT``: the data token ``x_p`` (the reference). With the target's argmax at
+    every position (``target_ids[t]`` = its greedy prediction of ``x_{t+1}``): ``target_ids[p-1]``,
+    what greedy verification will accept when the data are not the target's own answers.
+    """
+    if target_ids_BT is None:
+        return input_ids_BT
+    labels = input_ids_BT.clone()
+    labels[:, 1:] = target_ids_BT[:, :-1]
+    return labels
+
+
+def block_targets(labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor, anchors_BN: torch.Tensor,
+                  keep_BN: torch.Tensor, block_size: int,
+                  document_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels ``[B, N, K]`` and which rows count (see the module docstring)."""
+    B, T = labels_BT.shape
+    k = torch.arange(block_size, device=labels_BT.device)
+    idx = anchors_BN.unsqueeze(-1) + k
+    inside = idx < T
+    flat = idx.clamp(max=T - 1).reshape(B, -1)
+    labels = labels_BT.gather(1, flat).view_as(idx)
+    ok = inside & loss_mask_BT.bool().gather(1, flat).view_as(idx)
+    if document_ids_BT is not None:
+        same_doc = document_ids_BT.gather(1, flat).view_as(idx) == document_ids_BT.gather(1, anchors_BN).unsqueeze(-1)
+        ok &= same_doc
+    ok[..., 0] = True  # the anchor itself is not a prediction; it must not cut the run
+    valid = ok.long().cumprod(-1).bool() & keep_BN.unsqueeze(-1) & (k > 0)
+    return labels, valid
+
+
+def decay_weights(block_size: int, gamma: Optional[float], device=None) -> torch.Tensor:
+    """``[K]``: 0 for the anchor, ``exp(-(k-1)/gamma)`` after it (1 everywhere if gamma is None or <= 0)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma and gamma > 0 else torch.ones_like(k)
+    return w * (k > 0)
+
+
+def _chunk_terms(logits_fn, hidden, labels, valid):
+    logits = logits_fn(hidden).float()
+    ce = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
+    ce = ce * valid
+    correct = (logits.argmax(-1) == labels) & valid
+    return ce, correct
+
+
+def block_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden_BNKH: torch.Tensor,
+               labels_BNK: torch.Tensor, valid_BNK: torch.Tensor, gamma: Optional[float],
+               normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
+    """Decayed block cross-entropy -> ``(loss, counts[K, 4])``.
+
+    ``normalizer``: the global sum of weights over every micro-batch and rank (so gradients add up);
+    default this call's own. ``chunk_blocks > 0`` computes the logits that many blocks at a time and
+    recomputes them in backward (never holds ``N*K x V`` logits at once).
+    """
+    K = labels_BNK.shape[-1]
+    w = decay_weights(K, gamma, hidden_BNKH.device)
+    if chunk_blocks and chunk_blocks < labels_BNK.shape[1]:
+        parts = [checkpoint(_chunk_terms, logits_fn, h, y, v, use_reentrant=False)
+                 for h, y, v in zip(hidden_BNKH.split(chunk_blocks, 1), labels_BNK.split(chunk_blocks, 1),
+                                    valid_BNK.split(chunk_blocks, 1))]
+        ce = torch.cat([p[0] for p in parts], 1)
+        correct = torch.cat([p[1] for p in parts], 1)
+    else:
+        ce, correct = _chunk_terms(logits_fn, hidden_BNKH, labels_BNK, valid_BNK)
+    weight = valid_BNK * w
+    if normalizer is None:
+        normalizer = weight.sum()
+    loss = (ce * w).sum() / normalizer.clamp_min(1e-12)
+    with torch.no_grad():
+        run = correct.clone()
+        run[..., 0] = True
+        accepted = run.long().cumprod(-1).bool() & (torch.arange(K, device=run.device) > 0)
+        counts = torch.stack([ce.detach().flatten(0, 1).sum(0), valid_BNK.flatten(0, 1).sum(0).float(),
+                              correct.flatten(0, 1).sum(0).float(), accepted.flatten(0, 1).sum(0).float()], dim=1)
+    return loss, counts
+
+
+def dflash_loss(draft, ctx_BTF: torch.Tensor, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, *,
+                labels_BT: Optional[torch.Tensor] = None, num_anchors: int = 512, gamma: Optional[float] = 7.0,
+                generator: Optional[torch.Generator] = None, position_ids_BT: Optional[torch.Tensor] = None,
+                document_ids_BT: Optional[torch.Tensor] = None, normalizer: Optional[torch.Tensor] = None,
+                chunk_blocks: int = 0):
+    """One micro-batch: anchors -> blocks -> the draft's forward -> ``(loss, counts[K, 4])``."""
+    cfg = draft.config
+    anchors, keep = sample_anchors(loss_mask_BT, num_anchors, generator, document_ids_BT)
+    block_ids = build_block_ids(input_ids_BT, anchors, cfg.block_size, cfg.mask_token_id)
+    hidden = draft(ctx_BTF, block_ids, anchors, keep, position_ids_BT, document_ids_BT)
+    labels = input_ids_BT if labels_BT is None else labels_BT
+    labels_BNK, valid = block_targets(labels, loss_mask_BT, anchors, keep, cfg.block_size, document_ids_BT)
+    return block_loss(draft.logits, hidden, labels_BNK, valid, gamma, normalizer, chunk_blocks)
+
+
+def metrics_from_counts(counts_K4: torch.Tensor, gamma: Optional[float]) -> dict[str, float]:
+    """Rates from summed counts: ``loss`` (as trained), ``loss_k``, ``acc_k``, ``tau``, ``valid_tokens``."""
+    c = counts_K4.double().cpu()
+    K = c.shape[0]
+    w = decay_weights(K, gamma).double()
+    out: dict[str, float] = {}
+    for k in range(1, K):
+        n = c[k, 1].item()
+        out[f"loss_{k}"] = c[k, 0].item() / n if n else math.nan
+        out[f"acc_{k}"] = c[k, 2].item() / n if n else math.nan
+    denom = (w * c[:, 1]).sum().item()
+    out["loss"] = (w * c[:, 0]).sum().item() / denom if denom else math.nan
+    blocks = c[1, 1].item()
+    out["tau"] = 1.0 + c[1:, 3].sum().item() / blocks if blocks else math.nan
+    out["valid_tokens"] = c[:, 1].sum().item()
+    return out
