@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ttt.py [--quick] [--no-readme] [--profile]
 
-One train step = zero_grad + TTT forward (7 steps, bf16 autocast) + backward + AdamW step, on a
+One train step = zero_grad + TTT forward (7 steps) + backward + AdamW step, on a
 SmolLM2-135M-shaped draft (hidden 576, intermediate 1536, 9 heads / 3 kv heads, head_dim 64,
 target vocab 49152) with random target features and a realistic loss mask (alternating user /
 assistant spans, ~60% assistant tokens). Two threads (torch.set_num_threads(2)).
@@ -12,6 +12,10 @@ assistant spans, ~60% assistant tokens). Two threads (torch.set_num_threads(2)).
              embedding half of q/k/v once; rows no later step needs trimmed)
 * baseline = ``specforge.train.ttt.ttt_loss_reference`` (eager attention over concatenated keys
              with the materialized T x T*(i+1) mask, lm_head + log_softmax on all B*T rows)
+
+Precision: what training runs on this machine (``--precision auto``, the trainer's
+``train.precision: auto``: bf16 autocast where the CPU has bf16 instructions, else fp32), or forced
+with ``--precision bf16|fp32``; the table names it.
 
 Fast and baseline runs are interleaved so background load on the machine hits both alike;
 tokens/s uses the median step time (B*T tokens per step, padding included).
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+from specforge.device import autocast, autocast_dtype, cpu_fast_bf16  # noqa: E402
 from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from specforge.train.ttt import ttt_loss, ttt_loss_reference  # noqa: E402
 
@@ -66,6 +71,20 @@ def make_draft(N: int) -> Eagle3Draft:
     return draft
 
 
+# The draft's compute dtype under test (None = fp32, no autocast): set once in main.
+AMP: "torch.dtype | None" = torch.bfloat16
+
+
+def pick_amp(precision: str) -> "torch.dtype | None":
+    """The autocast dtype the trainer picks for ``train.precision=precision`` on this CPU."""
+    return autocast_dtype(precision, torch.device("cpu"))
+
+
+def feature_dtype() -> torch.dtype:
+    """Features as the trainer computes on them: bf16 under autocast, upcast to fp32 without."""
+    return AMP or torch.float32
+
+
 def make_batch(B: int, T: int, draft: Eagle3Draft, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     H, V, N = TARGET["hidden"], TARGET["vocab"], draft.config.draft_vocab_size
@@ -75,15 +94,15 @@ def make_batch(B: int, T: int, draft: Eagle3Draft, seed: int = 0) -> dict:
         "input_ids_BT": torch.randint(0, V, (B, T), generator=g),
         "loss_mask_BT": realistic_loss_mask(B, T, g),
         "target_ids_BT": tgt,
-        "aux_hidden_BT3H": torch.randn(B, T, 3 * H, generator=g).to(torch.bfloat16),
-        "last_hidden_BTH": torch.randn(B, T, H, generator=g).to(torch.bfloat16),
+        "aux_hidden_BT3H": torch.randn(B, T, 3 * H, generator=g).to(feature_dtype()),
+        "last_hidden_BTH": torch.randn(B, T, H, generator=g).to(feature_dtype()),
     }
 
 
 def train_step(draft, opt, batch, teacher_W, fn) -> float:
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast(torch.device("cpu"), AMP):
         loss, _ = fn(draft, batch, teacher_W, ttt_length=TTT_LENGTH)
     loss.backward()
     opt.step()
@@ -94,7 +113,7 @@ def run_case(B, T, N, reps_fast, reps_base, skip_base=False):
     draft = make_draft(N)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, fused=True)
     batch = make_batch(B, T, draft)
-    teacher_W = (torch.randn(N, TARGET["hidden"]) * 0.02).to(torch.bfloat16)
+    teacher_W = (torch.randn(N, TARGET["hidden"]) * 0.02).to(feature_dtype())
     fns = {"fast": ttt_loss, "baseline": ttt_loss_reference}
     times = {"fast": [], "baseline": []}
     train_step(draft, opt, batch, teacher_W, ttt_loss)  # warm-up
@@ -115,7 +134,7 @@ def profile_case(B, T, N):
     draft = make_draft(N)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, fused=True)
     batch = make_batch(B, T, draft)
-    teacher_W = (torch.randn(N, TARGET["hidden"]) * 0.02).to(torch.bfloat16)
+    teacher_W = (torch.randn(N, TARGET["hidden"]) * 0.02).to(feature_dtype())
     train_step(draft, opt, batch, teacher_W, ttt_loss)
     from torch.profiler import profile
 
@@ -130,7 +149,12 @@ def main() -> None:
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="auto = what train.precision=auto trains in on this CPU")
     args = ap.parse_args()
+    global AMP
+    AMP = pick_amp(args.precision)
+    precision = "bf16 autocast" if AMP is not None else "fp32"
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.profile:
@@ -169,7 +193,8 @@ def main() -> None:
     table = markdown_table(headers, rows)
     body = (
         f"`python benchmarks/bench_ttt.py` -- {header_markdown(info)}\n\n"
-        "One train step = TTT forward (7 steps) + backward + AdamW (fused=True), bf16 autocast, "
+        f"One train step = TTT forward (7 steps) + backward + AdamW (fused=True), **{precision}** "
+        f"(--precision {args.precision}; bf16 instructions on this CPU: {'yes' if cpu_fast_bf16() else 'no'}), "
         f"{args.threads} threads, SmolLM2-135M-shaped draft (H 576, I 1536, 9/3 heads, head_dim 64, "
         "target vocab 49152), random features. fast = `ttt_loss` (mask-free chunked attention core, fused "
         "chunked lm_head + soft-CE on counted rows only, teacher once, embedding half of q/k/v once, rows no "

@@ -26,14 +26,19 @@ start=$(date +%s)
 phase() { echo; echo "== $1 ($(( ($(date +%s) - start) / 60 )) min since start)"; }
 
 # What this config asks for (one line: placement mode, how the store is filled, checkpoint folder).
-read -r MODE FILL OUT < <("$PY" - "$CONFIG" "$@" <<'EOF'
+# A bad config is one error: line (the same check ray_train makes), not a traceback.
+SETTINGS=$("$PY" - "$CONFIG" "$@" <<'EOF'
 import sys
-from specforge.config import load_config
-from specforge.train.trainer import checkpoint_root
-cfg = load_config(sys.argv[1], sys.argv[2:])
-print(cfg.placement.mode, cfg.store.fill, checkpoint_root(cfg))
+from specforge.cli import run_cli
+def main():
+    from specforge.config import load_config
+    from specforge.train.trainer import checkpoint_root
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+    print(cfg.placement.mode, cfg.store.fill, checkpoint_root(cfg))
+sys.exit(run_cli(main))
 EOF
-)
+) || exit 1
+read -r MODE FILL OUT <<< "$SETTINGS"
 
 if [ "$MODE" = offline ]; then
   phase "1/3 data: store.fill=$FILL"
@@ -41,8 +46,10 @@ if [ "$MODE" = offline ]; then
 fi
 phase "2/3 train: placement.mode=$MODE"
 "$PY" -m specforge.ray_train --config "$CONFIG" "$@"
-CKPT=$(ls -d "$OUT"/step-* 2>/dev/null | tail -n 1)
-if [ -n "${SKIP_EVAL:-}" ] || [ -z "$CKPT" ]; then exit 0; fi
+# ray_train exits non-zero if it could not save; the newest complete checkpoint is the one to measure.
+CKPT=$("$PY" -c 'import sys; from specforge.train.checkpoint import latest_checkpoint as l; print(l(sys.argv[1]) or "")' "$OUT")
+if [ -n "${SKIP_EVAL:-}" ]; then exit 0; fi
+if [ -z "$CKPT" ]; then echo "error: no checkpoint under $OUT to evaluate" >&2; exit 1; fi
 phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out prompts"
 "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --draft prompt-lookup --num-prompts "${EVAL_PROMPTS:-16}" "$@"
 phase "done"

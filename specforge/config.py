@@ -327,6 +327,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     tree: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            inside = sorted(str(p) for p in path.glob("*.yaml"))
+            raise ValueError(f"config file {str(path)!r} is a directory; pass a YAML file"
+                             + (f", one of: {', '.join(inside)}" if inside else ""))
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
         try:
@@ -350,7 +354,7 @@ _AT_LEAST = {
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1, "draft.ttt_length": 1,
     "train.warmup_steps": 0, "train.ttt_warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
     "train.grad_accum": 1,
-    "train.max_steps": 0, "train.num_threads": 1, "train.num_workers": 1, "train.log_every": 1,
+    "train.max_steps": 1, "train.num_threads": 1, "train.num_workers": 1, "train.log_every": 1,
     "train.eval_every": 0, "rollout.num_workers": 1, "rollout.max_restarts": 0, "parallel.sp_ulysses": 1,
     "parallel.sp_ring": 1, "ray.num_cpus": 1, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0,
     "regenerate.concurrency": 1, "regenerate.retries": 0, "regenerate.max_new_tokens": 1,
@@ -368,10 +372,17 @@ def _get(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
+def _or_null(key: str) -> str:
+    """' or null' where the key's type admits null (the range message must not offer what is refused)."""
+    section, name = key.split(".")
+    tp = typing.get_type_hints(type(getattr(Config(), section)))[name]
+    return " or null" if type(None) in typing.get_args(tp) else ""
+
+
 def _range_errors(cfg: Config) -> list[str]:
-    out = [f"config key {k!r}={_get(cfg, k)!r} must be >= {lo} or null" for k, lo in _AT_LEAST.items()
+    out = [f"config key {k!r}={_get(cfg, k)!r} must be >= {lo}{_or_null(k)}" for k, lo in _AT_LEAST.items()
            if _get(cfg, k) is not None and _get(cfg, k) < lo]
-    out += [f"config key {k!r}={_get(cfg, k)!r} must be > 0 or null" for k in _POSITIVE
+    out += [f"config key {k!r}={_get(cfg, k)!r} must be > 0{_or_null(k)}" for k in _POSITIVE
             if _get(cfg, k) is not None and _get(cfg, k) <= 0]
     for k, interval in _UNIT.items():
         v = _get(cfg, k)
@@ -390,6 +401,10 @@ def validate(cfg: Config) -> None:
         errors.append(f"config key 'train.betas'={cfg.train.betas!r} must be two values in [0, 1)")
     if cfg.model.aux_layer_ids is not None:
         errors += aux_layer_errors(cfg.model.aux_layer_ids)
+    endpoint = cfg.regenerate.endpoint
+    if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
+        errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
+                      f"'http://{endpoint.split('://')[-1].lstrip('/') or '127.0.0.1:30000'}/v1'")
     if errors:
         raise ValueError(errors[0])
 
@@ -402,8 +417,8 @@ def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None) -> list[s
     if len(ids) != 3:
         return [f"{key}: an EAGLE-3 draft fuses exactly 3 target layers, got {len(ids)}"]
     if list(ids) != sorted(set(ids)):
-        return [f"{key}: must be in ascending order without repeats (SGLang concatenates them in layer order), "
-                f"e.g. {sorted(set(ids))}"]
+        return [f"{key}: must be in ascending order without repeats (SGLang concatenates them in layer order)"
+                + (f", e.g. {sorted(ids)}" if len(set(ids)) == 3 else ", e.g. the default: leave the key unset")]
     top = "L-2" if num_layers is None else num_layers - 2
     if ids[0] < 0 or (num_layers is not None and ids[-1] > num_layers - 2):
         where = "" if num_layers is None else f" (the target has {num_layers} layers)"

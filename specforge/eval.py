@@ -27,7 +27,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -324,6 +324,7 @@ class Setting:
     draft: str
     proposer: object
     dynamic: bool = False
+    target: Optional[TargetModel] = None  # the target capturing this draft's layers (None: the shared one)
 
     def name(self, chain: int) -> str:
         return f"dynamic <={chain}" if self.dynamic else f"chain {chain} fixed"
@@ -376,7 +377,7 @@ def evaluate_settings(
         for j, s in enumerate(settings):
             if costs[j] is not None:  # the baseline's decode steps are target forwards over 1 token
                 costs[j].observe_target(1, ref.decode_step_s)
-            got, st = speculative_decode(target, s.proposer, prompt, max_new, chain, eos, costs[j])
+            got, st = speculative_decode(s.target or target, s.proposer, prompt, max_new, chain, eos, costs[j])
             ties[j] += check_lossless(got, ref, rtol, where=f"{s.draft} ({s.name(chain)}), prompt {i}: ")
             _add(totals[j], st)
     base_tps = base_tokens / max(base_s, 1e-9)
@@ -387,7 +388,8 @@ def _warm_up(target: TargetModel, settings: Sequence[Setting], prompt: Sequence[
     """Untimed: first calls pay for allocations and kernel selection, on both sides."""
     greedy_run(target, prompt, 4, set())
     for s in settings:
-        speculative_decode(target, s.proposer, prompt, 2 * chain + 2, chain, set(), RoundCosts() if s.dynamic else None)
+        speculative_decode(s.target or target, s.proposer, prompt, 2 * chain + 2, chain, set(),
+                           RoundCosts() if s.dynamic else None)
 
 
 def _add(total: DecodeStats, st: DecodeStats) -> None:
@@ -460,8 +462,10 @@ def format_report(rep: EvalReport, label: Optional[str] = None) -> str:
     )
 
 
-def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Optional[torch.dtype]) -> list[Setting]:
-    """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting."""
+def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Optional[torch.dtype],
+                   aux_ids: Optional[dict[str, Optional[list[int]]]] = None) -> list[Setting]:
+    """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
+    the target layers ``aux_ids[name]`` (default: the target's)."""
     from specforge.train.checkpoint import load_draft
 
     settings: list[Setting] = []
@@ -470,9 +474,28 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
             settings.append(Setting(name, PromptLookupProposer()))
             continue
         draft = load_draft(name, target).to(target.device)
-        settings.append(Setting(name, EagleProposer(draft, draft_dtype)))
-        settings.append(Setting(name, EagleProposer(draft, draft_dtype), dynamic=True))
+        layers = (aux_ids or {}).get(name)
+        view = replace(target, aux_layer_ids=layers) if layers and layers != target.aux_layer_ids else None
+        settings.append(Setting(name, EagleProposer(draft, draft_dtype), target=view))
+        settings.append(Setting(name, EagleProposer(draft, draft_dtype), dynamic=True, target=view))
     return settings
+
+
+def check_drafts(drafts: Sequence[str], cfg, allow: bool) -> dict[str, Optional[list[int]]]:
+    """Before the target loads: every draft checkpoint against the target's config.json; the
+    layer ids each draft runs with (its own, unless model.aux_layer_ids asks otherwise)."""
+    from specforge.compat import check_aux_ids, check_draft_shape, draft_aux_ids, read_draft_config
+    from specforge.models.target import load_target_config
+
+    target_config = load_target_config(cfg.model)
+    out = {}
+    for name in dict.fromkeys(drafts):
+        if name == "prompt-lookup":
+            continue
+        hf = read_draft_config(name)
+        check_draft_shape(name, hf, target_config)
+        out[name] = check_aux_ids(name, draft_aux_ids(hf), cfg.model.aux_layer_ids, allow)
+    return out
 
 
 def _draft_dtype(choice: str, precision: str, device: torch.device) -> torch.dtype:
@@ -499,9 +522,14 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     help="dtype the draft runs in; auto = the autocast dtype of train.precision")
     ap.add_argument("--json", default=None, help="also write every row as JSON here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dtype=bfloat16")
+    ap.add_argument("--allow-mismatch", action="store_true",
+                    help="evaluate a draft even if it records another target, or model.aux_layer_ids differs from its own")
     args = ap.parse_args(argv)
-    if args.chain < 1:
-        raise ValueError(f"--chain must be >= 1, got {args.chain}")
+    for flag, value, low in (("--chain", args.chain, 1), ("--num-prompts", args.num_prompts, 1),
+                             ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2),
+                             ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
     return args
 
 
@@ -530,6 +558,7 @@ def heldout_rows(cfg, tokenizer) -> list[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from specforge.compat import check_target_weights
     from specforge.config import load_config
     from specforge.device import set_threads
     from specforge.models.target import load_target
@@ -537,12 +566,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"model.target_path={args.target}"] if args.target else []))
     set_threads(args.threads or cfg.train.num_threads)
+    aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
     target = load_target(cfg.model)  # in cfg.model.dtype: the dtype the features were captured in
+    for name in aux_ids:
+        if note := check_target_weights(name, target.model, args.allow_mismatch):
+            print(note, file=sys.stderr)
     prompts = eval_prompts(heldout_rows(cfg, target.tokenizer), args.num_prompts, args.max_prompt_tokens)
     if not prompts:
         raise ValueError("no held-out prompt fits; raise --max-prompt-tokens or data.num_eval")
     draft_dtype = _draft_dtype(args.draft_dtype, cfg.train.precision, target.device)
-    settings = build_settings(args.draft, target, draft_dtype)
+    settings = build_settings(args.draft, target, draft_dtype, aux_ids)
     reports = evaluate_settings(target, settings, prompts, args.max_new_tokens, args.chain)
     target_dtype = str(target.lm_head_weight_VH.dtype).replace("torch.", "")
     print(f"target {cfg.model.target_path} in {target_dtype} on {target.device.type}, draft in "

@@ -11,6 +11,9 @@ failing. Both raise a ``ValueError`` naming the config keys and the numbers.
 from __future__ import annotations
 
 import os
+import socket
+import tempfile
+from pathlib import Path
 from typing import Mapping, Optional
 
 from specforge.config import Config, aux_layer_ids
@@ -51,8 +54,55 @@ def check_run(cfg: Config) -> None:
                          f"({target.vocab_size} tokens); choose at most {target.vocab_size}")
     heads = cfg.draft.num_attention_heads or target.num_attention_heads
     ParallelDims.from_config(cfg).check_heads(heads)
+    check_outputs(cfg)
     if cfg.placement.mode == "offline":
         check_store(cfg, layers, target)
+
+
+def check_outputs(cfg: Config) -> None:
+    """The folders a training run writes (metrics, checkpoints) can be written, before anything
+    trains: a save that fails after training would otherwise lose the run."""
+    from specforge.train.trainer import checkpoint_root
+
+    check_writable("train.output_dir", cfg.train.output_dir)
+    key = "checkpoint.dir" if cfg.checkpoint.dir else "train.output_dir (its checkpoints/ folder)"
+    check_writable(key, checkpoint_root(cfg))
+
+
+def check_writable(key: str, folder: str | Path) -> None:
+    """ValueError naming ``key`` unless ``folder`` is (or can be made as) a folder this process can
+    write. Probed with a real temporary file in the nearest existing folder: root passes every
+    mode-bit check, a read-only mount or a full disk does not."""
+    path = Path(folder).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is under {str(existing)!r}, a file"
+        raise ValueError(f"config key {key!r}={str(folder)!r} {what}, not a folder; name a folder (or move the file)")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ValueError(f"config key {key!r}={str(folder)!r} is not writable ({e.strerror} in {str(existing)!r}); "
+                         "name a folder this user can write") from None
+
+
+def check_ray_address(address: Optional[str], timeout_s: float) -> None:
+    """A ``ray.address`` of host:port must answer a TCP connect within ``timeout_s``: Ray itself
+    retries a dead address for minutes, printing warnings. (``auto`` is resolved, and refused
+    when no cluster runs, by Ray at once.)"""
+    if not address or address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"config key 'ray.address'={address!r} must be 'auto' or host:port of the Ray head, "
+                         "e.g. 10.0.0.1:6379")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"config key 'ray.address'={address!r}: no Ray head answers there within {timeout_s:g} s "
+                         f"({e.strerror or e}); start one (ray start --head --port={port}) or fix the address") from None
 
 
 def check_store(cfg: Config, layers: list[int], target) -> None:
@@ -70,6 +120,22 @@ def check_store(cfg: Config, layers: list[int], target) -> None:
         if want != got:
             raise ValueError(f"feature store {root} was captured with {key}={got}, this run has {want}; "
                              f"recapture (python -m specforge.capture) or set {key.split(' ')[0]} to match")
+    check_store_eval(cfg, FeatureStore(root))
+
+
+def check_store_eval(cfg: Config, store) -> None:
+    """Periodic eval offline holds out the store's last samples (``plan.store_split``: at most a
+    tenth of them); too few for one per DP group is refused here, before Ray starts."""
+    from specforge.runtime.plan import EVAL_SAMPLES, store_split
+
+    dp = ParallelDims.from_config(cfg).dp
+    held = len(store_split(store, cfg)["eval"])
+    if cfg.train.eval_every and min(held, EVAL_SAMPLES) < dp:
+        raise ValueError(
+            f"config key 'train.eval_every'={cfg.train.eval_every}: periodic eval needs {dp} held-out sample(s) (one per "
+            f"data-parallel group), but from a feature store of {len(store.ids)} samples it holds out {held} (the last "
+            f"min(data.num_eval={cfg.data.num_eval}, {EVAL_SAMPLES}, a tenth of the store)); fill the store with at least "
+            f"{10 * dp} samples or set train.eval_every=0")
 
 
 # ---------------------------------------------------------------- resources

@@ -41,7 +41,7 @@ import ray
 
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
-from specforge.preflight import check_placement, check_resources, ray_resources
+from specforge.preflight import check_placement, check_ray_address, check_resources, ray_resources
 from specforge.runtime.actors import (
     ActorDied, ActorGroup, WorkerError, dead_actors, gather, init_communicator, spawn_actors)
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
@@ -209,6 +209,7 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if cfg.ray.address:
+        check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
         ray.init(address=cfg.ray.address, runtime_env=env)
     else:  # one CPU per actor bundle, oversubscribed if the machine has fewer cores
         num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
@@ -221,10 +222,11 @@ def fit(cfg: Config) -> Optional[str]:
     """Train; returns the newest checkpoint folder."""
     from specforge.tracking import MetricsLogger
     from specforge.train.checkpoint import latest_checkpoint
-    from specforge.train.trainer import checkpoint_root
+    from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
 
     check(cfg)
     check_placement(cfg)  # the config against the target's config.json and, if Ray starts here, the cores
+    keep_old_checkpoints(cfg)
     if skipped := not_applied(cfg, cfg.placement.mode):
         print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
     started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
@@ -265,7 +267,8 @@ def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> Non
     """Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save (after
     Ctrl-C the queued steps finish first). Not after a train worker died: the save is collective
     over the train ranks. After another failure the peers may sit in a collective until their
-    group timeout: try, but do not wait that long."""
+    group timeout: try, but do not wait that long. A save that fails after a normal end is an
+    error (the writer put the state in a rescue folder if it could: ``checkpoint.save_or_rescue``)."""
     if cluster is None or isinstance(failed, TrainWorkerLost):
         return
     try:
@@ -273,6 +276,8 @@ def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> Non
         if path:
             print(f"saved {path}")
     except (WorkerError, KeyboardInterrupt) as err:
+        if failed is None and isinstance(err, WorkerError):
+            raise  # the run trained but its state is not where asked: never exit 0 (the error says where it went)
         print(f"could not save the final checkpoint: {err}", file=sys.stderr)
 
 

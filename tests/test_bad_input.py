@@ -33,6 +33,7 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 | unknown key, wrong type | error (already, tests/test_config.py) | error naming the dotted key | tests/test_config.py |
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,7 +47,7 @@ from specforge.cli import run_cli
 from specforge.config import load_config
 from specforge.preflight import check_resources, check_run, needed_resources, ray_resources
 from tests.test_data_prepare import make_tokenizer, rec, write_jsonl
-from tests.test_ray_train import assets, make_cfg  # noqa: F401  (fixture)
+from tests.test_ray_train import assets, cfg_overrides, make_cfg  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("override, pattern", [
-    ("train.max_steps=-1", r"'train\.max_steps'=-1 must be >= 0"),
+    ("train.max_steps=-1", r"'train\.max_steps'=-1 must be >= 1 or null"),
     ("train.max_minutes=-5", r"'train\.max_minutes'=-5\.0 must be > 0"),
     ("train.log_every=0", r"'train\.log_every'=0 must be >= 1"),
     ("train.lr=0", r"'train\.lr'=0\.0 must be > 0"),
@@ -390,3 +391,275 @@ def test_every_entry_point_prints_one_error_line(assets, tmp_path, module):  # n
     out = _cli([*module, *_base(assets, tmp_path), f"model.target_path={tmp_path / 'missing-model'}"])
     assert out.returncode == 1, out.stderr[-2000:]
     _one_error_line(out.stderr, "missing-model", "does not exist")
+
+
+# ---------------------------------------------------------------- nothing lost, nothing silent (issue 15)
+
+# A folder on a read-only mount: root ignores mode bits, so chmod cannot make a folder unwritable here.
+READ_ONLY = Path("/sys/fs/specforge-read-only")
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _single(assets, tmp_path, *overrides):  # noqa: F811
+    """A 2-step single-process run of the tiny target; its checkpoint folder."""
+    from specforge.train.trainer import run
+
+    run(make_cfg(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2", *overrides))
+    return tmp_path / "run" / "checkpoints"
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "train.output_dir"])
+def test_unwritable_output_folder_is_refused_before_anything_loads(assets, tmp_path, key, monkeypatch):  # noqa: F811
+    import specforge.ray_train as rt
+
+    monkeypatch.setattr(rt, "start_ray", lambda *a, **k: pytest.fail("Ray started before the folders were checked"))
+    with pytest.raises(ValueError, match=rf"'{key}'='{READ_ONLY}/run' is not writable"):
+        rt.fit(make_cfg(assets, tmp_path, f"{key}={READ_ONLY / 'run'}"))
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match=rf"'{key}'='{tmp_path / 'a-file'}' is a file, not a folder"):
+        check_run(make_cfg(assets, tmp_path, f"{key}={tmp_path / 'a-file'}"))
+    check_run(make_cfg(assets, tmp_path, f"{key}={tmp_path / 'fresh' / 'deeper'}"))  # negative control: creatable
+
+
+def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """The disk turns read-only during training (the preflight passed): the trained state goes
+    to a rescue folder the error names, and the exit code is 1."""
+    import tempfile
+
+    import specforge.preflight as pf
+    from specforge.train.checkpoint import load_draft_folder, load_train_state
+    from specforge.train.trainer import main
+
+    monkeypatch.setattr(pf, "check_outputs", lambda cfg: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    args = cfg_overrides(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2",
+                         f"checkpoint.dir={READ_ONLY / 'ckpt'}")
+    assert run_cli(lambda: main(args)) == 1
+    err = capsys.readouterr().err
+    _one_error_line(err, f"could not write checkpoint step 2 under '{READ_ONLY / 'ckpt'}'", "saved in")
+    (rescued,) = (tmp_path / "tmp").glob("specforge-rescue-*/step-000002")
+    assert str(rescued) in err and load_train_state(rescued)["step"] == 2
+    assert "fc.weight" in load_draft_folder(rescued)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch):  # noqa: F811
+    import tempfile
+
+    import specforge.preflight as pf
+    from specforge.ray_train import fit
+    from specforge.runtime.actors import WorkerError
+
+    monkeypatch.setattr(pf, "check_outputs", lambda cfg: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the Ray worker's rescue folder
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    (tmp_path / "tmp").mkdir()
+    cfg = make_cfg(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2", "placement.mode=colocated",
+                   f"checkpoint.dir={READ_ONLY / 'ckpt'}", f"ray.temp_dir=/tmp/sfray-save-{os.getpid()}")
+    with pytest.raises(WorkerError, match=r"could not write checkpoint step 2 .* saved in '.*specforge-rescue-"):
+        fit(cfg)
+    assert list((tmp_path / "tmp").glob("specforge-rescue-*/step-000002/model.safetensors"))
+
+
+def test_a_fresh_start_moves_old_checkpoints_aside(assets, tmp_path, capsys):  # noqa: F811
+    root = _single(assets, tmp_path)
+    before = _hashes(root)
+    assert "step-000002/model.safetensors" in before
+    # the resume refusal's hint, followed in the same folder: another vocab, checkpoint.resume=false
+    _single(assets, tmp_path, "draft.vocab_size=32", "checkpoint.resume=false")
+    (moved,) = root.glob("previous-*")
+    assert f"moved the existing checkpoints of {root} aside to {moved}" in capsys.readouterr().out
+    assert _hashes(moved) == before  # every old file kept, byte for byte
+    assert (root / "step-000002").is_dir() and _hashes(root / "step-000002") != _hashes(moved / "step-000002")
+
+
+def test_a_truncated_training_state_names_the_file(assets, tmp_path):  # noqa: F811
+    root = _single(assets, tmp_path)
+    state = root / "step-000002" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    with pytest.raises(ValueError, match=rf"'{state}' cannot be read .*truncated or corrupt checkpoint"):
+        _single(assets, tmp_path, "checkpoint.resume=true")
+
+
+@pytest.fixture(scope="module")
+def trained(assets, tmp_path_factory):  # noqa: F811
+    """A 2-step draft of the tiny target, and a second target of the same shape, other weights."""
+    from transformers import LlamaForCausalLM
+
+    from specforge.train.trainer import run
+
+    out = tmp_path_factory.mktemp("trained")
+    ckpt = run(make_cfg(assets, out / "run", "train.num_workers=1", "train.max_steps=2"))
+    other = out / "other-target"
+    shutil.copytree(assets / "target", other)
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaForCausalLM.config_class.from_pretrained(other)).save_pretrained(other)
+    return ckpt, other
+
+
+def _eval(assets, tmp_path, *args):  # noqa: F811
+    import specforge.eval as ev
+
+    base = [a for a in _base(assets, tmp_path) if not a.startswith("train.")]
+    return run_cli(lambda: ev.main(["--num-prompts", "1", "--max-new-tokens", "4", "--chain", "2", *args,
+                                    *base, "model.dtype=float32"]))
+
+
+def test_eval_refuses_a_draft_of_another_target(assets, tmp_path, trained, capsys):  # noqa: F811
+    ckpt, other = trained
+    assert _eval(assets, tmp_path, "--draft", str(ckpt), "--target", str(other)) == 1
+    _one_error_line(capsys.readouterr().err, f"draft '{ckpt}' was trained with another target", "--allow-mismatch")
+    assert _eval(assets, tmp_path, "--draft", str(ckpt), "--target", str(other), "--allow-mismatch") == 0
+    assert "evaluating anyway" in capsys.readouterr().err
+    assert _eval(assets, tmp_path, "--draft", str(ckpt)) == 0  # negative control: its own target passes
+    assert "another target" not in capsys.readouterr().err
+
+
+def test_eval_runs_a_draft_on_its_own_layers(assets, tmp_path, trained, capsys, monkeypatch):  # noqa: F811
+    import specforge.eval as ev
+    from specforge.config import load_config
+
+    ckpt, _ = trained
+    own = json.loads((ckpt / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert own == [1, 2, 2]  # the default of a 6-layer target
+    assert _eval(assets, tmp_path, "--draft", str(ckpt), "model.aux_layer_ids=[0,2,4]") == 1
+    _one_error_line(capsys.readouterr().err, "trained on target layers [1, 2, 2]", "asks for [0, 2, 4]")
+    # without the key, every draft runs on the layers it was trained on (here a draft of [0, 2, 4])
+    cfg = load_config(None, [a for a in _base(assets, tmp_path) if not a.startswith("train.")])
+    relabeled = tmp_path / "relabeled"
+    shutil.copytree(ckpt, relabeled)
+    hf = json.loads((relabeled / "config.json").read_text())
+    hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 4]
+    (relabeled / "config.json").write_text(json.dumps(hf))
+    assert ev.check_drafts([str(ckpt), str(relabeled), "prompt-lookup"], cfg, allow=False) == {
+        str(ckpt): [1, 2, 2], str(relabeled): [0, 2, 4]}
+    seen = []
+    real = ev.speculative_decode
+    monkeypatch.setattr(ev, "speculative_decode", lambda t, *a, **k: seen.append(list(t.aux_layer_ids)) or real(t, *a, **k))
+    assert _eval(assets, tmp_path, "--draft", str(relabeled)) == 0
+    assert seen and all(ids == [0, 2, 4] for ids in seen)
+
+
+def test_eval_refuses_a_draft_shaped_for_another_target(tmp_path):
+    from types import SimpleNamespace
+
+    from specforge.compat import check_draft_shape
+
+    hf = {"hidden_size": 64, "vocab_size": 297, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}
+    ours = SimpleNamespace(hidden_size=64, vocab_size=297, num_hidden_layers=6)
+    check_draft_shape("d", hf, ours)  # negative control: the target it was trained for
+    for target, needle in ((SimpleNamespace(hidden_size=576, vocab_size=297, num_hidden_layers=6), "hidden size 64"),
+                           (SimpleNamespace(hidden_size=64, vocab_size=49152, num_hidden_layers=6), "297 tokens"),
+                           (SimpleNamespace(hidden_size=64, vocab_size=297, num_hidden_layers=4), "only 4 layers")):
+        with pytest.raises(ValueError, match=needle):
+            check_draft_shape("d", hf, target)
+
+
+@pytest.mark.parametrize("flag, value", [("--num-prompts", "-3"), ("--max-new-tokens", "0"), ("--chain", "0"),
+                                         ("--threads", "0")])
+def test_eval_argument_ranges(flag, value):
+    import specforge.eval as ev
+
+    with pytest.raises(ValueError, match=rf"{flag} must be >= \d+, got {value}"):
+        ev._parse_args(["--draft", "prompt-lookup", flag, value])
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("train.max_steps=0", r"'train\.max_steps'=0 must be >= 1 or null"),
+    ("train.lr=0", r"'train\.lr'=0\.0 must be > 0$"),  # lr is not optional: the message offers no null
+    ("model.aux_layer_ids=[1,14,14]", r"without repeats.*the default: leave the key unset"),
+    ("regenerate.endpoint=127.0.0.1:59999", r"'regenerate\.endpoint'.*http\(s\) URL, e\.g\. 'http://127\.0\.0\.1:59999/v1'"),
+])
+def test_config_error_messages_offer_only_valid_fixes(override, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(None, [override])
+    load_config(None, ["regenerate.endpoint=http://127.0.0.1:59999/v1", "train.max_steps=null", "train.epochs=1"])
+
+
+def test_a_config_folder_is_named_as_one(tmp_path):
+    (tmp_path / "run.yaml").write_text("train:\n  max_steps: 3\n")
+    with pytest.raises(ValueError, match=rf"'{tmp_path}' is a directory; pass a YAML file, one of: {tmp_path / 'run.yaml'}"):
+        load_config(tmp_path)
+
+
+def test_a_dead_ray_address_fails_within_the_timeout(tmp_path):
+    import socket
+    import time
+
+    from specforge.preflight import check_ray_address
+    from specforge.ray_train import start_ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    cfg = load_config(None, [f"ray.address=127.0.0.1:{port}", "parallel.timeout_s=10"])
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"'ray\.address'='127\.0\.0\.1:{port}': no Ray head answers there within 10 s"):
+        start_ray(cfg, 1)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match="must be 'auto' or host:port"):
+        check_ray_address("nohostport", 1)
+    with socket.socket() as s:  # negative control: something listens
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_ray_address(f"127.0.0.1:{s.getsockname()[1]}", 5)
+
+
+def test_a_small_store_with_periodic_eval_names_the_limit():
+    from types import SimpleNamespace
+
+    from specforge.preflight import check_store_eval
+
+    cfg = load_config(None, ["data.num_eval=6", "train.eval_every=10"])
+    with pytest.raises(ValueError, match=r"feature store of 6 samples it holds out 0 .*at least 10 samples"):
+        check_store_eval(cfg, SimpleNamespace(ids=list(range(6))))
+    check_store_eval(cfg, SimpleNamespace(ids=list(range(10))))  # negative control: a tenth is one sample
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_a_data_file_that_is_not_utf8_names_file_and_line(tmp_path, kind):
+    from specforge.data.sharegpt import load_conversations
+
+    good = json.dumps(rec("hi", "hello"))
+    path = tmp_path / f"rows.{kind}"
+    text = (good + "\n" + good.replace("hello", "h\xe4llo") + "\n") if kind == "jsonl" else \
+        f"[{good},\n{good.replace('hello', 'h' + chr(0xe4) + 'llo')}]"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"data file '{path}' is not UTF-8 text: byte 0xe4 at line 2.*iconv"):
+        load_conversations(path)
+    path.write_bytes(text.encode("utf-8"))
+    assert len(load_conversations(path)) == 2  # negative control
+
+
+def _script(*args, timeout=120):
+    env = dict(os.environ, SKIP_INSTALL="1", VENV=sys.prefix)
+    return subprocess.run(["bash", "scripts/train_eagle3.sh", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [(["--config", "configs/nope.yaml"], "'configs/nope.yaml' does not exist"),
+                                          (["train.max_step=2"], "unknown config key 'train.max_step'")])
+def test_the_default_script_reports_a_bad_config_in_one_line(args, needle):
+    out = _script(*args)
+    assert out.returncode == 1, out.stderr[-2000:]
+    _one_error_line(out.stderr, needle)
+
+
+def test_bench_ttt_measures_the_precision_training_runs(monkeypatch):
+    import specforge.device as dev
+
+    sys.path.insert(0, str(REPO))
+    import benchmarks.bench_ttt as bench
+
+    for fast_bf16, want in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(dev, "cpu_fast_bf16", lambda v=fast_bf16: v)
+        assert bench.pick_amp("auto") is want and dev.autocast_dtype("auto", torch.device("cpu")) is want
+    assert bench.pick_amp("fp32") is None and bench.pick_amp("bf16") is torch.bfloat16

@@ -176,9 +176,26 @@ def _iter_json_list(text: str, name: str) -> Iterator[tuple[object, Optional[Mal
         yield obj, None, f"{name}@{pos}"
 
 
+def _not_utf8(path: Path, err: UnicodeDecodeError, where: str) -> ValueError:
+    return ValueError(f"data file {str(path)!r} is not UTF-8 text: byte {err.object[err.start]:#04x} at {where}; "
+                      "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT) and point data.path at the result")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise _not_utf8(path, e, f"line {line}") from None
+
+
 def _iter_json_lines(path: Path) -> Iterator[tuple[object, Optional[MalformedRow], str]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, e, f"line {lineno}, column {e.start + 1}") from None
             if not line.strip():
                 continue
             try:
@@ -193,7 +210,7 @@ def _iter_file(path: Path) -> Iterator[tuple[object, Optional[MalformedRow], str
     if path.suffix.lower() == ".jsonl":
         yield from _iter_json_lines(path)
         return
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         yield from _iter_json_list(text, path.name)

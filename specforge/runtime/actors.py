@@ -104,11 +104,11 @@ def gather(refs: Sequence, labels: Sequence[str], timeout_s: float, what: str = 
 
 def worker_error(err: "ray.exceptions.RayError", label: str, what: str) -> WorkerError:
     """``err`` as a ``WorkerError`` naming ``label``: ``ActorDied`` when its process is gone; a
-    user mistake (ValueError) in one line, without the remote traceback."""
+    user mistake (ValueError) or a file problem (OSError) in one line, without the remote traceback."""
     if isinstance(err, ray.exceptions.RayActorError):
         return ActorDied(f"{what}: {label} died ({type(err).__name__})", label)
     cause = getattr(err, "cause", None)
-    if isinstance(cause, ValueError):
+    if isinstance(cause, (ValueError, OSError)):  # a user mistake or a file problem: its message says it
         return WorkerError(f"{what} failed on {label}: {cause}", label, cause)
     return WorkerError(f"{what} failed on {label}:\n{err}", label, cause)
 

@@ -144,8 +144,9 @@ class Planner:
         n_eval = min(EVAL_SAMPLES, len(data.eval_lengths)) // self.dp * self.dp
         if cfg.train.eval_every and not n_eval:
             raise ValueError(f"config key 'train.eval_every'={cfg.train.eval_every}: periodic eval needs at least "
-                             f"{self.dp} held-out samples (one per data-parallel group), data.num_eval gave "
-                             f"{len(data.eval_lengths)}; raise data.num_eval or set train.eval_every=0")
+                             f"{self.dp} held-out samples (one per data-parallel group), the held-out split has "
+                             f"{len(data.eval_lengths)} (data.num_eval={cfg.data.num_eval}); raise data.num_eval or set "
+                             "train.eval_every=0")
         self._eval: Optional[StepPlan] = self._plan(0, list(range(n_eval)), "eval") if n_eval else None
         self.check_budget(int(cfg.placement.max_inflight_mb * 2**20))
 

@@ -139,7 +139,63 @@ def load_draft_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def load_train_state(path: str | Path) -> Optional[dict[str, Any]]:
     f = Path(path) / "training_state.pt"
-    return torch.load(f, map_location="cpu", weights_only=False) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated zip, a pickle error: the same to the user
+        raise ValueError(f"{str(f)!r} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}): a "
+                         "truncated or corrupt checkpoint; move that step folder away to resume from the one before, "
+                         "or start fresh (checkpoint.resume=false)") from None
+
+
+class CheckpointNotSaved(OSError):
+    """A save could not be written where asked; the message says where the state went instead."""
+
+
+def rescue_roots(root: Path) -> list[Path]:
+    """Where a save that cannot be written under ``root`` goes instead, in order: a sibling
+    folder, then the temp folder (the state must not be lost because one disk is full or read-only)."""
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return [root.with_name(f"{root.name}.rescue-{stamp}"), Path(tempfile.gettempdir()) / f"specforge-rescue-{stamp}-{os.getpid()}"]
+
+
+def save_or_rescue(root: Path, step: int, *args, **kwargs) -> Path:
+    """``save_checkpoint``; if it fails (OSError), the same save under a rescue root, then
+    ``CheckpointNotSaved`` naming both. Raises the first error if no rescue root works either."""
+    try:
+        return save_checkpoint(root, step, *args, **kwargs)
+    except OSError as first:
+        for alt in rescue_roots(root):
+            try:
+                saved = save_checkpoint(alt, step, *args, **kwargs)
+            except OSError:
+                continue
+            raise CheckpointNotSaved(
+                f"could not write checkpoint step {step} under {str(root)!r} ({first.strerror or first}); it is saved in "
+                f"{str(saved)!r} instead: resume from it with checkpoint.dir={alt}, or copy it where you want it") from first
+        raise
+
+
+def set_aside(root: str | Path) -> Optional[Path]:
+    """Move the checkpoints under ``root`` (step folders and ``latest``) into ``root/previous-<time>``
+    so that a fresh run (``checkpoint.resume=false``) never overwrites them; that folder, or None."""
+    import time
+
+    root = Path(root)
+    old = list_checkpoints(root)
+    if not old:
+        return None
+    dest = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    while dest.exists():
+        dest = dest.with_name(dest.name + "-1")
+    dest.mkdir()
+    for p in old + [root / LATEST]:
+        if p.is_symlink() or p.exists():
+            os.replace(p, dest / p.name)
+    return dest
 
 
 def load_draft(path: str | Path, target=None):
@@ -159,15 +215,19 @@ def load_draft(path: str | Path, target=None):
 # ------------------------------------------------------------------------------ what a resume must share
 
 
-def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], sample: int = 0) -> str:
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], sample: int = 0,
+                  dtype: Optional[torch.dtype] = None) -> str:
     """sha256 over names, shapes, dtypes and values: every value, or ``sample`` evenly strided values
-    per tensor (a cheap fingerprint of a large model that still tells two fine-tunes apart)."""
+    per tensor (a cheap fingerprint of a large model that still tells two fine-tunes apart).
+    ``dtype``: the digest the floating tensors would have had if loaded in that dtype."""
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda kv: kv[0]):
         flat = t.detach().reshape(-1)
         if sample and flat.numel() > sample:
             flat = flat[:: flat.numel() // sample][:sample]
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        if dtype is not None and t.is_floating_point():
+            flat = flat.to(dtype)
+        h.update(f"{name}:{tuple(t.shape)}:{flat.dtype}".encode())
         h.update(flat.to("cpu", torch.float64 if t.is_floating_point() else torch.int64).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -253,7 +313,7 @@ class CheckpointManager:
                  "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng(), "identity": self.identity}
         if "global_batch" in self.identity:
             state["cursor"] = data_cursor(step, self.identity["global_batch"], self.identity["num_samples"])
-        return save_checkpoint(self.root, step, draft.config.to_hf_config(), weights, state, self.keep_last)
+        return save_or_rescue(self.root, step, draft.config.to_hf_config(), weights, state, self.keep_last)
 
     def check(self, path: str | Path, state: dict[str, Any]) -> None:
         """Refuse a checkpoint of another run (ValueError naming every difference)."""

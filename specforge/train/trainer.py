@@ -37,6 +37,15 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
 
 
+def keep_old_checkpoints(cfg: Config) -> None:
+    """A fresh start (``checkpoint.resume=false``) in a folder holding checkpoints moves them aside
+    first, and says where: its saves would otherwise replace step folders of the same number."""
+    from specforge.train.checkpoint import set_aside
+
+    if not cfg.checkpoint.resume and (moved := set_aside(checkpoint_root(cfg))):
+        print(f"checkpoint.resume=false: moved the existing checkpoints of {checkpoint_root(cfg)} aside to {moved}")
+
+
 def vocab_path(cfg: Config, data_key: str) -> Path:
     """Where the draft vocab of this data + tokenizer is cached (workers load it from here)."""
     return Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}.safetensors"
@@ -204,6 +213,7 @@ def run(cfg: Config) -> Optional[Path]:
 
     check(cfg)
     check_run(cfg)  # the config against the target's config.json, before the target loads
+    keep_old_checkpoints(cfg)
     if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
     local = single_process(cfg)

@@ -1,0 +1,110 @@
+"""Does a draft checkpoint belong with this target? Checked before a draft is run or exported.
+
+A draft is a function of one target's hidden states: run with another target (other weights of the
+same shape, or other captured layers) it still produces numbers, and the acceptance it gets is
+meaningless. Three checks, cheapest first, each a ``ValueError`` naming the draft, what differs
+and the fix:
+
+    check_draft_shape   config.json against the target's config.json (no weights): hidden size,
+                        vocabulary, the captured layer ids within the target's layers
+    draft_aux_ids       the layer ids the draft was trained on (SGLang's ``eagle_config``), which a
+                        caller uses unless the user asked for others (``check_aux_ids``)
+    check_target_weights  the target fingerprint ``training_state.pt`` records (``run_identity``)
+                        against the loaded target's weights
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+ALLOW_FLAG = "--allow-mismatch"
+
+
+def read_draft_config(path: str | Path) -> dict:
+    """config.json of a draft folder (no weights), with the error the checkpoint loader gives."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{str(path)!r} is not a draft checkpoint (needs config.json and model.safetensors)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(f)!r} is not valid JSON ({e}): a truncated or hand-edited draft checkpoint") from None
+
+
+def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
+    """The target layer outputs the draft fuses, as its config.json records them (None if absent)."""
+    ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else [int(i) for i in ids]
+
+
+def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
+    """The draft's config.json against the target's: what a draft of another target gets wrong first."""
+    name = str(path)
+    want_h = int(hf_config.get("target_hidden_size") or hf_config["hidden_size"])
+    if want_h != target_config.hidden_size:
+        raise ValueError(f"draft {name!r} was trained for a target of hidden size {want_h}, this target has "
+                         f"{target_config.hidden_size}: evaluate it with the target it was trained for "
+                         "(model.target_path / --target)")
+    if int(hf_config["vocab_size"]) != target_config.vocab_size:
+        raise ValueError(f"draft {name!r} maps into a vocabulary of {hf_config['vocab_size']} tokens, this target has "
+                         f"{target_config.vocab_size}: evaluate it with the target it was trained for")
+    ids = draft_aux_ids(hf_config) or []
+    if ids and max(ids) > target_config.num_hidden_layers - 2:
+        raise ValueError(f"draft {name!r} fuses target layers {ids}, but this target has only "
+                         f"{target_config.num_hidden_layers} layers: evaluate it with the target it was trained for")
+
+
+def check_aux_ids(path: str | Path, draft_ids: Optional[Sequence[int]], asked: Optional[Sequence[int]],
+                  allow: bool) -> Optional[list[int]]:
+    """The layer ids to run the draft with: its own; ``asked`` (``model.aux_layer_ids`` set by the
+    user) only if equal, or with ``allow`` (then those, on purpose)."""
+    if asked is None or draft_ids is None or list(asked) == list(draft_ids):
+        return list(draft_ids) if draft_ids is not None else (list(asked) if asked is not None else None)
+    if allow:
+        return list(asked)
+    raise ValueError(f"draft {str(path)!r} was trained on target layers {list(draft_ids)}, but model.aux_layer_ids "
+                     f"asks for {list(asked)}: drop that key to use the draft's own layers, or pass {ALLOW_FLAG} to "
+                     "run it on other layers anyway")
+
+
+def recorded_target(path: str | Path) -> Optional[str]:
+    """The target fingerprint the draft's training_state.pt records (None without one)."""
+    import torch
+
+    f = Path(path) / "training_state.pt"
+    if not f.is_file():
+        return None
+    try:  # mmap: the optimizer state in the same file is not read
+        state = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:
+        raise ValueError(f"{str(f)!r} cannot be read ({type(e).__name__}): a truncated or corrupt checkpoint; "
+                         "use another checkpoint folder (step-*)") from None
+    return (state.get("identity") or {}).get("target")
+
+
+def target_fingerprints(model) -> set[str]:
+    """The model's fingerprint as ``run_identity`` computes it, in the model's own dtype and in
+    the other float dtypes a run may have loaded it in (the fingerprint hashes values and dtype)."""
+    import torch
+
+    from specforge.train.checkpoint import tensor_digest
+
+    named = list(model.state_dict().items())
+    return {tensor_digest(named, sample=64, dtype=d) for d in (None, torch.float32, torch.bfloat16, torch.float16)}
+
+
+def check_target_weights(path: str | Path, model, allow: bool) -> Optional[str]:
+    """ValueError (unless ``allow``) when the draft records another target's fingerprint; a note
+    to print when nothing can be checked or the mismatch is allowed, else None."""
+    recorded = recorded_target(path)
+    if recorded is None:
+        return f"draft {str(path)!r} has no training_state.pt: its target was not checked"
+    if recorded in target_fingerprints(model):
+        return None
+    msg = (f"draft {str(path)!r} was trained with another target (weights fingerprint {recorded}, this target's "
+           "differs): evaluate it with the target it was trained for (model.target_path / --target)")
+    if allow:
+        return f"warning: {msg}; evaluating anyway ({ALLOW_FLAG})"
+    raise ValueError(f"{msg}, or pass {ALLOW_FLAG} to compare anyway")
