@@ -45,9 +45,11 @@ def main() -> int:
     common = ["--config", CONFIG, *args.overrides, "tracking.wandb=false"]
     module = "specforge.ray_train" if args.trainer == "ray" else "specforge.train"
 
-    run([PY, "-m", "specforge.train", *common, "train.max_steps=0", f"train.output_dir={untrained}", "checkpoint.resume=false"])
+    # the untrained baseline: one step at a learning rate too small to move a weight (train.max_steps=0 is refused)
+    run([PY, "-m", "specforge.train", *common, "train.max_steps=1", "train.lr=1e-12", f"train.output_dir={untrained}",
+         "checkpoint.resume=false"])
     results = [("prompt-lookup", evaluate("prompt-lookup", out / "eval-pld.json", args), None)]
-    results.append(("untrained draft", evaluate(str(untrained / "checkpoints" / "step-000000"), out / "eval-untrained.json", args), None))
+    results.append(("untrained draft", evaluate(str(untrained / "checkpoints" / "step-000001"), out / "eval-untrained.json", args), None))
     train_s = run([PY, "-m", module, *common, f"train.max_minutes={args.minutes}", "train.max_steps=100000",
                    f"train.output_dir={out / 'trained'}", "checkpoint.resume=false"])
     ckpt = sorted((out / "trained" / "checkpoints").glob("step-*"))[-1]

@@ -31,6 +31,22 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 | ``eval``: missing model, draft folder that is not a checkpoint | traceback | one ``error:`` line, exit 1 | test_eval_one_line_error |
 | any ``python -m specforge.*`` entry point (ray_train, data, train, eval, regenerate, capture) | mixed styles | one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_error_line |
 | unknown key, wrong type | error (already, tests/test_config.py) | error naming the dotted key | tests/test_config.py |
+| ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file (issue 15) | trains, then loses the run, exit 0 / "File exists" after the model loaded | error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
+| the final save fails anyway (disk turns read-only or full) | "checkpoint: None", exit 0 | saved to a rescue folder the error names, exit 1 | test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
+| ``checkpoint.resume=false`` where checkpoints are | old step folders overwritten | moved to ``<checkpoint dir>/previous-<time>``, said, hashes kept | test_a_fresh_start_moves_old_checkpoints_aside |
+| eval: a draft of another target with the same shape | a table, no warning | error (the fingerprint training_state.pt records) unless ``--allow-mismatch`` | test_eval_refuses_a_draft_of_another_target |
+| eval: ``model.aux_layer_ids`` other than the draft's | runs on the config's layers | error unless ``--allow-mismatch``; without the key each draft runs on its own layers | test_eval_runs_a_draft_on_its_own_layers |
+| eval: a draft shaped for another target (hidden, vocab, layers) | RuntimeError traceback | error before the target loads | test_eval_refuses_a_draft_shaped_for_another_target |
+| eval: ``--num-prompts -3`` (and the other counts) | all prompts run | error naming the flag | test_eval_argument_ranges |
+| ``train.max_steps=0`` | an untrained step-000000 saved | error: >= 1 or null | test_config_error_messages_offer_only_valid_fixes |
+| ``ray.address`` where no Ray head runs | Ray retries until killed | error within ``parallel.timeout_s`` naming the key | test_a_dead_ray_address_fails_within_the_timeout |
+| ``train_eagle3.sh`` with a missing config or an unknown key | Python traceback | one ``error:`` line, exit 1 | test_the_default_script_reports_a_bad_config_in_one_line |
+| truncated ``training_state.pt`` on resume | zip-reader traceback, file unnamed | error naming the file and the fix | test_a_truncated_training_state_names_the_file |
+| a data file that is not UTF-8 | codec error, no file or line | error naming file, line and the fix | test_a_data_file_that_is_not_utf8_names_file_and_line |
+| ``--config configs`` (a folder) | "does not exist" | "is a directory", the YAML files in it | test_a_config_folder_is_named_as_one |
+| a small store with periodic eval | "data.num_eval gave 0" after Ray started | the store's real limit (a tenth), before Ray starts | test_a_small_store_with_periodic_eval_names_the_limit |
+| ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | an invalid suggestion / retried as transient / "or null" offered | a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
+| ``bench_ttt.py`` on a CPU without bf16 | timed bf16, which training never runs there | times the precision training runs (``--precision``), names it | test_bench_ttt_measures_the_precision_training_runs |
 """
 
 import json
