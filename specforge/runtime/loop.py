@@ -23,6 +23,7 @@ from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import Layout, StepPlan, StepReport
 from specforge.runtime.plan import Planner, RunData, run_facts, total_steps
+from specforge.tracking import RECENT_STEPS, end_summary
 
 MAX_STEPS_AHEAD = 8  # submitted-but-unfinished plans, whatever the byte budget allows
 
@@ -159,6 +160,7 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
     limit = f", or {cfg.train.max_minutes:g} min if sooner" if cfg.train.max_minutes else ""  # a time-bounded phase says so
     bar = tqdm(total=plan.total_steps, initial=done, desc=f"train ({cfg.placement.mode}{limit})", dynamic_ncols=True)
     t_last = time.perf_counter()
+    recent, heldout = collections.deque(maxlen=RECENT_STEPS), None  # for the end-of-training line
     try:
         while True:
             while i < len(todo) and time.time() < deadline and has_room(inflight, plan.recv_bytes(plan.task(todo[i])), budget):
@@ -167,15 +169,21 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
                 save = p.split == "train" and bool(every) and (p.step + 1) % every == 0
                 inflight.append(InFlight(p, cluster.submit(p, upcoming, save), plan.recv_bytes(p)))
             if not inflight:
+                bar.close()
+                if recent:
+                    print(end_summary(list(recent), heldout))
                 return done
             f = inflight.popleft()
             rollout, train = cluster.collect(f.handle, f"{f.plan.split} step {f.plan.step}")
             if f.plan.split == "eval":
                 logger.log(f.plan.step, train[0].metrics, kind="eval")
+                heldout = {**train[0].metrics, "step": f.plan.step}
                 continue
             now = time.perf_counter()
             m = step_metrics(rollout, train, now - t_last, f.nbytes + sum(x.nbytes for x in inflight))
             t_last, done = now, f.plan.step + 1
+            m["epoch"] = done * plan.global_batch / len(plan.data.lengths)  # passes over the data: plots mark epochs
+            recent.append(m)
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tau=f"{m.get('tau', 0):.2f}")
             if done % cfg.train.log_every == 0 or done == 1 or done == plan.total_steps:

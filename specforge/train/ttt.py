@@ -219,14 +219,17 @@ def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch
 
 def metrics_from_counts(counts_L4: torch.Tensor, decay: float) -> dict[str, float]:
     """Rates from (micro-batch and rank summed) counters: ``loss_i``, ``acc_i``, ``accept_rate_i``,
-    ``tau``, ``loss`` (the decayed TTT loss per valid step-0 row) and ``valid_tokens``."""
+    ``tau``, ``loss`` (the decayed TTT loss per valid step-0 row) and ``valid_tokens``.
+    A step with no counted row (not unrolled during ``train.ttt_warmup_steps``) has no rates:
+    they are absent, not 0, so dashboards do not draw a "loss 0" for a step nobody trained;
+    ``tau`` stops there (as a 0 accuracy would)."""
     rows = counts_L4.tolist()  # one sync
     out: dict[str, float] = {}
     tau, prod = 1.0, 1.0
     for i, (n, correct, loss_sum, accept_sum) in enumerate(rows):
-        d = max(n, 1.0)
-        out[f"loss_{i}"], out[f"acc_{i}"], out[f"accept_rate_{i}"] = loss_sum / d, correct / d, accept_sum / d
-        prod *= out[f"acc_{i}"]
+        if n > 0:
+            out[f"loss_{i}"], out[f"acc_{i}"], out[f"accept_rate_{i}"] = loss_sum / n, correct / n, accept_sum / n
+        prod *= out.get(f"acc_{i}", 0.0)
         tau += prod
     out["tau"] = tau
     out["loss"] = sum(decay**i * r[2] for i, r in enumerate(rows)) / max(rows[0][0], 1.0)
