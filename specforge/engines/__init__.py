@@ -1,0 +1,1 @@
+"""Engines that serve drafts: each module knows one engine's contract (docs/ENGINES.md)."""

@@ -1,0 +1,166 @@
+"""Export a trained draft for the engine that will serve it.
+
+    python -m specforge.export --draft runs/x/checkpoints/step-000400 --engine sglang --out served/sglang
+    python -m specforge.export --draft runs/x/checkpoints --engine vllm --out served/vllm [--target HF]
+    python -m specforge.export --draft runs/x/checkpoints --engine llama.cpp --out served/gguf \
+        [--target HF_FOLDER] [--outtype f32|bf16|q8_0]
+
+``--draft`` is a checkpoint folder (``step-*``) or a checkpoint root (its ``latest``). Every engine
+starts from the checkpoint validated against SGLang's contract (``engines/sglang.py``, the training
+output itself); each engine's own contract lives in its module and in docs/ENGINES.md:
+
+* ``sglang``: the checkpoint's config.json + model.safetensors, copied (no resume state).
+* ``vllm``: the ``speculators`` format (``engines/vllm.py``): aux layer ids renumbered, keys renamed.
+* ``llama.cpp``: a GGUF written by llama.cpp's own converter (``engines/llamacpp.py``).
+
+``--target`` (vllm, llama.cpp; checked against the draft for sglang) is the target's HF folder or hub
+id; default: the embedded default target (SmolLM2-135M-Instruct, converted once into the cache), the
+one ``python -m specforge.train`` uses without a config. A checkpoint records its target's shape,
+not its path, so a draft of another target needs ``--target``: the export checks vocab, hidden size
+and layer count against it and names what differs. ``--out`` must be new or empty (``--force``
+replaces it); the export is written next to it and renamed into place, so a failed export leaves
+nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+ENGINES = ("sglang", "vllm", "llama.cpp")
+OUTTYPES = ("f32", "bf16", "q8_0")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one ``error:`` line (cli.run_cli), not usage + message
+        raise ValueError(f"{message} (see python -m specforge.export --help)")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = _Parser(prog="python -m specforge.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", required=True, help="checkpoint folder (step-*) or checkpoint root (uses latest)")
+    ap.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")
+    ap.add_argument("--out", required=True, help="output folder (new or empty; --force replaces it)")
+    ap.add_argument("--target", default=None, help="target HF folder or hub id (default: the embedded default)")
+    ap.add_argument("--outtype", default=None, help=f"llama.cpp only: {' | '.join(OUTTYPES)} (default f32)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="vllm only: proposal length written to the config (default 3)")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    args = ap.parse_args(argv)
+    if args.engine not in ENGINES:
+        raise ValueError(f"--engine {args.engine!r} is not supported; choose one of {', '.join(ENGINES)}")
+    if args.outtype is not None and args.engine != "llama.cpp":
+        raise ValueError(f"--outtype applies to --engine llama.cpp only (the {args.engine} export keeps "
+                         "the checkpoint's torch_dtype)")
+    if args.outtype is not None and args.outtype not in OUTTYPES:
+        raise ValueError(f"--outtype {args.outtype!r} is not supported; choose one of {', '.join(OUTTYPES)}")
+    if args.num_speculative_tokens is not None and args.engine != "vllm":
+        raise ValueError("--num-speculative-tokens applies to --engine vllm only (SGLang and llama.cpp "
+                         "take the draft length as a server flag)")
+    return args
+
+
+# ---------------------------------------------------------------- target and output folder
+
+
+def resolve_target(target: Optional[str]) -> tuple[str, Any]:
+    """(HF folder or hub id, its transformers config); None = the embedded default target."""
+    from specforge.config import EMBEDDED_TARGET, ModelConfig
+    from specforge.models.target import load_target_config, resolve_target_path
+
+    cfg = ModelConfig(target_path=target or EMBEDDED_TARGET)
+    try:
+        return resolve_target_path(cfg), load_target_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"--target: {str(e).replace('model.target_path ', '')}") from None
+
+
+def start_output(out: Path, draft: Path, force: bool) -> Path:
+    """A fresh temp folder beside ``out``, after refusing an ``out`` that must not be replaced."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; pass a folder path")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {str(out)!r} exists and is not empty; choose a new folder or pass --force to replace it")
+    here, there = out.resolve(), draft.resolve()
+    if here == there or here in there.parents:
+        raise ValueError(f"--out {str(out)!r} holds the checkpoint being exported; choose another folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+
+
+def finish_output(tmp: Path, out: Path) -> None:
+    """Rename the finished export into place (an old ``out`` is removed only after that)."""
+    from specforge.train.checkpoint import make_readable
+
+    make_readable(tmp)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- per engine
+
+
+def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
+    """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it."""
+    from specforge.engines import sglang
+
+    out = Path(args.out)
+    if args.engine == "sglang":
+        if args.target is not None:
+            sglang.check_target(sglang.check_checkpoint(draft)[0], resolve_target(args.target)[1], args.target)
+        sglang.export(draft, tmp)
+        return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
+                f"EAGLE3 --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
+                "--speculative-num-draft-tokens 4")
+    target, target_config = resolve_target(args.target)
+    if args.engine == "vllm":
+        from specforge.engines import vllm
+
+        vllm.export(draft, tmp, target, target_config, args.num_speculative_tokens)
+        return (f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
+                f"\"num_speculative_tokens\": {args.num_speculative_tokens or vllm.DEFAULT_SPECULATIVE_TOKENS}}}'")
+    return export_gguf(args, draft, tmp, target, target_config)
+
+
+def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, target_config: Any) -> str:
+    from specforge.engines import llamacpp, sglang
+
+    if not Path(target).is_dir():
+        raise ValueError(f"--target {target!r} is not a local folder: llama.cpp's converter reads the target's "
+                         "HF folder (config, tokenizer, embedding); download it and pass --target <folder>")
+    sglang.check_target(sglang.check_checkpoint(draft)[0], target_config, target)
+    outtype = args.outtype or "f32"
+    name = f"draft-{outtype}.gguf"
+    llamacpp.convert_draft(draft, target, tmp / name, outtype=outtype)
+    return (f"llama-server -m <target.gguf> --model-draft {Path(args.out) / name} --spec-type draft-eagle3")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    from specforge.engines.sglang import resolve_checkpoint
+
+    draft, out = resolve_checkpoint(args.draft), Path(args.out)
+    tmp = start_output(out, draft, args.force)
+    try:
+        serve = export_engine(args, draft, tmp)
+        finish_output(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"exported {draft} for {args.engine} to {out}\nserve it with: {serve}")
+    return 0
+
+
+if __name__ == "__main__":
+    from specforge.cli import run_cli
+
+    sys.exit(run_cli(main))
