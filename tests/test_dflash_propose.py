@@ -29,6 +29,12 @@ def test_config_from_target(target):
     cfg = make_draft(target).config
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 4, 2, 8)
     assert cfg.vocab_size == 128 and cfg.num_target_layers == 4 and cfg.context_width == 64
+    other = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=30,
+                        num_attention_heads=4, rope_theta=12345.0)
+    for source in (other, other.to_dict()):  # transformers 5 keeps RoPE theta in rope_parameters
+        c = DFlashConfig.from_target(source, mask_token_id=1)
+        assert c.rope_theta == 12345.0 and c.num_key_value_heads == 4
+        assert c.target_layer_ids == [1, 14, 27]  # the reference default for 3 draft layers of 30
 
 
 def test_propose_block_is_the_argmax_of_one_forward(target):
