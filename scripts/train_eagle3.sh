@@ -46,10 +46,15 @@ if [ "$MODE" = offline ]; then
 fi
 phase "2/3 train: placement.mode=$MODE"
 "$PY" -m specforge.ray_train --config "$CONFIG" "$@"
+# The dashboards (held-out beside training, epochs marked), written now and named in the final table.
+RUN=$("$PY" -c 'import sys; from specforge.config import load_config as l; print(l(sys.argv[1], sys.argv[2:]).train.output_dir)' "$CONFIG" "$@")
+PLOTS=$("$PY" -m specforge.plot "$RUN") || PLOTS="none written (python -m specforge.plot $RUN failed)"
 # ray_train exits non-zero if it could not save; the newest complete checkpoint is the one to measure.
 CKPT=$("$PY" -c 'import sys; from specforge.train.checkpoint import latest_checkpoint as l; print(l(sys.argv[1]) or "")' "$OUT")
 if [ -n "${SKIP_EVAL:-}" ]; then exit 0; fi
 if [ -z "$CKPT" ]; then echo "error: no checkpoint under $OUT to evaluate" >&2; exit 1; fi
 phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out prompts"
 "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --draft prompt-lookup --num-prompts "${EVAL_PROMPTS:-16}" "$@"
+echo; echo "dashboards of $RUN/metrics.jsonl (wandb draws the same as train_vs_heldout/*):"
+echo "$PLOTS" | sed 's/^/  /'
 phase "done"
