@@ -80,6 +80,31 @@ def resolve_target(target: Optional[str]) -> tuple[str, Any]:
         raise ValueError(f"--target: {str(e).replace('model.target_path ', '')}") from None
 
 
+def check_target(draft: Path, target: str, target_config: Any, given: bool) -> None:
+    """The draft belongs with this target (``specforge.compat``): its shape always; without
+    ``--target`` also the weights fingerprint its training_state.pt records (the default target is
+    small; a given one is the user's explicit choice and may be too large to load here)."""
+    from specforge.compat import check_draft_shape, check_target_weights, read_draft_config
+
+    try:
+        check_draft_shape(draft, read_draft_config(draft), target_config)
+        if not given:
+            note = check_target_weights(draft, _load_weights(target), allow=False)
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+    except ValueError as e:
+        which = f"--target {target!r}" if given else f"no --target: the default target {target!r}"
+        raise ValueError(f"{which}: " + str(e).replace("evaluate it with", "export it for")
+                         .replace("(model.target_path / --target)", "(pass it as --target)")) from None
+
+
+def _load_weights(target: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+
+
 def start_output(out: Path, draft: Path, force: bool) -> Path:
     """A fresh temp folder beside ``out``, after refusing an ``out`` that must not be replaced."""
     if out.exists() and not out.is_dir():
@@ -117,32 +142,33 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     out = Path(args.out)
     if args.engine == "sglang":
         if args.target is not None:
-            sglang.check_target(sglang.check_checkpoint(draft)[0], resolve_target(args.target)[1], args.target)
+            check_target(draft, *resolve_target(args.target), given=True)
         sglang.export(draft, tmp)
         return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
                 f"EAGLE3 --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
                 "--speculative-num-draft-tokens 4")
+    sglang.check_checkpoint(draft)  # a bad checkpoint is named before any target loads
     target, target_config = resolve_target(args.target)
+    check_target(draft, target, target_config, given=args.target is not None)
     if args.engine == "vllm":
         from specforge.engines import vllm
 
         vllm.export(draft, tmp, target, target_config, args.num_speculative_tokens)
         return (f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
                 f"\"num_speculative_tokens\": {args.num_speculative_tokens or vllm.DEFAULT_SPECULATIVE_TOKENS}}}'")
-    return export_gguf(args, draft, tmp, target, target_config)
+    return export_gguf(args, draft, tmp, target)
 
 
-def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, target_config: Any) -> str:
-    from specforge.engines import llamacpp, sglang
+def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str) -> str:
+    from specforge.engines import llamacpp
 
     if not Path(target).is_dir():
         raise ValueError(f"--target {target!r} is not a local folder: llama.cpp's converter reads the target's "
                          "HF folder (config, tokenizer, embedding); download it and pass --target <folder>")
-    sglang.check_target(sglang.check_checkpoint(draft)[0], target_config, target)
     outtype = args.outtype or "f32"
     name = f"draft-{outtype}.gguf"
     llamacpp.convert_draft(draft, target, tmp / name, outtype=outtype)
-    return (f"llama-server -m <target.gguf> --model-draft {Path(args.out) / name} --spec-type draft-eagle3")
+    return f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type draft-eagle3 --spec-draft-n-max 3"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

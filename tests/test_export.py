@@ -39,7 +39,7 @@ def target_dir(tmp_path_factory):
     return path
 
 
-def make_checkpoint(root: Path, target_dir: Path, aux_ids, step=5) -> Path:
+def make_checkpoint(root: Path, target_dir: Path, aux_ids, step=5, identity=None) -> Path:
     """A saved draft checkpoint (with resume state) trained 'for' the tiny target."""
     from transformers import LlamaForCausalLM
 
@@ -52,7 +52,7 @@ def make_checkpoint(root: Path, target_dir: Path, aux_ids, step=5) -> Path:
     draft.reset_parameters(std=0.1)
     draft.set_vocab(torch.sort(torch.randperm(V)[:N]).values - torch.arange(N))
     draft.init_embeddings_from_target(target.model.embed_tokens.weight)
-    return save_checkpoint(root, step, cfg.to_hf_config(), draft.export_state_dict(), train_state={"step": step})
+    return save_checkpoint(root, step, cfg.to_hf_config(), draft.export_state_dict(), train_state={"step": step, "identity": identity or {}})
 
 
 def run(argv, capsys):
@@ -281,6 +281,21 @@ def test_llamacpp_export_calls_the_converter(tmp_path, target_dir, capsys, monke
     assert seen == [None] and calls[-1][3] == "f32"
 
 
+def test_default_target_is_checked_against_the_recorded_fingerprint(tmp_path, target_dir, capsys, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    from specforge.compat import target_fingerprints
+
+    mine = sorted(target_fingerprints(LlamaForCausalLM.from_pretrained(target_dir)))[0]
+    monkeypatch.setattr(export, "resolve_target", lambda t: (str(target_dir), _config(target_dir)))
+    ok = make_checkpoint(tmp_path / "a", target_dir, [1, 3, 4], identity={"target": mine})
+    assert run(["--draft", ok, "--engine", "vllm", "--out", tmp_path / "o1"], capsys)[0] == 0
+    other = make_checkpoint(tmp_path / "b", target_dir, [1, 3, 4], identity={"target": "0123456789abcdef"})
+    code, _, err = run(["--draft", other, "--engine", "vllm", "--out", tmp_path / "o2"], capsys)
+    assert code == 1 and "no --target: the default target" in err and "trained with another target" in err
+    assert "pass it as --target" in err and not (tmp_path / "o2").exists()
+
+
 def _config(path):
     from transformers import AutoConfig
 
@@ -306,7 +321,7 @@ def test_bad_input_is_one_error_line(tmp_path, target_dir, capsys):
         (["--draft", ckpt, "--engine", "sglang", "--out", tmp_path / "o4", "--outtype", "q8_0"], "llama.cpp only"),
         (["--draft", ckpt, "--engine", "llama.cpp", "--out", tmp_path / "o5", "--outtype", "q4"], "--outtype 'q4'"),
         (["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "o6", "--target", tmp_path / "small"],
-         "not the target this draft was trained for: .*do not exist in a target of 3 layers"),
+         "--target .*small': draft .* fuses target layers \\[1, 3, 4\\], but this target has only 3 layers: export it for"),
         (["--engine", "sglang", "--out", tmp_path / "o7"], "--draft"),
     ]
     capsys.readouterr()  # the setup's progress bars

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
-
 import torch
 
 from specforge.train.checkpoint import latest_checkpoint, load_draft_folder
@@ -113,24 +111,6 @@ def check_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"{str(path)!r} is not a valid {ARCHITECTURE} checkpoint: " + "; ".join(errors)
                          + ". Export a checkpoint written by specforge training (a step-* folder)")
     return hf_config, weights
-
-
-def check_target(hf_config: dict, target_config: Any, target: str) -> None:
-    """The draft was trained for a target shaped like ``target_config`` (a transformers config):
-    same vocab, same hidden size, aux layer ids inside its layers. Else a ValueError naming both."""
-    V, Ht, L = target_config.vocab_size, target_config.hidden_size, target_config.num_hidden_layers
-    ids = hf_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    errors = []
-    if hf_config["vocab_size"] != V:
-        errors.append(f"the draft's vocab_size is {hf_config['vocab_size']}, the target's {V}")
-    if hf_config.get("target_hidden_size", hf_config["hidden_size"]) != Ht:
-        errors.append(f"the draft reads target features {hf_config.get('target_hidden_size', hf_config['hidden_size'])} "
-                      f"wide, the target's hidden size is {Ht}")
-    if max(ids) > L - 1:
-        errors.append(f"the draft's aux layer ids {ids} do not exist in a target of {L} layers")
-    if errors:
-        raise ValueError(f"--target {target!r} is not the target this draft was trained for: " + "; ".join(errors)
-                         + ". Pass --target <the HF folder or hub id the draft was trained with>")
 
 
 def export(draft_dir: str | Path, out_dir: str | Path) -> Path:

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from specforge.engines.sglang import check_checkpoint, check_target
+from specforge.engines.sglang import check_checkpoint
 
 DEFAULT_SPECULATIVE_TOKENS = 3  # speculators' converter default; vLLM's --speculative-config overrides it
 
@@ -100,11 +100,10 @@ def export(draft_dir: str | Path, out_dir: str | Path, target: str, target_confi
            speculative_tokens: Optional[int] = None) -> Path:
     """Write the speculators-format draft into ``out_dir`` (which must exist). ``target`` is the
     verifier's HF folder or hub id (recorded as ``verifier.name_or_path``), ``target_config`` its
-    transformers config."""
+    transformers config (that it is the draft's target: ``specforge.compat``, checked by the CLI)."""
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens is {speculative_tokens}, expected at least 1")
     hf_config, weights = check_checkpoint(draft_dir)
-    check_target(hf_config, target_config, target)
     archs = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config = speculators_config(hf_config, target, archs, speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
     out = Path(out_dir)
