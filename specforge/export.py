@@ -3,7 +3,7 @@
     python -m specforge.export --draft runs/x/checkpoints/step-000400 --engine sglang --out served/sglang
     python -m specforge.export --draft runs/x/checkpoints --engine vllm --out served/vllm [--target HF]
     python -m specforge.export --draft runs/x/checkpoints --engine llama.cpp --out served/gguf \
-        [--target HF_FOLDER] [--outtype f32|bf16|q8_0]
+        [--target HF_FOLDER] [--outtype f32|bf16|f16|q8_0]
 
 ``--draft`` is a checkpoint folder (``step-*``) or a checkpoint root (its ``latest``). Every engine
 starts from the checkpoint validated against SGLang's contract (``engines/sglang.py``, the training
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 ENGINES = ("sglang", "vllm", "llama.cpp")
-OUTTYPES = ("f32", "bf16", "q8_0")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +46,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")
     ap.add_argument("--out", required=True, help="output folder (new or empty; --force replaces it)")
     ap.add_argument("--target", default=None, help="target HF folder or hub id (default: the embedded default)")
-    ap.add_argument("--outtype", default=None, help=f"llama.cpp only: {' | '.join(OUTTYPES)} (default f32)")
+    ap.add_argument("--outtype", default=None, help="llama.cpp only: f32 (default) | bf16 | f16 | q8_0")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
                     help="vllm only: proposal length written to the config (default 3)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -57,8 +56,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.outtype is not None and args.engine != "llama.cpp":
         raise ValueError(f"--outtype applies to --engine llama.cpp only (the {args.engine} export keeps "
                          "the checkpoint's torch_dtype)")
-    if args.outtype is not None and args.outtype not in OUTTYPES:
-        raise ValueError(f"--outtype {args.outtype!r} is not supported; choose one of {', '.join(OUTTYPES)}")
+    if args.outtype is not None:
+        from specforge.engines.llamacpp import OUTTYPES  # what llama.cpp's converter writes itself
+
+        if args.outtype not in OUTTYPES:
+            raise ValueError(f"--outtype {args.outtype!r} is not supported; choose one of {', '.join(OUTTYPES)}")
     if args.num_speculative_tokens is not None and args.engine != "vllm":
         raise ValueError("--num-speculative-tokens applies to --engine vllm only (SGLang and llama.cpp "
                          "take the draft length as a server flag)")

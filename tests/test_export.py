@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge import export
+from specforge import engines, export
 from specforge.cli import run_cli
 from specforge.engines import sglang, vllm
 from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
@@ -267,7 +267,9 @@ def test_llamacpp_export_calls_the_converter(tmp_path, target_dir, capsys, monke
         Path(out_path).write_bytes(b"GGUF")
         return Path(out_path)
 
-    monkeypatch.setitem(sys.modules, "specforge.engines.llamacpp", types.SimpleNamespace(convert_draft=convert_draft))
+    stub = types.SimpleNamespace(convert_draft=convert_draft, OUTTYPES=("f32", "q8_0"))
+    monkeypatch.setitem(sys.modules, "specforge.engines.llamacpp", stub)
+    monkeypatch.setattr(engines, "llamacpp", stub, raising=False)  # if the real one was imported before
     code, out, err = run(["--draft", tmp_path / "ckpts", "--engine", "llama.cpp", "--out", tmp_path / "gguf",
                           "--target", target_dir, "--outtype", "q8_0"], capsys)
     assert code == 0, err
