@@ -15,9 +15,10 @@ output itself); each engine's own contract lives in its module and in docs/ENGIN
 
 ``--target`` (vllm, llama.cpp; checked against the draft for sglang) is the target's HF folder or hub
 id; default: the embedded default target (SmolLM2-135M-Instruct, converted once into the cache), the
-one ``python -m specforge.train`` uses without a config. A checkpoint records its target's shape,
-not its path, so a draft of another target needs ``--target``: the export checks vocab, hidden size
-and layer count against it and names what differs. ``--out`` must be new or empty (``--force``
+one ``python -m specforge.train`` uses without a config. A checkpoint records its target's shape and
+weights fingerprint, not its path, so a draft of another target needs ``--target``. The export checks
+vocab, hidden size and layer count against the target (``specforge.compat``) and, for the default,
+the fingerprint too; the error names what differs. ``--out`` must be new or empty (``--force``
 replaces it); the export is written next to it and renamed into place, so a failed export leaves
 nothing behind.
 """
@@ -61,6 +62,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
         if args.outtype not in OUTTYPES:
             raise ValueError(f"--outtype {args.outtype!r} is not supported; choose one of {', '.join(OUTTYPES)}")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens is {args.num_speculative_tokens}, expected at least 1")
     if args.num_speculative_tokens is not None and args.engine != "vllm":
         raise ValueError("--num-speculative-tokens applies to --engine vllm only (SGLang and llama.cpp "
                          "take the draft length as a server flag)")
