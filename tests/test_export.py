@@ -39,14 +39,14 @@ def target_dir(tmp_path_factory):
     return path
 
 
-def make_checkpoint(root: Path, target_dir: Path, aux_ids, step=5, identity=None) -> Path:
+def make_checkpoint(root: Path, target_dir: Path, aux_ids, step=5, identity=None, hidden=H) -> Path:
     """A saved draft checkpoint (with resume state) trained 'for' the tiny target."""
     from transformers import LlamaForCausalLM
 
     target = LlamaForCausalLM.from_pretrained(target_dir)
-    cfg = Eagle3DraftConfig(hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=12, vocab_size=V, draft_vocab_size=N, aux_layer_ids=list(aux_ids),
-                            torch_dtype="float32", rope_theta=5000.0)
+    cfg = Eagle3DraftConfig(hidden_size=hidden, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=hidden // 4, vocab_size=V, draft_vocab_size=N, aux_layer_ids=list(aux_ids),
+                            torch_dtype="float32", rope_theta=5000.0, target_hidden_size=H)
     torch.manual_seed(1)
     draft = Eagle3Draft(cfg)
     draft.reset_parameters(std=0.1)
@@ -253,6 +253,16 @@ def test_vllm_comparison_fails_on_unshifted_ids_or_wrong_d2t(tmp_path, target_di
     save_file(dict(w, d2t=torch.zeros_like(w["d2t"])), f)
     ours, theirs = logits_ours_and_speculators(ckpt, tmp_path / "d2t", target_dir)[0]
     assert not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
+
+
+def test_vllm_export_of_a_draft_with_its_own_hidden_size(tmp_path, target_dir, capsys):
+    ckpt = make_checkpoint(tmp_path / "ckpts", target_dir, [1, 3, 4], hidden=32)
+    assert run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir], capsys)[0] == 0
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    weights = load_file(tmp_path / "vllm" / "model.safetensors")
+    # vLLM's llama_eagle3: fc input = 3 x target_hidden_size; embed_tokens loaded when present
+    assert config["target_hidden_size"] == H and config["transformer_layer_config"]["hidden_size"] == 32
+    assert weights["fc.weight"].shape == (32, 3 * H) and weights["embed_tokens.weight"].shape == (V, 32)
 
 
 # ---------------------------------------------------------------- llama.cpp (the CLI's side)
