@@ -99,7 +99,7 @@ def test_sampling_is_seeded_and_respects_top_p():
 def test_unsupported_architecture_and_bad_input_are_clear():
     model = tiny_target(num_layers=2)
     model.config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="regenerate.backend=openai"):
+    with pytest.raises(ValueError, match="'gpt2' is not a supported target family"):  # specforge.targets
         generate(_target(model, aux=(0, 1, 1)), [[1, 2]], SamplingParams(), set())
     model.config.model_type = "llama"
     with pytest.raises(ValueError, match="at least one token"):

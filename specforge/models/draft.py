@@ -177,14 +177,16 @@ def draft_config_from_target(target_hf_config: Any, draft_cfg: Any, aux_layer_id
     """Fill the draft's ``None`` fields (``specforge.config.DraftConfig``) from the target's config.
 
     ``target_hf_config`` may be a transformers config object or its dict. If the draft hidden
-    size differs from the target's, heads default to ``hidden_size // target_head_dim``.
+    size differs from the target's, heads default to ``hidden_size // target_head_dim``. What
+    differs per target family (the text tower of an image-text target, MLA head dims, RoPE
+    variants) comes from ``specforge.targets`` (``draft_attention``, ``draft_rope``).
     """
-    t = target_hf_config
+    from specforge.targets import draft_attention, draft_rope, text_config
+
+    t = text_config(target_hf_config)  # an image-text target: its text tower
     Ht = int(_cfg_get(t, "hidden_size"))
-    t_heads = int(_cfg_get(t, "num_attention_heads"))
-    t_kv = int(_cfg_get(t, "num_key_value_heads") or t_heads)
-    t_hd = int(_cfg_get(t, "head_dim") or Ht // t_heads)
-    theta, scaling = _rope_from(t)
+    t_heads, t_kv, t_hd = draft_attention(target_hf_config)
+    theta, scaling = draft_rope(target_hf_config)
     H = draft_cfg.hidden_size or Ht
     if draft_cfg.head_dim is not None:
         head_dim = draft_cfg.head_dim

@@ -10,10 +10,12 @@ tolerance; tests/test_generate.py pins it).
 
 Why not HF ``generate``: on a small model it is mostly per-call overhead, and its growing KV
 cache re-copies every layer's keys each step. Here a Llama-family decoder layer is run with the
-HF modules' own weights (norms, projections, MLP) around a preallocated KV cache written in
-place; prompts of a batch are left-padded so all rows decode at the same cache index, and rows
-that finish are compacted out of the batch. Other architectures raise a ValueError pointing at
-the OpenAI-endpoint backend of ``specforge.regenerate``.
+HF modules' own weights (norms, projections, MLP: dense or MoE; per-layer sliding windows)
+around a preallocated KV cache written in place; prompts of a batch are left-padded so all rows
+decode at the same cache index, and rows that finish are compacted out of the batch. Families
+whose layers do not fit that mold (``specforge.targets``: ``generation="hf-generate"``, e.g.
+linear attention, attention sinks, MLA, Gemma's norms) use HF ``generate`` for the tokens and one
+``capture`` pass over prompt + output for the features: slower, same results.
 Legend: B batch, T tokens, L cache length, H hidden, K kv heads, D head dim, V target vocab.
 """
 
@@ -25,9 +27,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from specforge.models.target import Features, TargetModel, _decoder_layers
-
-SUPPORTED = ("llama", "qwen2", "qwen3")
+from specforge.models.target import Features, TargetModel, _decoder_layers, capture as capture_features, text_tower
+from specforge.targets import IN_PROCESS, sliding_windows
 
 
 @dataclass
@@ -86,9 +87,10 @@ class _Batch:
 
     def __init__(self, target: TargetModel, prompts: list[list[int]], max_new: int, capture: bool):
         model = target.model
-        self.base = getattr(model, model.base_model_prefix)
+        self.base = text_tower(model)
         self.layers = _decoder_layers(model)
-        cfg, dev = model.config, target.device
+        self.windows = sliding_windows(target.config)
+        cfg, dev = target.config, target.device
         dtype = target.embed_weight_VH.dtype
         self.aux_ids = list(target.aux_layer_ids)
         self.lm_head_VH = target.lm_head_weight_VH
@@ -118,9 +120,11 @@ class _Batch:
         pos = (j[s:e][None, :] - self.pad[:, None]).clamp(min=0)
         x = self.base.embed_tokens(self.ids[:, s:e])
         cos, sin = self.base.rotary_emb(x, pos)
+        near = {w: allowed & (j[None, None, :] > j[s:e, None][None] - w) for w in set(self.windows) if w}
         grabbed = []
         for i, layer in enumerate(self.layers):
-            x = _layer(layer, x, cos, sin, self.kv[i], s, allowed)
+            w = self.windows[i]
+            x = _layer(layer, x, cos, sin, self.kv[i], s, near[w] if w else allowed)
             if self.aux is not None and i in self.aux_ids:
                 grabbed.append(x)
         x = self.base.norm(x)
@@ -171,13 +175,56 @@ def _finish(batch: _Batch, b: int, prompt: list[int], stopped: bool) -> Generati
 # ---------------------------------------------------------------- the loop
 
 
-def _check_supported(target: TargetModel) -> None:
-    kind = getattr(target.config, "model_type", None)
-    if kind not in SUPPORTED:
-        raise ValueError(
-            f"in-process generation supports {', '.join(SUPPORTED)} targets, not {kind!r}; "
-            "serve the target with SGLang and use regenerate.backend=openai"
-        )
+def _stop_at(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    """``tokens`` up to and including the first stop token, and whether one came."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.inference_mode()
+def _generate_hf(target: TargetModel, prompts: list[list[int]], params: SamplingParams, stop_ids: set[int],
+                 capture: bool, progress) -> list[Generation]:
+    """The fallback (``specforge.targets.HF_FALLBACK``): HF ``generate`` over the left-padded batch,
+    then one ``capture`` pass over the right-padded prompt + output rows for the features."""
+    from transformers import GenerationConfig
+
+    dev, B, P = target.device, len(prompts), max(len(p) for p in prompts)
+    pad = min(stop_ids) if stop_ids else 0  # finished rows are filled with it, cut off below
+    ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
+    mask = torch.zeros(B, P, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[b, P - len(p):] = 1
+    sample = params.temperature > 0
+    gcfg = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=sample, pad_token_id=pad,
+                            eos_token_id=sorted(stop_ids) or None, bos_token_id=None,
+                            **({"temperature": params.temperature, "top_p": params.top_p, "top_k": None}
+                               if sample else {}))
+    with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev]):
+        torch.manual_seed(params.seed)
+        out = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg)
+    results = []
+    for b, p in enumerate(prompts):
+        toks, stopped = _stop_at(out[b, P:].tolist(), stop_ids)
+        results.append(Generation(list(p), toks, "stop" if stopped else "length"))
+    if progress is not None:
+        progress(sum(len(g.output_ids) for g in results))
+    if capture:
+        rows = [g.prompt_ids + g.output_ids for g in results]
+        T = max(len(r) for r in rows)
+        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            mask[b, : len(r)] = 1
+        feats = capture_features(target, ids, mask)
+        for b, (g, r) in enumerate(zip(results, rows)):
+            g.features = Features(aux_hidden_BT3H=feats.aux_hidden_BT3H[b : b + 1, : len(r)].clone(),
+                                  last_hidden_BTH=feats.last_hidden_BTH[b : b + 1, : len(r)].clone(),
+                                  target_ids_BT=feats.target_ids_BT[b : b + 1, : len(r)].clone())
+    return results
 
 
 @torch.inference_mode()
@@ -190,7 +237,7 @@ def _generate_batch(target: TargetModel, prompts: list[list[int]], params: Sampl
     results: dict[int, Generation] = {}
     h = batch.forward(P)  # prefill
     batch.argmax[:, :P - 1] = _argmax(h[:, :-1], batch.lm_head_VH)
-    logits = h[:, -1] @ batch.lm_head_VH.T
+    logits = target.logits(h[:, -1])
     batch.argmax[:, P - 1] = logits.argmax(-1)
     while True:
         cur = batch.len
@@ -211,7 +258,7 @@ def _generate_batch(target: TargetModel, prompts: list[list[int]], params: Sampl
         stopped |= torch.isin(nxt, stop)
         if progress is not None:
             progress(int(nxt.numel()))
-        logits = batch.forward(1)[:, -1] @ batch.lm_head_VH.T
+        logits = target.logits(batch.forward(1)[:, -1])
         batch.argmax[:, cur] = logits.argmax(-1)  # one lm_head matmul serves the choice and the feature
     return [results[i] for i in range(len(prompts))]
 
@@ -239,7 +286,7 @@ def generate(
     Prompts are grouped by length so a batch wastes little padding. ``progress(n)`` is called
     with the number of tokens produced by each decode step.
     """
-    _check_supported(target)
+    in_process = target.family.generation == IN_PROCESS
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
@@ -252,7 +299,11 @@ def generate(
     out: list[Optional[Generation]] = [None] * len(prompts)
     for s in range(0, len(order), batch_size):
         idx = order[s : s + batch_size]
-        gens = _generate_batch(target, [list(prompts[i]) for i in idx], params, stop, capture, gen, progress)
+        rows = [list(prompts[i]) for i in idx]
+        if in_process:
+            gens = _generate_batch(target, rows, params, stop, capture, gen, progress)
+        else:
+            gens = _generate_hf(target, rows, params, set(stop_ids), capture, progress)
         for i, g in zip(idx, gens):
             out[i] = g
     return out  # type: ignore[return-value]

