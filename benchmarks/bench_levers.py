@@ -55,7 +55,8 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given."""
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
-    from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
+    from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
+    from specforge.train.trainer import DraftTrainer
 
     overrides, all_tokens = LEVERS[name]
     base = ["train.precision=fp32", f"train.batch_size={batch_size}"]
@@ -67,8 +68,8 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     rows = [store.read(i) for i in train]
     vocab = build_draft_vocab([{"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
                                for r in rows], target.config.vocab_size, cfg.draft.vocab_size)
-    draft = build_draft(cfg, target, vocab)
-    teacher = teacher_weight(target, vocab)
+    draft = EAGLE3.build_draft(cfg, target, vocab)
+    teacher = EAGLE3.train_state(cfg, target, vocab)
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), total_steps=2000)
     judge = DraftTrainer(draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
     held = [store.batch(hold[i : i + 4], 0) for i in range(0, len(hold), 4)]

@@ -22,4 +22,7 @@ FIND=()
 # transformers<=5.19 and pulls torchvision/torchaudio: --no-deps, plus the few packages it imports.
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt openai loguru pydantic-settings typer aiohttp httpx
+# z-lab's DFlash reference model (pure PyTorch), which tests/test_dflash_model.py compares ours with;
+# it hard-pins datasets/tqdm/requests: --no-deps (dflash.model imports with our pins).
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps dflash==0.1.0
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"

@@ -98,6 +98,7 @@ def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", sh
 
 def capture_store(cfg, progress: bool = True) -> Path:
     """Load the target and the tokenized data of ``cfg`` and write the train split's features."""
+    from specforge.config import feature_layer_ids
     from specforge.data.prepare import prepare_dataset
     from specforge.device import set_threads
     from specforge.models.target import load_target
@@ -107,7 +108,7 @@ def capture_store(cfg, progress: bool = True) -> Path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
-    target = load_target(cfg.model)
+    target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
     data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir, progress=progress)
     meta = store_meta(cfg, target, source=data.cache_key)

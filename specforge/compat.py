@@ -36,6 +36,8 @@ def read_draft_config(path: str | Path) -> dict:
 def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
     """The target layer outputs the draft fuses, as its config.json records them (None if absent)."""
     ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:  # a DFlash draft: the same layer-output numbering
+        ids = (hf_config.get("dflash_config") or {}).get("target_layer_ids")
     return None if ids is None else [int(i) for i in ids]
 
 

@@ -49,8 +49,10 @@ class DataConfig:
 
 @dataclass
 class DraftConfig:
-    """The EAGLE-3 draft (LlamaForCausalLMEagle3 layout)."""
+    """The draft: an EAGLE-3 draft (LlamaForCausalLMEagle3 layout) or a DFlash block-diffusion draft
+    (``algorithm``). Keys of the other algorithm are refused (``ALGORITHM_KEYS``)."""
 
+    algorithm: Literal["eagle3", "dflash"] = "eagle3"
     vocab_size: int = 32000  # draft vocabulary (most frequent assistant tokens)
     hidden_size: Optional[int] = None  # None = the target's
     intermediate_size: Optional[int] = None
@@ -64,6 +66,14 @@ class DraftConfig:
     ttt_length: int = 7
     ttt_decay: float = 0.8
     attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
+    # DFlash: decoder layers, block = anchor + block_size - 1 drafted tokens, anchors per sequence and
+    # step, the block loss's position decay exp(-(k-1)/loss_gamma), and the mask token (None = the
+    # highest target id the training data never use as an assistant token)
+    num_layers: int = 3
+    block_size: int = 16
+    num_anchors: int = 64
+    loss_gamma: float = 7.0
+    mask_token_id: Optional[int] = None
 
 
 @dataclass
@@ -359,12 +369,34 @@ _AT_LEAST = {
     "parallel.sp_ring": 1, "ray.num_cpus": 1, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0,
     "regenerate.concurrency": 1, "regenerate.retries": 0, "regenerate.max_new_tokens": 1,
     "regenerate.temperature": 0, "regenerate.batch_size": 1, "regenerate.num_workers": 1,
-    "regenerate.max_samples": 1, "regenerate.max_turns": 1,
+    "regenerate.max_samples": 1, "regenerate.max_turns": 1, "draft.num_layers": 1, "draft.block_size": 2,
+    "draft.num_anchors": 1, "draft.mask_token_id": 0,
 }
-_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
+_POSITIVE = ("draft.loss_gamma", "draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
              "train.epochs", "parallel.timeout_s", "placement.max_inflight_mb", "store.shard_mb",
              "regenerate.timeout_s")
 _UNIT = {"draft.ttt_decay": "(0, 1]", "train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
+
+
+# Keys that only one draft algorithm reads: set to anything but the default under the other, an error.
+ALGORITHM_KEYS = {
+    "eagle3": ("draft.vocab_size", "draft.hidden_size", "draft.ttt_length", "draft.ttt_decay", "draft.attention",
+               "draft.init_lm_head_from_target", "draft.init_midlayer_from_target", "train.ttt_warmup_steps"),
+    "dflash": ("draft.num_layers", "draft.block_size", "draft.num_anchors", "draft.loss_gamma", "draft.mask_token_id"),
+}
+
+
+def algorithm_key_errors(cfg: Config) -> list[str]:
+    """``key=value`` set for an algorithm the run does not train (it would be ignored silently)."""
+    default = Config()
+    out = []
+    for algo, keys in ALGORITHM_KEYS.items():
+        if algo == cfg.draft.algorithm:
+            continue
+        out += [f"config key {k!r}={_get(cfg, k)!r} applies to draft.algorithm={algo}, not "
+                f"{cfg.draft.algorithm}; remove it (or set draft.algorithm={algo})"
+                for k in keys if _get(cfg, k) != _get(default, k)]
+    return out
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -399,8 +431,9 @@ def validate(cfg: Config) -> None:
         errors.append("config keys 'train.max_steps' and 'train.epochs' may not both be null (nothing would stop training)")
     if len(cfg.train.betas) != 2 or not all(0 <= b < 1 for b in cfg.train.betas):
         errors.append(f"config key 'train.betas'={cfg.train.betas!r} must be two values in [0, 1)")
+    errors += algorithm_key_errors(cfg)
     if cfg.model.aux_layer_ids is not None:
-        errors += aux_layer_errors(cfg.model.aux_layer_ids)
+        errors += aux_layer_errors(cfg.model.aux_layer_ids, count=3 if cfg.draft.algorithm == "eagle3" else None)
     endpoint = cfg.regenerate.endpoint
     if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
         errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
@@ -409,13 +442,16 @@ def validate(cfg: Config) -> None:
         raise ValueError(errors[0])
 
 
-def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None) -> list[str]:
-    """EAGLE-3 checkpoints fuse exactly 3 target layer outputs, and SGLang concatenates them in
-    ascending layer order and captures layer ``id``'s output as the input of layer ``id + 1``:
-    anything but 3 sorted unique ids in 0..L-2 trains a draft SGLang cannot serve as trained."""
+def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Optional[int] = 3) -> list[str]:
+    """EAGLE-3 checkpoints fuse exactly 3 target layer outputs (``count``; a DFlash draft any number),
+    and SGLang concatenates them in ascending layer order and captures layer ``id``'s output as the
+    input of layer ``id + 1``: anything but sorted unique ids in 0..L-2 trains a draft SGLang cannot
+    serve as trained."""
     key = f"config key 'model.aux_layer_ids'={list(ids)!r}"
-    if len(ids) != 3:
+    if count is not None and len(ids) != count:
         return [f"{key}: an EAGLE-3 draft fuses exactly 3 target layers, got {len(ids)}"]
+    if not ids:
+        return [f"{key}: name at least one target layer"]
     if list(ids) != sorted(set(ids)):
         return [f"{key}: must be in ascending order without repeats (SGLang concatenates them in layer order)"
                 + (f", e.g. {sorted(ids)}" if len(set(ids)) == 3 else ", e.g. the default: leave the key unset")]
@@ -438,5 +474,27 @@ def aux_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:
     else:  # the default repeats a layer only on targets under 7 layers (toy targets of the tests)
         errors = []
     if errors:
+        raise ValueError(errors[0])
+    return list(ids)
+
+
+def dflash_default_layers(num_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default (z-lab's reference): one target layer output per draft layer, spread over
+    [1, L-3] (a single draft layer reads the middle one)."""
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    lo, hi = 1, num_layers - 3
+    return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def feature_layer_ids(cfg: Config, num_layers: int) -> list[int]:
+    """The target layer outputs the run's draft algorithm reads: ``model.aux_layer_ids`` if set
+    (checked against the target's ``num_layers``), else the algorithm's default."""
+    if cfg.draft.algorithm == "eagle3":
+        return aux_layer_ids(cfg.model, num_layers)
+    ids = cfg.model.aux_layer_ids
+    if ids is None:
+        return dflash_default_layers(num_layers, cfg.draft.num_layers)
+    if errors := aux_layer_errors(ids, num_layers, count=None):
         raise ValueError(errors[0])
     return list(ids)

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specforge.models.draft import ChainDrafter
+from specforge.algorithms.eagle3.propose import EagleProposer  # noqa: F401  (the eval's EAGLE-3 proposer)
 from specforge.models.target import TargetModel, forward_aux
 
 # Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).
@@ -66,57 +66,6 @@ class PromptLookupProposer:
 
     def accept(self, new_tokens: list[int], aux_TH: torch.Tensor) -> None:
         self.ids.extend(new_tokens)
-
-
-class EagleProposer:
-    """Chain drafting with the EAGLE-3 draft's KV cache, the way an inference engine drafts.
-
-    Draft row t takes the target feature at position t and the token at t+1. Rows whose
-    features came from the target are committed to the cache; rows drafted from the draft's own
-    hidden states are cropped away after verification. The draft runs in ``dtype`` (default: its
-    own) through a :class:`ChainDrafter`, which snapshots its weights: build a new proposer after
-    the draft changes.
-    """
-
-    def __init__(self, draft, dtype: Optional[torch.dtype] = None):
-        self.drafter = ChainDrafter(draft, dtype)
-        self.committed = 0
-        self.pending: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
-
-    def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
-        self.drafter.cache.crop(0)
-        self._queue(ids[1:], aux_TH)
-
-    def _queue(self, next_ids: list[int], aux_TH: torch.Tensor) -> None:
-        assert len(next_ids) == aux_TH.shape[0]
-        self.pending = (torch.as_tensor(next_ids, device=aux_TH.device), aux_TH)
-
-    def propose(self, k: int, costs: Optional["RoundCosts"] = None) -> list[int]:
-        """Up to ``k`` tokens. With ``costs`` (dynamic drafting) the draft's own probability that
-        everything drafted so far is accepted decides, token by token, whether drafting and
-        verifying one more pays off; the result may be empty (the round is a plain decode step)."""
-        d = self.drafter
-        hidden, logits = d.prefill(*self.pending)  # the target-fed rows: always needed, committed
-        self.committed = len(d.cache)
-        hidden, logits = hidden[-1:], logits[-1]
-        ids = torch.empty(k, dtype=torch.long, device=logits.device)
-        p_all, n = 1.0, 0
-        while True:
-            ids[n] = logits.argmax()  # stays a tensor: no host sync per step without costs
-            if costs is not None:
-                p_all *= float(torch.softmax(logits.float(), dim=-1)[ids[n]])
-                if not costs.verify_pays(n + 1, p_all):
-                    break
-            n += 1
-            if n == k or (costs is not None and not costs.step_pays(n, p_all)):
-                break
-            hidden, logits = d.step(ids[n - 1], hidden)
-            logits = logits[0]
-        return d.to_target(ids[:n]).tolist()
-
-    def accept(self, new_tokens: list[int], aux_TH: torch.Tensor) -> None:
-        self.drafter.cache.crop(self.committed)
-        self._queue(new_tokens, aux_TH)
 
 
 class RoundCosts:
@@ -466,18 +415,21 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
                    aux_ids: Optional[dict[str, Optional[list[int]]]] = None) -> list[Setting]:
     """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
     the target layers ``aux_ids[name]`` (default: the target's)."""
-    from specforge.train.checkpoint import load_draft
+    from specforge.algorithms import algorithm_of, load_draft
+    from specforge.compat import read_draft_config
 
     settings: list[Setting] = []
     for name in dict.fromkeys(drafts):  # a draft named twice runs once
         if name == "prompt-lookup":
             settings.append(Setting(name, PromptLookupProposer()))
             continue
+        algo = algorithm_of(read_draft_config(name), repr(name))
         draft = load_draft(name, target).to(target.device)
         layers = (aux_ids or {}).get(name)
         view = replace(target, aux_layer_ids=layers) if layers and layers != target.aux_layer_ids else None
-        settings.append(Setting(name, EagleProposer(draft, draft_dtype), target=view))
-        settings.append(Setting(name, EagleProposer(draft, draft_dtype), dynamic=True, target=view))
+        settings.append(Setting(name, algo.proposer(draft, draft_dtype), target=view))
+        if algo.name == "eagle3":  # dynamic drafting stops a chain early; a block is drafted whole
+            settings.append(Setting(name, algo.proposer(draft, draft_dtype), dynamic=True, target=view))
     return settings
 
 
@@ -559,7 +511,7 @@ def heldout_rows(cfg, tokenizer) -> list[dict]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from specforge.compat import check_target_weights
-    from specforge.config import load_config
+    from specforge.config import feature_layer_ids, load_config
     from specforge.device import set_threads
     from specforge.models.target import load_target
 
@@ -567,7 +519,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = load_config(args.config, args.overrides + ([f"model.target_path={args.target}"] if args.target else []))
     set_threads(args.threads or cfg.train.num_threads)
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
-    target = load_target(cfg.model)  # in cfg.model.dtype: the dtype the features were captured in
+    target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
     for name in aux_ids:
         if note := check_target_weights(name, target.model, args.allow_mismatch):
             print(note, file=sys.stderr)

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
-from specforge.config import Config, aux_layer_ids
+from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 
 
@@ -45,16 +45,16 @@ def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]
 
 def check_run(cfg: Config) -> None:
     """The config against the target (config.json only) and, offline, the store's meta."""
+    from specforge.algorithms import get_algorithm
     from specforge.models.target import load_target_config, resolve_target_path
     from specforge.targets import check_target, read_config_json, text_config
 
     full = load_target_config(cfg.model)
     target = text_config(full)  # an image-text target: its language model
-    layers = aux_layer_ids(cfg.model, target.num_hidden_layers)
+    algo = get_algorithm(cfg.draft.algorithm)
+    layers = algo.feature_layers(cfg, target.num_hidden_layers)
     check_target(read_config_json(resolve_target_path(cfg.model)) or full, layers)  # the family table's checks
-    if cfg.draft.vocab_size > target.vocab_size:
-        raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's vocabulary "
-                         f"({target.vocab_size} tokens); choose at most {target.vocab_size}")
+    algo.check(cfg, target)
     heads = cfg.draft.num_attention_heads or target.num_attention_heads
     ParallelDims.from_config(cfg).check_heads(heads)
     check_outputs(cfg)

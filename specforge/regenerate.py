@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Union
 
-from specforge.config import Config, DataConfig, load_config
+from specforge.config import Config, DataConfig, feature_layer_ids, load_config
 from specforge.data.sharegpt import Conversation, iter_conversations
 from specforge.data.template import (
     TemplateError, assistant_char_spans, render, resolve_chat_template, span_mask, tokenize_conversation,
@@ -569,7 +569,7 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     if local and target is None:
         from specforge.models.target import load_target
 
-        target = load_target(cfg.model)
+        target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
     tokenizer = target.tokenizer if local else tokenizer
     template = resolve_chat_template(tokenizer, cfg.model.chat_template)
     model_name = cfg.model.target_path if local else (r.api_model or cfg.model.target_path)

@@ -123,7 +123,7 @@ def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placemen
     import ray
 
     import specforge.ray_train as rt
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     def no_ray(*a, **k):
         raise AssertionError("Ray started before the config was checked against the target")
@@ -424,7 +424,7 @@ def _hashes(root: Path) -> dict[str, str]:
 
 def _single(assets, tmp_path, *overrides):  # noqa: F811
     """A 2-step single-process run of the tiny target; its checkpoint folder."""
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     run(make_cfg(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2", *overrides))
     return tmp_path / "run" / "checkpoints"
@@ -450,7 +450,7 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
 
     import specforge.preflight as pf
     from specforge.train.checkpoint import load_draft_folder, load_train_state
-    from specforge.train.trainer import main
+    from specforge.local import main
 
     monkeypatch.setattr(pf, "check_outputs", lambda cfg: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -510,7 +510,7 @@ def trained(assets, tmp_path_factory):  # noqa: F811
     """A 2-step draft of the tiny target, and a second target of the same shape, other weights."""
     from transformers import LlamaForCausalLM
 
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     out = tmp_path_factory.mktemp("trained")
     ckpt = run(make_cfg(assets, out / "run", "train.num_workers=1", "train.max_steps=2"))

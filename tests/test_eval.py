@@ -258,7 +258,7 @@ def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "ckpt", 3, draft.config.to_hf_config(), draft.export_state_dict())
     rows = [{"input_ids": torch.randint(0, V, (20,)).tolist(), "loss_mask": [0] * 8 + [1] * 12} for _ in range(3)]
     loads = []
-    monkeypatch.setattr(target_mod, "load_target", lambda cfg: loads.append(cfg) or target)
+    monkeypatch.setattr(target_mod, "load_target", lambda cfg, **kw: loads.append(cfg) or target)
     monkeypatch.setattr(target_mod, "load_target_config", lambda cfg: target.model.config)
     monkeypatch.setattr(ev, "heldout_rows", lambda cfg, tokenizer: rows)
     out_json = tmp_path / "eval.json"

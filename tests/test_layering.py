@@ -27,3 +27,10 @@ def _imports(folder: str) -> set[str]:
 def test_layer_does_not_import(folder, forbidden):
     bad = sorted(m for m in _imports(folder) if m.startswith(forbidden))
     assert not bad, f"specforge/{folder} imports {bad}"
+
+
+def test_train_does_not_import_the_runtime():
+    """The step sits below the runtime; the single-process entry (specforge/local.py) above both.
+    The one exception is runtime/contracts.py: stdlib-only records (slicing bounds) both sides share."""
+    bad = sorted(m for m in _imports("train") if m.startswith("specforge.runtime") and m != "specforge.runtime.contracts")
+    assert not bad, f"specforge/train imports {bad} (the runtime imports train: a circle)"

@@ -34,7 +34,7 @@ def _offline(assets, out, store, *extra):  # noqa: F811
 
 
 def test_store_training_equals_online_training(assets, store, tmp_path):  # noqa: F811
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     online, offline = tmp_path / "online", tmp_path / "offline"
     run(make_cfg(assets, online, "model.dtype=bfloat16", "train.grad_accum=2", "train.num_workers=1"))
@@ -50,7 +50,7 @@ def test_store_training_equals_online_training(assets, store, tmp_path):  # noqa
 @pytest.mark.ray
 def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tmp_path):  # noqa: F811
     from specforge.ray_train import fit
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     # 12 train samples, global batch 2: 2 epochs = 12 steps; the Ray run (2 DP ranks) == one process
     common = ("train.max_steps=null", "train.epochs=2")
@@ -63,7 +63,7 @@ def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tm
 
 
 def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):  # noqa: F811
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     with pytest.raises(ValueError, match="max_length"):
         run(_offline(assets, tmp_path / "a", store, "data.max_length=48"))
@@ -72,7 +72,7 @@ def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_p
 
 
 def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):  # noqa: F811
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     with pytest.raises(ValueError, match="store"):
         run(_offline(assets, tmp_path / "c", tmp_path / "missing"))

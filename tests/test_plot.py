@@ -137,7 +137,7 @@ def test_a_warmup_run_logs_and_draws_no_untrained_ttt_steps(assets, tmp_path, ca
     rates are absent from those rows (not 0) and from the picture; held-out rows are drawn, the
     epoch ends where the data runs out, and the console's last line compares train and held-out."""
     from specforge.plot import run_figures
-    from specforge.train.trainer import run
+    from specforge.local import run
     from tests.test_ray_train import make_cfg
 
     out = tmp_path / "run"

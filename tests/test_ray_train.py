@@ -77,7 +77,7 @@ def losses(out, kind="train"):
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
-    from specforge.train.trainer import run
+    from specforge.local import run
 
     out = tmp_path_factory.mktemp("single")
     # one process, global batch = 2 x the per-rank batch; a periodic eval after step 2

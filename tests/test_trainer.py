@@ -9,7 +9,8 @@ from specforge.data.vocab import build_draft_vocab
 from specforge.models.target import TargetModel, capture
 from specforge.train.batch import TrainBatch, collate, global_batch_ids, split_for_ranks
 from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, load_draft, save_checkpoint
-from specforge.train.trainer import DraftTrainer, build_draft, teacher_weight
+from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
+from specforge.train.trainer import DraftTrainer
 from specforge.train.ttt import ttt_logits
 from tests.test_target import tiny_target
 
@@ -30,8 +31,8 @@ def _setup(seed=0, **train):
         rows.append({"input_ids": ids, "loss_mask": mask})
     vocab = build_draft_vocab(rows, V, 48)
     cfg = Config(draft=DraftConfig(vocab_size=48, ttt_length=3), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
-    draft = build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, torch.device("cpu"))
+    draft = EAGLE3.build_draft(cfg, target, vocab)
+    trainer = DraftTrainer(draft, EAGLE3.train_state(cfg, target, vocab), cfg, torch.device("cpu"))
     return target, rows, trainer
 
 
@@ -128,12 +129,12 @@ def test_ttt_warmup_trains_step_0_alone_then_the_full_unroll():
     _, _, short = _setup()
     short.cfg.draft.ttt_length = 1
     batch = _batch(target, rows)
-    assert warm.unroll_length() == 1
+    assert EAGLE3.unroll_length(warm.cfg, warm.step_count, training=True) == 1
     w1, s1 = warm.step([batch]), short.step([batch])
     assert w1["loss"] == s1["loss"]
     for k, v in _params(warm).items():
         torch.testing.assert_close(v, _params(short)[k], rtol=0, atol=0)
-    assert warm.unroll_length() == 3
+    assert EAGLE3.unroll_length(warm.cfg, warm.step_count, training=True) == 3
     w2, s2 = warm.step([batch]), short.step([batch])
     assert w2["loss"] > s2["loss"] * 1.2  # steps 1 and 2 add their (decayed) losses
     assert warm.evaluate([batch])["loss_2"] > 0  # evaluation always unrolls the full length

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -171,8 +171,11 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> TargetModel:
-    """Load the frozen target in eval mode on ``device`` (default: picked from the config)."""
+def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
+                layers: Optional[Callable[[int], list[int]]] = None) -> TargetModel:
+    """Load the frozen target in eval mode on ``device`` (default: picked from the config).
+    ``layers(num_layers)`` picks the captured layers (default: EAGLE-3's, ``model.aux_layer_ids``);
+    runs pass ``config.feature_layer_ids`` so the draft algorithm decides."""
     device = device or pick_device(cfg.device)
     path = resolve_target_path(cfg)
     check_weight_files(path)
@@ -181,8 +184,9 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> Targ
         path, dtype=pick_dtype(cfg.dtype, device), trust_remote_code=cfg.trust_remote_code
     )
     model.to(device).eval().requires_grad_(False)
-    layers = aux_layer_ids(cfg, text_config(model.config).num_hidden_layers)
-    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=layers, device=device)
+    num_layers = text_config(model.config).num_hidden_layers
+    ids = layers(num_layers) if layers is not None else aux_layer_ids(cfg, num_layers)
+    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=device)
 
 
 # ---------------------------------------------------------------- capture

@@ -87,11 +87,12 @@ class FeatureSpec:
         return sum(f.nbytes(num_tokens) for f in self.fields)
 
     @classmethod
-    def eagle3(cls, hidden_size: int, hidden_dtype: str = "bfloat16") -> "FeatureSpec":
-        """The EAGLE-3 features: 3 fused aux layers, the last hidden state (the train side
-        rebuilds the teacher distribution from it), the target argmax, the ids and loss mask."""
+    def eagle3(cls, hidden_size: int, hidden_dtype: str = "bfloat16", num_layers: int = 3) -> "FeatureSpec":
+        """The draft features: ``num_layers`` fused aux layers (EAGLE-3: 3; DFlash: one per draft
+        layer by default), the last hidden state (the EAGLE-3 train side rebuilds the teacher
+        distribution from it), the target argmax, the ids and loss mask."""
         return cls((
-            FeatureField("aux_hidden", 3 * hidden_size, hidden_dtype),
+            FeatureField("aux_hidden", num_layers * hidden_size, hidden_dtype),
             FeatureField("last_hidden", hidden_size, hidden_dtype),
             FeatureField("target_ids", 1, "int64"),
             FeatureField("input_ids", 1, "int64"),

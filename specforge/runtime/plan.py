@@ -35,6 +35,7 @@ class RunData:
     hidden_size: int
     wire_dtype: str  # dtype of the hidden-state features on the data plane
     data_key: str = ""  # identifies the samples (token cache key / feature store digest): checkpoints keep it
+    num_aux_layers: int = 3  # target layers the draft algorithm reads (the aux feature is that many x H wide)
 
 
 def run_facts(cfg: Config, data: RunData) -> dict:
@@ -51,6 +52,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 
     if cfg.placement.mode == "offline":
         return prepare_offline(cfg)
+    from specforge.config import feature_layer_ids
     from specforge.data.prepare import prepare_dataset
     from specforge.models.target import load_tokenizer, resolve_target_path
     from specforge.train.trainer import build_vocab, vocab_path
@@ -67,6 +69,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
         hidden_size=int(target_cfg.hidden_size),
         wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
         data_key=data.cache_key,
+        num_aux_layers=len(feature_layer_ids(cfg, target_cfg.num_hidden_layers)),
     )
 
 
@@ -86,20 +89,22 @@ def prepare_offline(cfg: Config) -> RunData:
 
     from specforge.data.store import FeatureStore, store_root
     from specforge.data.vocab import build_draft_vocab, save_draft_vocab
+    from specforge.train.trainer import draft_vocab_size
 
     store = FeatureStore(store_root(cfg))
     split = store_split(store, cfg)
     if not split["train"]:
         raise ValueError(f"feature store {store.root} holds no samples; fill it (store.fill={cfg.store.fill})")
     key = hashlib.sha256(repr((store.meta, store.ids)).encode()).hexdigest()[:16]
-    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{cfg.draft.vocab_size}.safetensors"
+    n = draft_vocab_size(cfg, store.meta.vocab_size)
+    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{n}.safetensors"
     if not path.is_file():
         counts = torch.zeros(store.meta.vocab_size, dtype=torch.long)
         for i in split["train"]:
             s = store.read(i)
             counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=store.meta.vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_draft_vocab(build_draft_vocab(counts.numpy(), store.meta.vocab_size, cfg.draft.vocab_size), path)
+        save_draft_vocab(build_draft_vocab(counts.numpy(), store.meta.vocab_size, n), path)
     print(f"feature store {store.root}: {len(split['train'])} train + {len(split['eval'])} held-out samples, "
           f"{store.num_tokens} tokens ({store.dtype})")
     return RunData(
@@ -109,6 +114,7 @@ def prepare_offline(cfg: Config) -> RunData:
         hidden_size=store.meta.hidden_size,
         wire_dtype=store.dtype if store.dtype != "int8" else "float32",
         data_key=f"store-{key}",
+        num_aux_layers=len(store.meta.aux_layer_ids),
     )
 
 
@@ -139,7 +145,7 @@ class Planner:
         self.dp = ParallelDims.from_config(cfg).dp
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
         self.total_steps = total_steps(cfg, len(data.lengths))
-        self.spec = FeatureSpec.eagle3(data.hidden_size, data.wire_dtype)
+        self.spec = FeatureSpec.eagle3(data.hidden_size, data.wire_dtype, data.num_aux_layers)
         self._cache: dict[int, StepPlan] = {}
         n_eval = min(EVAL_SAMPLES, len(data.eval_lengths)) // self.dp * self.dp
         if cfg.train.eval_every and not n_eval:

@@ -59,6 +59,7 @@ class RolloutWorker(DistributedWorker):
         self.cfg = cfg
 
     def setup(self, layout: Layout) -> int:
+        from specforge.config import feature_layer_ids
         from specforge.models.target import load_target
 
         cfg = self.cfg
@@ -67,7 +68,7 @@ class RolloutWorker(DistributedWorker):
         device = pick_device(cfg.model.device)
         build_groups(cfg, layout, self.rank, device)  # collective: this rank is in none of them
         self.data = open_data(cfg)
-        self.target = load_target(cfg.model, device)
+        self.target = load_target(cfg.model, device, layers=lambda n: feature_layer_ids(cfg, n))
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
         return self.rank
@@ -151,7 +152,9 @@ class TrainWorker(DistributedWorker):
         from specforge.models.target import load_target
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
         from specforge.train.checkpoint import CheckpointManager
-        from specforge.train.trainer import DraftTrainer, build_draft, checkpoint_root, run_identity, teacher_weight
+        from specforge.algorithms import get_algorithm
+        from specforge.config import feature_layer_ids
+        from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
 
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
@@ -161,11 +164,12 @@ class TrainWorker(DistributedWorker):
         # The draft needs the target's embedding and lm_head (teacher rows of the draft vocab); only
         # a capture source keeps the target. On a GPU that briefly costs a whole target's memory
         # per train rank; at scale read just those two tensors instead.
-        target = load_target(cfg.model, device)
+        target = load_target(cfg.model, device, layers=lambda n: feature_layer_ids(cfg, n))
         vocab = load_draft_vocab(layout.vocab_path)
-        draft = parallelize_draft(build_draft(cfg, target, vocab).to(device), ParallelDims.from_config(cfg), groups, cfg)
-        self.trainer = DraftTrainer(draft, teacher_weight(target, vocab), cfg, device,
-                                    reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
+        algo = get_algorithm(cfg.draft.algorithm)
+        draft = parallelize_draft(algo.build_draft(cfg, target, vocab).to(device), ParallelDims.from_config(cfg), groups, cfg)
+        self.trainer = DraftTrainer(draft, algo.train_state(cfg, target, vocab), cfg, device,
+                                    reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps, algorithm=algo)
         self.source = build_source(cfg, layout, groups, target, self.rank)
         self.lost: Optional[str] = None  # set once the train ranks agreed a plan's features were lost
         identity = run_identity(cfg, target, vocab, facts or {}, total_steps)

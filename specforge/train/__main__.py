@@ -1,6 +1,6 @@
 import sys
 
 from specforge.cli import run_cli
-from specforge.train.trainer import main
+from specforge.local import main
 
 sys.exit(run_cli(main))

@@ -199,7 +199,8 @@ def set_aside(root: str | Path) -> Optional[Path]:
 
 
 def load_draft(path: str | Path, target=None):
-    """An ``Eagle3Draft`` from a saved folder; the frozen embedding comes from ``target``."""
+    """An ``Eagle3Draft`` from a saved folder; the frozen embedding comes from ``target``
+    (``specforge.algorithms.load_draft`` loads a draft of any algorithm)."""
     from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
 
     hf_config, weights = load_draft_folder(path)
@@ -313,7 +314,7 @@ class CheckpointManager:
                  "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng(), "identity": self.identity}
         if "global_batch" in self.identity:
             state["cursor"] = data_cursor(step, self.identity["global_batch"], self.identity["num_samples"])
-        return save_or_rescue(self.root, step, draft.config.to_hf_config(), weights, state, self.keep_last)
+        return save_or_rescue(self.root, step, trainer.algorithm.hf_config(draft), weights, state, self.keep_last)
 
     def check(self, path: str | Path, state: dict[str, Any]) -> None:
         """Refuse a checkpoint of another run (ValueError naming every difference)."""

@@ -42,15 +42,16 @@ COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
 
 def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
                    document_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``; N = the most any row has."""
+    """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``; N = the most any row has
+    (at least 1: a batch without two consecutive assistant tokens gets one dropped anchor per row)."""
     m = loss_mask_BT.bool()
     valid = m[:, :-1] & m[:, 1:]
     if document_ids_BT is not None:
         valid &= document_ids_BT[:, :-1] == document_ids_BT[:, 1:]
     counts = valid.sum(1)
-    width = min(int(num_anchors), int(counts.max()) if counts.numel() else 0)
-    if width == 0:
-        raise ValueError("DFlash needs two consecutive assistant (loss-masked) tokens in at least one row")
+    # at least one (dropped) anchor: a micro-batch with nothing to train still runs the forward,
+    # so every FSDP rank runs the same collectives
+    width = max(1, min(int(num_anchors), int(counts.max()) if counts.numel() else 0))
     r = torch.rand(valid.shape, generator=generator, device=valid.device)
     r = r.masked_fill(~valid, 2.0)
     picked = r.argsort(dim=1)[:, :width]

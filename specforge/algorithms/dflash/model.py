@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specforge.config import dflash_default_layers
 from specforge.models.draft import RMSNorm
 
 __all__ = ["DFlashConfig", "DFlashDraft", "ContextCache", "build_block_mask", "default_target_layer_ids"]
@@ -39,10 +40,7 @@ __all__ = ["DFlashConfig", "DFlashDraft", "ContextCache", "build_block_mask", "d
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The reference's default: one captured target layer per draft layer, spread over [1, L-3]."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    lo, hi = 1, num_target_layers - 3
-    return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return dflash_default_layers(num_target_layers, num_draft_layers)
 
 
 @dataclass

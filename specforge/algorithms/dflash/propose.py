@@ -18,7 +18,7 @@ import torch
 
 from .model import ContextCache, DFlashDraft
 
-__all__ = ["propose_block", "context_features", "spec_decode_greedy", "greedy_decode"]
+__all__ = ["DFlashProposer", "propose_block", "context_features", "spec_decode_greedy", "greedy_decode"]
 
 
 @torch.no_grad()
@@ -74,3 +74,35 @@ def spec_decode_greedy(target, draft: DFlashDraft, input_ids_1T: torch.Tensor, m
         cache.extend(draft, context_features(out.hidden_states, layer_ids)[:, s:s + n + 1])
         accepted.append(n + 1)
     return ids[:, :T0 + max_new_tokens], accepted
+
+
+class DFlashProposer:
+    """``specforge.eval``'s proposer for a DFlash draft: one block per round, in ONE draft forward.
+
+    The eval hands it the target's aux features of every token the target has run (the prompt at
+    ``start``, then the verified anchor + accepted drafts at ``accept``): exactly the context the
+    draft reads. The last token produced (the target's own, not yet run by it) is the anchor.
+    ``propose(k)`` drafts ``min(k, block_size - 1)`` tokens (k = the eval's chain: a block of K drafts
+    K - 1).
+    """
+
+    def __init__(self, draft: DFlashDraft, dtype: Optional[torch.dtype] = None):
+        self.draft = draft if dtype is None else draft.to(dtype)
+        self.dtype = next(draft.parameters()).dtype
+        self.cache, self.anchor = ContextCache(), 0
+
+    @torch.no_grad()
+    def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
+        self.cache = ContextCache().extend(self.draft, aux_TH.to(self.dtype).unsqueeze(0))
+        self.anchor = ids[-1]
+
+    @torch.no_grad()
+    def propose(self, k: int, costs=None) -> list[int]:
+        K = min(k + 1, self.draft.config.block_size)
+        anchor = torch.tensor([self.anchor], device=self.draft.fc.weight.device)
+        return propose_block(self.draft, self.cache, anchor, K)[0].tolist()
+
+    @torch.no_grad()
+    def accept(self, new_tokens: list[int], aux_TH: torch.Tensor) -> None:
+        self.cache.extend(self.draft, aux_TH.to(self.dtype).unsqueeze(0))
+        self.anchor = new_tokens[-1]

@@ -1,0 +1,82 @@
+"""DFlash vs EAGLE-3 on the same feature store and the same minutes: held-out acceptance, draft cost.
+
+    python benchmarks/bench_algorithms.py [--minutes 10] [--prompts 16] [--max-new-tokens 64] [overrides...]
+
+1. The embedded default's feature store (configs/smollm2-135m-cpu.yaml: 300 ShareGPT conversations
+   captured by the target, layers [1, 14, 26]), filled once if missing (python -m specforge.capture).
+2. EAGLE-3 (configs/smollm2-135m-cpu.yaml) and DFlash (configs/smollm2-135m-dflash-cpu.yaml, which
+   reads the same three layers from the same store) each trained for ``--minutes`` of wall clock
+   from scratch (python -m specforge.ray_train, placement.mode=offline), one after the other.
+3. One ``python -m specforge.eval`` table of both on the same held-out prompts (no training row
+   shares them): chain 7 for EAGLE-3, one block of 8 (7 drafted tokens) for DFlash; every output
+   checked against plain greedy decoding. Draft ms per round = the draft's cost of one round.
+Appends the table, naming machine, commit and load, to benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_section, header_markdown, markdown_table, run  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+EAGLE3, DFLASH = "configs/smollm2-135m-cpu.yaml", "configs/smollm2-135m-dflash-cpu.yaml"
+
+
+def newest(folder: Path) -> str:
+    return str(sorted((folder / "checkpoints").glob("step-*"))[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="runs/bench-algorithms")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides for both trainings")
+    args = ap.parse_args()
+    out = REPO / args.out
+    store = REPO / "runs/smollm2-135m-cpu/features"
+    if not (store / "index.json").is_file():
+        run([PY, "-m", "specforge.capture", "--config", EAGLE3, "--no-progress"])
+    common = [f"train.max_minutes={args.minutes}", "checkpoint.resume=false", "tracking.wandb=false", *args.overrides]
+    trained = {}
+    for name, config in (("EAGLE-3", EAGLE3), ("DFlash", DFLASH)):
+        folder = out / name.lower().replace("-", "")
+        secs = run([PY, "-m", "specforge.ray_train", "--config", config, f"train.output_dir={folder}",
+                    f"store.dir={store}", *common])
+        trained[name] = (newest(folder), secs, folder)
+    load = os.getloadavg()[0]
+    report = out / "eval.json"
+    run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--draft", trained["EAGLE-3"][0], "--draft",
+         trained["DFlash"][0], "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
+         "--chain", "7", "--json", str(report)])
+    rows = []
+    for r in json.loads(report.read_text())["rows"]:
+        name = next(n for n, t in trained.items() if t[0] == r["draft"])
+        recs = [json.loads(line) for line in (trained[name][2] / "metrics.jsonl").read_text().splitlines()]
+        steps = max(rec["step"] for rec in recs if rec["kind"] == "train")
+        rows.append([name, r["setting"], f"{trained[name][1] / 60:.1f}", steps, f"{r['acceptance_length']:.3f}",
+                     " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]), f"{r['drafted_per_round']:.2f}",
+                     f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{r['speedup']:.2f}x"])
+    table = markdown_table(["draft", "setting", "train wall min", "steps", "acceptance length",
+                            "accepted by position", "drafted/round", "draft ms/round", "verify ms/round", "speedup"],
+                           rows)
+    body = (f"`python benchmarks/bench_algorithms.py --minutes {args.minutes:g}` -- {header_markdown()}; 1-min load "
+            f"average before the eval {load:.1f} (2 cores; the trainings ran one after the other, nothing else heavy)\n\n"
+            f"Both drafts trained from the same feature store (the default's 300 captured conversations, target layers "
+            f"[1, 14, 26]) for {args.minutes:g} minutes each; {args.prompts} held-out ShareGPT prompts x "
+            f"{args.max_new_tokens} new tokens, greedy, every output equal to plain greedy decoding.\n\n" + table)
+    print(body)
+    append_section("DFlash vs EAGLE-3 (same store, same minutes)", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

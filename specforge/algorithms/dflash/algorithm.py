@@ -1,0 +1,133 @@
+"""DFlash behind the draft-algorithm seam: what the runtime calls (``specforge.algorithms.base``).
+
+Features: ``draft.num_layers`` target layer outputs by default (``model.aux_layer_ids`` sets them),
+concatenated as the aux feature, plus the target argmax (labels = the target's greedy next token,
+what greedy verification accepts; the data are not always the target's own answers). The last
+hidden state travels but is not used. Anchors are random (``loss.sample_anchors``) but a function of
+(train.seed, step, the micro-batch's tokens): a rank and the single process draw the same anchors
+for the same samples, and the normalizer pass and the loss pass agree without keeping state.
+Sequence parallelism is refused (a block reads the whole context before its anchor).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from specforge.config import feature_layer_ids
+
+CHUNK_BLOCKS = 16  # blocks whose full-vocab logits exist at once (recomputed in backward)
+EVAL_STEP = -1  # held-out metrics draw the same anchors at every periodic eval
+
+
+def _generator(batch, cfg, step: int) -> torch.Generator:
+    ids = batch.input_ids_BT.detach().to("cpu", torch.int64)
+    weights = torch.arange(1, ids.shape[-1] + 1, dtype=torch.int64)
+    content = int((ids * weights).sum()) % (2**31)
+    return torch.Generator().manual_seed(hash((cfg.train.seed, step, content, tuple(ids.shape))) % (2**63))
+
+
+class DFlash:
+    name = "dflash"
+
+    def feature_layers(self, cfg, num_layers: int) -> list[int]:
+        return feature_layer_ids(cfg, num_layers)
+
+    def check(self, cfg, target_config) -> None:
+        sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
+        if sp > 1:
+            raise ValueError(f"config keys 'parallel.sp_ulysses'={cfg.parallel.sp_ulysses} / 'parallel.sp_ring'="
+                             f"{cfg.parallel.sp_ring}: DFlash has no sequence parallelism (each block reads the whole "
+                             "context before its anchor); use 1 and data parallelism (train.num_workers)")
+        m = cfg.draft.mask_token_id
+        if m is not None and m >= target_config.vocab_size:
+            raise ValueError(f"config key 'draft.mask_token_id'={m} is not a token of the target "
+                             f"({target_config.vocab_size} tokens)")
+
+    def _draft_config(self, cfg, target, vocab):
+        from specforge.algorithms.dflash.model import DFlashConfig
+
+        d = cfg.draft
+        mask = d.mask_token_id
+        if mask is None:  # the highest id outside the draft vocab: never a frequent assistant token
+            mask = int((~vocab.t2d.bool()).nonzero().max())
+        shape = {k: getattr(d, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim", "rope_theta", "rms_norm_eps") if getattr(d, k) is not None}
+        return DFlashConfig.from_target(target.config, mask_token_id=mask, num_hidden_layers=d.num_layers,
+                                        target_layer_ids=list(target.aux_layer_ids), block_size=d.block_size, **shape)
+
+    def build_draft(self, cfg, target, vocab):
+        from specforge.algorithms.dflash.model import DFlashDraft
+
+        dcfg = self._draft_config(cfg, target, vocab)
+        with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone
+            torch.manual_seed(cfg.train.seed)
+            draft = DFlashDraft(dcfg)
+        return draft.set_target_weights(target.embed_weight_VH, target.lm_head_weight_VH)
+
+    def train_state(self, cfg, target, vocab):
+        return None
+
+    def _blocks(self, draft, batch, cfg, step: int):
+        from specforge.algorithms.dflash.loss import block_targets, next_token_labels, sample_anchors
+
+        c = draft.config
+        gen = _generator(batch, cfg, step if torch.is_grad_enabled() else EVAL_STEP)
+        anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, gen)
+        anchors, keep = anchors.to(batch.input_ids_BT.device), keep.to(batch.input_ids_BT.device)
+        labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
+        labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size)
+        return anchors, keep, labels_BNK, valid
+
+    def normalizer(self, draft, batch, cfg, step: int) -> float:
+        from specforge.algorithms.dflash.loss import decay_weights
+
+        _, _, _, valid = self._blocks(draft, batch, cfg, step)
+        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma)).sum())
+
+    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
+        from specforge.algorithms.dflash.loss import block_loss, build_block_ids
+
+        c = draft.config
+        anchors, keep, labels, valid = self._blocks(draft, batch, cfg, step)
+        block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
+        hidden = draft(batch.aux_hidden_BT3H, block_ids, anchors, keep)
+        norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
+        return block_loss(draft.logits, hidden, labels, valid, cfg.draft.loss_gamma, norm, CHUNK_BLOCKS)
+
+    def counts_shape(self, cfg) -> tuple[int, int]:
+        return (cfg.draft.block_size, 4)
+
+    def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
+        import re
+
+        from specforge.algorithms.dflash.loss import metrics_from_counts
+
+        # block row k drafts the k-th token after the anchor: logged as position k-1, as EAGLE-3's
+        # acc_0 is its first drafted token, so dashboards and the end-of-run line read both alike
+        out = {}
+        for key, v in metrics_from_counts(counts, cfg.draft.loss_gamma).items():
+            m = re.fullmatch(r"(loss|acc)_(\d+)", key)
+            out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
+        return out
+
+    def hf_config(self, draft) -> dict:
+        from specforge.algorithms.dflash.export import to_hf_config
+
+        return to_hf_config(draft.config)
+
+    def load(self, path, target):
+        from specforge.algorithms.dflash.export import load_dflash
+        from specforge.train.checkpoint import load_draft_folder
+
+        load_draft_folder(path)  # a truncated file is named, as for every checkpoint
+        return load_dflash(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
+
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
+        from specforge.algorithms.dflash.propose import DFlashProposer
+
+        return DFlashProposer(draft, dtype)
+
+
+ALGORITHM = DFlash()

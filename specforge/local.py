@@ -1,0 +1,60 @@
+"""The single-process placement: ``python -m specforge.train --config cfg.yaml [dotted.overrides=...]``.
+
+One in-process train worker under THE loop (``runtime/loop.py``) with the same global batch, data
+order and loss as ``specforge.ray_train``: the reference the distributed placements are tested
+against. It sits above ``runtime/`` and ``train/`` (the step it runs lives in ``train/trainer.py``,
+the loop in ``runtime/``), so neither of those imports the other's entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from specforge.config import Config, load_config
+
+
+def run(cfg: Config) -> Optional[Path]:
+    """Train in this process; returns the newest checkpoint folder."""
+    from specforge.device import pick_device
+    from specforge.preflight import check_run
+    from specforge.runtime.loop import LocalCluster, check, not_applied, single_process, train_loop
+    from specforge.runtime.plan import Planner, prepare
+    from specforge.tracking import MetricsLogger
+    from specforge.train.checkpoint import latest_checkpoint
+    from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
+
+    check(cfg)
+    check_run(cfg)  # the config against the target's config.json, before the target loads
+    keep_old_checkpoints(cfg)
+    if skipped := not_applied(cfg, "single"):
+        print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
+    local = single_process(cfg)
+    data = prepare(local, use_gpu=pick_device(cfg.model.device).type == "cuda")
+    cluster = LocalCluster(local, data)
+    logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
+    try:
+        train_loop(local, cluster, Planner(local, data, cluster.layout), logger)
+    finally:
+        cluster.save()
+        logger.close()
+    path = latest_checkpoint(checkpoint_root(cfg))
+    print(f"saved {path}")
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specforge.train", description="Single-process draft training.")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    run(load_config(args.config, args.overrides))
+    return 0
+
+
+if __name__ == "__main__":
+    from specforge.cli import run_cli
+
+    sys.exit(run_cli(main))
