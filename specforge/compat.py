@@ -43,7 +43,10 @@ def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
 
 def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
     """The draft's config.json against the target's: what a draft of another target gets wrong first."""
+    from specforge.targets import text_config
+
     name = str(path)
+    target_config = text_config(target_config)  # an image-text target: its text tower
     want_h = int(hf_config.get("target_hidden_size") or hf_config["hidden_size"])
     if want_h != target_config.hidden_size:
         raise ValueError(f"draft {name!r} was trained for a target of hidden size {want_h}, this target has "

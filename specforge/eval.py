@@ -156,6 +156,47 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-extra)
 
 
+def new_cache(target: TargetModel):
+    """The target's cache for one decode. A family whose rejected tokens a crop takes back
+    (``Family.rollback`` CROP) gets plain layers that keep every key (sliding layers too: the
+    attention masks apply the window, so a crop is exact); a family with linear-attention layers
+    gets its own layer kinds (their conv + recurrent state)."""
+    from transformers import DynamicCache
+
+    from specforge.targets import CROP
+
+    return DynamicCache() if target.family.rollback == CROP else DynamicCache(config=target.model.config)
+
+
+def _recurrent_snapshot(cache) -> dict:
+    """Copies of the cache layers a crop cannot take back (linear attention: a state, not per-token keys)."""
+    import copy
+
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers)
+            if isinstance(layer, LinearAttentionCacheLayerMixin)}
+
+
+def _take_back(target: TargetModel, cache, snapshot: Optional[dict], base: int, accepted: list[int]) -> None:
+    """Put the cache where it would be had the verify forward run over ``accepted`` only (the last
+    produced token + the accepted draft tokens, after ``base`` cached positions). Without a snapshot:
+    a crop. With one (``Family.rollback`` RESTORE), unless every token was accepted: the recurrent
+    layers go back to the snapshot, the attention layers are cropped to ``base``, and the accepted
+    tokens run through the target again (one more forward: exact, where a crop would be wrong)."""
+    if snapshot is None:
+        _crop(cache, base + len(accepted))
+        return
+    if cache.get_seq_length() == base + len(accepted):
+        return
+    for i, layer in enumerate(cache.layers):
+        if i in snapshot:
+            cache.layers[i] = snapshot[i]
+        elif (extra := layer.get_seq_length() - base) > 0:
+            layer.crop(-extra)
+    forward_aux(target, torch.tensor([accepted], device=target.device), past_key_values=cache)
+
+
 def _logits_rows(target: TargetModel, last_TH: torch.Tensor) -> torch.Tensor:
     return last_TH @ target.lm_head_weight_VH.T
 
@@ -172,11 +213,9 @@ def _verify(target: TargetModel, last_TH: torch.Tensor, drafted: list[int]) -> l
 
 @torch.inference_mode()
 def greedy_run(target: TargetModel, prompt: Sequence[int], max_new: int, eos: set[int]) -> GreedyRun:
-    from transformers import DynamicCache
-
     dev = target.device
     t0 = time.perf_counter()
-    cache = DynamicCache()
+    cache = new_cache(target)
     _, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), past_key_values=cache)
     logits = [_logits_rows(target, last[0, -1:])[0]]
     out = [int(logits[-1].argmax())]
@@ -200,12 +239,13 @@ def speculative_decode(
     costs: Optional[RoundCosts] = None,
 ) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding; with ``costs`` the chain stops early (dynamic drafting)."""
-    from transformers import DynamicCache
+    from specforge.targets import RESTORE
 
     dev = target.device
     stats = DecodeStats(accepted_at=[0] * chain)
     t0 = time.perf_counter()
-    cache = DynamicCache()
+    cache = new_cache(target)
+    restore = target.family.rollback == RESTORE
     aux, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), past_key_values=cache)
     out = [int(_logits_rows(target, last[0, -1:]).argmax())]
     proposer.start(list(prompt) + out, aux[0])
@@ -215,15 +255,16 @@ def speculative_decode(
         t1 = time.perf_counter()
         drafted = proposer.propose(chain, **kw)
         t2 = time.perf_counter()
+        snapshot = _recurrent_snapshot(cache) if restore else None
         aux, last, _ = forward_aux(target, torch.tensor([[out[-1]] + drafted], device=dev), past_key_values=cache)
         verified = _verify(target, last[0], drafted)
-        t3 = time.perf_counter()
         n = 0
         while n < len(drafted) and drafted[n] == verified[n]:
             stats.accepted_at[n] += 1
             n += 1
         new = drafted[:n] + [verified[n]]
-        _crop(cache, base + 1 + n)
+        _take_back(target, cache, snapshot, base, [out[-1]] + drafted[:n])
+        t3 = time.perf_counter()
         proposer.accept(new, aux[0, : n + 1])
         out.extend(new)
         stats.verify_forwards += 1

@@ -20,6 +20,11 @@ from typing import Any, Mapping, Optional
 IN_PROCESS = "in-process"  # models/generate.py runs the decoder layers around its own KV cache
 HF_FALLBACK = "hf-generate"  # HF ``generate`` writes the tokens, then one capture pass gives the features
 
+# How the lossless eval (eval.py) takes rejected draft tokens back out of the target's cache after a verify forward.
+CROP = "crop"  # crop the KV cache (sliding layers keep every key there: the attention masks apply the window)
+RESTORE = "restore"  # a recurrent state no crop can undo: snapshot it before the verify, restore it and re-run
+#                      the accepted tokens when a draft token is rejected (one more target forward in such rounds)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -37,6 +42,7 @@ class Family:
     aux_on_linear_layers: bool = True  # engines capture aux states at linear-attention layer outputs
     mla: bool = False  # multi-head latent attention: no per-head K/V of the target to copy into the draft
     final_softcap: bool = False  # the HF class soft-caps its logits by final_logit_softcapping (when set)
+    rollback: str = CROP  # CROP or RESTORE: how the eval's verify forward is taken back to the accepted tokens
 
     @property
     def loader(self) -> str:
@@ -65,12 +71,12 @@ FAMILIES: tuple[Family, ...] = (
            f"linear-attention (gated DeltaNet) layers between gated full-attention ones; {_MOE} + shared expert; "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0),
+           norm_offset=1.0, rollback=RESTORE),
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), "Qwen3_5ForCausalLM", "Qwen/Qwen3.5-9B",
            "image-text checkpoint, loaded as its text tower; linear-attention layers; M-RoPE (interleaved), "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0),
+           norm_offset=1.0, rollback=RESTORE),
     Family("gemma3_text", ("gemma3_text",), "Gemma3ForCausalLM", "google/gemma-3-1b-it",
            "embeddings scaled by sqrt(H); 4 norms per layer, (1 + w) RMSNorm; q/k norm; sliding + full layers "
            "with their own RoPE; query_pre_attn_scalar; final logit soft-cap when set; tied head",
@@ -259,16 +265,19 @@ def check_target(config: Any, aux_ids: list[int], draft_vocab_size: Optional[int
 # ---------------------------------------------------------------- the README table
 
 COLUMNS = ("family", "config model_type", "transformers class", "e.g.", "what the test model keeps",
-           "capture = HF", "generation with features", "draft config", "TTT train step")
+           "capture = HF", "generation with features", "draft config", "TTT train step",
+           "offline training + lossless eval")
+ROLLBACK = {CROP: "yes (rejected tokens cropped from the KV cache)",
+            RESTORE: "yes (linear-attention state restored, accepted tokens re-run)"}
 
 
 def table_markdown() -> str:
     """The README's supported-targets table (tests/test_targets.py asserts the README holds exactly
-    this, and runs every row's tiny model through each column)."""
+    this, and runs every row's tiny model through each column; tests/test_targets_train.py the last one)."""
     rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for f in FAMILIES:
         gen = "in-process" if f.generation == IN_PROCESS else f"HF generate + capture pass ({f.fallback_reason})"
         cells = (f"**{f.name}**", ", ".join(f"`{t}`" for t in f.model_types), f"`{f.hf_class}`", f.example,
-                 f.quirks, "yes", gen, "yes", "yes")
+                 f.quirks, "yes", gen, "yes", "yes", ROLLBACK[f.rollback])
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

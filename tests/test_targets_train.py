@@ -1,0 +1,160 @@
+"""Every row of the supported-targets table (``specforge.targets.FAMILIES``) through a user's whole
+offline path, on its tiny random model saved to a folder with a chat-template tokenizer:
+``capture_store`` -> ``local.run`` (placement.mode=offline, a few steps) -> ``python -m specforge.eval``
+with the trained draft, whose speculative output must equal greedy decoding. The eval's greedy
+reference is itself checked against decoding without any cache, and the eval's verify rounds are
+driven through every acceptance count (0..chain) so that taking rejected tokens back out of the
+target's cache (``Family.rollback``: a crop, or for linear-attention families a restored state and
+a re-run) is exercised for every family."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specforge import eval as ev
+from specforge.config import load_config
+from specforge.models.target import TargetModel, forward_aux
+from specforge.targets import FAMILIES, RESTORE, tiny
+from tests.test_data_prepare import CHATML, rec, write_jsonl
+from tests.test_targets import NAMES, built
+
+WORDS = "hello world user assistant system question answer why how what the a is of to".split()
+AUX = [0, 2, 4]
+# the reference implementations of linear attention (no fla / causal-conv1d kernels here) take seconds
+SLOW = [pytest.param(f.name, marks=pytest.mark.slow) if f.rollback == RESTORE else f.name for f in FAMILIES]
+
+
+# ---------------------------------------------------------------- the eval's cache rollback == no cache
+
+
+@torch.no_grad()
+def uncached_greedy(target: TargetModel, prompt: list[int], max_new: int, eos=frozenset()) -> list[int]:
+    """Greedy decoding that re-runs the whole sequence every token: no cache to get wrong."""
+    ids, out = list(prompt), []
+    while len(out) < max_new and not (out and out[-1] in eos):
+        _, last, _ = forward_aux(target, torch.tensor([ids], device=target.device))
+        out.append(int((last[0, -1] @ target.lm_head_weight_VH.T).argmax()))
+        ids.append(out[-1])
+    return out
+
+
+class Scripted:
+    """Proposes the true continuation, wrong from draft position ``round % (chain + 1)`` on: the
+    verify rounds accept 0, 1, ..., chain tokens in turn."""
+
+    def __init__(self, prompt_len: int, reference: list[int], chain: int):
+        self.prompt_len, self.reference, self.chain, self.rounds = prompt_len, reference, chain, 0
+
+    def start(self, ids, aux_TH):
+        self.ids = list(ids)
+
+    def propose(self, k, costs=None):
+        done = len(self.ids) - self.prompt_len
+        good = (self.reference + [3] * k)[done : done + k]
+        cut = self.rounds % (self.chain + 1)
+        self.rounds += 1
+        return good[:cut] + [(t + 1) % tiny.V for t in good[cut:]]
+
+    def accept(self, new, aux_TH):
+        assert aux_TH.shape[0] == len(new)
+        self.ids += new
+
+
+def _prompt():
+    return torch.randint(3, 250, (11,), generator=torch.Generator().manual_seed(2)).tolist()  # past every sliding window (8)
+
+
+@pytest.mark.parametrize("name", SLOW)
+def test_speculative_rounds_of_every_acceptance_equal_uncached_greedy(name):
+    target, prompt, chain = built(name), _prompt(), 3
+    ref = uncached_greedy(target, prompt, 12)
+    assert ev.greedy_run(target, prompt, 12, set()).tokens == ref
+    got, stats = ev.speculative_decode(target, Scripted(len(prompt), ref, chain), prompt, 12, chain, set())
+    assert got == ref
+    assert stats.accepted_at == [3, 2, 1] and stats.verify_forwards == 5  # rounds accepted 0, 1, 2, 3, 0 tokens
+
+
+@pytest.mark.slow
+def test_linear_attention_state_needs_the_restore(monkeypatch):
+    """Negative control: qwen3_next with its recurrent state not restored no longer equals greedy."""
+    target, prompt, chain = built("qwen3_next"), _prompt(), 3
+    assert target.family.rollback == RESTORE
+    ref = uncached_greedy(target, prompt, 12)
+    live = ev._recurrent_snapshot
+    monkeypatch.setattr(ev, "_recurrent_snapshot", lambda cache: {i: cache.layers[i] for i in live(cache)})  # no copies
+    got, _ = ev.speculative_decode(target, Scripted(len(prompt), ref, chain), prompt, 12, chain, set())
+    assert got != ref
+
+
+# ---------------------------------------------------------------- capture -> offline training -> lossless eval
+
+
+def word_tokenizer():
+    """A word-level fast tokenizer (19 ids, inside every tiny model's 256) with a ChatML template;
+    ids 0, 2 = the tiny configs' pad and eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"] + WORDS
+    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="[UNK]", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def target_folder(name: str, root):
+    """The family's tiny random model + the tokenizer in ``root/target``, 12 chats in ``root/data.jsonl``."""
+    fam = next(f for f in FAMILIES if f.name == name)
+    torch.manual_seed(0)
+    fam.auto_class().from_config(getattr(tiny, name)()).save_pretrained(root / "target")
+    word_tokenizer().save_pretrained(root / "target")
+    n = len(WORDS)
+    rows = [rec(" ".join(WORDS[(i + j) % n] for j in range(3 + i % 4)),
+                " ".join(WORDS[(2 * i + j) % n] for j in range(10 + i % 5))) for i in range(12)]
+    write_jsonl(root / "data.jsonl", rows)
+
+
+def overrides(root) -> list[str]:
+    return [f"model.target_path={root / 'target'}", "model.dtype=float32", "model.device=cpu",
+            f"model.cache_dir={root / 'cache'}", f"model.aux_layer_ids={AUX}".replace(" ", ""),
+            f"data.path={root / 'data.jsonl'}", "data.max_length=64", "data.num_eval=4",
+            "draft.vocab_size=256", "draft.ttt_length=3", "train.lr=1e-2", "train.warmup_steps=0",
+            "train.batch_size=2", "train.max_steps=3", "train.precision=fp32", "train.num_threads=1",
+            "train.num_workers=1", "train.log_every=1", "train.eval_every=0", f"train.output_dir={root / 'out'}",
+            "tracking.wandb=false", "checkpoint.every_steps=0", "checkpoint.resume=false",
+            "placement.mode=offline", f"store.dir={root / 'features'}", "store.dtype=bfloat16"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_offline_training_and_lossless_eval(name, tmp_path):
+    from specforge.capture import capture_store
+    from specforge.local import run
+    from specforge.models.target import load_target
+
+    target_folder(name, tmp_path)
+    cfg = load_config(None, overrides(tmp_path))
+    capture_store(cfg, progress=False)
+    ckpt = run(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["loss"] > 0 for r in train)
+
+    # the eval CLI raises unless every speculative output equals its greedy decoding
+    out = tmp_path / "eval.json"
+    assert ev.main(["--draft", str(ckpt), "--num-prompts", "3", "--max-new-tokens", "16", "--chain", "3",
+                    "--json", str(out), *overrides(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["setting"] for r in report["rows"]] == ["chain 3 fixed", "dynamic <=3"]
+    assert report["prompts"] == 3 and report["ties"] == 0 and report["verify_forwards"] > 0
+
+    # ... and that greedy decoding (cached, as the eval runs it) equals decoding without a cache
+    target = load_target(cfg.model, layers=lambda n: AUX)
+    eos = ev._eos_ids(target)
+    for prompt in ev.eval_prompts(ev.heldout_rows(cfg, target.tokenizer), 3, 384):
+        assert ev.greedy_run(target, prompt, 16, eos).tokens == uncached_greedy(target, prompt, 16, eos)
