@@ -238,6 +238,49 @@ def test_one_ttt_train_step(name):
     assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
+    """EAGLE-3's teacher (its train state + the TTT loss's ``teacher_probs``) = HF's logits on the draft
+    vocab rows, renormalized over them: Gemma's final soft-cap included, where the HF class applies it."""
+    from specforge.algorithms import get_algorithm
+    from specforge.config import Config
+    from specforge.data.vocab import DraftVocab
+    from specforge.train.ttt import teacher_probs, ttt_loss_reference
+
+    target = built(name)
+    ids, mask = _ids()
+    feats = capture(target, ids, mask)
+    valid = mask.bool()
+    keep = torch.sort(torch.randperm(tiny.V, generator=torch.Generator().manual_seed(3))[:48]).values
+    t2d = torch.zeros(tiny.V, dtype=torch.bool)
+    t2d[keep] = True
+    vocab = DraftVocab(d2t=keep - torch.arange(48), t2d=t2d)
+    eagle3 = get_algorithm("eagle3")
+    head = eagle3.train_state(Config(), target, vocab)
+    assert head.softcap == targets.logit_softcap(target.model.config)
+    with torch.no_grad():
+        hf_logits = target.model(input_ids=ids, attention_mask=mask).logits[valid][:, keep]
+    got = teacher_probs(feats.last_hidden_BTH[valid], head.weight_NH, head.softcap)
+    torch.testing.assert_close(got, hf_logits.softmax(-1), rtol=1e-4, atol=1e-5)
+
+    # the train step's loss uses it: EAGLE-3's loss == the reference TTT loss with the same soft-cap
+    draft = Eagle3Draft(draft_config_from_target(target.model.config, DraftConfig(vocab_size=48), AUX))
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    draft.init_embeddings_from_target(target.embed_weight_VH)
+    batch = TrainBatch.from_features(ids, mask, feats)
+    cfg = Config()
+    cfg.draft.vocab_size, cfg.draft.ttt_length, cfg.train.ttt_warmup_steps = 48, 2, 0
+    with torch.no_grad():
+        loss, _ = eagle3.loss(draft, batch, head, cfg, 0, None)
+        want, _ = ttt_loss_reference(draft, batch, head.weight_NH, 2, cfg.draft.ttt_decay, softcap=head.softcap)
+        torch.testing.assert_close(loss, want)
+    if head.softcap:  # negative control: the uncapped teacher is another distribution
+        raw = teacher_probs(feats.last_hidden_BTH[valid], head.weight_NH)
+        assert not torch.allclose(raw, hf_logits.softmax(-1), atol=1e-3)
+        with torch.no_grad():
+            assert not torch.allclose(eagle3.loss(draft, batch, head.weight_NH, cfg, 0, None)[0], want)
+
+
 # ---------------------------------------------------------------- the README table
 
 def _readme_block() -> str:

@@ -115,7 +115,7 @@ class DraftTrainer:
             algorithm = get_algorithm(cfg.draft.algorithm)
         self.draft, self.cfg, self.device, self.reduce_sum, self.algorithm = draft, cfg, device, reduce_sum, algorithm
         # small (EAGLE-3: N x H) and fp32; autocast casts it down where it runs
-        self.state = state.to(device, torch.float32) if isinstance(state, torch.Tensor) else state
+        self.state = state.to(device, torch.float32) if hasattr(state, "to") else state
         self.amp_dtype = autocast_dtype(cfg.train.precision, device)
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train, total_steps or cfg.train.max_steps)
         self.step_count = 0

@@ -12,7 +12,9 @@ Conventions (``shared/DESIGN.md``, "EAGLE-3 facts"); ``x`` = input ids, ``T`` = 
   token is an assistant token -- the *shifted* mask; upstream SpecForge issue #885 applies the
   unshifted one) and ``t2d[target_ids[t+1+i]]`` (the target argmax there is in the draft vocab).
 * ``loss_i`` = soft cross-entropy against ``softmax(last_hidden[t+1+i] @ teacher_weight_NH.T)``
-  (the target distribution renormalized over the draft vocab), summed over counted rows.
+  (the target distribution renormalized over the draft vocab), summed over counted rows; for a
+  family whose logits are soft-capped (Gemma: ``cap * tanh(z / cap)``, ``softcap``) the cap is
+  applied before the softmax, as the target's own logits are (``teacher_probs``).
   ``loss = sum_i decay**i * loss_i / num_valid`` where ``num_valid`` = counted rows of step 0
   (this rank's), or ``num_valid_global`` when given (the global step-0 count across data/sequence
   parallel ranks: then each rank's loss is its share of the global mean, and gradients must be
@@ -50,6 +52,7 @@ Run it under ``specforge.device.autocast(device, torch.bfloat16)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -65,6 +68,8 @@ __all__ = [
     "valid_rows",
     "num_valid_rows",
     "teacher_weight_from_target",
+    "teacher_probs",
+    "TeacherHead",
     "metrics_from_counts",
     "COUNTERS",
     "soft_cross_entropy",
@@ -99,6 +104,30 @@ def teacher_weight_from_target(target_lm_head_VH: torch.Tensor, d2t: torch.Tenso
     """The frozen teacher head: target lm_head rows of the draft vocab (``N x H``)."""
     ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
     return target_lm_head_VH.detach()[ids.to(target_lm_head_VH.device)].clone()
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """EAGLE-3's frozen train state: the target lm_head rows of the draft vocab (``N x H``) and the
+    target's final logit soft-cap (``targets.logit_softcap``: Gemma; None for most families)."""
+
+    weight_NH: torch.Tensor
+    softcap: Optional[float] = None
+
+    def to(self, *args, **kwargs) -> "TeacherHead":
+        return replace(self, weight_NH=self.weight_NH.to(*args, **kwargs))
+
+
+@torch.no_grad()
+def teacher_probs(last_hidden_NH: torch.Tensor, teacher_weight_NH: torch.Tensor,
+                  softcap: Optional[float] = None) -> torch.Tensor:
+    """The target distribution over the draft vocab (``M x N``, fp32 at least): the target's logits
+    on the draft vocab rows, soft-capped as the target caps them, softmax over those rows."""
+    z = F.linear(last_hidden_NH, teacher_weight_NH.detach())
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return torch.softmax(z, dim=-1)
 
 
 def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: torch.Tensor, ttt_length: int) -> torch.Tensor:
@@ -243,7 +272,7 @@ def ttt_logits(draft, batch: Any, ttt_length: int = 7) -> list[torch.Tensor]:
     return draft(ids, aux, pos, [ids.shape[1]] * ttt_length, head=lambda i, h: draft.logits(h))
 
 
-def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH):
+def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH, softcap=None):
     """The target distributions over the draft vocab, once, at every position p = t+1+i some
     counted row uses: ``(teacher_PN, pos_map)``, ``pos_map[b*T + p]`` = its row in ``teacher``."""
     L, B, R = valid_LBR.shape
@@ -256,9 +285,7 @@ def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH):
     used_idx = used.view(-1).nonzero().squeeze(-1)
     pos_map = torch.full((B * T,), -1, dtype=torch.long, device=used.device)
     pos_map[used_idx] = torch.arange(used_idx.numel(), device=used.device)
-    with torch.no_grad():
-        tl = F.linear(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH.detach())
-        return torch.softmax(tl.to(torch.promote_types(tl.dtype, torch.float32)), dim=-1), pos_map
+    return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
 
 
 def _step_lengths(valid_LBR: torch.Tensor) -> list[int]:
@@ -277,6 +304,7 @@ def ttt_loss(
     decay: float = 0.8,
     num_valid_global: Optional[float] = None,
     num_rows: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The TTT loss of one batch (fast path) and its counters: ``(loss, counts_L4)``, float64
     ``[ttt_length, 4]`` with the columns :data:`COUNTERS`.
@@ -284,7 +312,8 @@ def ttt_loss(
     ``batch`` (mapping or object): ``input_ids_BT``, ``loss_mask_BT``, ``aux_hidden_BT3H``,
     ``last_hidden_BTH``, ``target_ids_BT``; optional ``position_ids_BT`` (default ``arange(T)``).
     Right padding must carry ``loss_mask`` 0. ``num_rows`` (default: ``batch.num_rows`` if
-    present): sequence-parallel slice mode, see the module docstring.
+    present): sequence-parallel slice mode, see the module docstring. ``softcap``: the target's
+    final logit soft-cap, applied to the teacher's logits (``teacher_probs``).
     """
     ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
@@ -294,7 +323,7 @@ def ttt_loss(
         raise ValueError(f"SP slice: {T} window rows, need num_rows + ttt_length + 1 = {sp_rows + L + 1}")
     R = T if sp_rows is None else sp_rows  # rows this call computes
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L)[:, :, :R]  # L,B,R
-    teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH)
+    teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH, softcap)
     # SP: the same shapes on every rank (collectives inside the attention core)
     t_len = _step_lengths(valid) if sp_rows is None else [R] * L
     target_flat = target_ids.reshape(-1)
@@ -326,6 +355,7 @@ def ttt_loss_reference(
     ttt_length: int = 7,
     decay: float = 0.8,
     num_valid_global: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The straightforward TTT loss (test reference and benchmark baseline).
 
@@ -339,9 +369,7 @@ def ttt_loss_reference(
     dev = ids.device
     L = int(ttt_length)
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L).float()
-    with torch.no_grad():
-        tl = F.linear(last_hidden, teacher_weight_NH.detach())
-        teacher_all = torch.softmax(tl.to(torch.promote_types(tl.dtype, torch.float32)), dim=-1)  # B,T,N
+    teacher_all = teacher_probs(last_hidden, teacher_weight_NH, softcap)  # B,T,N
     layer = draft.midlayer
     attn_mod = layer.self_attn
     hidden = draft.project_aux(aux)

@@ -3,7 +3,7 @@
 
 Features: 3 target layer outputs (``model.aux_layer_ids``, default [1, L//2 - 1, L - 4]) fused by
 ``fc``, and the last hidden state, from which the train side rebuilds the teacher over the draft
-vocabulary with the target's lm_head rows (``train_state``).
+vocabulary with the target's lm_head rows and its final logit soft-cap (``train_state``).
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ class Eagle3:
                                             target.aux_layer_ids.index(max(target.aux_layer_ids)))
         return draft
 
-    def train_state(self, cfg, target, vocab) -> torch.Tensor:
-        """Target lm_head rows of the draft vocab (N x H): the teacher over the draft vocab."""
-        from specforge.train.ttt import teacher_weight_from_target
+    def train_state(self, cfg, target, vocab):
+        """The teacher over the draft vocab (a ``TeacherHead``): the target's lm_head rows of the
+        draft vocab (N x H) and its family's final logit soft-cap, if its HF class applies one."""
+        from specforge.targets import logit_softcap
+        from specforge.train.ttt import TeacherHead, teacher_weight_from_target
 
-        return teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone()
+        return TeacherHead(teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone(),
+                           logit_softcap(target.model.config))
 
     def unroll_length(self, cfg, step: int, training: bool) -> int:
         """TTT steps a step trains: 1 during ``train.ttt_warmup_steps``, then ``draft.ttt_length``
@@ -64,11 +67,13 @@ class Eagle3:
         return float(num_valid_rows(batch, draft.t2d, cfg.draft.ttt_length))
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        from specforge.train.ttt import ttt_loss
+        from specforge.train.ttt import TeacherHead, ttt_loss
 
         steps = self.unroll_length(cfg, step, torch.is_grad_enabled())
         total = None if normalizer is None else max(normalizer, 1.0)  # no valid row anywhere: a zero loss
-        return ttt_loss(draft, batch, state, steps, cfg.draft.ttt_decay, num_valid_global=total)
+        head = state if isinstance(state, TeacherHead) else TeacherHead(state)  # a bare N x H tensor: no soft-cap
+        return ttt_loss(draft, batch, head.weight_NH, steps, cfg.draft.ttt_decay, num_valid_global=total,
+                        softcap=head.softcap)
 
     def counts_shape(self, cfg) -> tuple[int, int]:
         return (cfg.draft.ttt_length, 4)
