@@ -20,10 +20,14 @@ import hashlib
 import json
 import os
 import re
-import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -139,6 +143,7 @@ def _run_converter(args: Sequence[str], out_path: Path) -> Path:
 
 def convert_target(target_hf_dir: str | Path, out_path: str | Path, outtype: str = "f32") -> Path:
     """``target_hf_dir`` (a HF folder) -> a GGUF llama-server can serve EAGLE-3 drafts with."""
+    find_converter()  # the install first: it is what a first-time user lacks
     _check_outtype(outtype)
     check_target_architecture(_read_config(Path(target_hf_dir), "target"), f"target {str(target_hf_dir)!r}")
     return _run_converter([str(target_hf_dir), "--outtype", outtype], Path(out_path))
@@ -176,6 +181,7 @@ def convert_draft(draft_dir: str | Path, target_hf_dir: str | Path, out_path: st
 
     ``layer_ids`` (SGLang numbering, layer outputs) overrides what the checkpoint records; only a
     test that exports a deliberately wrong draft has a reason to pass it."""
+    find_converter()
     _check_outtype(outtype)
     draft_config, target_config = check_draft(draft_dir, target_hf_dir)
     ids = list(layer_ids) if layer_ids is not None else draft_layer_ids(
@@ -202,3 +208,225 @@ def cached_target_gguf(target_hf_dir: str | Path, outtype: str = "f32") -> Path:
     cache = Path(os.environ.get("SPECFORGE_CACHE", "~/.cache/specforge")).expanduser() / "gguf"
     out = cache / f"{src.name}-{stamp.hexdigest()[:12]}-{outtype}.gguf"
     return out if out.is_file() else convert_target(src, out, outtype)
+
+
+# ---------------------------------------------------------------- llama-server
+
+
+@dataclass
+class Completion:
+    """One greedy completion and what the server counted while producing it."""
+
+    tokens: list[int]
+    text: str
+    prompt_n: int
+    predicted_n: int
+    predicted_ms: float
+    draft_n: int = 0  # draft tokens proposed
+    draft_n_accepted: int = 0
+    verify_rounds: int = 0  # target forwards that verified a draft (the server's n_draft_verif_steps)
+    drafts: list[list[tuple[int, float]]] = field(default_factory=list)  # per round, pos 0: top-3 (id, p)
+
+    @property
+    def acceptance(self) -> float:
+        """Tokens per verify round, the bonus token included: the server's own "mean len"
+        (server-context.cpp: 1 + n_draft_accepted / n_draft_verif_steps)."""
+        return 1.0 + self.draft_n_accepted / self.verify_rounds if self.verify_rounds else 1.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per target decode forward, drafted or not (``specforge.eval``'s acceptance
+        length): every forward after the prefill yields 1 + its accepted draft tokens."""
+        forwards = self.predicted_n - 1 - self.draft_n_accepted
+        return (self.predicted_n - 1) / forwards if forwards > 0 else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.predicted_n / max(self.predicted_ms, 1e-9)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a killed
+    eval or test never leaves a server running (``__exit__`` does not run on SIGKILL)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """``llama-server`` on a free port of 127.0.0.1, one slot, for the lifetime of a ``with`` block.
+
+    Start waits for ``/health`` at most ``start_timeout_s``; every error carries the tail of the
+    server's log; leaving the block always stops it (terminate, then kill). With a draft GGUF it
+    speculates with ``--spec-type draft-eagle3`` (``n_max`` drafted tokens, ``p_min`` early stop,
+    ``synth_len``: llama.cpp's synthetic acceptance, for a break-even line). ``log_drafts`` turns on
+    the debug log whose draft candidates :meth:`complete` returns (``Completion.drafts``).
+    """
+
+    def __init__(self, target_gguf: str | Path, draft_gguf: Optional[str | Path] = None, *, n_max: int = 3,
+                 p_min: float = 0.0, synth_len: Optional[float] = None, threads: Optional[int] = None,
+                 ctx_size: int = 4096, log_drafts: bool = False, start_timeout_s: float = 120.0,
+                 extra_args: Sequence[str] = ()):
+        self.server = find_server()
+        self.target_gguf, self.draft_gguf = Path(target_gguf), draft_gguf and Path(draft_gguf)
+        for f in (self.target_gguf, self.draft_gguf):
+            if f is not None and not f.is_file():
+                raise ValueError(f"GGUF file {str(f)!r} does not exist; convert it first (convert_target / convert_draft)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start_timeout_s, self.log_drafts = start_timeout_s, log_drafts
+        args = [str(self.server), "-m", str(self.target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                "-np", "1", "-c", str(ctx_size), "--metrics", "--no-webui",
+                "-t", str(threads or os.cpu_count() or 1)]
+        if self.draft_gguf is not None:
+            args += ["-md", str(self.draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_max),
+                     "--spec-draft-p-min", str(p_min), "-td", str(threads or os.cpu_count() or 1)]
+            if synth_len is not None:
+                args += ["--spec-synth-len", str(synth_len)]
+        if log_drafts:
+            args += ["-lv", "5"]
+        self.args = args + list(extra_args)
+        self.proc: Optional[subprocess.Popen] = None
+        self._logdir: Optional[tempfile.TemporaryDirectory] = None
+
+    # -- lifecycle
+
+    @property
+    def log_path(self) -> Path:
+        assert self._logdir is not None
+        return Path(self._logdir.name) / "llama-server.log"
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except (OSError, AssertionError):
+            return "(no log)"
+
+    def _fail(self, what: str) -> ValueError:
+        return ValueError(f"llama-server {what}; command: {' '.join(self.args)}\n--- its log (tail) ---\n{self.log_tail()}")
+
+    def __enter__(self) -> "LlamaServer":
+        self._logdir = tempfile.TemporaryDirectory(prefix="specforge-llama-server-")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_die_with_parent)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._fail(f"exited with code {self.proc.returncode} while starting")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # still loading (503) or not listening yet
+            time.sleep(0.2)
+        raise self._fail(f"did not answer /health within {self.start_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self._logdir is not None and self.proc is not None:
+            self._last_log = self.log_tail(40)
+            self._logdir.cleanup()
+            self._logdir = None
+
+    # -- requests
+
+    def _post(self, path: str, body: dict, timeout_s: float) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise self._fail(f"answered {path} with HTTP {e.code}: {e.read()[:500]!r}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise self._fail(f"did not answer {path} ({e})") from None
+
+    def _metrics(self) -> dict[str, float]:
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError) as e:
+            raise self._fail(f"did not answer /metrics ({e})") from None
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("llamacpp:"):
+                name, value = line.split()[:2]
+                out[name[len("llamacpp:"):]] = float(value)
+        return out
+
+    def render_chat(self, messages: list[dict], timeout_s: float = 30.0) -> str:
+        """The prompt text the GGUF's chat template makes of ``messages`` (generation prompt added)."""
+        return self._post("/apply-template", {"messages": messages}, timeout_s)["prompt"]
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 64, timeout_s: float = 600.0) -> Completion:
+        """Greedy completion of ``prompt`` (text, or token ids used as they are: no BOS added)."""
+        log_from = self.log_path.stat().st_size if self.log_drafts else 0
+        before = self._metrics()
+        body = {"prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+                "n_predict": int(max_tokens), "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],
+                "cache_prompt": False, "return_tokens": True, "seed": 0}
+        r = self._post("/completion", body, timeout_s)
+        after = self._metrics()
+        t = r.get("timings", {})
+        key = "spec_decode_num_drafts_total"
+        return Completion(
+            tokens=list(r.get("tokens") or []), text=r.get("content", ""),
+            prompt_n=int(t.get("prompt_n", 0)), predicted_n=int(t.get("predicted_n", 0)),
+            predicted_ms=float(t.get("predicted_ms", 0.0)),
+            draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)),
+            verify_rounds=int(after.get(key, 0) - before.get(key, 0)),
+            drafts=self._drafts_since(log_from) if self.log_drafts else [],
+        )
+
+    def chat(self, messages: list[dict], max_tokens: int = 64) -> Completion:
+        """Greedy answer to a conversation, rendered with the model's chat template."""
+        return self.complete(self.render_chat(messages), max_tokens)
+
+    def _drafts_since(self, offset: int) -> list[list[tuple[int, float]]]:
+        """Top-3 candidates (id, p) of the first drafted token of every round (debug log lines
+        `` - seq_id 0, draft candidate K, pos 0: ID (P) 'piece'``); p is over the draft's top 10."""
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        rounds: list[list[tuple[int, float]]] = []
+        for m in _DRAFT_LINE.finditer(text):
+            k, pos, tok, p = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+            if pos != 0:
+                continue
+            if k == 0:
+                rounds.append([])
+            if rounds:
+                rounds[-1].append((tok, p))
+        return rounds
+
+
+_DRAFT_LINE = re.compile(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([0-9.]+)\)")
