@@ -6,6 +6,9 @@ export WANDB_MODE=${WANDB_MODE:-offline} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY
 export TOKENIZERS_PARALLELISM=false
 VENV=${VENV:-.venv}
 bash scripts/install.sh
+# llama.cpp (llama-server + its GGUF converter), built once per version and CPU into ~/.cache/specforge:
+# tests/test_engine_llamacpp.py serves drafts with it (and fails, not skips, without it)
+VENV="$VENV" bash scripts/install_llamacpp.sh
 set +e
 "$VENV/bin/python" -m pytest -ra --durations=15 "$@"
 rc=$?
