@@ -222,16 +222,19 @@ def test_unsupported_target_family_is_refused(tmp_path):
         convert_target(tmp_path, tmp_path / "t.gguf", outtype="q4_1")
 
 
-def test_draft_of_another_target_is_refused(served, tmp_path):
+def test_draft_of_another_target_is_refused(tmp_path):
     """A valid draft checkpoint made for a target of another width (a tiny Llama) vs SmolLM2."""
     from safetensors.torch import save_file
 
+    from specforge.config import ModelConfig
     from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
+    from specforge.models.target import resolve_target_path
 
-    cfg, target, ckpt, gguf, prompts = served
-    V = target.config.vocab_size
+    target_dir = resolve_target_path(ModelConfig())  # the embedded SmolLM2 (hidden 576)
+    V = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
     dcfg = Eagle3DraftConfig(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=12, vocab_size=V, draft_vocab_size=64, target_hidden_size=48)
+                             head_dim=12, vocab_size=V, draft_vocab_size=64, target_hidden_size=48,
+                             aux_layer_ids=[0, 1, 2], torch_dtype="float32")
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(torch.zeros(64, dtype=torch.long))
     other = tmp_path / "other"
@@ -239,5 +242,5 @@ def test_draft_of_another_target_is_refused(served, tmp_path):
     (other / "config.json").write_text(json.dumps(dcfg.to_hf_config()))
     save_file({k: v.contiguous() for k, v in draft.export_state_dict().items()}, str(other / "model.safetensors"))
     with pytest.raises(ValueError, match="trained for a target of hidden size 48, this target has 576"):
-        convert_draft(other, llamacpp_target_dir(cfg), tmp_path / "d.gguf")
+        convert_draft(other, target_dir, tmp_path / "d.gguf")
     assert not (tmp_path / "d.gguf").exists()
