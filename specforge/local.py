@@ -46,11 +46,19 @@ def run(cfg: Config) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
+
     ap = argparse.ArgumentParser(prog="python -m specforge.train", description="Single-process draft training.")
     ap.add_argument("--config", default=None)
     ap.add_argument("overrides", nargs="*")
+    with_dry_run_flags(ap)
     args = ap.parse_args(argv)
-    run(load_config(args.config, args.overrides))
+    check_flags(args)
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        dry_run(cfg, args.target_config, single_process=True)
+        return 0
+    run(cfg)
     return 0
 
 

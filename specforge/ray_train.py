@@ -1,6 +1,7 @@
 """Online EAGLE-3 training with Ray: the driver.
 
     python -m specforge.ray_train --config configs/smollm2-135m-cpu.yaml [dotted.overrides=...]
+    python -m specforge.ray_train --config configs/qwen3-30b-a3b.yaml --dry-run   (does it fit? specforge/dryrun.py)
 
 The driver plans and records; it never touches a tensor. It tokenizes the data once into the
 memory-mapped cache and writes the draft vocab file (workers re-open both from the config and
@@ -41,6 +42,7 @@ import ray
 
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
+from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
 from specforge.preflight import check_placement, check_ray_address, check_resources, ray_resources
 from specforge.runtime.actors import (
     ActorDied, ActorGroup, WorkerError, dead_actors, gather, init_communicator, spawn_actors)
@@ -314,10 +316,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specforge.ray_train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=20")
+    with_dry_run_flags(ap)
     args = ap.parse_args(argv)
 
     def body() -> int:
-        print(f"checkpoint: {fit(load_config(args.config, args.overrides))}")
+        check_flags(args)
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            dry_run(cfg, args.target_config)
+            return 0
+        print(f"checkpoint: {fit(cfg)}")
         return 0
 
     return run_cli(body, errors=(WorkerError,))

@@ -158,3 +158,12 @@ def test_offline_training_and_lossless_eval(name, tmp_path):
     eos = ev._eos_ids(target)
     for prompt in ev.eval_prompts(ev.heldout_rows(cfg, target.tokenizer), 3, 384):
         assert ev.greedy_run(target, prompt, 16, eos).tokens == uncached_greedy(target, prompt, 16, eos)
+
+
+def test_online_training_of_an_image_text_target(tmp_path):
+    """Online (the target captures in the train process): the planner reads the text tower's sizes."""
+    from specforge.local import run
+
+    target_folder("gemma3", tmp_path)
+    ckpt = run(load_config(None, overrides(tmp_path) + ["placement.mode=colocated", "train.max_steps=2"]))
+    assert ckpt is not None and (ckpt / "model.safetensors").is_file()

@@ -60,7 +60,10 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir)
     print(data.stats.table())
-    target_cfg = AutoConfig.from_pretrained(resolve_target_path(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
+    from specforge.targets import text_config
+
+    target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),  # an image-text target's text tower
+                                                        trust_remote_code=cfg.model.trust_remote_code))
     build_vocab(cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
     return RunData(
         lengths=tuple(int(n) for n in data.train.data.column("length").to_pylist()),

@@ -1,0 +1,230 @@
+"""``--dry-run`` of ``python -m specforge.ray_train`` and ``python -m specforge.train``: does a config fit?
+
+Builds the target and the draft on the meta device from the target's config.json (no weights read,
+no data tokenized, Ray not started), prints their parameters, the bytes each worker of the
+placement holds, and the plan (workers, global batch, feature bytes per step), then exits.
+
+The target's config.json comes from ``--target-config FILE`` if given, else from the target folder
+(``model.target_path``), else, for a hub id, from the published copy shipped in ``configs/targets/``
+(``<org>--<name>.json``, see its README) before trying the hub, so a GPU config can be checked on a
+machine without network.
+
+Counted: weights (target: ``model.dtype``; draft: fp32 master weights, as FSDP2 keeps them) and the
+draft's AdamW state (fp32 gradient + 2 moments per trainable parameter), sharded by FSDP2 over the
+train workers, plus the frozen train state (EAGLE-3's teacher rows, fp32). Not counted: activations,
+the KV cache, the CUDA context, communication buffers: leave room for them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specforge.config import Config, EMBEDDED_TARGET
+
+SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
+OPTIMIZER_BYTES = 12  # per trainable parameter: fp32 gradient + AdamW's two fp32 moments
+MASTER_BYTES = 4  # per draft parameter: fp32 weights
+
+
+@dataclass
+class DryRun:
+    """What ``dry_run`` printed, as numbers (bytes are exact integers)."""
+
+    target_source: str
+    target_params: int
+    target_dtype: str
+    target_bytes: int
+    draft_params: int
+    draft_trainable: int
+    state_bytes: int
+    placement: str
+    workers: dict[str, int]  # role -> how many
+    per_device: dict[str, int] = field(default_factory=dict)  # role -> bytes held per device while training
+    global_batch: int = 0
+    max_tokens: int = 0
+    feature_bytes_per_token: int = 0
+    feature_bytes_per_step: int = 0
+
+
+def shipped_config(target_path: str) -> Optional[Path]:
+    """The published config.json copy shipped for a hub id (None if there is none)."""
+    f = SHIPPED / (target_path.replace("/", "--") + ".json")
+    return f if target_path.count("/") == 1 and f.is_file() else None
+
+
+def read_target_config(cfg: Config, target_config: Optional[str] = None):
+    """``(hf_config, where it came from)``, without weights (see the module docstring)."""
+    from transformers import AutoConfig
+
+    from specforge.models.target import load_target_config
+
+    path = Path(target_config) if target_config else None
+    if path is None and cfg.model.target_path != EMBEDDED_TARGET and not Path(cfg.model.target_path).expanduser().exists():
+        path = shipped_config(cfg.model.target_path)
+    if path is None:
+        return load_target_config(cfg.model), f"{cfg.model.target_path} (its config.json)"
+    if not path.is_file():
+        raise ValueError(f"--target-config {str(path)!r} is not a file (a target's config.json)")
+    try:
+        raw = json.loads(path.read_text())
+        return AutoConfig.for_model(**raw), str(path)
+    except (json.JSONDecodeError, TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(path)!r} is not a target config.json ({type(e).__name__}: {e})") from None
+
+
+def _target_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the workers load the target in (``model.dtype``; auto: bf16 on GPUs, as ``pick_dtype``
+    on a bf16-capable GPU, else this machine's choice)."""
+    from specforge.device import pick_device, pick_dtype, torch_dtype
+
+    if cfg.model.dtype != "auto":
+        return torch_dtype(cfg.model.dtype)
+    if cfg.model.device == "cuda":
+        return torch.bfloat16
+    return pick_dtype("auto", pick_device(cfg.model.device))
+
+
+def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
+    """``(target, draft, train_state)`` on the meta device: the target's class from the family table
+    in ``dtype``, the draft and its train state from the run's algorithm, as the workers build them
+    (a draft vocab of ``draft.vocab_size`` placeholder ids)."""
+    from specforge.algorithms import get_algorithm
+    from specforge.config import feature_layer_ids
+    from specforge.data.vocab import DraftVocab
+    from specforge.models.target import TargetModel
+    from specforge.targets import family_of, text_config
+
+    text = text_config(hf_config)
+    family = family_of(hf_config)
+    meta = torch.device("meta")
+    with meta:
+        model = family.auto_class().from_config(hf_config, dtype=dtype)
+        target = TargetModel(model, None, feature_layer_ids(cfg, text.num_hidden_layers), meta)
+        n = min(cfg.draft.vocab_size, text.vocab_size)
+        vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))
+        algo = get_algorithm(cfg.draft.algorithm)
+        draft = algo.build_draft(cfg, target, vocab)
+        state = algo.train_state(cfg, target, vocab)
+    return target, draft, state
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    if state is None:
+        return []
+    if isinstance(state, torch.Tensor):
+        return [state]
+    return [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bool = False) -> DryRun:
+    """Check ``cfg`` as a run would (no weights, no data, no Ray), print what it would hold where."""
+    from specforge.algorithms import get_algorithm
+    from specforge.config import feature_layer_ids
+    from specforge.parallel.dims import ParallelDims
+    from specforge.runtime.contracts import FeatureSpec
+    from specforge.runtime.loop import check
+    from specforge.runtime.plan import wire_dtype
+    from specforge.targets import check_target, family_of, text_config
+
+    check(cfg)
+    if single_process:
+        from specforge.runtime.loop import single_process as one_rank
+
+        cfg = one_rank(cfg)
+    hf_config, source = read_target_config(cfg, target_config)
+    text = text_config(hf_config)
+    layers = feature_layer_ids(cfg, text.num_hidden_layers)
+    check_target(hf_config, layers)
+    get_algorithm(cfg.draft.algorithm).check(cfg, text)
+    dims = ParallelDims.from_config(cfg)
+    dims.check_heads(cfg.draft.num_attention_heads or text.num_attention_heads)
+
+    dtype = _target_dtype(cfg)
+    target, draft, state = meta_models(cfg, hf_config, dtype)
+    t_params = sum(p.numel() for p in target.model.parameters())
+    t_bytes = _nbytes(target.model.parameters())
+    d_params = sum(p.numel() for p in draft.parameters())
+    d_train = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))  # DraftTrainer holds it in fp32
+    shards = cfg.train.num_workers  # FSDP2 shards the draft over every dp x sp train rank
+    draft_per_rank = -(-(MASTER_BYTES * d_params + OPTIMIZER_BYTES * d_train) // shards) + s_bytes
+
+    mode = cfg.placement.mode  # single process: colocated or offline (runtime.loop.single_process)
+    workers = {"train": cfg.train.num_workers}
+    per_device = {"train": draft_per_rank}
+    if mode == "colocated":
+        per_device["train"] += t_bytes  # target and draft in one process
+    if mode == "disaggregated":
+        workers = {"rollout": cfg.rollout.num_workers, **workers}
+        per_device = {"rollout": t_bytes, **per_device}
+
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
+    use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    spec = FeatureSpec.eagle3(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
+    per_token = spec.bytes_per_token()
+    report = DryRun(
+        target_source=source, target_params=t_params, target_dtype=str(dtype).replace("torch.", ""),
+        target_bytes=t_bytes, draft_params=d_params, draft_trainable=d_train, state_bytes=s_bytes,
+        placement=f"single process ({mode})" if single_process else mode, workers=workers, per_device=per_device, global_batch=global_batch,
+        max_tokens=cfg.data.max_length, feature_bytes_per_token=per_token,
+        feature_bytes_per_step=global_batch * cfg.data.max_length * per_token)
+    _print(cfg, report, family_of(hf_config), hf_config, dims)
+    return report
+
+
+def _print(cfg: Config, r: DryRun, family, hf_config, dims) -> None:
+    size = r.target_bytes // max(r.target_params, 1)
+    quant = getattr(hf_config, "quantization_config", None)
+    print(f"dry run of {cfg.model.target_path}: nothing loaded, no data read, Ray not started")
+    print(f"target  {family.name} ({family.hf_class}); config.json: {r.target_source}")
+    print(f"        {r.target_params:,} parameters x {size} B ({r.target_dtype}) = {r.target_bytes:,} bytes "
+          f"({_gib(r.target_bytes)})")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        print(f"        its checkpoint is quantized ({method}); counted as loaded in {r.target_dtype} (model.dtype)")
+    print(f"draft   {cfg.draft.algorithm}: {r.draft_params:,} parameters ({r.draft_trainable:,} trainable; the rest are "
+          f"frozen copies of target weights: embedding, DFlash's lm_head); fp32 weights + AdamW = "
+          f"{MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable:,} bytes, "
+          f"sharded over {cfg.train.num_workers} train worker(s); train state {r.state_bytes:,} bytes")
+    roles = " + ".join(f"{n} {role}" for role, n in r.workers.items())
+    print(f"placement {r.placement}: {roles} worker(s) (dp {dims.dp} x sp {dims.sp})")
+    holds = {"rollout": "the target", "train": "its draft shard + the train state"
+             + (" + the target" if cfg.placement.mode == "colocated" else "")}
+    for role, n in r.per_device.items():
+        print(f"  per {role} device: {n:,} bytes ({_gib(n)}) = {holds[role]}")
+    if cfg.placement.mode in ("disaggregated", "offline"):
+        print(f"  (a train worker also loads the target, {_gib(r.target_bytes)}, while it starts: the draft copies "
+              "its embedding and lm_head rows)")
+    print(f"plan    global batch {r.global_batch} sequences (train.batch_size {cfg.train.batch_size} x grad_accum "
+          f"{cfg.train.grad_accum} x dp {dims.dp}) of up to {r.max_tokens:,} tokens; features "
+          f"{r.feature_bytes_per_token:,} B/token = up to {r.feature_bytes_per_step:,} bytes "
+          f"({_gib(r.feature_bytes_per_step)}) per step")
+    print("not counted: activations, KV cache, CUDA context, communication buffers")
+
+
+def with_dry_run_flags(ap) -> None:
+    """The ``--dry-run`` flags of the training entry points."""
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build the target and the draft on the meta device, print parameters, bytes per device "
+                         "and the plan, and exit (no weights, no data, no Ray)")
+    ap.add_argument("--target-config", default=None,
+                    help="with --dry-run: the target's config.json to plan with (default: the target's own, or "
+                         "the published copy in configs/targets/ for a hub id)")
+
+
+def check_flags(args) -> None:
+    if args.target_config and not args.dry_run:
+        raise ValueError("--target-config is only read with --dry-run (a run reads the target's own config.json)")
