@@ -2,6 +2,8 @@
 
     python -m specforge.eval --config cfg.yaml --draft runs/x/checkpoints/step-000400 \
         [--draft prompt-lookup ...] [--num-prompts 16] [--max-new-tokens 64] [--chain 7] [--json out.json]
+    python -m specforge.eval ... --engine llama.cpp [--engine-n-max 1,2,3] [--engine-p-min 0,0.5]
+        (the same drafts and prompts served by llama-server: specforge/engines/serve_eval.py)
 
 Both models keep KV caches. Each round the draft proposes up to ``chain`` tokens one at a time, the
 target verifies them in ONE forward, the longest agreeing prefix is kept plus the target's own next
@@ -517,6 +519,9 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dtype=bfloat16")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="evaluate a draft even if it records another target, or model.aux_layer_ids differs from its own")
+    from specforge.engines.serve_eval import add_arguments
+
+    add_arguments(ap)  # --engine llama.cpp and its settings
     args = ap.parse_args(argv)
     for flag, value, low in (("--chain", args.chain, 1), ("--num-prompts", args.num_prompts, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2),
@@ -559,6 +564,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"model.target_path={args.target}"] if args.target else []))
     set_threads(args.threads or cfg.train.num_threads)
+    if args.engine == "llama.cpp":  # the drafts served by llama-server instead (specforge/engines/serve_eval.py)
+        from specforge.engines import serve_eval
+
+        return serve_eval.main(args, cfg)
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
     target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
     for name in aux_ids:
