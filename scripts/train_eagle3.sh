@@ -55,6 +55,15 @@ if [ -n "${SKIP_EVAL:-}" ]; then exit 0; fi
 if [ -z "$CKPT" ]; then echo "error: no checkpoint under $OUT to evaluate" >&2; exit 1; fi
 phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out prompts"
 "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --draft prompt-lookup --num-prompts "${EVAL_PROMPTS:-16}" "$@"
+# The same draft served by llama.cpp's llama-server, when it is installed (optional component).
+if "$PY" -c 'import sys; from specforge.engines.llamacpp import installed; sys.exit(0 if installed() else 1)'; then
+  phase "3b eval: $CKPT served by llama.cpp (llama-server, greedy, the same held-out prompts)"
+  "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --engine llama.cpp --num-prompts "${EVAL_PROMPTS:-16}" "$@" \
+    || echo "warning: the llama.cpp rows failed (see above); the draft and the rows above stand" >&2
+else
+  echo; echo "llama.cpp rows: not installed. Run \`bash scripts/install_llamacpp.sh\` (once, ~10 min), then"
+  echo "  $PY -m specforge.eval --config $CONFIG --draft $CKPT --engine llama.cpp"
+fi
 echo; echo "dashboards of $RUN/metrics.jsonl (wandb draws the same as train_vs_heldout/*):"
 echo "$PLOTS" | sed 's/^/  /'
 phase "done"

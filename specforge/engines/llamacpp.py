@@ -170,6 +170,10 @@ def check_draft(draft_dir: str | Path, target_hf_dir: str | Path) -> tuple[dict,
 
     target_config = _read_config(Path(target_hf_dir), "target")
     check_target_architecture(target_config, f"target {str(target_hf_dir)!r}")
+    archs = _read_config(Path(draft_dir), "draft").get("architectures") or []
+    if "LlamaForCausalLMEagle3" not in archs:
+        raise ValueError(f"draft {str(draft_dir)!r} is {archs}: specforge serves EAGLE-3 drafts "
+                         "(LlamaForCausalLMEagle3) with llama.cpp; serve other drafts with SGLang or vLLM")
     draft_config, _ = check_checkpoint(draft_dir)
     check_draft_shape(draft_dir, draft_config, AutoConfig.from_pretrained(str(target_hf_dir)))
     return draft_config, target_config
