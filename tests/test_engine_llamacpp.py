@@ -244,3 +244,12 @@ def test_draft_of_another_target_is_refused(tmp_path):
     with pytest.raises(ValueError, match="trained for a target of hidden size 48, this target has 576"):
         convert_draft(other, target_dir, tmp_path / "d.gguf")
     assert not (tmp_path / "d.gguf").exists()
+
+
+def test_a_draft_that_is_not_eagle3_is_refused(tmp_path):
+    from specforge.config import ModelConfig
+    from specforge.models.target import resolve_target_path
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    with pytest.raises(ValueError, match=r"DFlashDraftModel.*serves EAGLE-3 drafts.*SGLang or vLLM"):
+        convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
