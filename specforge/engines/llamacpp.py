@@ -261,6 +261,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def _amx_crash(draft_gguf: Path) -> bool:
+    """llama.cpp 11434 on a CPU with AMX: the AMX matmul of a quantized EAGLE-3 draft segfaults at
+    start (ggml_backend_amx_mul_mat, seen with q8_0); ``--no-repack`` keeps weights out of the AMX
+    buffers. True when that applies: an AMX CPU and a draft holding quantized matrices."""
+    if "amx_int8" not in Path("/proc/cpuinfo").read_text(errors="replace"):
+        return False
+    from gguf import GGUFReader  # the venv's gguf (transformers' GGUF loader) reads headers fine
+
+    float_types = {"F32", "F16", "BF16", "I64", "I32"}
+    return any(t.tensor_type.name not in float_types for t in GGUFReader(str(draft_gguf)).tensors)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -280,7 +292,7 @@ class LlamaServer:
     def __init__(self, target_gguf: str | Path, draft_gguf: Optional[str | Path] = None, *, n_max: int = 3,
                  p_min: float = 0.0, synth_len: Optional[float] = None, threads: Optional[int] = None,
                  ctx_size: int = 4096, log_drafts: bool = False, start_timeout_s: float = 120.0,
-                 extra_args: Sequence[str] = ()):
+                 repack: Optional[bool] = None, extra_args: Sequence[str] = ()):
         self.server = find_server()
         self.target_gguf, self.draft_gguf = Path(target_gguf), draft_gguf and Path(draft_gguf)
         for f in (self.target_gguf, self.draft_gguf):
@@ -299,6 +311,8 @@ class LlamaServer:
                 args += ["--spec-synth-len", str(synth_len)]
         if log_drafts:
             args += ["-lv", "5"]
+        if repack is False or (repack is None and self.draft_gguf is not None and _amx_crash(self.draft_gguf)):
+            args += ["--no-repack"]
         self.args = args + list(extra_args)
         self.proc: Optional[subprocess.Popen] = None
         self._logdir: Optional[tempfile.TemporaryDirectory] = None
