@@ -16,6 +16,7 @@ The server wrapper is :class:`LlamaServer` (below).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -261,16 +262,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def _amx_crash(draft_gguf: Path) -> bool:
-    """llama.cpp 11434 on a CPU with AMX: the AMX matmul of a quantized EAGLE-3 draft segfaults at
-    start (ggml_backend_amx_mul_mat, seen with q8_0); ``--no-repack`` keeps weights out of the AMX
-    buffers. True when that applies: an AMX CPU and a draft holding quantized matrices."""
+def _amx_crash(*ggufs: Optional[Path]) -> bool:
+    """llama.cpp 11434 on a CPU with AMX: the AMX matmul segfaults at start for quantized weights
+    (ggml_backend_amx_mul_mat; seen with a Q4_1 target and a q8_0 EAGLE-3 draft); ``--no-repack``
+    keeps weights out of the AMX buffers. True on an AMX CPU when a GGUF holds quantized matrices."""
     if "amx_int8" not in Path("/proc/cpuinfo").read_text(errors="replace"):
         return False
-    from gguf import GGUFReader  # the venv's gguf (transformers' GGUF loader) reads headers fine
+    return any(_quantized(str(f), f.stat().st_mtime_ns) for f in ggufs if f is not None)
 
-    float_types = {"F32", "F16", "BF16", "I64", "I32"}
-    return any(t.tensor_type.name not in float_types for t in GGUFReader(str(draft_gguf)).tensors)
+
+@functools.lru_cache(maxsize=32)
+def _quantized(path: str, mtime_ns: int) -> bool:
+    from gguf import GGUFReader  # the venv's gguf (transformers' GGUF loader): headers, memory-mapped
+
+    return any(t.tensor_type.name not in {"F32", "F16", "BF16", "I64", "I32"} for t in GGUFReader(path).tensors)
 
 
 def free_port() -> int:
@@ -311,7 +316,7 @@ class LlamaServer:
                 args += ["--spec-synth-len", str(synth_len)]
         if log_drafts:
             args += ["-lv", "5"]
-        if repack is False or (repack is None and self.draft_gguf is not None and _amx_crash(self.draft_gguf)):
+        if repack is False or (repack is None and _amx_crash(self.target_gguf, self.draft_gguf)):
             args += ["--no-repack"]
         self.args = args + list(extra_args)
         self.proc: Optional[subprocess.Popen] = None
