@@ -253,3 +253,15 @@ def test_a_draft_that_is_not_eagle3_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
     with pytest.raises(ValueError, match=r"DFlashDraftModel.*serves EAGLE-3 drafts.*SGLang or vLLM"):
         convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
+
+
+def test_quantized_target_and_draft_serve(served, tmp_path):
+    """The embedded Q4_1 GGUF as the target and a q8_0 draft: on an AMX CPU llama.cpp 11434
+    segfaults at start with quantized weights unless LlamaServer turns repacking off."""
+    from specforge.models.target import embedded_gguf_path
+
+    cfg, target, ckpt, gguf, prompts = served
+    draft = convert_draft(ckpt, llamacpp_target_dir(cfg), tmp_path / "d.gguf", "q8_0")
+    with LlamaServer(embedded_gguf_path(), draft, n_max=2, threads=1) as srv:
+        r = srv.complete(prompts[0], 16)
+    assert r.predicted_n == 16 and r.draft_n > 0 and r.verify_rounds > 0
