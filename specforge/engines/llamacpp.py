@@ -275,7 +275,11 @@ def _amx_crash(*ggufs: Optional[Path]) -> bool:
 def _quantized(path: str, mtime_ns: int) -> bool:
     from gguf import GGUFReader  # the venv's gguf (transformers' GGUF loader): headers, memory-mapped
 
-    return any(t.tensor_type.name not in {"F32", "F16", "BF16", "I64", "I32"} for t in GGUFReader(path).tensors)
+    try:
+        tensors = GGUFReader(path).tensors
+    except Exception:  # not a GGUF this reader knows: llama-server will say what is wrong with it
+        return False
+    return any(t.tensor_type.name not in {"F32", "F16", "BF16", "I64", "I32"} for t in tensors)
 
 
 def free_port() -> int:
