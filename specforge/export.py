@@ -13,6 +13,9 @@ output itself); each engine's own contract lives in its module and in docs/ENGIN
 * ``vllm``: the ``speculators`` format (``engines/vllm.py``): aux layer ids renumbered, keys renamed.
 * ``llama.cpp``: a GGUF written by llama.cpp's own converter (``engines/llamacpp.py``).
 
+A DFlash checkpoint (``DFlashDraftModel``, z-lab's format) exports to ``llama.cpp`` only (served with
+``--spec-type draft-dflash``); ``sglang`` / ``vllm`` are refused for it, naming what is supported.
+
 ``--target`` (vllm, llama.cpp; checked against the draft for sglang) is the target's HF folder or hub
 id; default: the embedded default target (SmolLM2-135M-Instruct, converted once into the cache), the
 one ``python -m specforge.train`` uses without a config. A checkpoint records its target's shape and
@@ -142,9 +145,15 @@ def finish_output(tmp: Path, out: Path) -> None:
 
 def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it."""
+    from specforge.compat import read_draft_config
     from specforge.engines import sglang
 
     out = Path(args.out)
+    dflash = "DFlashDraftModel" in (read_draft_config(draft).get("architectures") or [])
+    if dflash and args.engine != "llama.cpp":
+        raise ValueError(f"--draft {str(draft)!r} is a DFlash draft (DFlashDraftModel): specforge exports DFlash drafts "
+                         f"for --engine llama.cpp only (llama-server --spec-type draft-dflash); --engine {args.engine} "
+                         "exports EAGLE-3 drafts (LlamaForCausalLMEagle3)")
     if args.engine == "sglang":
         if args.target is not None:
             check_target(draft, *resolve_target(args.target), given=True)
@@ -152,7 +161,8 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
         return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
                 f"EAGLE3 --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
                 "--speculative-num-draft-tokens 4")
-    sglang.check_checkpoint(draft)  # a bad checkpoint is named before any target loads
+    if not dflash:  # a bad checkpoint is named before any target loads (DFlash: convert_draft checks it)
+        sglang.check_checkpoint(draft)
     target, target_config = resolve_target(args.target)
     check_target(draft, target, target_config, given=args.target is not None)
     if args.engine == "vllm":
@@ -173,7 +183,19 @@ def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str) -
     outtype = args.outtype or "f32"
     name = f"draft-{outtype}.gguf"
     llamacpp.convert_draft(draft, target, tmp / name, outtype=outtype)
-    return f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type draft-eagle3 --spec-draft-n-max 3"
+    from specforge.compat import read_draft_config
+
+    dflash = "DFlashDraftModel" in (read_draft_config(draft).get("architectures") or [])
+    kind = "draft-dflash" if dflash else "draft-eagle3"
+    n_max = _block_size(draft) - 1 if dflash else 3  # draft-dflash: one block of n_max + 1 rows a round
+    return f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type {kind} --spec-draft-n-max {n_max}"
+
+
+def _block_size(draft: Path) -> int:
+    from specforge.algorithms.dflash.export import from_hf_config
+    from specforge.compat import read_draft_config
+
+    return from_hf_config(read_draft_config(draft)).block_size
 
 
 def main(argv: Optional[list[str]] = None) -> int:

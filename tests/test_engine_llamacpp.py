@@ -251,12 +251,13 @@ def test_draft_of_another_target_is_refused(tmp_path):
     assert not (tmp_path / "d.gguf").exists()
 
 
-def test_a_draft_that_is_not_eagle3_is_refused(tmp_path):
+def test_a_draft_llamacpp_does_not_serve_is_refused(tmp_path):
+    """EAGLE-3 and DFlash drafts convert (DFlash: tests/test_engine_dflash.py); anything else is refused."""
     from specforge.config import ModelConfig
     from specforge.models.target import resolve_target_path
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
-    with pytest.raises(ValueError, match=r"DFlashDraftModel.*serves EAGLE-3 drafts.*SGLang or vLLM"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
+    with pytest.raises(ValueError, match=r"MedusaModel.*serves LlamaForCausalLMEagle3 and DFlashDraftModel drafts.*SGLang or vLLM"):
         convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
 
 

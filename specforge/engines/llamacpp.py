@@ -2,12 +2,22 @@
 
     target.gguf   convert_hf_to_gguf.py TARGET_DIR (a family whose llama.cpp graph exposes
                   layer inputs: SERVED_ARCHITECTURES)
-    draft.gguf    convert_hf_to_gguf.py DRAFT_DIR --target-model-dir TARGET_DIR; the converter
-                  reads a TOP-LEVEL ``eagle_aux_hidden_state_layer_ids`` and captures the INPUT of
-                  those layers. Our checkpoints (SGLang's convention) record layer OUTPUTS in
-                  ``eagle_config``: output k = input of layer k + 1, so the draft folder is copied
-                  to a temporary one whose config.json holds the ids + 1 at the top level.
-    serve         llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3
+    draft.gguf    convert_hf_to_gguf.py DRAFT_DIR --target-model-dir TARGET_DIR, the draft folder
+                  staged in a temporary copy (links to the weights, a rewritten config.json):
+                  EAGLE-3 (LlamaForCausalLMEagle3): the converter reads a TOP-LEVEL
+                  ``eagle_aux_hidden_state_layer_ids`` and captures the INPUT of those layers. Our
+                  checkpoints (SGLang's convention) record layer OUTPUTS in ``eagle_config``:
+                  output k = input of layer k + 1, so the copy holds the ids + 1 at the top level.
+                  DFlash (DFlashDraftModel, z-lab's format): the converter (conversion/qwen.py
+                  ``DFlashModel.set_gguf_parameters``) reads ``dflash_config.target_layer_ids`` as
+                  layer OUTPUTS (HF ``hidden_states[i + 1]``, ours) and writes ``i + 1`` itself as
+                  the layer inputs to capture: the copy keeps our ids unchanged. It also reads
+                  ``dflash_config.mask_token_id`` (the vocab's mask token) and ``block_size``.
+    serve         llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3 | draft-dflash
+                  (from the draft GGUF's architecture: :func:`gguf_spec_type`). draft-dflash drafts ONE
+                  block of ``n_max`` + 1 rows ([anchor, mask * n_max]; n_max clamped to
+                  block_size - 1) per round, the draft's context being the target's features of
+                  every token the target has run: our DFlashProposer with chain ``n_max``.
 
 llama.cpp is optional: ``scripts/install_llamacpp.sh`` builds ``llama-server`` once into a cache
 folder keyed by version and CPU flags (``llamacpp_dir``); ``SPECFORGE_LLAMACPP_DIR`` overrides it.
@@ -45,6 +55,9 @@ SERVED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
 }
+# draft config.json architecture -> llama-server --spec-type; GGUF general.architecture -> the same
+DRAFT_ARCHITECTURES = {"LlamaForCausalLMEagle3": "draft-eagle3", "DFlashDraftModel": "draft-dflash"}
+GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 _ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|popcnt|movbe|aes|vaes|pclmul|vpclmul|gfni|sha|adx|abm|lzcnt)")
 
 
@@ -162,8 +175,48 @@ def draft_layer_ids(draft_config: dict, num_target_layers: int) -> list[int]:
     return [int(i) for i in ids] if ids else [1, L // 2 - 1, L - 4]
 
 
+def draft_spec_type(draft_config: dict, where: str = "draft") -> str:
+    """``--spec-type`` of a draft checkpoint, from its config.json ``architectures``."""
+    archs = draft_config.get("architectures") or []
+    for a in archs:
+        if a in DRAFT_ARCHITECTURES:
+            return DRAFT_ARCHITECTURES[a]
+    raise ValueError(f"{where} is {archs}: specforge serves {' and '.join(DRAFT_ARCHITECTURES)} drafts "
+                     "with llama.cpp; serve other drafts with SGLang or vLLM")
+
+
+def _check_dflash_checkpoint(draft_dir: Path) -> dict:
+    """config.json of a valid DFlash checkpoint (our export's format); a ValueError naming what is wrong."""
+    from safetensors import safe_open
+
+    from specforge.algorithms.dflash.export import from_hf_config
+    from specforge.algorithms.dflash.model import DFlashDraft
+
+    config = _read_config(draft_dir, "draft")
+    try:
+        cfg = from_hf_config(config)
+        if cfg.mask_token_id is None:
+            raise ValueError("dflash_config.mask_token_id is missing (llama.cpp drafts with it)")
+        import torch
+
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in DFlashDraft(cfg).export_state_dict().items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid DFlashDraftModel checkpoint: {e}") from None
+    f = draft_dir / "model.safetensors"
+    if not f.is_file():
+        raise ValueError(f"draft {str(draft_dir)!r} has no model.safetensors")
+    with safe_open(str(f), "pt") as st:
+        got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+    bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
+    if bad:
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid DFlashDraftModel checkpoint: tensors missing, "
+                         f"misshapen or unexpected: {bad[:8]}")
+    return config
+
+
 def check_draft(draft_dir: str | Path, target_hf_dir: str | Path) -> tuple[dict, dict]:
-    """(draft config, target config) of a valid EAGLE-3 checkpoint trained for this target's shape."""
+    """(draft config, target config) of a valid EAGLE-3 or DFlash checkpoint trained for this target's shape."""
     from transformers import AutoConfig
 
     from specforge.compat import check_draft_shape
@@ -171,33 +224,46 @@ def check_draft(draft_dir: str | Path, target_hf_dir: str | Path) -> tuple[dict,
 
     target_config = _read_config(Path(target_hf_dir), "target")
     check_target_architecture(target_config, f"target {str(target_hf_dir)!r}")
-    archs = _read_config(Path(draft_dir), "draft").get("architectures") or []
-    if "LlamaForCausalLMEagle3" not in archs:
-        raise ValueError(f"draft {str(draft_dir)!r} is {archs}: specforge serves EAGLE-3 drafts "
-                         "(LlamaForCausalLMEagle3) with llama.cpp; serve other drafts with SGLang or vLLM")
-    draft_config, _ = check_checkpoint(draft_dir)
+    kind = draft_spec_type(_read_config(Path(draft_dir), "draft"), f"draft {str(draft_dir)!r}")
+    if kind == "draft-dflash":
+        draft_config = _check_dflash_checkpoint(Path(draft_dir))
+    else:
+        draft_config, _ = check_checkpoint(draft_dir)
     check_draft_shape(draft_dir, draft_config, AutoConfig.from_pretrained(str(target_hf_dir)))
     return draft_config, target_config
 
 
 def convert_draft(draft_dir: str | Path, target_hf_dir: str | Path, out_path: str | Path,
                   outtype: str = "f32", layer_ids: Optional[Sequence[int]] = None) -> Path:
-    """An EAGLE-3 checkpoint -> a draft GGUF for ``llama-server --spec-type draft-eagle3``.
+    """An EAGLE-3 or DFlash checkpoint -> a draft GGUF for ``llama-server --spec-type draft-eagle3 |
+    draft-dflash`` (:func:`gguf_spec_type` reads which from the GGUF).
 
-    ``layer_ids`` (SGLang numbering, layer outputs) overrides what the checkpoint records; only a
+    ``layer_ids`` (our numbering, layer outputs) overrides what the checkpoint records; only a
     test that exports a deliberately wrong draft has a reason to pass it."""
     find_converter()
     _check_outtype(outtype)
     draft_config, target_config = check_draft(draft_dir, target_hf_dir)
+    if draft_spec_type(draft_config) == "draft-dflash":
+        # the converter adds 1 itself (DFlashModel.set_gguf_parameters: extract = target_layer_ids + 1)
+        dflash = dict(draft_config.get("dflash_config") or {})
+        if layer_ids is not None:
+            dflash["target_layer_ids"] = [int(i) for i in layer_ids]
+        return _convert_staged(draft_dir, {**draft_config, "dflash_config": dflash}, target_hf_dir, outtype, out_path)
     ids = list(layer_ids) if layer_ids is not None else draft_layer_ids(
         draft_config, int(target_config.get("num_hidden_layers") or target_config["text_config"]["num_hidden_layers"]))
+    cfg = {**draft_config, "eagle_aux_hidden_state_layer_ids": llamacpp_layer_ids(ids)}
+    return _convert_staged(draft_dir, cfg, target_hf_dir, outtype, out_path)
+
+
+def _convert_staged(draft_dir: str | Path, cfg: dict, target_hf_dir: str | Path, outtype: str,
+                    out_path: str | Path) -> Path:
+    """The converter on a temporary copy of ``draft_dir`` whose config.json is ``cfg``."""
     with tempfile.TemporaryDirectory(prefix="specforge-gguf-") as tmp:
         staged = Path(tmp) / "draft"
         staged.mkdir()
         for f in Path(draft_dir).iterdir():  # links, not copies: the weights are only read
             if f.is_file() and f.name != "config.json" and f.name != "training_state.pt":
                 os.symlink(f.resolve(), staged / f.name)
-        cfg = {**draft_config, "eagle_aux_hidden_state_layer_ids": llamacpp_layer_ids(ids)}
         (staged / "config.json").write_text(json.dumps(cfg, indent=2))
         return _run_converter([str(staged), "--target-model-dir", str(target_hf_dir), "--outtype", outtype],
                               Path(out_path))
@@ -231,6 +297,7 @@ class Completion:
     draft_n_accepted: int = 0
     verify_rounds: int = 0  # target forwards that verified a draft (the server's n_draft_verif_steps)
     drafts: list[list[tuple[int, float]]] = field(default_factory=list)  # per round, pos 0: top-3 (id, p)
+    draft_blocks: list[list[int]] = field(default_factory=list)  # per round, every drafted position's top-1
 
     @property
     def acceptance(self) -> float:
@@ -282,6 +349,27 @@ def _quantized(path: str, mtime_ns: int) -> bool:
     return any(t.tensor_type.name not in {"F32", "F16", "BF16", "I64", "I32"} for t in tensors)
 
 
+def gguf_spec_type(draft_gguf: str | Path) -> str:
+    """``--spec-type`` for a draft GGUF, from its ``general.architecture`` (eagle3 | dflash)."""
+    f = Path(draft_gguf)
+    arch = _gguf_architecture(str(f), f.stat().st_mtime_ns)
+    if arch not in GGUF_SPEC_TYPES:
+        raise ValueError(f"draft GGUF {str(f)!r} has architecture {arch!r}: specforge serves "
+                         f"{', '.join(GGUF_SPEC_TYPES)} drafts (convert_draft writes them)")
+    return GGUF_SPEC_TYPES[arch]
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_architecture(path: str, mtime_ns: int) -> Optional[str]:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception:  # not a GGUF this reader knows
+        return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -295,13 +383,15 @@ class LlamaServer:
     server's log; leaving the block always stops it (terminate, then kill). With a draft GGUF it
     speculates with ``--spec-type draft-eagle3`` (``n_max`` drafted tokens, ``p_min`` early stop,
     ``synth_len``: llama.cpp's synthetic acceptance, for a break-even line). ``log_drafts`` turns on
-    the debug log whose draft candidates :meth:`complete` returns (``Completion.drafts``).
+    the debug log whose draft candidates :meth:`complete` returns (``Completion.drafts``; every
+    drafted position's top-1 in ``Completion.draft_blocks``). ``spec_type`` (``draft-eagle3`` |
+    ``draft-dflash``) defaults to the draft GGUF's architecture (:func:`gguf_spec_type`).
     """
 
     def __init__(self, target_gguf: str | Path, draft_gguf: Optional[str | Path] = None, *, n_max: int = 3,
                  p_min: float = 0.0, synth_len: Optional[float] = None, threads: Optional[int] = None,
                  ctx_size: int = 4096, log_drafts: bool = False, start_timeout_s: float = 120.0,
-                 repack: Optional[bool] = None, extra_args: Sequence[str] = ()):
+                 repack: Optional[bool] = None, spec_type: Optional[str] = None, extra_args: Sequence[str] = ()):
         self.server = find_server()
         self.target_gguf, self.draft_gguf = Path(target_gguf), draft_gguf and Path(draft_gguf)
         for f in (self.target_gguf, self.draft_gguf):
@@ -310,11 +400,14 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start_timeout_s, self.log_drafts = start_timeout_s, log_drafts
+        self.spec_type = None
+        if self.draft_gguf is not None:
+            self.spec_type = spec_type or gguf_spec_type(self.draft_gguf)
         args = [str(self.server), "-m", str(self.target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-np", "1", "-c", str(ctx_size), "--metrics", "--no-webui",
                 "-t", str(threads or os.cpu_count() or 1)]
         if self.draft_gguf is not None:
-            args += ["-md", str(self.draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_max),
+            args += ["-md", str(self.draft_gguf), "--spec-type", self.spec_type, "--spec-draft-n-max", str(n_max),
                      "--spec-draft-p-min", str(p_min), "-td", str(threads or os.cpu_count() or 1)]
             if synth_len is not None:
                 args += ["--spec-synth-len", str(synth_len)]
@@ -432,6 +525,7 @@ class LlamaServer:
             draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)),
             verify_rounds=int(after.get(key, 0) - before.get(key, 0)),
             drafts=self._drafts_since(log_from) if self.log_drafts else [],
+            draft_blocks=self._draft_blocks_since(log_from) if self.log_drafts else [],
         )
 
     def chat(self, messages: list[dict], max_tokens: int = 64) -> Completion:
@@ -453,6 +547,23 @@ class LlamaServer:
                 rounds.append([])
             if rounds:
                 rounds[-1].append((tok, p))
+        return rounds
+
+
+    def _draft_blocks_since(self, offset: int) -> list[list[int]]:
+        """The top-1 token of every drafted position, per round (a round starts at candidate 0, pos 0)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        rounds: list[list[int]] = []
+        for m in _DRAFT_LINE.finditer(text):
+            k, pos, tok = int(m[1]), int(m[2]), int(m[3])
+            if k != 0:
+                continue
+            if pos == 0:
+                rounds.append([])
+            if rounds:
+                rounds[-1].append(tok)
         return rounds
 
 

@@ -1,6 +1,7 @@
 """Drafts served by llama.cpp: ``python -m specforge.eval --engine llama.cpp --draft CKPT ...``.
 
-The target and every draft are converted with llama.cpp's converter (``engines/llamacpp.py``),
+The target and every draft (EAGLE-3 or DFlash: ``--spec-type draft-eagle3 | draft-dflash``, from the
+draft's architecture) are converted with llama.cpp's converter (``engines/llamacpp.py``),
 ``llama-server`` runs the target alone and the target + each draft at each ``--spec-draft-n-max``
 / ``--spec-draft-p-min`` setting, all on the held-out prompts ``specforge.eval`` uses (the same
 token ids, chat template included), greedy. Every server is started first and the prompts are run
@@ -133,8 +134,26 @@ def evaluate_engine(target_dir: str | Path, drafts: Sequence[str | Path], prompt
         settings = []
         for i, d in enumerate(dict.fromkeys(str(d) for d in drafts)):
             gguf = convert_draft(d, target_dir, Path(tmp) / f"draft-{i}.gguf", draft_outtype)
-            settings += [Setting(d, gguf, n, p) for n in n_max for p in p_min]
+            settings += [Setting(d, gguf, n, p) for n in _n_max_for(d, n_max) for p in p_min]
         return run_settings(target_gguf, settings, prompts, max_new, threads, progress)
+
+
+def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
+    """The n_max values a draft can run: a DFlash draft drafts at most block_size - 1 tokens a round
+    (llama-server clamps a larger --spec-draft-n-max to that: the row would be mislabelled)."""
+    from specforge.compat import read_draft_config
+
+    config = read_draft_config(draft)
+    if "DFlashDraftModel" not in (config.get("architectures") or []):
+        return list(n_max)
+    from specforge.algorithms.dflash.export import from_hf_config
+
+    top = from_hf_config(config).block_size - 1
+    kept = [n for n in n_max if n <= top]
+    if len(kept) < len(n_max):
+        print(f"llama.cpp engine: DFlash draft {draft} drafts at most {top} tokens a round (block size "
+              f"{top + 1}); --engine-n-max values above it skipped", file=sys.stderr)
+    return kept or [top]
 
 
 def _ints(text: str) -> list[int]:
