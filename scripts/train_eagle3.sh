@@ -57,6 +57,8 @@ phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out 
 "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --draft prompt-lookup --num-prompts "${EVAL_PROMPTS:-16}" "$@"
 # The same draft served by llama.cpp's llama-server, when it is installed (optional component).
 if "$PY" -c 'import sys; from specforge.engines.llamacpp import installed; sys.exit(0 if installed() else 1)'; then
+  # the build is cached per machine; this venv may still lack the converter's Python deps (instant when cached)
+  VENV="$VENV" bash scripts/install_llamacpp.sh >/dev/null
   phase "3b eval: $CKPT served by llama.cpp (llama-server, greedy, the same held-out prompts)"
   "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --engine llama.cpp --num-prompts "${EVAL_PROMPTS:-16}" "$@" \
     || echo "warning: the llama.cpp rows failed (see above); the draft and the rows above stand" >&2
