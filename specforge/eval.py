@@ -471,7 +471,7 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
         layers = (aux_ids or {}).get(name)
         view = replace(target, aux_layer_ids=layers) if layers and layers != target.aux_layer_ids else None
         settings.append(Setting(name, algo.proposer(draft, draft_dtype), target=view))
-        if algo.name == "eagle3":  # dynamic drafting stops a chain early; a block is drafted whole
+        if algo.dynamic_drafting:  # a chain can stop early token by token; a DFlash block is drafted whole
             settings.append(Setting(name, algo.proposer(draft, draft_dtype), dynamic=True, target=view))
     return settings
 

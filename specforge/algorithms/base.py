@@ -14,6 +14,7 @@ import torch
 
 class DraftAlgorithm(Protocol):
     name: str
+    dynamic_drafting: bool  # whether the eval also runs it with cost-based early stops (a chain, not a block)
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
         """The target layer outputs the draft reads (``model.aux_layer_ids`` or the default)."""

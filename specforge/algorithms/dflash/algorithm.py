@@ -30,6 +30,7 @@ def _generator(batch, cfg, step: int) -> torch.Generator:
 
 class DFlash:
     name = "dflash"
+    dynamic_drafting = False  # a block is drafted whole, in one forward
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
         return feature_layer_ids(cfg, num_layers)

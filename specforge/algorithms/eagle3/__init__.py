@@ -17,6 +17,7 @@ from specforge.config import aux_layer_ids
 
 class Eagle3:
     name = "eagle3"
+    dynamic_drafting = True  # the eval also runs its chain with cost-based early stops
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
         return aux_layer_ids(cfg.model, num_layers)
