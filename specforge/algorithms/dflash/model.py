@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specforge.config import dflash_default_layers
-from specforge.models.draft import RMSNorm
+from specforge.models.draft import Eagle3MLP, RMSNorm
 
 __all__ = ["DFlashConfig", "DFlashDraft", "ContextCache", "build_block_mask", "default_target_layer_ids"]
 
@@ -169,23 +169,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
-        self.mlp = DFlashMLP(cfg)
+        self.mlp = Eagle3MLP(cfg)  # the same SwiGLU (gate/up/down): reads hidden_size, intermediate_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
