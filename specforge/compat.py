@@ -76,17 +76,10 @@ def check_aux_ids(path: str | Path, draft_ids: Optional[Sequence[int]], asked: O
 
 def recorded_target(path: str | Path) -> Optional[str]:
     """The target fingerprint the draft's training_state.pt records (None without one)."""
-    import torch
+    from specforge.train.checkpoint import load_train_state
 
-    f = Path(path) / "training_state.pt"
-    if not f.is_file():
-        return None
-    try:  # mmap: the optimizer state in the same file is not read
-        state = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:
-        raise ValueError(f"{str(f)!r} cannot be read ({type(e).__name__}): a truncated or corrupt checkpoint; "
-                         "use another checkpoint folder (step-*)") from None
-    return (state.get("identity") or {}).get("target")
+    state = load_train_state(path, mmap=True)  # mmap: the optimizer state in the same file is not read
+    return None if state is None else (state.get("identity") or {}).get("target")
 
 
 def target_fingerprints(model) -> set[str]:

@@ -137,12 +137,13 @@ def load_draft_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                          "use another checkpoint folder (step-*) or retrain") from None
 
 
-def load_train_state(path: str | Path) -> Optional[dict[str, Any]]:
+def load_train_state(path: str | Path, mmap: bool = False) -> Optional[dict[str, Any]]:
+    """``training_state.pt`` of a checkpoint folder (None without one); ``mmap`` reads only what is used."""
     f = Path(path) / "training_state.pt"
     if not f.is_file():
         return None
     try:
-        return torch.load(f, map_location="cpu", weights_only=False)
+        return torch.load(f, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # a truncated zip, a pickle error: the same to the user
         raise ValueError(f"{str(f)!r} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}): a "
                          "truncated or corrupt checkpoint; move that step folder away to resume from the one before, "
