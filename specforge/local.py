@@ -20,7 +20,7 @@ def run(cfg: Config) -> Optional[Path]:
     """Train in this process; returns the newest checkpoint folder."""
     from specforge.device import pick_device
     from specforge.preflight import check_run
-    from specforge.runtime.loop import LocalCluster, check, not_applied, single_process, train_loop
+    from specforge.runtime.loop import LocalCluster, check, not_applied, restore_rows, single_process, train_loop
     from specforge.runtime.plan import Planner, prepare
     from specforge.tracking import MetricsLogger
     from specforge.train.checkpoint import latest_checkpoint
@@ -34,9 +34,11 @@ def run(cfg: Config) -> Optional[Path]:
     local = single_process(cfg)
     data = prepare(local, use_gpu=pick_device(cfg.model.device).type == "cuda")
     cluster = LocalCluster(local, data)
+    plan = Planner(local, data, cluster.layout)
     logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
     try:
-        train_loop(local, cluster, Planner(local, data, cluster.layout), logger)
+        restore_rows(local, cluster, plan, logger, latest_checkpoint(checkpoint_root(cfg)))
+        train_loop(local, cluster, plan, logger)
     finally:
         cluster.save()
         logger.close()

@@ -47,7 +47,7 @@ from specforge.preflight import check_placement, check_ray_address, check_resour
 from specforge.runtime.actors import (
     ActorDied, ActorGroup, WorkerError, dead_actors, gather, init_communicator, spawn_actors)
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
-from specforge.runtime.loop import check, not_applied, run_deadline, train_loop
+from specforge.runtime.loop import check, not_applied, restore_rows, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
 from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
 
@@ -80,7 +80,7 @@ class Cluster:
         rollout = [w.rollout_step.remote(plan) for w in self.rollout.actors]
         if plan.split == "train":
             return rollout, [w.train_step.remote(plan, upcoming, save) for w in self.train.actors]
-        return rollout, [w.eval_step.remote(plan, upcoming) for w in self.train.actors]
+        return rollout, [w.eval_step.remote(plan, upcoming, save) for w in self.train.actors]
 
     def collect(self, handle: tuple[list, list], what: str) -> tuple[list[StepReport], list[StepReport]]:
         """The plan's reports (the first failure of any worker ends the wait), a failure told
@@ -242,6 +242,7 @@ def fit(cfg: Config) -> Optional[str]:
             print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
         plan = Planner(cfg, data, cluster.layout)  # refuses an in-flight budget below one step: before any save
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
+        restore_rows(cfg, cluster, plan, logger, latest_checkpoint(checkpoint_root(cfg)))
         failed: Optional[WorkerError] = None
         try:
             train_with_recovery(cfg, cluster, plan, logger, lambda err: recover(cfg, data, use_gpu, err, cluster))

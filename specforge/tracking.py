@@ -14,7 +14,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from specforge.config import TrackingConfig
 
@@ -62,7 +62,10 @@ class MetricsLogger:
     def __init__(self, cfg: TrackingConfig, out_dir: str | Path, run_config: Optional[dict] = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if cfg.jsonl else None
+        self._jsonl = None
+        if cfg.jsonl:
+            drop_torn_tail(self.out_dir / "metrics.jsonl")
+            self._jsonl = open(self.out_dir / "metrics.jsonl", "a")
         self._wandb = None
         self._tb = None
         self._t0 = time.time()
@@ -99,6 +102,25 @@ class MetricsLogger:
             for k, v in clean.items():
                 self._tb.add_scalar(f"{kind}/{k}", v, step)
 
+    def restore(self, recorded: list[dict], start_step: int, owed: Callable[[str, int], bool]) -> list[tuple[str, int]]:
+        """On resuming at ``start_step``: log each row a checkpoint ``recorded`` that this run owes
+        (``owed(kind, step)``, steps up to ``start_step``) but its metrics.jsonl lacks, because the
+        driver died between the workers' save and its own log line. The rows carry ``restored: 1``
+        (the workers' metrics; no driver timings). Returns the ``(kind, step)`` restored."""
+        from specforge.plot import read_rows
+
+        path = self.out_dir / "metrics.jsonl"
+        have = {(r.get("kind", "train"), r.get("step")) for r in read_rows(path)} if path.is_file() else set()
+        done = []
+        for row in sorted(recorded, key=lambda r: (r["step"], r["kind"] != "train")):
+            key = (row["kind"], row["step"])
+            if row["step"] <= start_step and key not in have and owed(*key):
+                self.log(row["step"], {**{k: v for k, v in row.items() if k not in ("kind", "step")}, "restored": 1},
+                         kind=row["kind"])
+                have.add(key)
+                done.append(key)
+        return done
+
     def final_summary(self) -> dict[str, float]:
         """The last held-out and training acc_0 / tau. The held-out tau is the periodic eval's
         simulated acceptance length; the measured one comes from ``python -m specforge.eval``."""
@@ -119,6 +141,21 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def drop_torn_tail(path: Path) -> None:
+    """A process killed while writing a row leaves half a line: cut it (and say so) before rows are
+    appended after it, which would otherwise run into it. The step it belonged to is either in the
+    checkpoint (``MetricsLogger.restore``) or trained again by the resumed run."""
+    if not path.is_file() or not path.stat().st_size:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    print(f"{path}: cut a half-written last line ({len(data) - keep} bytes) left by a killed run")
 
 
 def overlay_charts(history: dict[str, list[dict]]) -> dict[str, Any]:

@@ -8,6 +8,9 @@
 * Train ranks that resumed at different steps are refused, not reconciled.
 * ``python -m specforge.ray_train`` SIGKILLed after a periodic checkpoint (its own Ray cluster
   killed with it), then rerun unchanged, logs per-step losses equal to an uninterrupted run's.
+* A driver that dies after the workers saved a step but before it logged that step's rows: the
+  checkpoint carries them and the resumed run logs them (marked ``restored``), and a half-written
+  last line of metrics.jsonl is cut instead of having the next row run into it.
 """
 
 import json
@@ -210,3 +213,58 @@ def test_hard_killed_driver_resumes_exactly(assets, tmp_path):
     assert {r["step"] for r in got} == set(want)  # nothing skipped
     for r in got:  # the killed run's steps and the resumed run's alike
         assert r["loss"] == want[r["step"]], r["step"]
+
+
+# ---------------------------------------------------------------- rows saved but never logged
+
+
+class _DriverDied(Exception):
+    pass
+
+
+def test_rows_saved_but_not_logged_are_restored_on_resume(assets, tmp_path, monkeypatch, capsys):
+    from specforge.config import load_config
+    from specforge.local import run
+    from specforge.tracking import MetricsLogger
+    from specforge.train.checkpoint import recorded_rows
+
+    def cfg(out):  # a save after step 2, and a held-out eval after it (the save waits for the eval)
+        return load_config(None, cfg_overrides(assets, out, "train.max_steps=4", "train.eval_every=2",
+                                               "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                                               "checkpoint.resume=true"))
+
+    def rows(out):
+        return {(r["kind"], r["step"]): r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+    run(cfg(tmp_path / "straight"))
+    want = rows(tmp_path / "straight")
+    assert set(want) == {("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)}
+
+    out, log = tmp_path / "killed", MetricsLogger.log
+
+    def dies_at_step_2(self, step, metrics, kind="train"):
+        if step == 2:
+            raise _DriverDied  # the workers have saved step 2 (and its eval) by now
+        log(self, step, metrics, kind)
+
+    monkeypatch.setattr(MetricsLogger, "log", dies_at_step_2)
+    with pytest.raises(_DriverDied):
+        run(cfg(out))
+    monkeypatch.undo()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 3, "lo')  # and a kill mid-write
+    logged = {(r["kind"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()[:-1])}
+    assert logged == {("train", 1)}  # step 2's rows are only in the checkpoint
+    saved = out / "checkpoints" / "step-000002"
+    assert {(r["kind"], r["step"]) for r in recorded_rows(saved)} == {("train", 1), ("train", 2), ("eval", 2)}
+    capsys.readouterr()
+
+    run(cfg(out))
+    said = capsys.readouterr().out
+    assert "cut a half-written last line" in said
+    assert f"restored the rows of train step 2, eval step 2 from {saved}" in said
+    got = rows(out)
+    assert set(got) == set(want)
+    for key, row in got.items():  # the restored rows, the killed run's and the resumed run's alike
+        assert row["loss"] == want[key]["loss"], key
+        assert row.get("restored") == (1 if key in {("train", 2), ("eval", 2)} else None), key

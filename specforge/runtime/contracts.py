@@ -17,6 +17,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
+# Plans the driver keeps submitted but not yet collected (and so not yet logged), whatever the byte
+# budget allows. Train workers record this many recent metric rows in every checkpoint, so a driver
+# killed after a save but before it logged the steps behind it loses none of their rows.
+MAX_STEPS_AHEAD = 8
+
 # Bytes per element of the dtype names a FeatureField may use (torch dtype names).
 DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,

@@ -21,11 +21,9 @@ from typing import Any, Optional, Sequence
 
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
-from specforge.runtime.contracts import Layout, StepPlan, StepReport
+from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.plan import Planner, RunData, run_facts, total_steps
 from specforge.tracking import RECENT_STEPS, end_summary
-
-MAX_STEPS_AHEAD = 8  # submitted-but-unfinished plans, whatever the byte budget allows
 
 # Keys that say how a run is distributed, not what it computes: a placement names the ones it
 # does not apply when they are set (never ignores them silently).
@@ -80,7 +78,7 @@ class LocalCluster:
 
     def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool):
         w = self.worker
-        return [], [w.train_step(plan, upcoming, save) if plan.split == "train" else w.eval_step(plan, upcoming)]
+        return [], [w.train_step(plan, upcoming, save) if plan.split == "train" else w.eval_step(plan, upcoming, save)]
 
     def collect(self, handle, what: str) -> tuple[list[StepReport], list[StepReport]]:
         return handle
@@ -140,6 +138,36 @@ def step_metrics(rollout: list[StepReport], train: list[StepReport], seconds: fl
     return m
 
 
+def logged(cfg: Config, done: int, total: int) -> bool:
+    """Whether the training row after ``done`` steps goes to the metrics log."""
+    return done % cfg.train.log_every == 0 or done == 1 or done == total
+
+
+def restore_rows(cfg: Config, cluster, plan: Planner, logger, checkpoint) -> None:
+    """A resumed run first logs the rows its checkpoint recorded that the log lacks (the last run
+    stopped between a save and its log line), and says which."""
+    from specforge.train.checkpoint import recorded_rows
+
+    if not cluster.start_step or checkpoint is None:
+        return
+    owed = lambda kind, step: kind == "eval" or logged(cfg, step, plan.total_steps)  # noqa: E731
+    if done := logger.restore(recorded_rows(checkpoint), cluster.start_step, owed):
+        print(f"metrics.jsonl: restored the rows of {', '.join(f'{k} step {s}' for k, s in done)} from {checkpoint} "
+              "(the last run stopped after saving them, before logging them)")
+
+
+def saves_after(p: StepPlan, following: Optional[StepPlan], every: int) -> bool:
+    """Whether the train workers checkpoint once ``p`` is done: after every ``every``-th train step,
+    or after the held-out eval that follows it (so that eval's row is in the checkpoint too:
+    ``TrainWorker.recent_rows``)."""
+    if not every:
+        return False
+    if p.split == "eval":
+        return p.step % every == 0
+    evals_next = following is not None and following.split == "eval" and following.step == p.step + 1
+    return (p.step + 1) % every == 0 and not evals_next
+
+
 def run_deadline(cfg: Config) -> float:
     """When ``train.max_minutes`` ends the run (``time.time()`` clock), from now."""
     return time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else math.inf
@@ -166,7 +194,7 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
             while i < len(todo) and time.time() < deadline and has_room(inflight, plan.recv_bytes(plan.task(todo[i])), budget):
                 p, i = plan.task(todo[i]), i + 1
                 upcoming = [plan.task(todo[i])] if i < len(todo) else []  # its receives go up early
-                save = p.split == "train" and bool(every) and (p.step + 1) % every == 0
+                save = saves_after(p, upcoming[0] if upcoming else None, every)
                 inflight.append(InFlight(p, cluster.submit(p, upcoming, save), plan.recv_bytes(p)))
             if not inflight:
                 bar.close()
@@ -186,7 +214,7 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
             recent.append(m)
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tau=f"{m.get('tau', 0):.2f}")
-            if done % cfg.train.log_every == 0 or done == 1 or done == plan.total_steps:
+            if logged(cfg, done, plan.total_steps):
                 logger.log(done, m)
     finally:
         bar.close()

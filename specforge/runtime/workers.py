@@ -20,6 +20,7 @@ Legend: B batch, T tokens, H target hidden.
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Optional, Sequence
 
@@ -30,7 +31,7 @@ from specforge.config import Config
 from specforge.device import pick_device, set_threads, torch_dtype
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.actors import DistributedWorker
-from specforge.runtime.contracts import Layout, StepPlan, StepReport
+from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow
 from specforge.runtime.sources import build_source, build_transport, open_data
 from specforge.train.batch import TrainBatch, collate, pad_id
@@ -57,6 +58,9 @@ class RolloutWorker(DistributedWorker):
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.num_threads)
         self.cfg = cfg
+        # The metric rows of the last plans, written into every checkpoint: the driver may not
+        # have logged them yet when it dies (it collects up to MAX_STEPS_AHEAD plans behind).
+        self.recent_rows: collections.deque[dict] = collections.deque(maxlen=2 * MAX_STEPS_AHEAD)
 
     def setup(self, layout: Layout) -> int:
         from specforge.config import feature_layer_ids
@@ -142,6 +146,9 @@ class TrainWorker(DistributedWorker):
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.num_threads)
         self.cfg = cfg
+        # The metric rows of the last plans, written into every checkpoint: the driver may not
+        # have logged them yet when it dies (it collects up to MAX_STEPS_AHEAD plans behind).
+        self.recent_rows: collections.deque[dict] = collections.deque(maxlen=2 * MAX_STEPS_AHEAD)
 
     def setup(self, layout: Layout, total_steps: int, facts: Optional[dict] = None) -> int:
         """Groups, the draft and its trainer (LR schedule over ``total_steps``), the feature source;
@@ -200,6 +207,7 @@ class TrainWorker(DistributedWorker):
         self._last_batches = self._features(plan, upcoming)
         t1 = time.perf_counter()
         metrics = self.trainer.step(self._last_batches)
+        self._record("train", plan.step + 1, metrics)
         if save:
             self.save()
         timings = {"features": (t1 - t0) * 1e3, "train": metrics.pop("train_ms"),
@@ -208,10 +216,14 @@ class TrainWorker(DistributedWorker):
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms=timings,
                           bytes_recv=self.source.bytes_recv - recv0)
 
-    def eval_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> StepReport:
-        """Metrics of ``plan``'s held-out micro-batches, summed over all train ranks; no update."""
+    def eval_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = (), save: bool = False) -> StepReport:
+        """Metrics of ``plan``'s held-out micro-batches, summed over all train ranks; no update.
+        ``save``: checkpoint afterwards (the loop saves after the eval that follows a save step)."""
         t0 = time.perf_counter()
         metrics = self.trainer.evaluate(self._features(plan, upcoming))
+        self._record("eval", plan.step, metrics)
+        if save:
+            self.save()
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms={"eval": (time.perf_counter() - t0) * 1e3})
 
     def train_repeat(self, reps: int) -> StepReport:
@@ -223,8 +235,14 @@ class TrainWorker(DistributedWorker):
             times.append((time.perf_counter() - t0) * 1e3)
         return StepReport(self.rank, -1, metrics={"tokens_local": m["tokens"]}, timings_ms={f"train_{i}": t for i, t in enumerate(times)})
 
+    def _record(self, kind: str, step: int, metrics: dict) -> None:
+        """Keep the run-wide part of a plan's metrics (this rank's token count and timings are not)."""
+        self.recent_rows.append({"kind": kind, "step": step, **{k: float(v) for k, v in metrics.items()
+                                                                if k not in ("tokens", "train_ms") and isinstance(v, (int, float))}})
+
     def save(self) -> Optional[str]:
-        """Write the newest state (collective over the train ranks; the first one writes). After
-        ``FeaturesLost`` that is still a consistent state: every rank stopped at the same step."""
-        path = self.checkpoints.save(self.trainer)
+        """Write the newest state (collective over the train ranks; the first one writes) with the
+        recent metric rows. After ``FeaturesLost`` that is still a consistent state: every rank
+        stopped at the same step."""
+        path = self.checkpoints.save(self.trainer, rows=list(self.recent_rows))
         return None if path is None else str(path)

@@ -29,7 +29,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -148,6 +148,12 @@ def load_train_state(path: str | Path, mmap: bool = False) -> Optional[dict[str,
         raise ValueError(f"{str(f)!r} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}): a "
                          "truncated or corrupt checkpoint; move that step folder away to resume from the one before, "
                          "or start fresh (checkpoint.resume=false)") from None
+
+
+def recorded_rows(path: str | Path) -> list[dict]:
+    """The metric rows a checkpoint folder recorded (``kind``, ``step``, metrics), oldest first."""
+    state = load_train_state(path, mmap=True)
+    return list((state or {}).get("recent_rows", []))
 
 
 class CheckpointNotSaved(OSError):
@@ -292,8 +298,9 @@ class CheckpointManager:
         self.identity = dict(identity or {})
         self.saved_step = -1  # the step whose state is on disk (a save of it again is a no-op)
 
-    def save(self, trainer) -> Optional[Path]:
-        """Write the trainer's current step; the folder on the writer, None elsewhere or if saved."""
+    def save(self, trainer, rows: Sequence[dict] = ()) -> Optional[Path]:
+        """Write the trainer's current step; the folder on the writer, None elsewhere or if saved.
+        ``rows``: the newest metric rows (``recorded_rows`` reads them back when resuming)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         from specforge.parallel.fsdp import full_state_dict
@@ -312,7 +319,8 @@ class CheckpointManager:
         step = trainer.step_count
         state = {"step": step, "optimizer": optim, "full_optimizer_state": True,
                  "model": {k: v.detach().to("cpu") for k, v in weights.items()},  # fp32 master weights
-                 "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng(), "identity": self.identity}
+                 "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng(), "identity": self.identity,
+                 "recent_rows": [dict(r) for r in rows if r["step"] <= step]}
         if "global_batch" in self.identity:
             state["cursor"] = data_cursor(step, self.identity["global_batch"], self.identity["num_samples"])
         return save_or_rescue(self.root, step, trainer.algorithm.hf_config(draft), weights, state, self.keep_last)
