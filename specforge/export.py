@@ -10,11 +10,14 @@ starts from the checkpoint validated against SGLang's contract (``engines/sglang
 output itself); each engine's own contract lives in its module and in docs/ENGINES.md:
 
 * ``sglang``: the checkpoint's config.json + model.safetensors, copied (no resume state).
-* ``vllm``: the ``speculators`` format (``engines/vllm.py``): aux layer ids renumbered, keys renamed.
+* ``vllm``: the ``speculators`` format, written by speculators' own converter (``engines/vllm.py``),
+  told our aux layer ids (renumbered) and residual convention.
 * ``llama.cpp``: a GGUF written by llama.cpp's own converter (``engines/llamacpp.py``).
 
-A DFlash checkpoint (``DFlashDraftModel``, z-lab's format) exports to ``llama.cpp`` only (served with
-``--spec-type draft-dflash``); ``sglang`` / ``vllm`` are refused for it, naming what is supported.
+A DFlash checkpoint is z-lab's ``DFlashDraftModel`` folder, which SGLang (``--speculative-algorithm
+DFLASH``) and vLLM (``"method": "dflash"``) serve as it is: ``sglang`` / ``vllm`` copy it after
+checking it loads; ``llama.cpp`` converts it (``--spec-type draft-dflash``). ``--num-speculative-tokens``
+(vllm) defaults to the draft's block size - 1 for DFlash.
 
 ``--target`` (vllm, llama.cpp; checked against the draft for sglang) is the target's HF folder or hub
 id; default: the embedded default target (SmolLM2-135M-Instruct, converted once into the cache), the
@@ -52,7 +55,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--target", default=None, help="target HF folder or hub id (default: the embedded default)")
     ap.add_argument("--outtype", default=None, help="llama.cpp only: f32 (default) | bf16 | f16 | q8_0")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
-                    help="vllm only: proposal length written to the config (default 3)")
+                    help="vllm only: proposal length (EAGLE-3: written to the config, default 3; DFlash: "
+                         "in the printed serve command, default block size - 1)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
     args = ap.parse_args(argv)
     if args.engine not in ENGINES:
@@ -150,10 +154,18 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
 
     out = Path(args.out)
     dflash = "DFlashDraftModel" in (read_draft_config(draft).get("architectures") or [])
-    if dflash and args.engine != "llama.cpp":
-        raise ValueError(f"--draft {str(draft)!r} is a DFlash draft (DFlashDraftModel): specforge exports DFlash drafts "
-                         f"for --engine llama.cpp only (llama-server --spec-type draft-dflash); --engine {args.engine} "
-                         "exports EAGLE-3 drafts (LlamaForCausalLMEagle3)")
+    if dflash and args.engine in ("sglang", "vllm"):  # both serve z-lab's folder as it is
+        from specforge.engines.vllm import export_dflash
+
+        if args.target is not None:
+            check_target(draft, *resolve_target(args.target), given=True)
+        export_dflash(draft, tmp)
+        steps = _block_size(draft) - 1  # one block: the anchor + block_size - 1 drafted tokens
+        if args.engine == "sglang":
+            return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
+                    f"DFLASH --speculative-draft-model-path {out}")
+        return (f"vllm serve {args.target or '<target>'} --speculative-config '{{\"method\": \"dflash\", \"model\": "
+                f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or steps}}}'")
     if args.engine == "sglang":
         if args.target is not None:
             check_target(draft, *resolve_target(args.target), given=True)

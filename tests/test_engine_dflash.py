@@ -14,8 +14,8 @@ it is missing, like tests/test_engine_llamacpp.py.
   it drafts depends on the context features: with plain random init the block's own embeddings
   dominate and a shifted export still agreed at 197 of 201 positions (no control at all).
 * The GGUF records the converter's numbering (ours + 1: layer inputs), the mask token and block size.
-* Export CLI: ``--engine llama.cpp`` writes the GGUF and names ``--spec-type draft-dflash``;
-  ``--engine sglang|vllm`` refuse a DFlash draft naming what is supported.
+* Export CLI: ``--engine llama.cpp`` writes the GGUF and names ``--spec-type draft-dflash``
+  (SGLang and vLLM: tests/test_dflash_serving_formats.py).
 """
 
 import json
@@ -137,11 +137,6 @@ def test_export_cli_dflash(dflash, tmp_path, capsys):
     from specforge.export import main
 
     target_dir, model, ours, folder, gguf, prompts = dflash
-    for engine in ("sglang", "vllm"):
-        with pytest.raises(ValueError, match=r"DFlash draft \(DFlashDraftModel\).*--engine llama.cpp only"):
-            main(["--draft", str(folder), "--engine", engine, "--out", str(tmp_path / engine),
-                  "--target", str(target_dir)])
-        assert not (tmp_path / engine).exists()
     assert main(["--draft", str(folder), "--engine", "llama.cpp", "--out", str(tmp_path / "g"),
                  "--target", str(target_dir)]) == 0
     assert llamacpp.gguf_spec_type(tmp_path / "g" / "draft-f32.gguf") == "draft-dflash"

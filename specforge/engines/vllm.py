@@ -1,37 +1,36 @@
-"""vLLM's contract: the ``speculators`` format (``speculators_model_type: eagle3``).
+"""vLLM's contract, written by vLLM's own tool: ``speculators``' converters.
 
-    config.json          speculators_model_type "eagle3", architectures ["Eagle3Speculator"],
-                         transformer_layer_config (a 1-layer LlamaConfig dict: the draft's shape,
-                         vocab_size = the TARGET vocab, rope, dtype), draft_vocab_size,
-                         norm_before_residual false, target_hidden_size (if it differs),
-                         eagle_aux_hidden_state_layer_ids ("after k layers"), speculators_config
-                         {algorithm, proposal_methods [greedy, speculative_tokens], verifier
-                         {name_or_path, architectures}}
-    model.safetensors    fc.weight, layers.0.* (our midlayer.*), norm.weight, lm_head.weight,
-                         d2t, t2d (+ embed_tokens.weight when the draft has its own); same dtype
+EAGLE-3: the ``speculators`` format (``speculators_model_type: eagle3``), written by
+``speculators.convert.eagle.eagle3_converter.Eagle3Converter`` from our checkpoint (``midlayer.*``
+becomes ``layers.0.*``; config.json gets ``transformer_layer_config``, ``speculators_config`` with
+the verifier). What we tell the converter, because its defaults are not our conventions:
 
-Facts this code depends on, read at the sources (tests/test_export.py checks them by loading the
-export with ``speculators.models.eagle3.Eagle3DraftModel`` and comparing logits with ours):
 * Layer ids. vLLM's targets capture ``hidden_states + residual`` at the INPUT of each layer in
   ``eagle_aux_hidden_state_layer_ids`` (``vllm/model_executor/models/llama.py``), i.e. "after k
   layers"; default (2, L // 2, L - 3). Our ids (SGLang's) are layer OUTPUTS: ours k = theirs k + 1.
-  The default [1, L/2-1, L-4] thus becomes [2, L/2, L-3], the same physical layers.
+  The converter reads no ids from our nested ``eagle_config``: we pass them.
 * ``norm_before_residual``: vLLM's ``update_eagle3`` (``transformers_utils/configs/speculators/
   algos.py``) defaults it to TRUE when absent; our layer keeps the un-normed hidden as the
-  residual, so the key is always written, false.
-* d2t holds offsets (vLLM ``llama_eagle3.py`` ``compute_logits``: target = arange + d2t), as ours;
-  t2d is skipped by vLLM and read by speculators; the embedding comes from the verifier.
-* speculators' converter ignores ``eagle_config``; its ids are top-level keys.
+  residual, so it is passed False (and the written config is checked to hold it).
+* ``speculative_tokens``: the converter writes 3; ``--num-speculative-tokens`` is set through
+  speculators' own config class afterwards.
+
+d2t holds offsets (vLLM ``llama_eagle3.py``: target = arange + d2t), as ours; t2d is skipped by
+vLLM and read by speculators; the embedding comes from the verifier. tests/test_export.py loads the
+export with ``speculators.models.eagle3.Eagle3DraftModel`` and compares logits with ours.
+
+DFlash: vLLM serves z-lab's ``DFlashDraftModel`` folders as they are (``"method": "dflash"``),
+which is what our checkpoint is (``specforge/algorithms/dflash/export.py``); see :func:`export_dflash`.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from specforge.engines.sglang import check_checkpoint
 
@@ -43,70 +42,76 @@ def speculators_layer_ids(sglang_ids: list[int]) -> list[int]:
     return [int(k) + 1 for k in sglang_ids]
 
 
-def transformer_layer_config(hf_config: dict) -> dict:
-    """The draft's decoder layer as a LlamaConfig dict (read by transformers 4 and 5 alike)."""
-    rope = {"rope_type": "default", "rope_theta": hf_config["rope_theta"]}
-    if hf_config.get("rope_scaling"):
-        rope = {**hf_config["rope_scaling"], "rope_theta": hf_config["rope_theta"]}
-    d = {key: hf_config[key] for key in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps", "max_position_embeddings",
-        "vocab_size")}
-    d["num_key_value_heads"] = hf_config.get("num_key_value_heads") or d["num_attention_heads"]
-    d["head_dim"] = hf_config.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-    d["bos_token_id"], d["eos_token_id"] = hf_config.get("bos_token_id"), hf_config.get("eos_token_id")
-    return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], **d,
-        "num_hidden_layers": 1, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "rope_theta": hf_config["rope_theta"],
-        "rope_scaling": hf_config.get("rope_scaling"), "rope_parameters": rope,
-        "torch_dtype": hf_config["torch_dtype"], "dtype": hf_config["torch_dtype"],
-    }
+@contextlib.contextmanager
+def quiet_speculators() -> Iterator[None]:
+    """speculators logs every step at INFO through loguru; the export prints its own summary."""
+    from loguru import logger
 
-
-def speculators_config(hf_config: dict, verifier: str, verifier_architectures: list[str],
-                       speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> dict:
-    """config.json of the speculators format from our config.json."""
-    d: dict[str, Any] = {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "transformer_layer_config": transformer_layer_config(hf_config),
-        "draft_vocab_size": hf_config["draft_vocab_size"],
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "eagle_aux_hidden_state_layer_ids": speculators_layer_ids(
-            hf_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
-        "torch_dtype": hf_config["torch_dtype"],
-    }
-    if hf_config.get("target_hidden_size", hf_config["hidden_size"]) != hf_config["hidden_size"]:
-        d["target_hidden_size"] = hf_config["target_hidden_size"]
-    return d
-
-
-def speculators_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our keys -> speculators keys: ``midlayer.`` becomes ``layers.0.``; the rest is unchanged."""
-    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v.contiguous()
-            for k, v in weights.items()}
+    logger.disable("speculators")
+    try:
+        yield
+    finally:
+        logger.enable("speculators")
 
 
 def export(draft_dir: str | Path, out_dir: str | Path, target: str, target_config: Any,
            speculative_tokens: Optional[int] = None) -> Path:
-    """Write the speculators-format draft into ``out_dir`` (which must exist). ``target`` is the
-    verifier's HF folder or hub id (recorded as ``verifier.name_or_path``), ``target_config`` its
+    """Convert the (validated) EAGLE-3 checkpoint into ``out_dir`` (which must exist) with
+    speculators' converter. ``target`` is the verifier's HF folder or hub id (recorded as
+    ``verifier.name_or_path``; the converter reads its config.json), ``target_config`` its
     transformers config (that it is the draft's target: ``specforge.compat``, checked by the CLI)."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens is {speculative_tokens}, expected at least 1")
     hf_config, weights = check_checkpoint(draft_dir)
-    archs = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
-    config = speculators_config(hf_config, target, archs, speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+    ids = speculators_layer_ids(hf_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     out = Path(out_dir)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(speculators_weights(weights), str(out / "model.safetensors"), metadata={"format": "pt"})
+    with quiet_speculators():
+        Eagle3Converter().convert(draft_dir, out, base_model=str(target), validate=False,
+                                  norm_before_residual=False, eagle_aux_hidden_state_layer_ids=ids)
+        config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+        if speculative_tokens is not None:
+            config.speculators_config.proposal_methods[0].speculative_tokens = int(speculative_tokens)
+            config.save_pretrained(str(out))
+    check_converted(weights, out, ids, config)
     return out
+
+
+def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], config: Any) -> None:
+    """The converter logs, and does not raise on, tensors it could not place: every one of ours must
+    be in the written file, equal (in the written dtype), and the conventions we passed must hold."""
+    from safetensors.torch import load_file
+
+    written = {}
+    for f in sorted(out.glob("*.safetensors")):
+        written.update(load_file(f))
+    errors = []
+    for k, v in ours.items():
+        name = "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k
+        if name not in written:
+            errors.append(f"{name} missing")
+        elif written[name].shape != v.shape or not torch.equal(written[name], v.to(written[name].dtype)):
+            errors.append(f"{name} differs from our {k}")
+    if list(config.eagle_aux_hidden_state_layer_ids) != ids:
+        errors.append(f"eagle_aux_hidden_state_layer_ids {config.eagle_aux_hidden_state_layer_ids}, expected {ids}")
+    if config.norm_before_residual is not False:
+        errors.append("norm_before_residual is not false")
+    if errors:
+        raise ValueError(f"speculators' converter wrote {str(out)!r} wrongly: " + "; ".join(errors))
+
+
+def export_dflash(draft_dir: str | Path, out_dir: str | Path) -> Path:
+    """A DFlash draft for vLLM and SGLang: the z-lab folder both load as it is (config.json and
+    model.safetensors), copied once our DFlash model loads it with no tensor missing or extra."""
+    from specforge.algorithms.dflash.export import load_dflash
+
+    try:
+        load_dflash(draft_dir)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{str(draft_dir)!r} is not a valid DFlashDraftModel checkpoint ({e}). Export a checkpoint "
+                         "written by specforge training with draft.algorithm=dflash (a step-* folder)") from None
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(Path(draft_dir) / name, Path(out_dir) / name)
+    return Path(out_dir)
