@@ -10,6 +10,11 @@
 3. One ``python -m specforge.eval`` table of both on the same held-out prompts (no training row
    shares them): chain 7 for EAGLE-3, one block of 8 (7 drafted tokens) for DFlash; every output
    checked against plain greedy decoding. Draft ms per round = the draft's cost of one round.
+4. The same drafts served by llama.cpp (``python -m specforge.eval --engine llama.cpp``: llama.cpp's
+   converter, ``llama-server --spec-type draft-eagle3 | draft-dflash``, n_max 7, p_min 0) on the
+   same prompts: tokens per target forward beside ours (the parity target: within 0.05), tokens/s
+   and speedup against the target served alone. ``--no-engine`` skips it.
+``--reuse`` evaluates the newest checkpoints already under ``--out`` instead of training again.
 Appends the table, naming machine, commit and load, to benchmarks/README.md.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -39,6 +45,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="runs/bench-algorithms")
+    ap.add_argument("--reuse", action="store_true", help="evaluate the checkpoints under --out, no training")
+    ap.add_argument("--no-engine", action="store_true", help="skip the llama.cpp rows")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for both trainings")
     args = ap.parse_args()
     out = REPO / args.out
@@ -49,29 +57,52 @@ def main() -> int:
     trained = {}
     for name, config in (("EAGLE-3", EAGLE3), ("DFlash", DFLASH)):
         folder = out / name.lower().replace("-", "")
-        secs = run([PY, "-m", "specforge.ray_train", "--config", config, f"train.output_dir={folder}",
-                    f"store.dir={store}", *common])
+        secs = math.nan
+        if not args.reuse:
+            secs = run([PY, "-m", "specforge.ray_train", "--config", config, f"train.output_dir={folder}",
+                        f"store.dir={store}", *common])
         trained[name] = (newest(folder), secs, folder)
     load = os.getloadavg()[0]
     report = out / "eval.json"
     run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--draft", trained["EAGLE-3"][0], "--draft",
          trained["DFlash"][0], "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
          "--chain", "7", "--json", str(report)])
+    served = {}
+    if not args.no_engine:
+        engine_report = out / "engine.json"
+        run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--engine", "llama.cpp", "--draft",
+             trained["EAGLE-3"][0], "--draft", trained["DFlash"][0], "--num-prompts", str(args.prompts),
+             "--max-new-tokens", str(args.max_new_tokens), "--engine-n-max", "7", "--engine-p-min", "0",
+             "--json", str(engine_report)])
+        served = {r["draft"]: r for r in json.loads(engine_report.read_text())["rows"]}
     rows = []
     for r in json.loads(report.read_text())["rows"]:
         name = next(n for n, t in trained.items() if t[0] == r["draft"])
         recs = [json.loads(line) for line in (trained[name][2] / "metrics.jsonl").read_text().splitlines()]
         steps = max(rec["step"] for rec in recs if rec["kind"] == "train")
-        rows.append([name, r["setting"], f"{trained[name][1] / 60:.1f}", steps, f"{r['acceptance_length']:.3f}",
-                     " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]), f"{r['drafted_per_round']:.2f}",
-                     f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{r['speedup']:.2f}x"])
+        row = [name, r["setting"], f"{trained[name][1] / 60:.1f}", steps, f"{r['acceptance_length']:.3f}",
+               " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]), f"{r['drafted_per_round']:.2f}",
+               f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{r['speedup']:.2f}x"]
+        engine = served.get(r["draft"]) if r["setting"].startswith("chain") else None
+        row += ([f"{engine['tokens_per_forward']:.3f}", f"{engine['tokens_per_forward'] - r['acceptance_length']:+.3f}",
+                 f"{engine['equal_outputs']}/{engine['prompts']}", f"{engine['tokens_per_s']:.1f}",
+                 f"{engine['speedup']:.2f}x"] if engine else ["-"] * 5)
+        rows.append(row)
+    alone = next((e for e in served.values() if e["draft"] == "target alone"), None)
     table = markdown_table(["draft", "setting", "train wall min", "steps", "acceptance length",
-                            "accepted by position", "drafted/round", "draft ms/round", "verify ms/round", "speedup"],
-                           rows)
-    body = (f"`python benchmarks/bench_algorithms.py --minutes {args.minutes:g}` -- {header_markdown()}; 1-min load "
+                            "accepted by position", "drafted/round", "draft ms/round", "verify ms/round", "speedup",
+                            "llama.cpp acceptance (n_max 7)", "llama.cpp - ours", "llama.cpp outputs = target",
+                            "llama.cpp tok/s", "llama.cpp speedup"], rows)
+    if alone:
+        table += f"\n\nllama.cpp target alone: {alone['tokens_per_s']:.1f} tok/s (f32 GGUF, same prompts)."
+    flags = " --reuse" if args.reuse else f" --minutes {args.minutes:g}"
+    how = (f"for {args.minutes:g} minutes each" if not args.reuse else
+           f"by an earlier run of this script (checkpoints {trained['EAGLE-3'][0]} and {trained['DFlash'][0]}, "
+           "reused: the train wall minutes are in that run's section)")
+    body = (f"`python benchmarks/bench_algorithms.py{flags}` -- {header_markdown()}; 1-min load "
             f"average before the eval {load:.1f} (2 cores; the trainings ran one after the other, nothing else heavy)\n\n"
             f"Both drafts trained from the same feature store (the default's 300 captured conversations, target layers "
-            f"[1, 14, 26]) for {args.minutes:g} minutes each; {args.prompts} held-out ShareGPT prompts x "
+            f"[1, 14, 26]) {how}; {args.prompts} held-out ShareGPT prompts x "
             f"{args.max_new_tokens} new tokens, greedy, every output equal to plain greedy decoding.\n\n" + table)
     print(body)
     append_section("DFlash vs EAGLE-3 (same store, same minutes)", body)
