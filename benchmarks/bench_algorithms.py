@@ -39,6 +39,36 @@ def newest(folder: Path) -> str:
     return str(sorted((folder / "checkpoints").glob("step-*"))[-1])
 
 
+def plot(points: list[dict], path: Path) -> None:
+    """Left: accepted fraction by draft position (ours; llama.cpp's tokens per forward in the legend).
+    Right: what one round costs each draft (draft ms + verify ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for p in points:
+        served = f", llama.cpp {p['served']:.3f}" if p.get("served") is not None else ""
+        axes[0].plot(range(1, len(p["by_position"]) + 1), p["by_position"], "o-",
+                     label=f"{p['name']} ({p['setting']}): {p['acceptance']:.3f} tok/forward{served}")
+    axes[0].set_xlabel("draft position")
+    axes[0].set_ylabel("accepted fraction (held-out)")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("acceptance by position")
+    x = list(range(len(points)))
+    axes[1].bar(x, [p["draft_ms"] for p in points], 0.5, label="draft")
+    axes[1].bar(x, [p["verify_ms"] for p in points], 0.5, bottom=[p["draft_ms"] for p in points], label="verify")
+    axes[1].set_xticks(x, [f"{p['name']}\n{p['setting']}" for p in points])
+    axes[1].set_ylabel("ms per round (our eval)")
+    axes[1].legend(fontsize=8)
+    axes[1].set_title("cost of one round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -75,7 +105,7 @@ def main() -> int:
              "--max-new-tokens", str(args.max_new_tokens), "--engine-n-max", "7", "--engine-p-min", "0",
              "--json", str(engine_report)])
         served = {r["draft"]: r for r in json.loads(engine_report.read_text())["rows"]}
-    rows = []
+    rows, points = [], []
     for r in json.loads(report.read_text())["rows"]:
         name = next(n for n, t in trained.items() if t[0] == r["draft"])
         recs = [json.loads(line) for line in (trained[name][2] / "metrics.jsonl").read_text().splitlines()]
@@ -88,6 +118,9 @@ def main() -> int:
                  f"{engine['equal_outputs']}/{engine['prompts']}", f"{engine['tokens_per_s']:.1f}",
                  f"{engine['speedup']:.2f}x"] if engine else ["-"] * 5)
         rows.append(row)
+        points.append({"name": name, "setting": r["setting"], "acceptance": r["acceptance_length"],
+                       "by_position": r["acceptance_by_position"], "draft_ms": r["draft_ms_per_round"],
+                       "verify_ms": r["verify_ms_per_round"], "served": engine["tokens_per_forward"] if engine else None})
     alone = next((e for e in served.values() if e["draft"] == "target alone"), None)
     table = markdown_table(["draft", "setting", "train wall min", "steps", "acceptance length",
                             "accepted by position", "drafted/round", "draft ms/round", "verify ms/round", "speedup",
@@ -104,6 +137,9 @@ def main() -> int:
             f"Both drafts trained from the same feature store (the default's 300 captured conversations, target layers "
             f"[1, 14, 26]) {how}; {args.prompts} held-out ShareGPT prompts x "
             f"{args.max_new_tokens} new tokens, greedy, every output equal to plain greedy decoding.\n\n" + table)
+    png = Path(__file__).resolve().parent / "bench_algorithms.png"
+    plot(points, png)
+    body += f"\n\n![DFlash vs EAGLE-3]({png.name})\n"
     print(body)
     append_section("DFlash vs EAGLE-3 (same store, same minutes)", body)
     return 0
