@@ -157,14 +157,14 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     if dflash and args.engine in ("sglang", "vllm"):  # both serve z-lab's folder as it is
         from specforge.engines.vllm import export_dflash
 
-        if args.target is not None:
-            check_target(draft, *resolve_target(args.target), given=True)
+        target, target_config = resolve_target(args.target)
+        check_target(draft, target, target_config, given=args.target is not None)
         export_dflash(draft, tmp)
         steps = _block_size(draft) - 1  # one block: the anchor + block_size - 1 drafted tokens
         if args.engine == "sglang":
-            return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
+            return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
                     f"DFLASH --speculative-draft-model-path {out}")
-        return (f"vllm serve {args.target or '<target>'} --speculative-config '{{\"method\": \"dflash\", \"model\": "
+        return (f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
                 f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or steps}}}'")
     if args.engine == "sglang":
         if args.target is not None:

@@ -126,7 +126,7 @@ def test_sglang_would_load_a_renamed_layer_as_random_weights_and_the_export_refu
     landed, skipped = sglang_load(json.loads((bad / "config.json").read_text()), renamed)
     assert skipped and set(landed.values()) != sglang_params(json.loads((bad / "config.json").read_text()))
     with pytest.raises(ValueError, match="not a valid DFlashDraftModel checkpoint.*layers.1"):
-        main(["--draft", str(bad), "--engine", "sglang", "--out", str(tmp_path / "s")])
+        main(["--draft", str(bad), "--engine", "sglang", "--out", str(tmp_path / "s"), "--target", str(target_dir)])
     assert not (tmp_path / "s").exists()
 
 
