@@ -108,8 +108,7 @@ def main() -> int:
     rows, points = [], []
     for r in json.loads(report.read_text())["rows"]:
         name = next(n for n, t in trained.items() if t[0] == r["draft"])
-        recs = [json.loads(line) for line in (trained[name][2] / "metrics.jsonl").read_text().splitlines()]
-        steps = max(rec["step"] for rec in recs if rec["kind"] == "train")
+        steps = int(Path(r["draft"]).name.split("-")[-1])  # the evaluated checkpoint's step
         row = [name, r["setting"], f"{trained[name][1] / 60:.1f}", steps, f"{r['acceptance_length']:.3f}",
                " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]), f"{r['drafted_per_round']:.2f}",
                f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{r['speedup']:.2f}x"]
