@@ -58,9 +58,6 @@ class RolloutWorker(DistributedWorker):
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.num_threads)
         self.cfg = cfg
-        # The metric rows of the last plans, written into every checkpoint: the driver may not
-        # have logged them yet when it dies (it collects up to MAX_STEPS_AHEAD plans behind).
-        self.recent_rows: collections.deque[dict] = collections.deque(maxlen=2 * MAX_STEPS_AHEAD)
 
     def setup(self, layout: Layout) -> int:
         from specforge.config import feature_layer_ids
