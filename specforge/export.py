@@ -149,44 +149,44 @@ def finish_output(tmp: Path, out: Path) -> None:
 
 def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it."""
+    from specforge.algorithms.dflash.export import ARCHITECTURE as DFLASH
     from specforge.compat import read_draft_config
     from specforge.engines import sglang
 
     out = Path(args.out)
-    dflash = "DFlashDraftModel" in (read_draft_config(draft).get("architectures") or [])
-    if dflash and args.engine in ("sglang", "vllm"):  # both serve z-lab's folder as it is
-        from specforge.engines.vllm import export_dflash
-
-        target, target_config = resolve_target(args.target)
-        check_target(draft, target, target_config, given=args.target is not None)
-        export_dflash(draft, tmp)
-        steps = _block_size(draft) - 1  # one block: the anchor + block_size - 1 drafted tokens
-        if args.engine == "sglang":
-            return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-                    f"DFLASH --speculative-draft-model-path {out}")
-        return (f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
-                f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or steps}}}'")
-    if args.engine == "sglang":
+    draft_config = read_draft_config(draft)
+    dflash = DFLASH in (draft_config.get("architectures") or [])
+    if args.engine == "sglang" and not dflash:
         if args.target is not None:
             check_target(draft, *resolve_target(args.target), given=True)
         sglang.export(draft, tmp)
         return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
                 f"EAGLE3 --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
                 "--speculative-num-draft-tokens 4")
-    if not dflash:  # a bad checkpoint is named before any target loads (DFlash: convert_draft checks it)
+    if not dflash:  # a bad checkpoint is named before any target loads (DFlash: its exports check it)
         sglang.check_checkpoint(draft)
     target, target_config = resolve_target(args.target)
     check_target(draft, target, target_config, given=args.target is not None)
+    if dflash and args.engine in ("sglang", "vllm"):  # both serve z-lab's folder as it is
+        from specforge.engines.vllm import export_dflash
+
+        export_dflash(draft, tmp)
+        if args.engine == "sglang":
+            return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+                    f"DFLASH --speculative-draft-model-path {out}")
+        return (f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
+                f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or _dflash_steps(draft_config)}}}'")
     if args.engine == "vllm":
         from specforge.engines import vllm
 
         vllm.export(draft, tmp, target, target_config, args.num_speculative_tokens)
         return (f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
                 f"\"num_speculative_tokens\": {args.num_speculative_tokens or vllm.DEFAULT_SPECULATIVE_TOKENS}}}'")
-    return export_gguf(args, draft, tmp, target)
+    return export_gguf(args, draft, tmp, target, draft_config if dflash else None)
 
 
-def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str) -> str:
+def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, dflash_config: Optional[dict]) -> str:
+    """``dflash_config``: the draft's config.json when it is a DFlash draft (checked by the converter first)."""
     from specforge.engines import llamacpp
 
     if not Path(target).is_dir():
@@ -195,19 +195,15 @@ def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str) -
     outtype = args.outtype or "f32"
     name = f"draft-{outtype}.gguf"
     llamacpp.convert_draft(draft, target, tmp / name, outtype=outtype)
-    from specforge.compat import read_draft_config
-
-    dflash = "DFlashDraftModel" in (read_draft_config(draft).get("architectures") or [])
-    kind = "draft-dflash" if dflash else "draft-eagle3"
-    n_max = _block_size(draft) - 1 if dflash else 3  # draft-dflash: one block of n_max + 1 rows a round
+    kind, n_max = ("draft-eagle3", 3) if dflash_config is None else ("draft-dflash", _dflash_steps(dflash_config))
     return f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type {kind} --spec-draft-n-max {n_max}"
 
 
-def _block_size(draft: Path) -> int:
+def _dflash_steps(draft_config: dict) -> int:
+    """Tokens a DFlash draft drafts a round: one block, the anchor + block_size - 1 masks."""
     from specforge.algorithms.dflash.export import from_hf_config
-    from specforge.compat import read_draft_config
 
-    return from_hf_config(read_draft_config(draft)).block_size
+    return from_hf_config(draft_config).block_size - 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

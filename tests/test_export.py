@@ -172,9 +172,9 @@ def load_speculators(path: Path):
     return model.eval()
 
 
-def in_target_vocab(logits_TN: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+def in_target_vocab(logits_TN: torch.Tensor, d2t: torch.Tensor, vocab: int = V) -> torch.Tensor:
     """Draft logits placed at their target ids (vLLM's compute_logits), -1e9 elsewhere."""
-    out = logits_TN.new_full((logits_TN.shape[0], V), -1e9)
+    out = logits_TN.new_full((logits_TN.shape[0], vocab), -1e9)
     out[:, torch.arange(d2t.numel()) + d2t] = logits_TN
     return out
 
@@ -197,8 +197,15 @@ def logits_ours_and_speculators(ckpt: Path, exported: Path, target_dir: Path, T=
     aux_ours = forward_aux(target, ids[:, :T])[0]  # our capture: hooks on the layer outputs
     hidden = hf_target(ids[:, :T], output_hidden_states=True).hidden_states
     aux_theirs = torch.cat([hidden[k] for k in theirs.target_layer_ids], dim=-1)  # "after k layers"
-    pos = torch.arange(T)[None]
+    return step_logits(draft, theirs, ids, aux_ours, aux_theirs, V, steps)
 
+
+@torch.no_grad()
+def step_logits(draft, theirs, ids, aux_ours, aux_theirs, vocab: int, steps: int):
+    """Per TTT step: (ours, speculators') logits in the target vocab over the rows both define, our
+    draft fed ``aux_ours`` and speculators' ``aux_theirs`` over the same ``ids`` (T + 1 tokens)."""
+    T = ids.shape[1] - 1
+    pos = torch.arange(T)[None]
     ours = draft(ids[:, :T], aux_ours, pos, [T] * steps, head=lambda i, h: draft.logits(h))
     caught = []
     hook = theirs.lm_head.register_forward_hook(lambda _m, _a, out: caught.append(out))
@@ -208,8 +215,8 @@ def logits_ours_and_speculators(ckpt: Path, exported: Path, target_dir: Path, T=
     finally:
         hook.remove()
     # rows past the sequence end read padding (zeros for us, token 0 for them): compared up to T - 1 - i
-    return [(in_target_vocab(ours[i][0, : T - 1 - i], draft.d2t),
-             in_target_vocab(caught[i][0, : T - 1 - i], theirs.d2t)) for i in range(steps)]
+    return [(in_target_vocab(ours[i][0, : T - 1 - i], draft.d2t, vocab),
+             in_target_vocab(caught[i][0, : T - 1 - i], theirs.d2t, vocab)) for i in range(steps)]
 
 
 @pytest.mark.parametrize("aux_ids, theirs", [

@@ -33,7 +33,7 @@ from specforge.models.draft import Eagle3Draft, draft_config_from_target
 from specforge.models.target import forward_aux, load_target, text_tower
 from specforge.targets import FAMILIES, LLAMACPP, SGLANG, VLLM, tiny
 from specforge.train.checkpoint import load_draft, save_checkpoint
-from tests.test_export import SGLANG_PARAMS, load_speculators, sglang_load
+from tests.test_export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits
 from tests.test_targets_train import AUX, target_folder
 
 N = 64  # draft vocab
@@ -77,12 +77,6 @@ def _prepared(name: str, where: str) -> tuple[Path, Path]:
 # ---------------------------------------------------------------- vLLM: speculators' logits == ours
 
 
-def in_target_vocab(logits_TN: torch.Tensor, d2t: torch.Tensor, V: int) -> torch.Tensor:
-    out = logits_TN.new_full((logits_TN.shape[0], V), -1e9)
-    out[:, torch.arange(d2t.numel()) + d2t] = logits_TN
-    return out
-
-
 @torch.no_grad()
 def logits_pairs(ckpt: Path, exported: Path, target_dir: Path, T=16, steps=3):
     """Per TTT step: (ours, speculators') draft logits in the target vocab, each side fed the target
@@ -95,18 +89,7 @@ def logits_pairs(ckpt: Path, exported: Path, target_dir: Path, T=16, steps=3):
     aux_ours = forward_aux(target, ids[:, :T])[0]
     hidden = text_tower(target.model)(input_ids=ids[:, :T], output_hidden_states=True).hidden_states
     aux_theirs = torch.cat([hidden[k] for k in theirs.target_layer_ids], dim=-1)
-    pos = torch.arange(T)[None]
-    ours = draft(ids[:, :T], aux_ours, pos, [T] * steps, head=lambda i, h: draft.logits(h))
-    caught = []
-    hook = theirs.lm_head.register_forward_hook(lambda _m, _a, out: caught.append(out))
-    try:
-        theirs(hidden_states=aux_theirs, input_ids=ids[:, 1 : T + 1], document_ids=torch.zeros_like(pos),
-               position_ids=pos.clone(), ttt_steps=steps)
-    finally:
-        hook.remove()
-    V = target.lm_head_weight_VH.shape[0]
-    return [(in_target_vocab(ours[i][0, : T - 1 - i], draft.d2t, V),
-             in_target_vocab(caught[i][0, : T - 1 - i], theirs.d2t, V)) for i in range(steps)]
+    return step_logits(draft, theirs, ids, aux_ours, aux_theirs, target.lm_head_weight_VH.shape[0], steps)
 
 
 @pytest.mark.slow
