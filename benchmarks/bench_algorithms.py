@@ -91,7 +91,7 @@ def main() -> int:
         if not args.reuse:
             secs = run([PY, "-m", "specforge.ray_train", "--config", config, f"train.output_dir={folder}",
                         f"store.dir={store}", *common])
-        trained[name] = (newest(folder), secs, folder)
+        trained[name] = (newest(folder), secs)
     load = os.getloadavg()[0]
     report = out / "eval.json"
     run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--draft", trained["EAGLE-3"][0], "--draft",
