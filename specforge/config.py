@@ -34,6 +34,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     cache_dir: str = "~/.cache/specforge"  # converted embedded model, tokenized data
     argmax_chunk_tokens: int = 1024  # tokens per lm_head chunk when taking the target argmax
+    # GPUs one copy of the target spans (rollout worker, colocated train worker, capture, regenerate,
+    # eval): its decoder layers are split over them by a memory-balanced device map, for a target one
+    # GPU cannot hold. 1 = the whole target on one device (the only choice on CPU).
+    num_gpus: int = 1
 
 
 @dataclass
@@ -108,7 +112,6 @@ class TrainConfig:
 @dataclass
 class RolloutConfig:
     num_workers: int = 1  # target workers in disaggregated mode
-    tp_size: int = 1  # tensor-parallel size of one rollout worker (GPU only)
     max_restarts: int = 3  # rollout workers that died and were replaced, per run, before it gives up
 
 
@@ -270,6 +273,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ValueError(f"config key {key!r}: got {value!r} ({type(value).__name__}), expected {_describe(tp)}")
 
 
+# Keys a config may still carry from an older specforge: what to write instead.
+_REPLACED = {
+    "rollout.tp_size": "set model.num_gpus to the GPUs one copy of the target spans (its layers are split over "
+                       "them; tensor parallelism is not implemented) and remove rollout.tp_size",
+}
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "<root>"
@@ -279,6 +289,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if key in _REPLACED:
+            raise ValueError(f"config key {key!r} was replaced: {_REPLACED[key]}")
         if name not in fields:
             raise ValueError(f"unknown config key {key!r}; allowed here: {', '.join(sorted(fields))}")
         tp = hints[name]
@@ -359,7 +371,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 # Numeric ranges a type cannot say: key -> (lowest, inclusive). A null Optional passes.
 _AT_LEAST = {
-    "model.argmax_chunk_tokens": 1, "data.max_length": 8, "data.max_samples": 1, "data.num_eval": 0,
+    "model.argmax_chunk_tokens": 1, "model.num_gpus": 1, "data.max_length": 8, "data.max_samples": 1, "data.num_eval": 0,
     "data.num_proc": 1, "draft.vocab_size": 2, "draft.hidden_size": 1, "draft.intermediate_size": 1,
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1, "draft.ttt_length": 1,
     "train.warmup_steps": 0, "train.ttt_warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,

@@ -37,6 +37,28 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def target_devices(choice: str = "auto", num_gpus: int = 1) -> list[torch.device]:
+    """The devices one copy of the target spans (``model.device``, ``model.num_gpus``): the first is
+    where its inputs and captured features live. More than one = this process's first ``num_gpus``
+    CUDA devices (a Ray worker sees only the GPUs it was given, as cuda:0..n-1)."""
+    first = pick_device(choice)
+    if num_gpus <= 1:
+        return [first]
+    if first.type != "cuda":
+        raise ValueError(f"config key 'model.num_gpus'={num_gpus}: splitting the target over GPUs needs CUDA, "
+                         f"and this process has none (model.device={choice!r}); use 1")
+    have = torch.cuda.device_count()
+    if have < num_gpus:
+        raise ValueError(f"config key 'model.num_gpus'={num_gpus}: this process sees {have} CUDA device(s); "
+                         f"give it {num_gpus} (CUDA_VISIBLE_DEVICES) or lower model.num_gpus")
+    return [torch.device("cuda", i) for i in range(num_gpus)]
+
+
+def host_device() -> torch.device:
+    """Host memory: where a process keeps target weights it only reads from (memory-mapped)."""
+    return torch.device("cpu")
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_fast_bf16() -> bool:
     """Does this CPU have bf16 matmul instructions (AVX512-BF16 or AMX)? Without them oneDNN

@@ -44,7 +44,8 @@ class DryRun:
     state_bytes: int
     placement: str
     workers: dict[str, int]  # role -> how many
-    per_device: dict[str, int] = field(default_factory=dict)  # role -> bytes held per device while training
+    per_device: dict[str, int] = field(default_factory=dict)  # role -> bytes on its fullest device while training
+    target_split: list[int] = field(default_factory=list)  # model.num_gpus > 1: the target's bytes on each GPU
     global_batch: int = 0
     max_tokens: int = 0
     feature_bytes_per_token: int = 0
@@ -102,11 +103,11 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     text = text_config(hf_config)
     family = family_of(hf_config)
     meta = torch.device("meta")
+    n = min(cfg.draft.vocab_size, text.vocab_size)  # real (small) tensors: an algorithm may read the ids
+    vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))
     with meta:
         model = family.auto_class().from_config(hf_config, dtype=dtype)
         target = TargetModel(model, None, feature_layer_ids(cfg, text.num_hidden_layers), meta)
-        n = min(cfg.draft.vocab_size, text.vocab_size)
-        vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))
         algo = get_algorithm(cfg.draft.algorithm)
         draft = algo.build_draft(cfg, target, vocab)
         state = algo.train_state(cfg, target, vocab)
@@ -163,13 +164,19 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     draft_per_rank = -(-(MASTER_BYTES * d_params + OPTIMIZER_BYTES * d_train) // shards) + s_bytes
 
     mode = cfg.placement.mode  # single process: colocated or offline (runtime.loop.single_process)
+    split = []  # the plan load_target uses for model.num_gpus GPUs (offline runs no target forward)
+    if cfg.model.num_gpus > 1 and mode != "offline":
+        from specforge.models.target import split_plan
+
+        split = list(split_plan(hf_config, cfg.model.num_gpus, dtype)[1].values())
+    on_gpus = split or [t_bytes]  # the target's bytes on each GPU of a worker that runs it
     workers = {"train": cfg.train.num_workers}
     per_device = {"train": draft_per_rank}
-    if mode == "colocated":
-        per_device["train"] += t_bytes  # target and draft in one process
+    if mode == "colocated":  # target and draft in one process: the draft on the target's first GPU
+        per_device["train"] = max([on_gpus[0] + draft_per_rank, *on_gpus[1:]])
     if mode == "disaggregated":
         workers = {"rollout": cfg.rollout.num_workers, **workers}
-        per_device = {"rollout": t_bytes, **per_device}
+        per_device = {"rollout": max(on_gpus), **per_device}
 
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
     use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
@@ -178,7 +185,8 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     report = DryRun(
         target_source=source, target_params=t_params, target_dtype=str(dtype).replace("torch.", ""),
         target_bytes=t_bytes, draft_params=d_params, draft_trainable=d_train, state_bytes=s_bytes,
-        placement=f"single process ({mode})" if single_process else mode, workers=workers, per_device=per_device, global_batch=global_batch,
+        placement=f"single process ({mode})" if single_process else mode, workers=workers, per_device=per_device,
+        target_split=split, global_batch=global_batch,
         max_tokens=cfg.data.max_length, feature_bytes_per_token=per_token,
         feature_bytes_per_step=global_batch * cfg.data.max_length * per_token)
     _print(cfg, report, family_of(hf_config), hf_config, dims)
@@ -201,13 +209,22 @@ def _print(cfg: Config, r: DryRun, family, hf_config, dims) -> None:
           f"sharded over {cfg.train.num_workers} train worker(s); train state {r.state_bytes:,} bytes")
     roles = " + ".join(f"{n} {role}" for role, n in r.workers.items())
     print(f"placement {r.placement}: {roles} worker(s) (dp {dims.dp} x sp {dims.sp})")
-    holds = {"rollout": "the target", "train": "its draft shard + the train state"
-             + (" + the target" if cfg.placement.mode == "colocated" else "")}
+    target = "the target" if not r.target_split else "its share of the target"
+    holds = {"rollout": target, "train": "its draft shard + the train state"
+             + (f" + {target}" if cfg.placement.mode == "colocated" else "")}
+    if r.target_split:
+        who = "rollout" if "rollout" in r.per_device else "train"
+        shares = " / ".join(_gib(n) for n in r.target_split)
+        print(f"  the target over model.num_gpus={len(r.target_split)} GPUs of each {who} worker (device map, "
+              f"decoder layers whole): {shares}")
     for role, n in r.per_device.items():
-        print(f"  per {role} device: {n:,} bytes ({_gib(n)}) = {holds[role]}")
+        fullest = "device (fullest)" if r.target_split and (role == "rollout" or cfg.placement.mode == "colocated") \
+            else "device"
+        print(f"  per {role} {fullest}: {n:,} bytes ({_gib(n)}) = {holds[role]}")
     if cfg.placement.mode in ("disaggregated", "offline"):
-        print(f"  (a train worker also loads the target, {_gib(r.target_bytes)}, while it starts: the draft copies "
-              "its embedding and lm_head rows)")
+        print(f"  (a train worker opens the target in host memory while it starts, memory-mapped when model.dtype is "
+              f"the checkpoint's, and copies only its embedding and lm_head rows to its device: no train GPU holds "
+              f"the target's {_gib(r.target_bytes)})")
     print(f"plan    global batch {r.global_batch} sequences (train.batch_size {cfg.train.batch_size} x grad_accum "
           f"{cfg.train.grad_accum} x dp {dims.dp}) of up to {r.max_tokens:,} tokens; features "
           f"{r.feature_bytes_per_token:,} B/token = up to {r.feature_bytes_per_step:,} bytes "

@@ -200,7 +200,7 @@ def _take_back(target: TargetModel, cache, snapshot: Optional[dict], base: int, 
 
 
 def _logits_rows(target: TargetModel, last_TH: torch.Tensor) -> torch.Tensor:
-    return last_TH @ target.lm_head_weight_VH.T
+    return target.head_logits(last_TH)
 
 
 def _verify(target: TargetModel, last_TH: torch.Tensor, drafted: list[int]) -> list[int]:

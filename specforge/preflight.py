@@ -150,12 +150,19 @@ def actor_counts(cfg: Config) -> dict[str, int]:
     return {"rollout": rollout, "train": cfg.train.num_workers}
 
 
+def gpus_per_worker(cfg: Config, kind: str) -> int:
+    """GPUs one worker of ``kind`` gets on GPUs: the target's ``model.num_gpus`` where the worker
+    runs the target (a rollout worker; a colocated train worker), else 1."""
+    runs_target = kind == "rollout" or (kind == "train" and cfg.placement.mode == "colocated")
+    return cfg.model.num_gpus if runs_target else 1
+
+
 def needed_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:
-    """One bundle per worker: 1 CPU, 1 GPU when on GPUs, plus the kind's custom resources."""
+    """One bundle per worker: 1 CPU, its GPUs when on GPUs, plus the kind's custom resources."""
     counts = actor_counts(cfg)
     need: dict[str, float] = {"CPU": float(sum(counts.values()))}
     if use_gpu:
-        need["GPU"] = float(sum(counts.values()))
+        need["GPU"] = float(sum(n * gpus_per_worker(cfg, kind) for kind, n in counts.items()))
     for kind, extra in (("rollout", cfg.ray.rollout_resources), ("train", cfg.ray.train_resources)):
         for name, amount in extra.items():
             need[name] = need.get(name, 0.0) + amount * counts[kind]
@@ -167,20 +174,23 @@ def check_resources(cfg: Config, use_gpu: bool, have: Mapping[str, float], where
     counts = actor_counts(cfg)
     keys = "train.num_workers" + (" + rollout.num_workers" if counts["rollout"] else "")
     check_bundles(needed_resources(cfg, use_gpu), have, where,
-                  f"config keys {keys} = {' + '.join(str(n) for n in counts.values() if n)} workers")
+                  f"config keys {keys} = {' + '.join(str(n) for n in counts.values() if n)} workers",
+                  split=cfg.model.num_gpus > 1)
 
 
-def check_workers(key: str, n: int, use_gpu: bool, have: Mapping[str, float], where: str) -> None:
-    """The same check for ``n`` workers of one kind, each 1 CPU (+ 1 GPU), set by config ``key``."""
-    check_bundles({"CPU": float(n), **({"GPU": float(n)} if use_gpu else {})}, have, where,
-                  f"config key {key}={n} workers")
+def check_workers(key: str, n: int, use_gpu: bool, have: Mapping[str, float], where: str, gpus: int = 1) -> None:
+    """The same check for ``n`` workers of one kind, each 1 CPU (+ ``gpus`` GPUs), set by config ``key``."""
+    check_bundles({"CPU": float(n), **({"GPU": float(n * gpus)} if use_gpu else {})}, have, where,
+                  f"config key {key}={n} workers", split=gpus > 1)
 
 
-def check_bundles(need: Mapping[str, float], have: Mapping[str, float], where: str, who: str) -> None:
+def check_bundles(need: Mapping[str, float], have: Mapping[str, float], where: str, who: str,
+                  split: bool = False) -> None:
     for name, amount in need.items():
         if amount > have.get(name, 0.0) + 1e-9:
             hint = " (set ray.num_cpus to oversubscribe the cores on purpose)" if name == "CPU" else ""
-            raise ValueError(f"{who} need {amount:g} {name} (one per worker), but {where} has "
+            per = "model.num_gpus per worker that runs the target" if name == "GPU" and split else "one per worker"
+            raise ValueError(f"{who} need {amount:g} {name} ({per}), but {where} has "
                              f"{have.get(name, 0.0):g}{hint}")
 
 

@@ -146,12 +146,16 @@ def num_rollout(cfg: Config) -> int:
 def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     """Placement groups, one communicator (rollout ranks first), per-worker setup."""
     timeout = cfg.parallel.timeout_s
-    gpus = 1 if use_gpu else 0
+    from specforge.preflight import gpus_per_worker
+
+    def gpus(kind: str) -> int:
+        return gpus_per_worker(cfg, kind) if use_gpu else 0
+
     n_roll = num_rollout(cfg)
-    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus, label="rollout", args=(cfg,), timeout_s=timeout,
+    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus("rollout"), label="rollout", args=(cfg,), timeout_s=timeout,
                            resources=cfg.ray.rollout_resources) \
         if n_roll else ActorGroup([], [])
-    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus, label="train", args=(cfg,), timeout_s=timeout,
+    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus("train"), label="train", args=(cfg,), timeout_s=timeout,
                          resources=cfg.ray.train_resources)
     mailbox = mailbox_name = None
     if cfg.placement.transport == "object_store" and n_roll:

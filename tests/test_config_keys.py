@@ -11,8 +11,9 @@ import pytest
 from specforge.config import Config, load_config
 
 PKG = Path(__file__).parent.parent / "specforge"
-# Keys no entry point can run with this value yet: the shared check() rejects it, naming the key.
-REJECTED = ["rollout.tp_size=2"]
+# Values no entry point can run with (with the other overrides given): the shared check() rejects
+# them, naming the first key.
+REJECTED = ["model.num_gpus=2 model.device=cpu"]
 
 
 def _keys() -> list[str]:
@@ -40,7 +41,7 @@ def test_rejected_values_name_their_key(override):
     from specforge.runtime.loop import check
 
     with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.")):
-        check(load_config(None, [override]))
+        check(load_config(None, override.split()))
 
 
 def test_placements_name_the_distribution_keys_they_do_not_apply():

@@ -21,6 +21,8 @@ GPU = {
     "qwen3-30b-a3b.yaml": ("Qwen/Qwen3-30B-A3B", 30.5e9, "disaggregated"),
     "gpt-oss-20b.yaml": ("openai/gpt-oss-20b", 20.9e9, "colocated"),
     "gemma-3-27b.yaml": ("google/gemma-3-27b-it", 27.4e9, "disaggregated"),
+    "llama3.1-8b-instruct.yaml": ("meta-llama/Llama-3.1-8B-Instruct", 8.03e9, "disaggregated"),
+    "qwen3-8b.yaml": ("Qwen/Qwen3-8B", 8.19e9, "colocated"),
 }
 
 
@@ -57,7 +59,8 @@ def test_gpu_config_dry_run(name, capsys):
         assert r.per_device == {"rollout": nbytes, "train": shard + r.state_bytes}
     else:
         assert r.per_device == {"train": nbytes + shard + r.state_bytes}
-    assert r.global_batch == cfg.train.batch_size * cfg.train.num_workers
+    dp = cfg.train.num_workers // (cfg.parallel.sp_ulysses * cfg.parallel.sp_ring)
+    assert r.global_batch == cfg.train.batch_size * cfg.train.grad_accum * dp
     assert r.feature_bytes_per_step == r.global_batch * cfg.data.max_length * r.feature_bytes_per_token
     assert f"{r.per_device['train']:,} bytes" in out
 
@@ -101,3 +104,41 @@ def test_dry_run_flags_are_checked(tmp_path, capsys):
     assert main(["--config", str(CONFIGS / "qwen3-30b-a3b.yaml"), "--dry-run",
                  "--target-config", str(CONFIGS / "targets" / "openai--gpt-oss-20b.json")]) == 0
     assert "gpt_oss (GptOssForCausalLM)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_config_dry_runs(name, capsys):
+    """A config in configs/ that its own dry run refuses is a broken example (a removed key, a
+    placement it cannot run): each one plans here without network or GPUs."""
+    from specforge.ray_train import main
+
+    assert main(["--config", str(CONFIGS / name), "--dry-run"]) == 0, capsys.readouterr().err
+    assert "placement" in capsys.readouterr().out
+
+
+def test_a_target_over_several_gpus_is_planned_per_gpu(capsys):
+    """llama3.3-70b: 141 GB of bf16 weights, one rollout worker over model.num_gpus=4 GPUs; the dry
+    run prints each GPU's share from the same plan the load uses."""
+    from specforge.models.target import split_plan
+    from specforge.ray_train import main
+
+    cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml")
+    assert cfg.model.num_gpus == 4
+    r = dry_run(cfg)
+    hf = read_target_config(cfg)[0]
+    shares = list(split_plan(hf, 4, torch.bfloat16)[1].values())
+    assert r.target_split == shares and len(shares) == 4
+    assert abs(r.target_params - 70.6e9) / 70.6e9 < 0.01
+    assert r.per_device["rollout"] == max(shares) < 0.3 * r.target_bytes  # no GPU holds more than its share
+    assert max(shares) < 80e9 < r.target_bytes  # why it is split: one 80 GB GPU cannot hold it
+    out = capsys.readouterr().out
+    assert "the target over model.num_gpus=4 GPUs of each rollout worker" in out
+    assert f"per rollout device (fullest): {max(shares):,} bytes" in out
+    # colocated: a train worker's first GPU also holds the draft shard; one GPU (no split) holds it all
+    co = dry_run(load_config(CONFIGS / "llama3.3-70b-instruct.yaml", ["placement.mode=colocated"]))
+    assert co.per_device["train"] >= shares[0] + r.per_device["train"]
+    whole = dry_run(load_config(CONFIGS / "llama3.3-70b-instruct.yaml", ["model.num_gpus=1"]))
+    assert whole.target_split == [] and whole.per_device["rollout"] == whole.target_bytes
+    capsys.readouterr()
+    assert main(["--config", str(CONFIGS / "llama3.3-70b-instruct.yaml"), "--dry-run", "model.num_gpus=2"]) == 0
+    assert "model.num_gpus=2 GPUs" in capsys.readouterr().out

@@ -263,13 +263,13 @@ def test_sequence_parallel_disaggregated_matches_single_process(assets, referenc
     _assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(path), got, want)
 
 
-def test_check_rejects_indivisible_sp_and_tensor_parallel_rollout(tmp_path):
+def test_check_rejects_indivisible_sp_and_a_target_split_on_cpu(tmp_path):
     from specforge.ray_train import check
 
     with pytest.raises(ValueError, match=r"multiple of the sequence-parallel degree 4"):
         check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=2", "parallel.sp_ulysses=2", "parallel.sp_ring=2"))
-    with pytest.raises(ValueError, match=r"rollout.tp_size"):
-        check(make_cfg(tmp_path, tmp_path / "o", "rollout.tp_size=2"))
+    with pytest.raises(ValueError, match=r"model.num_gpus"):
+        check(make_cfg(tmp_path, tmp_path / "o", "model.num_gpus=2", "model.device=cpu"))
     check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=4", "parallel.sp_ring=2"))  # dp = 2
 
 

@@ -286,7 +286,8 @@ def generate(
     Prompts are grouped by length so a batch wastes little padding. ``progress(n)`` is called
     with the number of tokens produced by each decode step.
     """
-    in_process = target.family.generation == IN_PROCESS
+    # A target split over GPUs (model.num_gpus) runs HF generate, whose device map moves each layer's inputs.
+    in_process = target.family.generation == IN_PROCESS and not target.split
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     if any(len(p) == 0 for p in prompts):

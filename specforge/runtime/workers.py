@@ -69,7 +69,8 @@ class RolloutWorker(DistributedWorker):
         device = pick_device(cfg.model.device)
         build_groups(cfg, layout, self.rank, device)  # collective: this rank is in none of them
         self.data = open_data(cfg)
-        self.target = load_target(cfg.model, device, layers=lambda n: feature_layer_ids(cfg, n))
+        # over model.num_gpus GPUs when one cannot hold it; device (the first of them) gets the features
+        self.target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
         return self.rank
@@ -166,9 +167,12 @@ class TrainWorker(DistributedWorker):
         device = pick_device(cfg.model.device)
         groups = build_groups(cfg, layout, self.rank, device)
         # The draft needs the target's embedding and lm_head (teacher rows of the draft vocab); only
-        # a capture source keeps the target. On a GPU that briefly costs a whole target's memory
-        # per train rank; at scale read just those two tensors instead.
-        target = load_target(cfg.model, device, layers=lambda n: feature_layer_ids(cfg, n))
+        # a capture source (colocated) runs the target, over model.num_gpus GPUs. Fed by rollout
+        # workers or a store, a train rank keeps it memory-mapped in host memory: it reads the few
+        # tensors it copies (and the fingerprint's samples), and no GPU holds the target.
+        colocated = layout.mode == "colocated"
+        target = load_target(cfg.model, None if colocated else device, layers=lambda n: feature_layer_ids(cfg, n),
+                             on_host=not colocated)
         vocab = load_draft_vocab(layout.vocab_path)
         algo = get_algorithm(cfg.draft.algorithm)
         draft = parallelize_draft(algo.build_draft(cfg, target, vocab).to(device), ParallelDims.from_config(cfg), groups, cfg)
