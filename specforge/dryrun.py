@@ -27,6 +27,10 @@ import torch
 from specforge.config import Config, EMBEDDED_TARGET
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
+# Bits per converted weight of a quantized checkpoint as shipped (mxfp4: 4-bit values + an 8-bit scale
+# per 32; fp8: one byte, its per-block scales negligible). Embeddings, the lm_head, biases, norms and
+# the checkpoint's modules_to_not_convert stay in model.dtype.
+SHIPPED_BITS = {"mxfp4": 4.25, "fp8": 8.0, "fbgemm_fp8": 8.0}
 OPTIMIZER_BYTES = 12  # per trainable parameter: fp32 gradient + AdamW's two fp32 moments
 MASTER_BYTES = 4  # per draft parameter: fp32 weights
 
@@ -46,6 +50,8 @@ class DryRun:
     workers: dict[str, int]  # role -> how many
     per_device: dict[str, int] = field(default_factory=dict)  # role -> bytes on its fullest device while training
     target_split: list[int] = field(default_factory=list)  # model.num_gpus > 1: the target's bytes on each GPU
+    quantized: Optional[str] = None  # the checkpoint's quant_method, if it ships quantized weights
+    shipped_bytes: Optional[int] = None  # its weights as shipped (SHIPPED_BITS), where the GPU keeps them so
     global_batch: int = 0
     max_tokens: int = 0
     feature_bytes_per_token: int = 0
@@ -114,6 +120,29 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     return target, draft, state
 
 
+def quantized_as_shipped(model, hf_config) -> tuple[Optional[str], Optional[int]]:
+    """``(quant_method, bytes of the weights as the checkpoint ships them)``; ``(None, None)`` for an
+    unquantized checkpoint, ``(method, None)`` for a method ``SHIPPED_BITS`` does not know."""
+    from fnmatch import fnmatch
+
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None, None
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = str(quant.get("quant_method"))
+    bits = SHIPPED_BITS.get(method)
+    if bits is None:
+        return method, None
+    kept = list(quant.get("modules_to_not_convert") or []) + ["*embed_tokens", "lm_head"]
+    total = 0.0
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        whole = p.dim() < 2 or name.endswith("bias") or any(fnmatch(module, k) or fnmatch(module, k + ".*")
+                                                             for k in kept)
+        total += p.numel() * (p.element_size() if whole else bits / 8)
+    return method, int(total)
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -157,6 +186,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     target, draft, state = meta_models(cfg, hf_config, dtype)
     t_params = sum(p.numel() for p in target.model.parameters())
     t_bytes = _nbytes(target.model.parameters())
+    quantized, shipped = quantized_as_shipped(target.model, hf_config)
     d_params = sum(p.numel() for p in draft.parameters())
     d_train = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))  # DraftTrainer holds it in fp32
@@ -186,7 +216,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
         target_source=source, target_params=t_params, target_dtype=str(dtype).replace("torch.", ""),
         target_bytes=t_bytes, draft_params=d_params, draft_trainable=d_train, state_bytes=s_bytes,
         placement=f"single process ({mode})" if single_process else mode, workers=workers, per_device=per_device,
-        target_split=split, global_batch=global_batch,
+        target_split=split, quantized=quantized, shipped_bytes=shipped, global_batch=global_batch,
         max_tokens=cfg.data.max_length, feature_bytes_per_token=per_token,
         feature_bytes_per_step=global_batch * cfg.data.max_length * per_token)
     _print(cfg, report, family_of(hf_config), hf_config, dims)
@@ -195,14 +225,15 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
 
 def _print(cfg: Config, r: DryRun, family, hf_config, dims) -> None:
     size = r.target_bytes // max(r.target_params, 1)
-    quant = getattr(hf_config, "quantization_config", None)
     print(f"dry run of {cfg.model.target_path}: nothing loaded, no data read, Ray not started")
     print(f"target  {family.name} ({family.hf_class}); config.json: {r.target_source}")
     print(f"        {r.target_params:,} parameters x {size} B ({r.target_dtype}) = {r.target_bytes:,} bytes "
           f"({_gib(r.target_bytes)})")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        print(f"        its checkpoint is quantized ({method}); counted as loaded in {r.target_dtype} (model.dtype)")
+    if r.quantized:
+        as_shipped = "" if r.shipped_bytes is None else \
+            f": {r.shipped_bytes:,} bytes ({_gib(r.shipped_bytes)}) as shipped, where the GPU's kernels keep it so"
+        print(f"        its checkpoint is quantized ({r.quantized}){as_shipped}; counted below as loaded in "
+              f"{r.target_dtype} (model.dtype), as transformers dequantizes it where they do not")
     print(f"draft   {cfg.draft.algorithm}: {r.draft_params:,} parameters ({r.draft_trainable:,} trainable; the rest are "
           f"frozen copies of target weights: embedding, DFlash's lm_head); fp32 weights + AdamW = "
           f"{MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable:,} bytes, "

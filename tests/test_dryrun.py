@@ -142,3 +142,24 @@ def test_a_target_over_several_gpus_is_planned_per_gpu(capsys):
     capsys.readouterr()
     assert main(["--config", str(CONFIGS / "llama3.3-70b-instruct.yaml"), "--dry-run", "model.num_gpus=2"]) == 0
     assert "model.num_gpus=2 GPUs" in capsys.readouterr().out
+
+
+def test_a_quantized_checkpoint_is_also_counted_as_shipped(capsys):
+    """gpt-oss ships its experts in mxfp4: as shipped ~13.8 GB (the published checkpoint's size),
+    dequantized 41.8 GB (what the per-device rows count: the upper bound)."""
+    from specforge.dryrun import meta_models, quantized_as_shipped
+
+    cfg = load_config(CONFIGS / "gpt-oss-20b.yaml")
+    r = dry_run(cfg)
+    assert r.quantized == "mxfp4" and 13.0e9 < r.shipped_bytes < 14.5e9 < r.target_bytes
+    assert f"{r.shipped_bytes:,} bytes" in capsys.readouterr().out
+    hf = read_target_config(cfg)[0]
+    model = meta_models(cfg, hf, torch.bfloat16)[0].model
+    # the checkpoint's modules_to_not_convert are read: without them attention is counted quantized too
+    hf.quantization_config = {"quant_method": "mxfp4"}
+    assert quantized_as_shipped(model, hf)[1] < r.shipped_bytes
+    hf.quantization_config = {"quant_method": "awq"}
+    assert quantized_as_shipped(model, hf) == ("awq", None)  # an unknown method: named, not estimated
+    del hf.quantization_config
+    assert quantized_as_shipped(model, hf) == (None, None)
+    assert dry_run(load_config(CONFIGS / "qwen3-30b-a3b.yaml")).quantized is None
