@@ -123,7 +123,7 @@ def test_two_gpus_capture_equals_one(folder):
 
 
 def test_gpus_each_worker_asks_for():
-    from specforge.preflight import check_resources, needed_resources
+    from specforge.preflight import check_resources, check_workers, needed_resources
 
     cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml")  # 1 rollout x 4 GPUs + 4 train x 1
     assert needed_resources(cfg, use_gpu=True) == {"CPU": 5.0, "GPU": 8.0}
@@ -134,6 +134,10 @@ def test_gpus_each_worker_asks_for():
     assert needed_resources(offline, use_gpu=True)["GPU"] == 4.0  # no target forward in training
     with pytest.raises(ValueError, match=r"need 8 GPU \(model.num_gpus per worker that runs the target\).* has 7"):
         check_resources(cfg, True, {"CPU": 64.0, "GPU": 7.0}, "the cluster")
+    check_resources(cfg, True, {"CPU": 64.0, "GPU": 8.0}, "the cluster")
+    # regenerate's Ray tasks each run the target
+    with pytest.raises(ValueError, match=r"regenerate.num_workers=2 workers need 4 GPU"):
+        check_workers("regenerate.num_workers", 2, True, {"CPU": 8.0, "GPU": 3.0}, "the cluster", gpus=2)
 
 
 def test_bad_num_gpus_is_refused_before_anything_loads(capsys):
