@@ -219,11 +219,11 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
         target_split=split, quantized=quantized, shipped_bytes=shipped, global_batch=global_batch,
         max_tokens=cfg.data.max_length, feature_bytes_per_token=per_token,
         feature_bytes_per_step=global_batch * cfg.data.max_length * per_token)
-    _print(cfg, report, family_of(hf_config), hf_config, dims)
+    _print(cfg, report, family_of(hf_config), dims)
     return report
 
 
-def _print(cfg: Config, r: DryRun, family, hf_config, dims) -> None:
+def _print(cfg: Config, r: DryRun, family, dims) -> None:
     size = r.target_bytes // max(r.target_params, 1)
     print(f"dry run of {cfg.model.target_path}: nothing loaded, no data read, Ray not started")
     print(f"target  {family.name} ({family.hf_class}); config.json: {r.target_source}")
