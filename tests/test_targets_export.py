@@ -74,6 +74,18 @@ def _prepared(name: str, where: str) -> tuple[Path, Path]:
     return base / "target", draft_checkpoint(base / "target", base / "ckpts")
 
 
+def _exported(name: str, engine: str, root: Path, capsys) -> tuple[Path, Path, Path]:
+    """``(target folder, checkpoint, export folder)``: the family's draft exported with ``--engine
+    engine`` (the table's engine names are the flag's values), which must succeed for a family the
+    table says ``engine`` serves."""
+    assert engine in next(f for f in FAMILIES if f.name == name).engines
+    target_dir, ckpt = _prepared(name, str(root))
+    out = root / name / engine
+    code, _, err = run(["--draft", ckpt, "--engine", engine, "--out", out, "--target", target_dir], capsys)
+    assert code == 0, err
+    return target_dir, ckpt, out
+
+
 # ---------------------------------------------------------------- vLLM: speculators' logits == ours
 
 
@@ -95,12 +107,7 @@ def logits_pairs(ckpt: Path, exported: Path, target_dir: Path, T=16, steps=3):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_vllm_export_gives_our_logits_in_speculators(name, root, capsys):
-    fam = next(f for f in FAMILIES if f.name == name)
-    assert VLLM in fam.engines
-    target_dir, ckpt = _prepared(name, str(root))
-    out = root / name / "vllm"
-    code, _, err = run(["--draft", ckpt, "--engine", "vllm", "--out", out, "--target", target_dir], capsys)
-    assert code == 0, err
+    target_dir, ckpt, out = _exported(name, VLLM, root, capsys)
     for i, (ours, theirs) in enumerate(logits_pairs(ckpt, out, target_dir)):
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5, msg=f"{name}: TTT step {i}")
 
@@ -125,12 +132,7 @@ def test_vllm_comparison_fails_on_ids_in_our_numbering(root, capsys):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_sglang_export_is_the_checkpoint_and_sglang_loads_every_tensor(name, root, capsys):
-    fam = next(f for f in FAMILIES if f.name == name)
-    assert SGLANG in fam.engines
-    target_dir, ckpt = _prepared(name, str(root))
-    out = root / name / "sglang"
-    code, _, err = run(["--draft", ckpt, "--engine", "sglang", "--out", out, "--target", target_dir], capsys)
-    assert code == 0, err
+    target_dir, ckpt, out = _exported(name, SGLANG, root, capsys)
     for f in ("config.json", "model.safetensors"):
         assert (out / f).read_bytes() == (ckpt / f).read_bytes()
     config, weights = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
