@@ -19,7 +19,7 @@ from specforge.config import Config, load_config
 def run(cfg: Config) -> Optional[Path]:
     """Train in this process; returns the newest checkpoint folder."""
     from specforge.device import pick_device
-    from specforge.preflight import check_run
+    from specforge.preflight import check_run, check_target_gpus
     from specforge.runtime.loop import LocalCluster, check, not_applied, restore_rows, single_process, train_loop
     from specforge.runtime.plan import Planner, prepare
     from specforge.tracking import MetricsLogger
@@ -32,7 +32,9 @@ def run(cfg: Config) -> Optional[Path]:
     if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
     local = single_process(cfg)
-    data = prepare(local, use_gpu=pick_device(cfg.model.device).type == "cuda")
+    use_gpu = pick_device(cfg.model.device).type == "cuda"
+    check_target_gpus(local, use_gpu)
+    data = prepare(local, use_gpu=use_gpu)
     cluster = LocalCluster(local, data)
     plan = Planner(local, data, cluster.layout)
     logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())

@@ -169,8 +169,17 @@ def needed_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:
     return need
 
 
+def check_target_gpus(cfg: Config, use_gpu: bool) -> None:
+    """A target split over ``model.num_gpus`` GPUs on workers that will not get GPUs: refused by the
+    driver, before the data is prepared or a worker starts (a worker would refuse it at its load)."""
+    if cfg.model.num_gpus > 1 and not use_gpu and cfg.placement.mode != "offline":
+        raise ValueError(f"config key 'model.num_gpus'={cfg.model.num_gpus}: splitting the target over GPUs needs "
+                         f"CUDA, and this run's workers get none (model.device={cfg.model.device!r}); use 1")
+
+
 def check_resources(cfg: Config, use_gpu: bool, have: Mapping[str, float], where: str) -> None:
     """ValueError unless ``have`` (``where`` says whose) holds every worker's bundle."""
+    check_target_gpus(cfg, use_gpu)
     counts = actor_counts(cfg)
     keys = "train.num_workers" + (" + rollout.num_workers" if counts["rollout"] else "")
     check_bundles(needed_resources(cfg, use_gpu), have, where,

@@ -155,6 +155,14 @@ def test_bad_num_gpus_is_refused_before_anything_loads(capsys):
         with pytest.raises(ValueError, match=r"model.num_gpus'=2: splitting the target over GPUs needs CUDA"):
             target_devices("auto", 2)
     assert target_devices("auto", 1) == [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
+    # the drivers refuse it before preparing data or starting workers (offline runs no target forward)
+    from specforge.preflight import check_target_gpus
+
+    for mode in ("colocated", "disaggregated"):
+        with pytest.raises(ValueError, match=r"model.num_gpus'=2: .*this run's workers get none"):
+            check_target_gpus(load_config(None, ["model.num_gpus=2", f"placement.mode={mode}"]), use_gpu=False)
+        check_target_gpus(load_config(None, ["model.num_gpus=2", f"placement.mode={mode}"]), use_gpu=True)
+    check_target_gpus(load_config(None, ["model.num_gpus=2", "placement.mode=offline"]), use_gpu=False)
     with pytest.raises(ValueError, match=r"model.num_gpus'=0 must be >= 1"):
         load_config(None, ["model.num_gpus=0"])
     # the key it replaces names its successor
