@@ -6,8 +6,10 @@ For tests and benchmarks on one machine; Ray workers join their group themselves
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
+import warnings
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -22,11 +24,15 @@ __all__ = ["run_ranks"]
 
 def _entry(rank: int, fn: Callable, world_size: int, init_file: str, backend: str, timeout_s: float,
            threads: int, args: tuple) -> None:
+    faulthandler.enable()  # a native abort (SIGABRT/SIGSEGV) prints every thread's Python stack
     set_threads(threads)
     backend = pick_backend(backend, pick_device("auto", rank))
     init_process_group(rank, world_size, f"file://{init_file}", backend, timeout_s)
     try:
         fn(rank, world_size, *args)
+        # No rank tears its groups down while a peer may still use a connection to it.
+        dist.barrier()
+        Path(f"{init_file}.done{rank}").touch()
     finally:
         dist.destroy_process_group()
 
@@ -41,9 +47,22 @@ def run_ranks(fn: Callable, world_size: int, *args, workdir: str | os.PathLike, 
         nprocs=world_size, join=False, start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s + 60  # + start-up (imports on a loaded machine)
-    while not ctx.join(timeout=0.5):
+    while not _join(ctx, fn, init_file, world_size):
         if time.monotonic() > deadline:
             for p in ctx.processes:  # only the processes started here
                 if p.is_alive():
                     p.terminate()
             raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in time")
+
+
+def _join(ctx, fn: Callable, init_file: Path, world_size: int) -> bool:
+    """``ctx.join`` for half a second. A rank killed by a signal after EVERY rank finished ``fn``
+    and the closing barrier (its work, checks included, is done) is torch's process-group
+    teardown failing, not ``fn``: warn and count the run as finished. Any other failure raises."""
+    try:
+        return ctx.join(timeout=0.5)
+    except mp.ProcessExitedException as e:
+        if e.signal_name and all(Path(f"{init_file}.done{r}").exists() for r in range(world_size)):
+            warnings.warn(f"{fn.__name__}: {e} after all {world_size} ranks finished (process-group teardown)")
+            return True
+        raise
