@@ -149,13 +149,13 @@ def finish_output(tmp: Path, out: Path) -> None:
 
 def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it."""
-    from specforge.algorithms.dflash.export import ARCHITECTURE as DFLASH
+    from specforge.algorithms import algorithm_name
     from specforge.compat import read_draft_config
     from specforge.engines import sglang
 
     out = Path(args.out)
     draft_config = read_draft_config(draft)
-    dflash = DFLASH in (draft_config.get("architectures") or [])
+    dflash = algorithm_name(draft_config, repr(str(draft))) == "dflash"
     if args.engine == "sglang" and not dflash:
         if args.target is not None:
             check_target(draft, *resolve_target(args.target), given=True)

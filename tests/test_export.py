@@ -329,6 +329,8 @@ def test_bad_input_is_one_error_line(tmp_path, target_dir, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "config.json").write_text('{"architectures": ["MedusaModel"]}')
     other = tiny_target(num_layers=3)
     other.save_pretrained(tmp_path / "small")
     cases = [
@@ -342,6 +344,9 @@ def test_bad_input_is_one_error_line(tmp_path, target_dir, capsys):
         (["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "o6", "--target", tmp_path / "small"],
          "--target .*small': draft .* fuses target layers \\[1, 3, 4\\], but this target has only 3 layers: export it for"),
         (["--engine", "sglang", "--out", tmp_path / "o7"], "--draft"),
+        *[(["--draft", tmp_path / "medusa", "--engine", e, "--out", tmp_path / "o8"],
+           "\\['MedusaModel'\\] is none of LlamaForCausalLMEagle3, DFlashDraftModel; not a draft checkpoint this project wrote")
+          for e in ("sglang", "vllm", "llama.cpp")],
     ]
     capsys.readouterr()  # the setup's progress bars
     for argv, message in cases:

@@ -24,14 +24,19 @@ def get_algorithm(name: str) -> DraftAlgorithm:
     return importlib.import_module(f"specforge.algorithms.{name}").ALGORITHM
 
 
-def algorithm_of(hf_config: dict, where: str = "draft") -> DraftAlgorithm:
-    """The algorithm of a saved draft, from its config.json ``architectures``."""
+def algorithm_name(hf_config: dict, where: str = "draft") -> str:
+    """The algorithm name of a saved draft, from its config.json ``architectures`` (no import)."""
     archs = hf_config.get("architectures") or []
     for a in archs:
         if a in ARCHITECTURES:
-            return get_algorithm(ARCHITECTURES[a])
+            return ARCHITECTURES[a]
     raise ValueError(f"{where}: config.json architectures {archs} is none of {', '.join(ARCHITECTURES)}; "
                      "not a draft checkpoint this project wrote")
+
+
+def algorithm_of(hf_config: dict, where: str = "draft") -> DraftAlgorithm:
+    """The algorithm of a saved draft, from its config.json ``architectures``."""
+    return get_algorithm(algorithm_name(hf_config, where))
 
 
 def load_draft(path, target):

