@@ -113,3 +113,18 @@ def test_bf16_export_and_bad_configs(tmp_path):
         from_hf_config({**cfg, "architectures": ["LlamaForCausalLMEagle3"]})
     with pytest.raises(ValueError, match="does not implement"):
         from_hf_config({**cfg, "use_sliding_window": True})
+
+
+def test_engine_eval_runs_a_dflash_draft_only_at_the_n_max_its_block_allows(saved, tmp_path, capsys):
+    """llama-server clamps --spec-draft-n-max to block_size - 1 for a DFlash draft: a larger value's
+    row would be mislabelled, so the engine eval skips it (and says so); an EAGLE-3 draft keeps all."""
+    from specforge.engines.serve_eval import _n_max_for
+
+    _, out = saved  # block_size 4: at most 3 tokens a round
+    assert _n_max_for(out, [1, 3, 5]) == [1, 3]
+    assert "--engine-n-max values above it skipped" in capsys.readouterr().err
+    assert _n_max_for(out, [5, 7]) == [3]
+    eagle = tmp_path / "eagle"
+    eagle.mkdir()
+    (eagle / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert _n_max_for(eagle, [1, 3, 5]) == [1, 3, 5]  # the control
