@@ -164,7 +164,6 @@ needs_llamacpp = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp 
 # a tokenizer it recognises (SmolLM2's BPE; Gemma 4's converter reads only a Llama-style byte-fallback BPE,
 # conversion/gemma.py Gemma4Model.set_vocab), hence a vocab that holds it.
 LLAMA_BPE = {"gemma4"}
-NO_MTP = {"qwen3_next", "qwen3_5"}
 
 
 def byte_fallback_tokenizer():
@@ -210,13 +209,6 @@ def load_target_path() -> str:
     return resolve_target_path(ModelConfig())  # the embedded SmolLM2 (its tokenizer)
 
 
-def convert_target(name: str, target_dir: Path, out: Path) -> Path:
-    """The target GGUF. Qwen3-Next / 3.5: the converter also exports the MTP layers real checkpoints
-    carry and asserts they exist (conversion/qwen.py _QwenMtpMixin); the tiny ones have none."""
-    extra = ["--no-mtp"] if name in NO_MTP else []
-    return llamacpp._run_converter([str(target_dir), "--outtype", "f32", *extra], out)
-
-
 @pytest.fixture(scope="module")
 def converted(root):
     """name -> (target HF folder, draft GGUF job, target GGUF job) for every family llama.cpp serves: the
@@ -231,7 +223,7 @@ def converted(root):
             ckpt = draft_checkpoint(target_dir, base / "ckpts")
             argv = ["--draft", str(ckpt), "--engine", "llama.cpp", "--out", str(base / "gguf"), "--target", str(target_dir)]
             jobs[name] = (target_dir, pool.submit(export.main, argv),
-                          pool.submit(convert_target, name, target_dir, base / "target.gguf"))
+                          pool.submit(llamacpp.convert_target, target_dir, base / "target.gguf"))
         yield jobs
 
 
@@ -245,6 +237,19 @@ def first_divergence_is_a_tie(got: list[int], want: list[int], prompt: list[int]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + want[:i]])).logits[0, -1]
     return bool((logits[got[i]] - logits[want[i]]).abs() <= 1e-3 * logits.abs().max())
+
+
+@pytest.mark.slow
+@needs_llamacpp
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if "--no-mtp" in f.llamacpp_target_args])
+def test_target_conversion_leaves_out_the_mtp_head(name, converted, tmp_path):
+    """Qwen3-Next / 3.5: llama.cpp's converter adds the MTP layers the config counts and asserts their
+    tensors exist (conversion/qwen.py _QwenMtpMixin); a checkpoint saved by transformers (the tiny one,
+    or a user's fine-tune) has none. convert_target passes the family's --no-mtp; the control without it fails."""
+    target_dir, _, target_job = converted[name]
+    assert target_job.result().is_file()
+    with pytest.raises(ValueError, match="converter failed"):
+        llamacpp._run_converter([str(target_dir), "--outtype", "f32"], tmp_path / "with-mtp.gguf")
 
 
 # The tiny Gemma 4 (KV shared into a last non-shared layer that is sliding) aborts llama-server at load,

@@ -153,8 +153,18 @@ def convert_target(target_hf_dir: str | Path, out_path: str | Path, outtype: str
     """``target_hf_dir`` (a HF folder) -> a GGUF llama-server can serve EAGLE-3 drafts with."""
     find_converter()  # the install first: it is what a first-time user lacks
     _check_outtype(outtype)
-    check_target_architecture(_read_config(Path(target_hf_dir), "target"), f"target {str(target_hf_dir)!r}")
-    return _run_converter([str(target_hf_dir), "--outtype", outtype], Path(out_path))
+    args = target_converter_args(target_hf_dir)
+    return _run_converter([str(target_hf_dir), "--outtype", outtype, *args], Path(out_path))
+
+
+def target_converter_args(target_hf_dir: str | Path) -> tuple[str, ...]:
+    """The converter's extra arguments for this target (its family's ``llamacpp_target_args``), after
+    checking llama.cpp serves drafts for the family."""
+    from specforge.targets import family_of
+
+    config = _read_config(Path(target_hf_dir), "target")
+    check_target_architecture(config, f"target {str(target_hf_dir)!r}")
+    return family_of(config).llamacpp_target_args
 
 
 def llamacpp_layer_ids(sglang_ids: Sequence[int]) -> list[int]:
@@ -270,7 +280,7 @@ def _convert_staged(draft_dir: str | Path, cfg: dict, target_hf_dir: str | Path,
 def cached_target_gguf(target_hf_dir: str | Path, outtype: str = "f32") -> Path:
     """:func:`convert_target` once per target folder (names, sizes, mtimes of its files) and outtype."""
     src = Path(target_hf_dir).resolve()
-    stamp = hashlib.sha256(VERSION.encode())
+    stamp = hashlib.sha256("\0".join([VERSION, *target_converter_args(src)]).encode())
     for f in sorted(p for p in src.iterdir() if p.is_file()):
         st = f.stat()
         stamp.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())

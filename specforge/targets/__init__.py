@@ -53,6 +53,10 @@ class Family:
     final_softcap: bool = False  # the HF class soft-caps its logits by final_logit_softcapping (when set)
     rollback: str = CROP  # CROP or RESTORE: how the eval's verify forward is taken back to the accepted tokens
     engines: tuple[str, ...] = (SGLANG, VLLM)  # engines the export writes an EAGLE-3 draft for (+ LLAMACPP)
+    # extra arguments of llama.cpp's converter for the target GGUF. "--no-mtp": leave out the MTP head real
+    # checkpoints ship (our draft replaces it; a checkpoint re-saved by transformers has lost its tensors
+    # while its config still counts them, and the converter asserts they exist)
+    llamacpp_target_args: tuple[str, ...] = ()
 
     @property
     def loader(self) -> str:
@@ -82,12 +86,12 @@ FAMILIES: tuple[Family, ...] = (
            f"linear-attention (gated DeltaNet) layers between gated full-attention ones; {_MOE} + shared expert; "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0, rollback=RESTORE, engines=_ALL),
+           norm_offset=1.0, rollback=RESTORE, engines=_ALL, llamacpp_target_args=("--no-mtp",)),
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), "Qwen3_5ForCausalLM", "Qwen/Qwen3.5-9B",
            "image-text checkpoint, loaded as its text tower; linear-attention layers; M-RoPE (interleaved), "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0, rollback=RESTORE, engines=_ALL),
+           norm_offset=1.0, rollback=RESTORE, engines=_ALL, llamacpp_target_args=("--no-mtp",)),
     Family("gemma3_text", ("gemma3_text",), "Gemma3ForCausalLM", "google/gemma-3-1b-it",
            "embeddings scaled by sqrt(H); 4 norms per layer, (1 + w) RMSNorm; q/k norm; sliding + full layers "
            "with their own RoPE; query_pre_attn_scalar; final logit soft-cap when set; tied head",
