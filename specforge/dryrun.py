@@ -198,7 +198,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     if cfg.model.num_gpus > 1 and mode != "offline":
         from specforge.models.target import split_plan
 
-        split = list(split_plan(hf_config, cfg.model.num_gpus, dtype)[1].values())
+        split = list(split_plan(hf_config, cfg.model.num_gpus, dtype, target.model)[1].values())
     on_gpus = split or [t_bytes]  # the target's bytes on each GPU of a worker that runs it
     workers = {"train": cfg.train.num_workers}
     per_device = {"train": draft_per_rank}

@@ -211,16 +211,19 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
 
 
-def split_plan(hf_config, num_devices: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[int, int]]:
+def split_plan(hf_config, num_devices: int, dtype: torch.dtype,
+               model: Optional[nn.Module] = None) -> tuple[dict[str, int], dict[int, int]]:
     """``(device_map, bytes per device)`` of a target split over ``num_devices`` GPUs: accelerate's
     memory-balanced plan over the model built on the meta device (decoder layers are never cut, tied
-    weights share a device). The load and ``--dry-run`` both use it, so the printed plan is the one loaded."""
+    weights share a device). The load and ``--dry-run`` both use it, so the printed plan is the one loaded.
+    ``model``: that meta model when the caller has already built it in ``dtype``."""
     import logging
 
     from accelerate.utils import compute_module_sizes, get_balanced_memory, infer_auto_device_map
 
-    with torch.device("meta"):
-        model = family_of(hf_config).auto_class().from_config(hf_config, dtype=dtype)
+    if model is None:
+        with torch.device("meta"):
+            model = family_of(hf_config).auto_class().from_config(hf_config, dtype=dtype)
     keep = model._no_split_modules or []
     unbounded = {i: 2**62 for i in range(num_devices)}  # the plan balances sizes; the GPUs' capacity is the user's
     quiet = logging.getLogger("accelerate.utils.modeling")
