@@ -46,6 +46,7 @@ class DryRun:
     draft_params: int
     draft_trainable: int
     state_bytes: int
+    draft_frozen: list[str]  # the draft's frozen parameters (copies of target weights), by name
     placement: str
     workers: dict[str, int]  # role -> how many
     per_device: dict[str, int] = field(default_factory=dict)  # role -> bytes on its fullest device while training
@@ -189,6 +190,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     quantized, shipped = quantized_as_shipped(target.model, hf_config)
     d_params = sum(p.numel() for p in draft.parameters())
     d_train = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = [name for name, p in draft.named_parameters() if not p.requires_grad]
     s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))  # DraftTrainer holds it in fp32
     shards = cfg.train.num_workers  # FSDP2 shards the draft over every dp x sp train rank
     draft_per_rank = -(-(MASTER_BYTES * d_params + OPTIMIZER_BYTES * d_train) // shards) + s_bytes
@@ -215,6 +217,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     report = DryRun(
         target_source=source, target_params=t_params, target_dtype=str(dtype).replace("torch.", ""),
         target_bytes=t_bytes, draft_params=d_params, draft_trainable=d_train, state_bytes=s_bytes,
+        draft_frozen=frozen,
         placement=f"single process ({mode})" if single_process else mode, workers=workers, per_device=per_device,
         target_split=split, quantized=quantized, shipped_bytes=shipped, global_batch=global_batch,
         max_tokens=cfg.data.max_length, feature_bytes_per_token=per_token,
@@ -234,8 +237,9 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
             f": {r.shipped_bytes:,} bytes ({_gib(r.shipped_bytes)}) as shipped, where the GPU's kernels keep it so"
         print(f"        its checkpoint is quantized ({r.quantized}){as_shipped}; counted below as loaded in "
               f"{r.target_dtype} (model.dtype), as transformers dequantizes it where they do not")
-    print(f"draft   {cfg.draft.algorithm}: {r.draft_params:,} parameters ({r.draft_trainable:,} trainable; the rest are "
-          f"frozen copies of target weights: embedding, DFlash's lm_head); fp32 weights + AdamW = "
+    frozen = f"; the rest are frozen copies of target weights: {', '.join(r.draft_frozen)}" if r.draft_frozen else ""
+    print(f"draft   {cfg.draft.algorithm}: {r.draft_params:,} parameters ({r.draft_trainable:,} trainable{frozen}); "
+          "fp32 weights + AdamW = "
           f"{MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable:,} bytes, "
           f"sharded over {cfg.train.num_workers} train worker(s); train state {r.state_bytes:,} bytes")
     roles = " + ".join(f"{n} {role}" for role, n in r.workers.items())

@@ -89,6 +89,7 @@ def test_dry_run_counts_equal_the_loaded_models(name, tmp_path, capsys):
     draft = get_algorithm("eagle3").build_draft(cfg, target, vocab)
     assert r.draft_params == sum(p.numel() for p in draft.parameters())
     assert r.draft_trainable == sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    assert r.draft_frozen == [n for n, p in draft.named_parameters() if not p.requires_grad] == ["embed_tokens.weight"]
 
 
 def test_dry_run_flags_are_checked(tmp_path, capsys):
