@@ -9,8 +9,8 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
-import warnings
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable
 
