@@ -168,6 +168,7 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     target, target_config = resolve_target(args.target)
     check_target(draft, target, target_config, given=args.target is not None)
     if dflash and args.engine in ("sglang", "vllm"):  # both serve z-lab's folder as it is
+        from specforge.algorithms.dflash.export import tokens_per_round
         from specforge.engines.vllm import export_dflash
 
         export_dflash(draft, tmp)
@@ -175,18 +176,18 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
             return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
                     f"DFLASH --speculative-draft-model-path {out}")
         return (f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
-                f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or _dflash_steps(draft_config)}}}'")
+                f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or tokens_per_round(draft_config)}}}'")
     if args.engine == "vllm":
         from specforge.engines import vllm
 
         vllm.export(draft, tmp, target, target_config, args.num_speculative_tokens)
         return (f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
                 f"\"num_speculative_tokens\": {args.num_speculative_tokens or vllm.DEFAULT_SPECULATIVE_TOKENS}}}'")
-    return export_gguf(args, draft, tmp, target, draft_config if dflash else None)
+    return export_gguf(args, draft, tmp, target, draft_config)
 
 
-def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, dflash_config: Optional[dict]) -> str:
-    """``dflash_config``: the draft's config.json when it is a DFlash draft (checked by the converter first)."""
+def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, draft_config: dict) -> str:
+    from specforge.algorithms.dflash.export import tokens_per_round
     from specforge.engines import llamacpp
 
     if not Path(target).is_dir():
@@ -195,15 +196,9 @@ def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, d
     outtype = args.outtype or "f32"
     name = f"draft-{outtype}.gguf"
     llamacpp.convert_draft(draft, target, tmp / name, outtype=outtype)
-    kind, n_max = ("draft-eagle3", 3) if dflash_config is None else ("draft-dflash", _dflash_steps(dflash_config))
+    kind = llamacpp.draft_spec_type(draft_config)  # checked by convert_draft first
+    n_max = tokens_per_round(draft_config) if kind == "draft-dflash" else 3
     return f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type {kind} --spec-draft-n-max {n_max}"
-
-
-def _dflash_steps(draft_config: dict) -> int:
-    """Tokens a DFlash draft drafts a round: one block, the anchor + block_size - 1 masks."""
-    from specforge.algorithms.dflash.export import from_hf_config
-
-    return from_hf_config(draft_config).block_size - 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -284,7 +284,9 @@ def test_llamacpp_export_calls_the_converter(tmp_path, target_dir, capsys, monke
         Path(out_path).write_bytes(b"GGUF")
         return Path(out_path)
 
-    stub = types.SimpleNamespace(convert_draft=convert_draft, OUTTYPES=("f32", "q8_0"))
+    from specforge.engines.llamacpp import draft_spec_type  # the real one (the stub replaces the module)
+
+    stub = types.SimpleNamespace(convert_draft=convert_draft, OUTTYPES=("f32", "q8_0"), draft_spec_type=draft_spec_type)
     monkeypatch.setitem(sys.modules, "specforge.engines.llamacpp", stub)
     monkeypatch.setattr(engines, "llamacpp", stub, raising=False)  # if the real one was imported before
     code, out, err = run(["--draft", tmp_path / "ckpts", "--engine", "llama.cpp", "--out", tmp_path / "gguf",

@@ -147,9 +147,9 @@ def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
     config = read_draft_config(draft)
     if algorithm_name(config, repr(str(draft))) != "dflash":
         return list(n_max)
-    from specforge.algorithms.dflash.export import from_hf_config
+    from specforge.algorithms.dflash.export import tokens_per_round
 
-    top = from_hf_config(config).block_size - 1
+    top = tokens_per_round(config)
     kept = [n for n in n_max if n <= top]
     if len(kept) < len(n_max):
         print(f"llama.cpp engine: DFlash draft {draft} drafts at most {top} tokens a round (block size "

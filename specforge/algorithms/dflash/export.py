@@ -91,6 +91,11 @@ def from_hf_config(d: Mapping) -> DFlashConfig:
         mask_token_id=extra.get("mask_token_id", d.get("mask_token_id")))
 
 
+def tokens_per_round(d: Mapping) -> int:
+    """Tokens a DFlash draft (its config.json) drafts a round: one block, the anchor + block_size - 1 masks."""
+    return from_hf_config(d).block_size - 1
+
+
 def save_dflash(draft: DFlashDraft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
