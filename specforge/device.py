@@ -1,12 +1,17 @@
 """The one place that picks device, dtype and the distributed backend.
 
 Everything else asks here; no other module names ``cpu``/``cuda`` or ``gloo``/``nccl``.
+
+``SPECFORGE_DEVICE=cpu`` in the environment makes ``auto`` mean the CPU (and so gloo) even where CUDA
+exists: the CPU test suite sets it (tests/conftest.py), so it runs unchanged on a GPU machine.
+Ray workers inherit it (``ray_train.start_ray`` passes it on).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -26,15 +31,62 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
-    """``auto`` -> this process's CUDA device if one exists, else the CPU."""
+FORCE_ENV = "SPECFORGE_DEVICE"  # "cpu": ``auto`` never picks CUDA (the CPU test suite on a GPU machine)
+
+
+def cuda_allowed() -> bool:
+    """Whether ``auto`` may pick CUDA in this process: CUDA exists and ``SPECFORGE_DEVICE`` is not cpu."""
+    return os.environ.get(FORCE_ENV, "").lower() != "cpu" and torch.cuda.is_available()
+
+
+def wants_gpu(choice: str, cluster_gpus: Optional[float] = None) -> bool:
+    """Whether a run with ``model.device=choice`` puts its workers on GPUs: ``cuda``, or ``auto`` where
+    GPUs exist (``cluster_gpus``: the Ray cluster's count; default: this machine's)."""
+    if choice == "cuda":
+        return True
+    if choice != "auto" or os.environ.get(FORCE_ENV, "").lower() == "cpu":
+        return False
+    return (cluster_gpus or 0) > 0 if cluster_gpus is not None else torch.cuda.is_available()
+
+
+def local_cuda_index(rank: int = 0) -> int:
+    """This process's GPU among those it sees. Under Ray (which sets CUDA_VISIBLE_DEVICES per actor)
+    that is 0; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every actor sees all GPUs, so
+    the actor's own GPU id; a launcher's ``LOCAL_RANK`` (torchrun); else ``rank`` modulo the count."""
+    count = max(torch.cuda.device_count(), 1)
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        import ray
+
+        if ray.is_initialized() and (ids := ray.get_gpu_ids()):
+            return int(ids[0]) % count
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]) % count
+    return rank % count
+
+
+def pick_device(choice: str = "auto", local_rank: Optional[int] = None) -> torch.device:
+    """``auto`` -> this process's CUDA device if one exists (``local_cuda_index``), else the CPU."""
     if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device {choice!r}: expected 'auto', 'cpu' or 'cuda'")
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    if choice == "cuda" or (choice == "auto" and cuda_allowed()):
+        return torch.device("cuda", local_cuda_index(local_rank or 0))
     return torch.device("cpu")
+
+
+def bind(device: torch.device) -> None:
+    """Make ``device`` this thread's current CUDA device (kernels, NCCL communicators and
+    ``cuda:0``-relative code land there, not on GPU 0); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: a timer that reads the clock after this measures
+    finished work, not kernel launches. Call it only where a metric is recorded (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def target_devices(choice: str = "auto", num_gpus: int = 1) -> list[torch.device]:
@@ -120,15 +172,42 @@ def pick_backend(choice: str = "auto", device: Optional[torch.device] = None) ->
     return "gloo"
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> None:
-    """Join the default group, always with a timeout so a dead peer cannot hang the rest."""
+def stream_semantics(backend: str) -> bool:
+    """Whether transfers on ``backend`` complete the way NCCL's do: ``Work.wait()`` only orders the
+    CUDA stream and returns at once, completion shows only through ``is_completed()`` or a sync, and
+    a receive whose peer died never fails. ``SPECFORGE_EMULATE_NCCL=1`` gives gloo transfers those
+    semantics (``runtime/completion.py``), so the CPU tests exercise the GPU path's waits."""
+    return backend == "nccl" or os.environ.get(EMULATE_NCCL_ENV) == "1"
+
+
+EMULATE_NCCL_ENV = "SPECFORGE_EMULATE_NCCL"
+
+
+def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
+                       device: Optional[torch.device] = None) -> None:
+    """Join the default group, always with a timeout so a dead peer cannot hang the rest. On NCCL
+    the rank is bound to ``device`` first (its communicator and barrier use that GPU, whatever
+    ``CUDA_VISIBLE_DEVICES`` says)."""
+    extra = {}
+    if backend == "nccl" and device is not None:
+        bind(device)
+        extra["device_id"] = device
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
+        **extra,
     )
+
+
+def barrier(device: torch.device, group=None) -> None:
+    """``dist.barrier`` that names the rank's GPU on NCCL (it otherwise guesses one from the rank)."""
+    if device.type == "cuda" and dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
 
 
 def set_threads(num_threads: Optional[int]) -> None:

@@ -7,6 +7,9 @@
 Actor classes inherit ``DistributedWorker`` for the few methods the setup needs. Every wait on
 a remote call goes through ``gather``, which has a timeout and names the actor that failed
 (Ray's error carries the remote traceback; we prepend which actor it was).
+
+A method marked ``@control`` runs in the actor's own control thread, beside a busy step: how
+the driver tells a train worker blocked on a dead peer's transfer to give up (``peer_lost``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,19 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specforge import device
+
+CONTROL = "control"  # the concurrency group of an actor's control methods (one thread)
+
+
+def control(method):
+    """Run this actor method in the control thread, even while another method is running."""
+    return ray.method(concurrency_group=CONTROL)(method)
+
+
+def has_control(actor_cls) -> bool:
+    """Whether ``actor_cls`` has ``@control`` methods (only then does its actor get the control thread)."""
+    return any(getattr(getattr(actor_cls, name, None), "__ray_concurrency_group__", None) == CONTROL
+               for name in dir(actor_cls))
 
 
 class WorkerError(RuntimeError):
@@ -54,17 +70,27 @@ class DistributedWorker:
         return device.pick_backend(choice, device.pick_device())
 
     def join_communicator(self, rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> int:
-        import torch.distributed as dist
-
-        device.init_process_group(rank, world_size, init_method, backend, timeout_s)
-        dist.barrier()  # first call involves every rank (NCCL wants that before batched p2p)
+        here = device.pick_device()
+        device.init_process_group(rank, world_size, init_method, backend, timeout_s, here)  # binds the GPU
+        device.barrier(here)  # first call involves every rank (NCCL wants that before batched p2p)
         return rank
 
     def leave_communicator(self) -> None:
+        """Leave the communicator. After a lost peer a transfer may still be pending on it (NCCL
+        never fails it): abort the communicator then, a plain destroy could wait on it forever."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.peer_was_lost():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
             dist.destroy_process_group()
+
+    def peer_was_lost(self) -> bool:
+        return False
 
 
 @dataclass
@@ -155,7 +181,12 @@ def spawn_actors(
         remove_placement_group(pg)
         raise WorkerError(f"placement group for {num} x {label} {bundle} not ready within {timeout_s:.0f} s "
                           f"(the cluster has {ray.available_resources()})") from err
-    remote_cls = actor_cls if isinstance(actor_cls, ray.actor.ActorClass) else ray.remote(actor_cls)
+    if isinstance(actor_cls, ray.actor.ActorClass):
+        remote_cls = actor_cls
+    elif has_control(actor_cls):
+        remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
+    else:
+        remote_cls = ray.remote(actor_cls)
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"runtime_env": runtime_env} if runtime_env else {})}
     actors = [
         remote_cls.options(

@@ -18,6 +18,11 @@ overhead it saves. ``benchmarks/bench_transfer.py`` on gloo, with pooled buffers
 Both ends must use the same ``pack`` setting: the choice is a pure function of the slice size.
 All of a rank's slices in a step share one buffer taken from a ``BufferPool``.
 
+Devices: every tensor of a transfer lives on the transport's device (NCCL takes CUDA tensors only,
+gloo CPU ones; one CPU tensor in an NCCL batch fails), and ``send_step`` refuses one that does not,
+naming the field and both devices. Completion: ``runtime/completion.py`` (``wait()`` never blocks
+on NCCL; a receive from a dead peer never fails there).
+
 In-flight accounting: every transport records into its process's ``InflightLog`` (``INFLIGHT``)
 when a rank posts a step's sends (+ feature bytes) and when a rank's receives of a step are
 handed to the train step (- feature bytes). ``inflight_peak`` merges the logs of every rank: the
@@ -40,6 +45,7 @@ import torch.distributed as dist
 
 from specforge import device as device_mod
 from specforge.device import torch_dtype
+from specforge.runtime.completion import Completion
 from specforge.runtime.contracts import FeatureField, FeatureSpec, StepPlan, Transfer
 
 Features = Mapping[str, torch.Tensor]  # one sample's full-length features, field name -> tensor
@@ -79,12 +85,32 @@ def packed_layout(spec: FeatureSpec, num_tokens: int) -> tuple[list[tuple[Featur
     return layout, offset
 
 
+def wire_features(spec: FeatureSpec, fields_BT: Mapping[str, torch.Tensor], lengths: Sequence[int],
+                  device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """THE place a batch's features become what a transfer sends: per sample ``b``, every field of
+    ``spec`` cut to its ``lengths[b]`` real tokens, in the spec's dtype, on ``device`` (the
+    transport's: ids and masks from the CPU collate included)."""
+    missing = [f.name for f in spec.fields if f.name not in fields_BT]
+    if missing:
+        raise ValueError(f"no {missing} among the features {sorted(fields_BT)}")
+    return [{f.name: fields_BT[f.name][b, :n].to(device=device, dtype=torch_dtype(f.dtype))
+             for f in spec.fields} for b, n in enumerate(lengths)]
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _slice(features: Features, f: FeatureField, tr: Transfer) -> torch.Tensor:
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` name one device in a process whose current GPU is 0; compare by type and index."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _slice(features: Features, f: FeatureField, tr: Transfer, device: Optional[torch.device] = None) -> torch.Tensor:
     t = features[f.name]
+    if device is not None and not same_device(t.device, device):
+        raise ValueError(f"sample {tr.sample_id} field {f.name!r} is on {t.device}, the data plane's communicator "
+                         f"on {device}: every tensor of a transfer must be on the communicator's device")
     expected = f.shape(t.shape[0]) if t.dim() else ()
     if t.dtype != torch_dtype(f.dtype) or tuple(t.shape) != expected or t.shape[0] < tr.stop:
         raise ValueError(
@@ -218,16 +244,22 @@ def inflight_peak(snapshots: Iterable[tuple[Sequence[float], Sequence[int]]]) ->
 class P2PTransport:
     """Execute a plan with isend/irecv on ``group`` (None = the default group; plan ranks are
     ranks of that group). Counts bytes in ``bytes_sent`` / ``bytes_recv``. Each step's receive
-    buffer (and the sender's packing buffer) comes from a ``BufferPool``."""
+    buffer (and the sender's packing buffer) comes from a ``BufferPool``. ``completion``: how
+    finished transfers are learnt (default: by the group's backend, ``timeout_s`` at most per wait)."""
 
     def __init__(self, group=None, device: Optional[torch.device] = None, pack: bool | str = "auto",
-                 log: Optional[InflightLog] = None):
+                 log: Optional[InflightLog] = None, completion: Optional[Completion] = None, timeout_s: float = 300.0):
         if pack not in (True, False, "auto"):
             raise ValueError(f"P2PTransport pack={pack!r}: expected True, False or 'auto'")
         self.log = log or INFLIGHT
         self.group = group
         self.device = device or device_mod.pick_device()
         self.pack = pack
+        if completion is None:
+            emulate = device_mod.stream_semantics("gloo")  # SPECFORGE_EMULATE_NCCL
+            completion = Completion(device_mod.stream_semantics(dist.get_backend(group)) if dist.is_initialized()
+                                    else False, timeout_s, emulate=emulate)
+        self.completion = completion
         self.pool = BufferPool(self.device)
         self.bytes_sent = 0
         self.bytes_recv = 0
@@ -250,13 +282,16 @@ class P2PTransport:
             missing = [n for n in spec.names if n not in features_by_sample.get(tr.sample_id, {})]
             if missing:
                 raise ValueError(f"step {plan.step}: no {missing} for sample {tr.sample_id} on rank {rank}")
+        # every slice checked (dtype, shape, device) before anything is taken, logged or posted
+        sliced = {index: [_as_bytes(_slice(features_by_sample[tr.sample_id], f, tr, self.device)) for f in spec.fields]
+                  for index, tr in mine}
         slots, total = _step_layout(spec, [(i, tr) for i, tr in mine if self._packs(spec, tr)])
         packed = {index: (base, layout) for index, _, base, layout in slots}
         buf = self.pool.take(total) if packed else None
         self.log.record(sum(spec.nbytes(tr.num_tokens) for _, tr in mine))  # before anything can arrive
         ops = []
         for index, tr in mine:  # plan order on both ends (NCCL ignores tags)
-            slices = [_as_bytes(_slice(features_by_sample[tr.sample_id], f, tr)) for f in spec.fields]
+            slices = sliced[index]
             if index not in packed:
                 ops += [self._op(dist.isend, t, tr.dst_rank, plan, index) for t in slices]
                 continue
@@ -265,13 +300,12 @@ class P2PTransport:
                 buf[base + offset : base + offset + n].copy_(src)
             size = packed_layout(spec, tr.num_tokens)[1]
             ops.append(self._op(dist.isend, buf[base : base + size], tr.dst_rank, plan, index))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = self.completion.post(ops)
         nbytes = sum(op.tensor.numel() for op in ops)
         self.bytes_sent += nbytes
 
         def finish() -> None:
-            for w in works:
-                w.wait()
+            self.completion.finish(works, f"{plan.split} step {plan.step}: sends of rank {rank}")
             self.pool.give(buf)
 
         return SendHandle(finish, nbytes)
@@ -297,13 +331,12 @@ class P2PTransport:
                 ops.append(self._op(dist.irecv, buf[base : base + packed_layout(spec, n)[1]], tr.src_rank, plan, index))
             else:
                 ops += [self._op(dist.irecv, views[f.name], tr.src_rank, plan, index) for f in spec.fields]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = self.completion.post(ops)
         nbytes = sum(op.tensor.numel() for op in ops)
         self.bytes_recv += nbytes
 
         def finish() -> dict[int, FeatureBatch]:
-            for w in works:
-                w.wait()
+            self.completion.finish(works, f"{plan.split} step {plan.step}: receives of rank {rank}")
             self.log.record(-plan.recv_bytes(rank))
             return batches
 

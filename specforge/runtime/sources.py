@@ -39,9 +39,11 @@ def open_data(cfg: Config):
 
 
 def build_transport(cfg: Config, layout: Layout, rank: int, device: torch.device):
+    """The data plane of a rollout or train rank: p2p on the communicator (every wait bounded by
+    ``parallel.timeout_s``), or the object-store baseline."""
     if cfg.placement.transport == "object_store":
         return ObjectStoreTransport(layout.mailbox, cfg.parallel.timeout_s, rank=rank)
-    return P2PTransport(device=device)
+    return P2PTransport(device=device, timeout_s=cfg.parallel.timeout_s)
 
 
 def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
@@ -134,6 +136,14 @@ class ReceiveSource:
         self.groups, self.pad, self.ttt_length = groups, pad, cfg.draft.ttt_length
         self.plans = _PlanQueue()
         self.prefetcher = Prefetcher(transport, self.plans, int(cfg.placement.max_inflight_mb * 2**20), my_rank=rank)
+
+    def abort(self, why: str) -> None:
+        """A rollout peer died (the driver says so): receives not yet complete fail (``PeerLost``)."""
+        self.prefetcher.transport.completion.abort(why)
+
+    @property
+    def aborted(self) -> bool:
+        return self.prefetcher.transport.completion.aborted
 
     @property
     def wait_ms(self) -> float:

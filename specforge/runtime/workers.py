@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from specforge.config import Config
-from specforge.device import pick_device, set_threads, torch_dtype
+from specforge.device import bind, pick_device, set_threads, synchronize
 from specforge.parallel.dims import ParallelDims
-from specforge.runtime.actors import DistributedWorker
+from specforge.runtime.actors import DistributedWorker, control
 from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
-from specforge.runtime.dataplane import SendHandle, SendWindow
+from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
 from specforge.train.batch import TrainBatch, collate, pad_id
 
@@ -67,21 +67,25 @@ class RolloutWorker(DistributedWorker):
         set_threads(cfg.train.num_threads)
         self.rank = dist.get_rank()
         device = pick_device(cfg.model.device)
+        bind(device)
         build_groups(cfg, layout, self.rank, device)  # collective: this rank is in none of them
         self.data = open_data(cfg)
         # over model.num_gpus GPUs when one cannot hold it; device (the first of them) gets the features
         self.target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
+        self.device = self.target.device
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
         return self.rank
 
     def rollout_step(self, plan: StepPlan) -> StepReport:
         t0 = time.perf_counter()
         feats = self._forward(plan)
+        synchronize(self.device)  # forward_ms: the finished forward, not its kernel launches
         t1 = time.perf_counter()
         handle = self.transport.send_step(plan, feats, my_rank=self.rank)
         t2 = time.perf_counter()
-        # The window holds the features alive until their sends are out (isend reads them).
+        # The window holds the features alive until their sends are out (isend reads them); its
+        # waits return when the sends completed (runtime/completion.py), on NCCL too.
         kept = SendHandle(handle.wait, handle.nbytes)
         kept.features = feats
         self.window.push(kept)
@@ -108,23 +112,16 @@ class RolloutWorker(DistributedWorker):
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
         input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.target.tokenizer))
         f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens)
-        hidden_dtype = torch_dtype(plan.feature_spec.fields[0].dtype)
-        out = {}
-        for b, sid in enumerate(ids):
-            n = len(rows[b]["input_ids"])
-            out[sid] = {
-                "aux_hidden": f.aux_hidden_BT3H[b, :n].to(hidden_dtype),
-                "last_hidden": f.last_hidden_BTH[b, :n].to(hidden_dtype),
-                "target_ids": f.target_ids_BT[b, :n],
-                "input_ids": input_ids_BT[b, :n],
-                "loss_mask": loss_mask_BT[b, :n].to(torch.int8),
-            }
-        return out
+        fields = {"aux_hidden": f.aux_hidden_BT3H, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
+                  "input_ids": input_ids_BT, "loss_mask": loss_mask_BT}
+        per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows], self.transport.device)
+        return dict(zip(ids, per_sample))
 
     def forward_only(self, plan: StepPlan) -> StepReport:
         """Benchmark probe: the rollout stage alone (the batched forward, nothing sent)."""
         t0 = time.perf_counter()
         tokens = float(sum(int(f["input_ids"].shape[0]) for f in self._forward(plan).values()))
+        synchronize(self.device)
         return StepReport(self.rank, plan.step, metrics={"tokens": tokens}, timings_ms={"forward": (time.perf_counter() - t0) * 1e3})
 
     def leave_communicator(self) -> None:
@@ -164,7 +161,8 @@ class TrainWorker(DistributedWorker):
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        device = pick_device(cfg.model.device)
+        device = self.device = pick_device(cfg.model.device)
+        bind(device)
         groups = build_groups(cfg, layout, self.rank, device)
         # The draft needs the target's embedding and lm_head (teacher rows of the draft vocab); only
         # a capture source (colocated) runs the target, over model.num_gpus GPUs. Fed by rollout
@@ -203,9 +201,24 @@ class TrainWorker(DistributedWorker):
             raise FeaturesLost(f"train rank {self.rank} trained nothing since {self.lost}") from err
         return batches
 
+    @control
+    def peer_lost(self, why: str) -> bool:
+        """The driver saw a data-plane peer (a rollout worker) die. Runs beside a busy ``train_step``
+        (the actor's control thread): every receive not yet complete now fails (``PeerLost``), so
+        the train ranks agree on ``FeaturesLost`` at once instead of waiting, as NCCL would, for
+        the watchdog. True if this rank had a data plane to stop."""
+        abort = getattr(getattr(self, "source", None), "abort", None)
+        if abort is not None:
+            abort(why)
+        return abort is not None
+
+    def peer_was_lost(self) -> bool:
+        return bool(getattr(getattr(self, "source", None), "aborted", False)) or self.lost is not None
+
     def train_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = (), save: bool = False) -> StepReport:
         t0, wait0, recv0 = time.perf_counter(), self.source.wait_ms, self.source.bytes_recv
         self._last_batches = self._features(plan, upcoming)
+        synchronize(self.device)  # features_ms: a colocated capture's forward finished
         t1 = time.perf_counter()
         metrics = self.trainer.step(self._last_batches)
         self._record("train", plan.step + 1, metrics)
@@ -222,6 +235,7 @@ class TrainWorker(DistributedWorker):
         ``save``: checkpoint afterwards (the loop saves after the eval that follows a save step)."""
         t0 = time.perf_counter()
         metrics = self.trainer.evaluate(self._features(plan, upcoming))
+        synchronize(self.device)
         self._record("eval", plan.step, metrics)
         if save:
             self.save()
@@ -233,6 +247,7 @@ class TrainWorker(DistributedWorker):
         for _ in range(reps):
             t0 = time.perf_counter()
             m = self.trainer.step(self._last_batches)
+            synchronize(self.device)
             times.append((time.perf_counter() - t0) * 1e3)
         return StepReport(self.rank, -1, metrics={"tokens_local": m["tokens"]}, timings_ms={f"train_{i}": t for i, t in enumerate(times)})
 
