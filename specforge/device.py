@@ -183,6 +183,12 @@ def stream_semantics(backend: str) -> bool:
 EMULATE_NCCL_ENV = "SPECFORGE_EMULATE_NCCL"
 
 
+def worker_env() -> dict[str, str]:
+    """The device switches set in this (driver) process, for its Ray workers' environment: a worker
+    started by an already-running Ray would not inherit them otherwise."""
+    return {k: os.environ[k] for k in (FORCE_ENV, EMULATE_NCCL_ENV) if k in os.environ}
+
+
 def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
                        device: Optional[torch.device] = None) -> None:
     """Join the default group, always with a timeout so a dead peer cannot hang the rest. On NCCL

@@ -31,6 +31,7 @@ Failures (every wait is bounded by ``parallel.timeout_s``; a dead actor is seen 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -40,6 +41,7 @@ from typing import Optional, Sequence
 
 import ray
 
+from specforge import device
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
 from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
@@ -92,12 +94,25 @@ class Cluster:
         except ActorDied as err:
             if err.label not in self.rollout.labels:
                 raise TrainWorkerLost(f"train worker {err.label} died", err.label) from err
+            self.tell_peer_lost(f"rollout worker {err.label} died")
             try:  # it may have died once its sends were out: then this plan trained all the same
                 return [], collect(train, self.train.labels, self.timeout_s, what)
             except WorkerError as train_err:
                 raise self.diagnose(train_err) from err
         except WorkerError as err:
             raise self.diagnose(err) from err
+
+    def tell_peer_lost(self, why: str) -> None:
+        """Tell every train rank that a rollout worker died: their receives from it that have not
+        completed fail now. Under NCCL nothing else would end them (a receive from a dead peer never
+        fails; the watchdog would kill the train processes at parallel.timeout_s). Runs in each
+        actor's control thread, beside the step it may be blocked in; a rank that is gone is skipped
+        (the train reports name it)."""
+        refs = [a.peer_lost.remote(why) for a in self.train.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 60))
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(ref, timeout=0)
 
     def diagnose(self, err: WorkerError) -> WorkerError:
         """A train rank's failure: the death behind it, if an actor died, else ``err`` itself."""
@@ -238,7 +253,7 @@ def fit(cfg: Config) -> Optional[str]:
     started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
     cluster = None
     try:
-        use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_resources(cfg, use_gpu, *ray_resources(cfg, started))  # before any worker starts
         data = prepare(cfg, use_gpu)
         cluster = spawn_cluster(cfg, data, use_gpu)

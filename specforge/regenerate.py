@@ -646,6 +646,7 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
     """``num_workers`` Ray tasks, worker k taking rows k, k+W, ... (stable across reruns)."""
     import ray
 
+    from specforge import device
     from specforge.preflight import before_local_ray, check_workers, ray_resources
     from specforge.ray_train import start_ray
 
@@ -654,10 +655,11 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
         check_workers("regenerate.num_workers", W, *local, gpus=cfg.model.num_gpus)
     started = start_ray(cfg, W)
     try:
-        use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_workers("regenerate.num_workers", W, use_gpu, *ray_resources(cfg, started), gpus=cfg.model.num_gpus)
         threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // W)
-        task = ray.remote(_worker).options(num_cpus=1, num_gpus=cfg.model.num_gpus if use_gpu else 0, max_retries=0)
+        env = {"runtime_env": {"env_vars": device.worker_env()}} if device.worker_env() else {}
+        task = ray.remote(_worker).options(num_cpus=1, num_gpus=cfg.model.num_gpus if use_gpu else 0, max_retries=0, **env)
         refs = [task.remote(cfg, jobs[k::W], str(part_path(output, k, W)),
                             str(store_dir / f"worker-{k}-of-{W}") if store_dir else None, k, threads) for k in range(W)]
         summary = Summary(output=str(output), features=str(store_dir) if store_dir else None)

@@ -9,6 +9,11 @@ without a failure:
   and finishes with every step trained and logged once and every loss unchanged.
 * train worker killed: the run ends with an error naming that worker and the last good
   checkpoint; the same command then resumes from it, with unchanged losses.
+
+Both also run with NCCL's completion semantics emulated on gloo (``SPECFORGE_EMULATE_NCCL=1``,
+runtime/completion.py): a receive from the dead rollout worker then never fails by itself, and
+the run recovers only because the driver tells the train ranks (``peer_lost``), well before
+``parallel.timeout_s``.
 """
 
 import contextlib
@@ -21,6 +26,16 @@ from tests.test_memory_bound import _planner
 from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401  (shared fixtures)
 
 ON_RAY = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(params=["gloo", "nccl-semantics"])
+def semantics(request, monkeypatch):
+    """How transfers complete: gloo's blocking waits, or NCCL's (emulated on gloo)."""
+    from specforge.device import EMULATE_NCCL_ENV
+
+    if request.param == "nccl-semantics":
+        monkeypatch.setenv(EMULATE_NCCL_ENV, "1")  # spawn_actors passes it to the workers
+    return request.param
 
 
 def on_ray(test):
@@ -80,12 +95,21 @@ def killing(group: str, index: int, after_step: int):
 
 
 @on_ray
-def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_session, straight, tmp_path):
+def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_session, straight, semantics, tmp_path,
+                                                              monkeypatch):
+    import specforge.ray_train as rt
     from specforge.ray_train import fit
 
+    causes, real_recover = [], rt.recover
+    monkeypatch.setattr(rt, "recover", lambda cfg, data, use_gpu, err, cluster: (
+        causes.append(str(err)), real_recover(cfg, data, use_gpu, err, cluster)))
     out = tmp_path / "rollout-killed"
     with killing("rollout", 0, after_step=1) as spawned:
         path = fit(_cfg(assets, out))
+    assert len(causes) == 1, causes
+    # the train ranks stopped because the receive failed (gloo) or the driver said so (NCCL), not
+    # because a wait ran into parallel.timeout_s
+    assert "not completed within" not in causes[0], causes[0]
     assert len(spawned) == 2  # the first placement, then one around the new rollout worker
     assert spawned[1][0].start_step >= 2  # resumed where the train ranks stopped, not from scratch
     got = losses(out)
@@ -96,10 +120,11 @@ def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_sessi
 
 
 @on_ray
-def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray_session, straight, tmp_path):
+def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray_session, straight, semantics,
+                                                                    tmp_path):
     from specforge.ray_train import TrainWorkerLost, fit
 
-    out = tmp_path / "train-killed"
+    out = tmp_path / f"train-killed-{semantics}"
     cfg = _cfg(assets, out)
     with killing("train", 1, after_step=1):
         with pytest.raises(TrainWorkerLost, match=r"(?s)train worker train\[1\] died.*last good checkpoint: "

@@ -116,6 +116,24 @@ def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_budget_holds_under_nccl_completion_semantics(assets, ray_session, tmp_path, monkeypatch):  # noqa: F811
+    """The same bounded run with NCCL's semantics emulated (``wait()`` returns at once; completion
+    only through ``is_completed()``): the log's receive events are finished transfers, not posted
+    ones, and the budget still holds."""
+    from specforge.device import EMULATE_NCCL_ENV
+
+    monkeypatch.setenv(EMULATE_NCCL_ENV, "1")  # spawn_actors passes it to the workers
+    common = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1",
+              f"train.max_steps={STEPS}", "draft.ttt_length=7"]
+    per_step = _step_bytes(make_cfg(assets, tmp_path / "plan", *common))
+    budget = int(2.5 * max(per_step))
+    bounded = _run_peak(make_cfg(assets, tmp_path / "bounded", *common, f"placement.max_inflight_mb={budget / 2**20}"))
+    assert max(per_step) <= bounded <= budget, (bounded, budget, per_step)
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_fit_refuses_a_budget_below_one_step_before_training(assets, ray_session, tmp_path):  # noqa: F811
     from specforge.ray_train import fit

@@ -144,17 +144,17 @@ def test_gpus_each_worker_asks_for():
 
 
 def test_bad_num_gpus_is_refused_before_anything_loads(capsys):
-    from specforge.device import target_devices
+    from specforge.device import cuda_allowed, target_devices
     from specforge.ray_train import main
     from specforge.runtime.loop import check, not_applied
 
     with pytest.raises(ValueError, match=r"model.num_gpus'=2.*model.device cuda or auto"):
         check(load_config(None, ["model.num_gpus=2", "model.device=cpu"]))
     check(load_config(None, ["model.num_gpus=2"]))  # auto: decided where the workers run
-    if not torch.cuda.is_available():
+    if not cuda_allowed():  # no CUDA, or the CPU suite forcing the CPU on a machine with CUDA
         with pytest.raises(ValueError, match=r"model.num_gpus'=2: splitting the target over GPUs needs CUDA"):
             target_devices("auto", 2)
-    assert target_devices("auto", 1) == [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
+    assert target_devices("auto", 1) == [torch.device("cuda", 0) if cuda_allowed() else torch.device("cpu")]
     # the drivers refuse it before preparing data or starting workers (offline runs no target forward)
     from specforge.preflight import check_target_gpus
 

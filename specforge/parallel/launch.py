@@ -17,7 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specforge.device import init_process_group, pick_backend, pick_device, set_threads
+from specforge.device import barrier, init_process_group, pick_backend, pick_device, set_threads
 
 __all__ = ["run_ranks"]
 
@@ -26,12 +26,13 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, backend: st
            threads: int, args: tuple) -> None:
     faulthandler.enable()  # a native abort (SIGABRT/SIGSEGV) prints every thread's Python stack
     set_threads(threads)
-    backend = pick_backend(backend, pick_device("auto", rank))
-    init_process_group(rank, world_size, f"file://{init_file}", backend, timeout_s)
+    here = pick_device("auto", rank)
+    backend = pick_backend(backend, here)
+    init_process_group(rank, world_size, f"file://{init_file}", backend, timeout_s, here)  # binds the GPU
     try:
         fn(rank, world_size, *args)
         # No rank tears its groups down while a peer may still use a connection to it.
-        dist.barrier()
+        barrier(here)
         Path(f"{init_file}.done{rank}").touch()
     finally:
         dist.destroy_process_group()

@@ -82,7 +82,7 @@ class DistributedWorker:
 
         if not dist.is_initialized():
             return
-        if self.peer_was_lost():
+        if self.peer_was_lost() and dist.get_backend() == "nccl":  # gloo's transfers with a dead peer failed already
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
@@ -187,6 +187,8 @@ def spawn_actors(
         remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
     else:
         remote_cls = ray.remote(actor_cls)
+    if env := device.worker_env():  # SPECFORGE_DEVICE / SPECFORGE_EMULATE_NCCL reach the workers
+        runtime_env = {**(runtime_env or {}), "env_vars": {**(runtime_env or {}).get("env_vars", {}), **env}}
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"runtime_env": runtime_env} if runtime_env else {})}
     actors = [
         remote_cls.options(

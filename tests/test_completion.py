@@ -1,0 +1,123 @@
+"""NCCL's completion semantics, modelled on CPU (runtime/completion.py), and the data plane's
+device check.
+
+Under NCCL ``Work.wait()`` returns at once (it only orders the CUDA stream), a transfer shows it
+finished only through ``is_completed()`` or a sync, and a receive whose peer died never fails.
+``Completion(emulate=True)`` gives gloo those semantics; these tests pin them down, show that
+the emulation catches code that trusts a blocking ``wait()`` (the negative control), and that the
+data plane's own waits (``finish``) still see finished transfers, an abort and a timeout.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from specforge.parallel.launch import run_ranks
+from specforge.runtime.completion import Completion, PeerLost, StreamWork
+from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
+from specforge.runtime.dataplane import P2PTransport, synthetic_features, wire_features
+
+SPEC = FeatureSpec.eagle3(hidden_size=8)
+DELAY_S = 1.0  # rank 0 sends this long after rank 1 posted its receive
+
+
+def _recv_post(completion: Completion):
+    buf = torch.zeros(4)
+    return buf, completion.post([dist.P2POp(dist.irecv, buf, peer=0)])
+
+
+def _send_late(delay_s: float = DELAY_S) -> None:
+    time.sleep(delay_s)
+    dist.send(torch.arange(1.0, 5.0), dst=1)
+
+
+def _semantics(rank, world):
+    if rank == 0:
+        for _ in range(4):
+            _send_late()
+        return
+    # 1. emulated: wait() returns at once and the buffer is not there yet (as under NCCL)
+    c = Completion(stream=False, timeout_s=30, emulate=True)
+    buf, works = _recv_post(c)
+    t0 = time.monotonic()
+    for w in works:
+        w.wait()
+    assert time.monotonic() - t0 < 0.2 * DELAY_S, "an emulated wait blocked"
+    assert not any(w.is_completed() for w in works)
+    assert torch.equal(buf, torch.zeros(4))  # what code that trusts wait() alone would read
+    c.finish(works, "recv 1")  # the data plane's wait: polls completion
+    assert torch.equal(buf, torch.arange(1.0, 5.0)) and all(w.is_completed() for w in works)
+
+    # 2. negative control: gloo's own wait blocks, so the same reading code sees the data there
+    buf, works = _recv_post(Completion(stream=False, timeout_s=30, emulate=False))
+    for w in works:
+        w.wait()
+    assert torch.equal(buf, torch.arange(1.0, 5.0))
+
+    # 3. the driver's abort (from another thread, as a Ray control method) ends a pending finish
+    c = Completion(stream=False, timeout_s=30, emulate=True)
+    buf, works = _recv_post(c)
+    threading.Timer(0.2, c.abort, args=("rollout worker rollout[0] died",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match=r"recv 3: rollout worker rollout\[0\] died"):
+        c.finish(works, "recv 3")
+    assert time.monotonic() - t0 < DELAY_S and c.aborted
+    c.finish([], "nothing pending")  # an abort fails only what is not complete
+
+    # 4. no abort: parallel.timeout_s bounds the wait
+    c = Completion(stream=False, timeout_s=0.3, emulate=True)
+    buf, works = _recv_post(c)
+    with pytest.raises(PeerLost, match=r"recv 4: not completed within parallel.timeout_s=0.3 s"):
+        c.finish(works, "recv 4")
+    time.sleep(2 * DELAY_S)  # let rank 0's sends of 3 and 4 land before the group goes
+
+
+def test_emulated_nccl_completion(tmp_path):
+    run_ranks(_semantics, 2, workdir=tmp_path, backend="gloo", timeout_s=120)
+
+
+def test_a_failed_post_never_completes_and_never_raises():
+    """A receive gloo refuses at once (its peer already gone) behaves as NCCL's: never complete."""
+    c = Completion(stream=False, timeout_s=0.2, emulate=True)
+    w = StreamWork(None, RuntimeError("connection closed by peer"))
+    assert w.wait() is True and not w.is_completed()
+    with pytest.raises(PeerLost, match="not completed within"):
+        c.finish([w], "recv")
+
+
+def test_a_tensor_off_the_communicators_device_is_refused():
+    """The negative control of the device check: a field on another device (``meta`` here, as a
+    CPU ``input_ids`` would be beside CUDA features) is refused, naming sample, field and devices,
+    before anything is posted; the same features made by ``wire_features`` pass it."""
+    plan = plan_step(0, [[SampleRef(0, 5)]], [0], [[1]], SPEC)
+    transport = P2PTransport(device=torch.device("cpu"))
+    feats = synthetic_features(SPEC, 0, 5, seed=0)
+    bad = {**feats, "loss_mask": feats["loss_mask"].to("meta")}
+    with pytest.raises(ValueError, match=r"sample 0 field 'loss_mask' is on meta, the data plane's communicator on cpu"):
+        transport.send_step(plan, {0: bad}, my_rank=0)
+    assert transport.bytes_sent == 0
+
+    # wire_features puts every field, CPU ids and masks included, on the transport's device
+    fields = {name: feats[name].unsqueeze(0) for name in SPEC.names}
+    fields["input_ids"] = fields["input_ids"].to("meta")
+    (wired,) = wire_features(SPEC, fields, [5], torch.device("meta"))
+    assert {t.device.type for t in wired.values()} == {"meta"}
+    assert all(str(t.dtype) == f"torch.{f.dtype}" for f, t in zip(SPEC.fields, (wired[n] for n in SPEC.names)))
+
+
+def test_the_cpu_suite_forces_the_cpu():
+    """tests/conftest.py sets SPECFORGE_DEVICE=cpu: ``auto`` means CPU and gloo even with CUDA
+    present, and Ray workers get the switch (``worker_env``); without it, CUDA would be picked."""
+    from unittest import mock
+
+    from specforge import device
+
+    assert device.worker_env().get(device.FORCE_ENV) == "cpu"
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert device.pick_device("auto").type == "cpu" and not device.wants_gpu("auto", cluster_gpus=8)
+        with mock.patch.dict("os.environ", {device.FORCE_ENV: ""}):  # negative control
+            assert device.cuda_allowed() and device.wants_gpu("auto", cluster_gpus=8)
+            assert not device.wants_gpu("auto", cluster_gpus=0) and not device.wants_gpu("cpu", cluster_gpus=8)
