@@ -160,17 +160,17 @@ def num_rollout(cfg: Config) -> int:
 
 def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     """Placement groups, one communicator (rollout ranks first), per-worker setup."""
-    timeout = cfg.parallel.timeout_s
+    timeout, setup_timeout = cfg.parallel.timeout_s, max(cfg.parallel.setup_timeout_s, cfg.parallel.timeout_s)
     from specforge.preflight import gpus_per_worker
 
     def gpus(kind: str) -> int:
         return gpus_per_worker(cfg, kind) if use_gpu else 0
 
     n_roll = num_rollout(cfg)
-    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus("rollout"), label="rollout", args=(cfg,), timeout_s=timeout,
+    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus("rollout"), label="rollout", args=(cfg,), timeout_s=setup_timeout,
                            resources=cfg.ray.rollout_resources) \
         if n_roll else ActorGroup([], [])
-    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus("train"), label="train", args=(cfg,), timeout_s=timeout,
+    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus("train"), label="train", args=(cfg,), timeout_s=setup_timeout,
                          resources=cfg.ray.train_resources)
     mailbox = mailbox_name = None
     if cfg.placement.transport == "object_store" and n_roll:
@@ -193,7 +193,7 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
         horizon, facts = total_steps(cfg, len(data.lengths)), run_facts(cfg, data)
         refs = [a.setup.remote(layout) for a in rollout.actors] + \
                [a.setup.remote(layout, horizon, facts) for a in train.actors]
-        starts = collect(refs, labels, timeout + 60, "setup")
+        starts = collect(refs, labels, setup_timeout, "setup")  # model and checkpoint loading
         cluster.start_step = agreed_start(starts[n_roll:], train.labels)
     except BaseException:
         cluster.shutdown()
