@@ -164,7 +164,8 @@ class ParallelConfig:
     sp_ulysses: int = 1
     sp_ring: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = 300.0  # every process group and remote call
+    timeout_s: float = 300.0  # one step: every transfer, collective and per-step remote call (NCCL's watchdog too)
+    setup_timeout_s: float = 1800.0  # starting the workers: placement, model and checkpoint loading
 
 
 @dataclass
@@ -385,7 +386,7 @@ _AT_LEAST = {
     "draft.num_anchors": 1, "draft.mask_token_id": 0,
 }
 _POSITIVE = ("draft.loss_gamma", "draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
-             "train.epochs", "parallel.timeout_s", "placement.max_inflight_mb", "store.shard_mb",
+             "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s", "placement.max_inflight_mb", "store.shard_mb",
              "regenerate.timeout_s")
 _UNIT = {"draft.ttt_decay": "(0, 1]", "train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
 
