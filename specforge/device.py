@@ -172,6 +172,13 @@ def pick_backend(choice: str = "auto", device: Optional[torch.device] = None) ->
     return "gloo"
 
 
+def loop_chunk(device: torch.device, cpu: int, gpu: int) -> int:
+    """Rows per iteration of a hot Python loop over chunks (the TTT attention's query chunks, the
+    fused loss's rows): small on the CPU, where a cache-sized chunk measured fastest, large on a
+    GPU, where every iteration costs several kernel launches and a small chunk leaves it idle."""
+    return gpu if device.type == "cuda" else cpu
+
+
 def stream_semantics(backend: str) -> bool:
     """Whether transfers on ``backend`` complete the way NCCL's do: ``Work.wait()`` only orders the
     CUDA stream and returns at once, completion shows only through ``is_completed()`` or a sync, and

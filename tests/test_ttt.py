@@ -176,3 +176,32 @@ def test_teacher_weight_from_target():
     Wt = torch.randn(V, HT)
     tw = teacher_weight_from_target(Wt, d.d2t)
     assert torch.equal(tw, Wt[d.draft_to_target_ids()])
+
+
+def test_hot_loops_chunk_by_device_and_the_chunk_never_changes_the_result():
+    """The fused loss and the fast TTT core loop over row chunks: cache-sized on the CPU, large on a
+    GPU (fewer launches); a chunk only regroups rows, so every chunk gives the same numbers."""
+    import torch
+
+    from specforge.models.attention import CHUNK_CPU, CHUNK_GPU, ttt_attention_eager, ttt_attention_fast
+    from specforge.train.ttt import LOSS_CHUNK_BYTES, LOSS_CHUNK_CPU, linear_soft_cross_entropy, loss_chunk
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
+    assert loss_chunk(cpu, 32000) == LOSS_CHUNK_CPU
+    rows = loss_chunk(gpu, 32000)
+    assert rows * 32000 * 4 <= LOSS_CHUNK_BYTES < (rows + 1) * 32000 * 4  # one chunk's fp32 logits
+    assert loss_chunk(gpu, 10**8) == LOSS_CHUNK_CPU  # never below the CPU chunk
+    assert CHUNK_GPU > CHUNK_CPU
+
+    torch.manual_seed(0)
+    h, W = torch.randn(150, 16, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
+    teacher, tidx = torch.softmax(torch.randn(150, 40, dtype=torch.float64), -1), torch.arange(150)
+    default = linear_soft_cross_entropy(h, W, teacher, tidx)
+    for chunk in (7, 150, 1000):
+        for a, b in zip(linear_soft_cross_entropy(h, W, teacher, tidx, chunk=chunk), default):
+            torch.testing.assert_close(a, b)
+    q = torch.randn(1, 4, 300, 8, dtype=torch.float64)
+    k, v = [torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2)], [torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2)]
+    ref = ttt_attention_eager(q, k, v)
+    for chunk in (None, 37, CHUNK_GPU):
+        torch.testing.assert_close(ttt_attention_fast(q, k, v, chunk=chunk), ref)

@@ -58,6 +58,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from specforge.device import loop_chunk
 from specforge.models.attention import ttt_attention_eager
 from specforge.models.draft import apply_rotary
 
@@ -224,11 +225,24 @@ class _LinearSoftCE(torch.autograd.Function):
         return dh, dW, None, None, None
 
 
-def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: int = 64):
+# Rows per chunk of the fused loss. CPU: 64 (cache-sized). GPU: as many rows as keep one chunk's
+# fp32 logits near LOSS_CHUNK_BYTES (256 MiB: 2,000 rows at a 32k draft vocab), so a micro-batch
+# is a few chunks, not thousands of launches.
+LOSS_CHUNK_CPU, LOSS_CHUNK_BYTES = 64, 256 * 2**20
+
+
+def loss_chunk(device: torch.device, vocab: int) -> int:
+    """Rows per chunk of ``linear_soft_cross_entropy`` on ``device`` for a ``vocab``-wide head."""
+    return loop_chunk(device, LOSS_CHUNK_CPU, max(LOSS_CHUNK_CPU, LOSS_CHUNK_BYTES // (4 * max(vocab, 1))))
+
+
+def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None):
     """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``.
 
-    Under autocast the matmuls run in the autocast dtype (h and W are cast once here).
+    Under autocast the matmuls run in the autocast dtype (h and W are cast once here). ``chunk``:
+    rows per iteration, by default ``loss_chunk`` (device-aware).
     """
+    chunk = chunk or loss_chunk(h_MH.device, W_NH.shape[0])
     dev = h_MH.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
