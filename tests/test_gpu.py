@@ -6,7 +6,7 @@ What it checks, each against the CPU/single-process result the CPU suite already
 * NCCL p2p, packed and field by field; a CPU tensor handed to an NCCL transfer is refused;
   completion under NCCL (``wait()`` returns at once; ``finish`` sees completion; abort ends it).
 * The TTT cores (SDPA and the fast core) against the eager reference, forward and backward.
-* Capture on the GPU equals capture on the CPU.
+* Capture on the GPU equals capture on the CPU; gpt-oss's flex-attention capture equals eager.
 * A disaggregated run (1 rollout + 2 train GPUs) against the single process; a killed rollout
   worker under NCCL is replaced and nothing is lost.
 Results go to benchmarks/README.md ("GPU suite") whenever a GPU machine is at hand.
@@ -150,6 +150,27 @@ def test_capture_on_gpu_equals_cpu():
     torch.testing.assert_close(gpu.aux_hidden_BT3H.cpu(), cpu.aux_hidden_BT3H, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(gpu.last_hidden_BTH.cpu(), cpu.last_hidden_BTH, atol=1e-4, rtol=1e-4)
     assert (gpu.target_ids_BT.cpu() == cpu.target_ids_BT).float().mean() > 0.99  # argmax ties may differ
+
+
+def test_gpt_oss_captures_with_flex_attention_as_eager_does():
+    """gpt-oss has no SDPA; on CUDA the capture uses flex attention (``capture_attention``), which
+    must give eager's features (bf16-free: fp32, 1e-4)."""
+    from transformers import GptOssForCausalLM
+
+    from specforge.models.target import TargetModel, capture
+    from specforge.targets import tiny
+
+    need_gpus(1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    feats = {}
+    for impl in ("eager", "flex_attention"):
+        torch.manual_seed(0)
+        model = GptOssForCausalLM._from_config(tiny.gpt_oss(), attn_implementation=impl).cuda().eval()
+        ids = torch.randint(3, 256, (2, 40), device="cuda")
+        feats[impl] = capture(TargetModel(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3],
+                                          device=torch.device("cuda", 0)), ids, torch.ones_like(ids))
+    torch.testing.assert_close(feats["flex_attention"].aux_hidden_BT3H, feats["eager"].aux_hidden_BT3H, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feats["flex_attention"].last_hidden_BTH, feats["eager"].last_hidden_BTH, atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------- runs on Ray

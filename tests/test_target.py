@@ -54,3 +54,30 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="config.json"):
         resolve_target_path(ModelConfig(target_path=str(tmp_path / "empty")))
+
+
+def test_capture_attention_avoids_materialized_scores_where_transformers_can():
+    """A class without SDPA (gpt-oss: attention sinks) captures with flex attention on CUDA (sinks
+    folded in by log-sum-exp: no B x H x T x T scores), eager on the CPU (transformers' flex cannot
+    take sinks there; the dry run counts the scores); every other family keeps transformers' SDPA."""
+    from dataclasses import replace
+
+    from specforge.models.target import capture_attention
+    from specforge.targets import FAMILIES
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    by_name = {f.name: f for f in FAMILIES}
+    assert capture_attention(by_name["gpt_oss"], gpu) == "flex_attention"
+    assert capture_attention(by_name["gpt_oss"], cpu) == "eager"
+    assert {capture_attention(f, d) for f in FAMILIES if f.name != "gpt_oss" for d in (cpu, gpu)} == {"default"}
+    # negative control: a class with neither SDPA nor flex falls back to eager on CUDA too
+    import transformers
+
+    class NoFlex(transformers.GptOssForCausalLM):
+        _supports_flex_attn = False
+
+    transformers.NoFlexForTest = NoFlex
+    try:
+        assert capture_attention(replace(by_name["gpt_oss"], hf_class="NoFlexForTest"), gpu) == "eager"
+    finally:
+        del transformers.NoFlexForTest

@@ -198,6 +198,8 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     hf_config = load_target_config(cfg)
     family = family_of(hf_config)
     placed: dict = {}
+    if (impl := capture_attention(family, devices[0])) != "default":
+        placed["attn_implementation"] = impl
     if on_host:
         devices = [host_device()]
     elif len(devices) > 1:
@@ -209,6 +211,22 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     num_layers = text_config(model.config).num_hidden_layers
     ids = layers(num_layers) if layers is not None else aux_layer_ids(cfg, num_layers)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
+
+
+def capture_attention(family, device: torch.device) -> str:
+    """The attention implementation the target captures with: ``default`` (transformers' choice:
+    SDPA where the class has it, which never materializes B x H x T x T scores) unless the class
+    lacks SDPA (gpt-oss: its attention sinks) and flex attention can stand in: on CUDA,
+    ``flex_attention`` (sinks folded in through the log-sum-exp); on the CPU transformers' flex
+    cannot take sinks, so ``eager``, whose B x H x T x T scores the dry run counts."""
+    import transformers
+
+    cls = getattr(transformers, family.hf_class, None)
+    if cls is None or getattr(cls, "_supports_sdpa", True):
+        return "default"
+    if device.type == "cuda" and getattr(cls, "_supports_flex_attn", False):
+        return "flex_attention"
+    return "eager"
 
 
 def split_plan(hf_config, num_devices: int, dtype: torch.dtype,
