@@ -227,8 +227,8 @@ def _odd_lengths_are_trained(cfg):
 
 @pytest.mark.slow
 def test_sequence_parallel_colocated_matches_single_process(assets, reference, ray_session, tmp_path):
-    """2 train workers = 1 DP group of Ulysses SP 2: each computes the whole samples' features
-    and keeps its slice; the losses are the single-process ones."""
+    """2 train workers = 1 DP group of Ulysses SP 2: each captures half the micro-batches and
+    sends the other its slices (tests/test_capture_sp.py); the losses are the single-process ones."""
     from specforge.ray_train import fit
 
     out = tmp_path / "sp-colocated"

@@ -18,6 +18,7 @@ The interface (duck-typed; the train step never asks which source it has)::
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -49,7 +50,9 @@ def build_transport(cfg: Config, layout: Layout, rank: int, device: torch.device
 def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
     """THE choice of a train rank's feature source (``groups``: its ``ParallelGroups``)."""
     if layout.mode == "colocated":
-        return CaptureSource(target, open_data(cfg), groups, cfg)
+        S = groups.sp_size
+        peers = [layout.train_ranks[groups.dp_rank * S + j] for j in range(S)]  # train index = dp_rank * S + sp_rank
+        return CaptureSource(target, open_data(cfg), groups, cfg, peers=peers)
     if layout.mode == "offline":
         return StoreSource(open_store(cfg, target), groups, cfg, pad_id(target.tokenizer))
     return ReceiveSource(build_transport(cfg, layout, rank, groups.device), groups, rank, cfg, pad_id(target.tokenizer))
@@ -85,24 +88,95 @@ class StoreSource:
 
 
 class CaptureSource:
-    """The in-process target runs over each micro-batch (every SP rank of a group runs the whole
-    samples and keeps its slice)."""
+    """The in-process target runs over each micro-batch. With sequence parallelism the target runs
+    once per SP group, not on every SP rank: micro-batch m is captured by SP rank m mod P, which
+    keeps its own slice and sends each other rank its slice (features only: every rank collates
+    the ids and loss mask of the rows itself). One exchange per step, every send and receive in one
+    ``batch_isend_irecv`` (under NCCL, transfers in separate batches run in stream order, and two
+    ranks each receiving before they send would wait on each other for ever)."""
 
-    wait_ms, bytes_recv = 0.0, 0  # no data plane
+    wait_ms, bytes_recv = 0.0, 0  # time blocked on / bytes from the SP exchange
 
-    def __init__(self, target, data, groups, cfg: Config):
+    def __init__(self, target, data, groups, cfg: Config, peers: Sequence[int] = ()):
+        from specforge.device import stream_semantics
+        from specforge.runtime.completion import Completion
+
         self.target, self.data, self.groups = target, data, groups
         self.ttt_length, self.chunk = cfg.draft.ttt_length, cfg.model.argmax_chunk_tokens
+        self.peers = list(peers)  # global rank of each SP rank of this rank's group
+        self.captured = 0  # micro-batches this rank ran the target over
+        if groups is not None and groups.sp_size > 1:
+            import torch.distributed as dist
+
+            if len(self.peers) != groups.sp_size:
+                raise ValueError(f"CaptureSource: {len(self.peers)} SP peers for sp_size={groups.sp_size}")
+            self.completion = Completion(stream_semantics(dist.get_backend()), cfg.parallel.timeout_s,
+                                         emulate=stream_semantics("gloo"))
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
         from specforge.train.trainer import local_batches
 
         rows, g = getattr(self.data, plan.split), self.groups
-        out = []
-        for ids in plan.micro_batches[g.dp_rank]:
-            (b,) = local_batches(self.target, [rows[i] for i in ids], len(ids), self.chunk)
-            out.append(b if g.sp_size == 1 else sp_slice_batch(b, g.sp_rank, g.sp_size, self.ttt_length))
+        micro = [[rows[i] for i in ids] for ids in plan.micro_batches[g.dp_rank]]
+        if g.sp_size == 1:
+            self.captured += len(micro)
+            return [local_batches(self.target, r, len(r), self.chunk)[0] for r in micro]
+        return self._sp_exchange(plan, micro)
+
+    def _sp_exchange(self, plan: StepPlan, micro: list) -> list[TrainBatch]:
+        import time
+
+        import torch.distributed as dist
+
+        from specforge.train.trainer import local_batches
+
+        S, me = self.groups.sp_size, self.groups.sp_rank
+        out, ops = [], []
+        for m, rows_m in enumerate(micro):
+            owner = m % S
+            if owner == me:
+                (full,) = local_batches(self.target, rows_m, len(rows_m), self.chunk)
+                self.captured += 1
+                for r in range(S):
+                    part = sp_slice_batch(full, r, S, self.ttt_length)
+                    if r == me:
+                        out.append(part)
+                        continue
+                    want = self._shape_of(rows_m, r)
+                    for name in _FEATURES:  # the receiver's buffers are made from the same shapes
+                        t, w = getattr(part, name), getattr(want, name)
+                        if t.shape != w.shape or t.dtype != w.dtype:
+                            raise RuntimeError(f"SP capture exchange: {name} is {t.dtype} {tuple(t.shape)}, the "
+                                               f"receivers expect {w.dtype} {tuple(w.shape)}")
+                        ops.append(dist.P2POp(dist.isend, t.contiguous(), self.peers[r]))
+            else:
+                shell = self._shape_of(rows_m, me)
+                bufs = {name: torch.empty(getattr(shell, name).shape, dtype=getattr(shell, name).dtype,
+                                          device=self.target.device) for name in _FEATURES}
+                ops += [dist.P2POp(dist.irecv, bufs[name], self.peers[owner]) for name in _FEATURES]
+                self.bytes_recv += sum(b.numel() * b.element_size() for b in bufs.values())
+                out.append(dataclasses.replace(shell, **bufs))
+        t0 = time.perf_counter()
+        self.completion.finish(self.completion.post(ops), f"{plan.split} step {plan.step}: SP capture exchange")
+        self.wait_ms += 1000 * (time.perf_counter() - t0)
         return out
+
+    def _shape_of(self, rows_m: list, sp_rank: int):
+        """SP rank ``sp_rank``'s slice of these rows with real ids and loss mask and the features
+        as ``meta`` tensors of the shapes and dtypes the capture gives (nothing computed)."""
+        from specforge.train.batch import collate, pad_id
+
+        ids, mask, _ = collate(rows_m, pad_id(self.target.tokenizer))
+        B, T = ids.shape
+        H = self.target.config.hidden_size
+        dtype = self.target.model.get_input_embeddings().weight.dtype
+        meta = dict(device="meta", dtype=dtype)
+        full = TrainBatch(ids, mask, torch.empty(B, T, len(self.target.aux_layer_ids) * H, **meta),
+                          torch.empty(B, T, H, **meta), torch.empty(B, T, dtype=torch.long, device="meta"))
+        return sp_slice_batch(full, sp_rank, self.groups.sp_size, self.ttt_length)
+
+
+_FEATURES = ("aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")  # what the SP exchange sends
 
 
 class _PlanQueue:
