@@ -519,10 +519,11 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dtype=bfloat16")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="evaluate a draft even if it records another target, or model.aux_layer_ids differs from its own")
-    from specforge.engines.serve_eval import add_arguments
+    from specforge.engines.serve_eval import add_arguments, engine_settings
 
     add_arguments(ap)  # --engine llama.cpp and its settings
     args = ap.parse_args(argv)
+    engine_settings(args)  # every --engine-* value, before a server (or anything else) starts
     for flag, value, low in (("--chain", args.chain, 1), ("--num-prompts", args.num_prompts, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2),
                              ("--threads", args.threads, 1)):

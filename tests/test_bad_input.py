@@ -588,6 +588,23 @@ def test_eval_argument_ranges(flag, value):
         ev._parse_args(["--draft", "prompt-lookup", flag, value])
 
 
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--engine-n-max", "0", "integers >= 1"), ("--engine-n-max", "2,-1", "integers >= 1"),
+    ("--engine-n-max", "two", "integers >= 1"), ("--engine-n-max", ",", "integers >= 1"),
+    ("--engine-p-min", "1.5", r"probabilities in \[0, 1\]"), ("--engine-p-min", "x", r"probabilities in \[0, 1\]"),
+])
+def test_engine_values_are_checked_before_a_server_starts(flag, value, needle, monkeypatch):
+    """llama-server dies at once on --spec-draft-n-max 0 and the eval could only report a dead
+    connection: the value is refused while the arguments are parsed, naming the flag."""
+    import specforge.engines.serve_eval as se
+    import specforge.eval as ev
+
+    monkeypatch.setattr(se, "find_server", lambda *a, **k: pytest.fail("a server was looked for"))
+    with pytest.raises(ValueError, match=rf"^{flag} {value}: expected comma-separated {needle}"):
+        ev.main(["--draft", "d", "--engine", "llama.cpp", flag, value])
+    assert ev._parse_args(["--draft", "d", "--engine-n-max", "1,3", "--engine-p-min", "0,0.5"])  # good values pass
+
+
 @pytest.mark.parametrize("override, pattern", [
     ("train.max_steps=0", r"'train\.max_steps'=0 must be >= 1 or null"),
     ("train.lr=0", r"'train\.lr'=0\.0 must be > 0$"),  # lr is not optional: the message offers no null

@@ -157,12 +157,24 @@ def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
     return kept or [top]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def _values(flag: str, text: str, kind, low: float, high: float, what: str) -> list:
+    """A comma-separated flag's values, each of ``kind`` in [low, high], or one error naming the flag."""
+    try:
+        values = [kind(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not low <= v <= high for v in values):
+        raise ValueError(f"{flag} {text}: expected comma-separated {what}, e.g. {flag} "
+                         f"{'1,2,3' if kind is int else '0,0.5'}")
+    return values
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def engine_settings(args) -> tuple[list[int], list[float]]:
+    """The ``--engine-n-max`` / ``--engine-p-min`` values, checked before anything starts (llama-server
+    exits at once on an n-max below 1 and would leave only a dead connection to report)."""
+    n_max = _values("--engine-n-max", args.engine_n_max, int, 1, 1 << 16, "integers >= 1 (draft tokens per round)")
+    p_min = _values("--engine-p-min", args.engine_p_min, float, 0.0, 1.0, "probabilities in [0, 1]")
+    return n_max, p_min
 
 
 def main(args, cfg) -> int:
@@ -171,6 +183,7 @@ def main(args, cfg) -> int:
     from specforge.eval import check_drafts, eval_prompts, heldout_rows
     from specforge.models.target import load_tokenizer, resolve_target_path
 
+    n_max, p_min = engine_settings(args)  # every --engine-* value before a server starts
     find_server()  # the install command before anything slow happens
     drafts = [d for d in args.draft if d != "prompt-lookup"]
     if len(drafts) != len(args.draft):
@@ -195,8 +208,8 @@ def main(args, cfg) -> int:
     if not prompts:
         raise ValueError("no held-out prompt fits; raise --max-prompt-tokens or data.num_eval")
     threads = args.threads or cfg.train.num_threads
-    rows = evaluate_engine(target_dir, drafts, prompts, args.max_new_tokens, _ints(args.engine_n_max),
-                           _floats(args.engine_p_min), args.engine_target_type, args.engine_draft_type, threads)
+    rows = evaluate_engine(target_dir, drafts, prompts, args.max_new_tokens, n_max, p_min,
+                           args.engine_target_type, args.engine_draft_type, threads)
     print(f"llama.cpp llama-server (specforge.engines.llamacpp), target {cfg.model.target_path} as "
           f"{args.engine_target_type} GGUF, drafts {args.engine_draft_type}, {threads or 'all'} threads, "
           f"{len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy")
