@@ -28,7 +28,6 @@ def run(cfg: Config) -> Optional[Path]:
 
     check(cfg)
     check_run(cfg)  # the config against the target's config.json, before the target loads
-    keep_old_checkpoints(cfg)
     if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
     local = single_process(cfg)
@@ -37,6 +36,7 @@ def run(cfg: Config) -> Optional[Path]:
     data = prepare(local, use_gpu=use_gpu)
     cluster = LocalCluster(local, data)
     plan = Planner(local, data, cluster.layout)
+    keep_old_checkpoints(cfg)  # every check passed: only now may a fresh start move old checkpoints aside
     logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
     try:
         restore_rows(local, cluster, plan, logger, latest_checkpoint(checkpoint_root(cfg)))

@@ -247,7 +247,6 @@ def fit(cfg: Config) -> Optional[str]:
 
     check(cfg)
     check_placement(cfg)  # the config against the target's config.json and, if Ray starts here, the cores
-    keep_old_checkpoints(cfg)
     if skipped := not_applied(cfg, cfg.placement.mode):
         print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
     started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
@@ -260,6 +259,7 @@ def fit(cfg: Config) -> Optional[str]:
         if cluster.start_step:
             print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
         plan = Planner(cfg, data, cluster.layout)  # refuses an in-flight budget below one step: before any save
+        keep_old_checkpoints(cfg)  # every check passed: only now may a fresh start move old checkpoints aside
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
         restore_rows(cfg, cluster, plan, logger, latest_checkpoint(checkpoint_root(cfg)))
         failed: Optional[WorkerError] = None

@@ -696,3 +696,14 @@ def test_bench_ttt_measures_the_precision_training_runs(monkeypatch):
         monkeypatch.setattr(dev, "cpu_fast_bf16", lambda v=fast_bf16: v)
         assert bench.pick_amp("auto") is want and dev.autocast_dtype("auto", torch.device("cpu")) is want
     assert bench.pick_amp("fp32") is None and bench.pick_amp("bf16") is torch.bfloat16
+
+
+def test_a_fresh_start_that_fails_a_check_moves_nothing(assets, tmp_path):  # noqa: F811
+    """checkpoint.resume=false moves old checkpoints aside only once every check of the run has
+    passed: a run refused on a missing feature store leaves the folder exactly as it was."""
+    root = _single(assets, tmp_path)
+    before = _hashes(root)
+    with pytest.raises(Exception, match=r"(?i)store|features"):
+        _single(assets, tmp_path, "checkpoint.resume=false", "placement.mode=offline",
+                f"store.dir={tmp_path / 'no-store'}")
+    assert not list(root.glob("previous-*")) and _hashes(root) == before
