@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Train an EAGLE-3 draft, then measure it with real speculative decoding against the target alone.
 #
-#   bash scripts/train_eagle3.sh [--config configs/<run>.yaml] [dotted.overrides=...]
+#   bash scripts/train_eagle3.sh [--config configs/<run>.yaml] [--with-llamacpp] [dotted.overrides=...]
+#
+# --with-llamacpp (or WITH_LLAMACPP=1): if llama.cpp's llama-server is not built yet, build it in the
+# background at low priority (nice 19) while the draft trains, so the run ends with its rows too
+# (the build takes ~5 min on 2 idle cores; beside training, both take longer).
 #
 # Installs into .venv first if it is missing (set SKIP_INSTALL=1 to skip). With no --config it runs
 # the embedded default (SmolLM2-135M-Instruct + ShareGPT, CPU/gloo), whose recipe is offline:
@@ -21,7 +25,14 @@ VENV=${VENV:-.venv}
 if [ -z "${SKIP_INSTALL:-}" ] && [ ! -x "$VENV/bin/python" ]; then bash scripts/install.sh; fi
 PY="$VENV/bin/python"
 CONFIG=configs/smollm2-135m-cpu.yaml
-if [ "${1:-}" = "--config" ]; then CONFIG=$2; shift 2; fi
+WITH_LLAMACPP=${WITH_LLAMACPP:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) CONFIG=$2; shift 2 ;;
+    --with-llamacpp) WITH_LLAMACPP=1; shift ;;
+    *) break ;;
+  esac
+done
 start=$(date +%s)
 phase() { echo; echo "== $1 ($(( ($(date +%s) - start) / 60 )) min since start)"; }
 
@@ -40,6 +51,15 @@ EOF
 ) || exit 1
 read -r MODE FILL OUT <<< "$SETTINGS"
 
+llamacpp_installed() { "$PY" -c 'import sys; from specforge.engines.llamacpp import installed; sys.exit(0 if installed() else 1)'; }
+BUILD_PID=
+BUILD_LOG=${TMPDIR:-/tmp}/specforge-llamacpp-build-$$.log
+if [ -n "$WITH_LLAMACPP" ] && ! llamacpp_installed; then
+  echo "llama.cpp: building llama-server in the background (nice 19) while the draft trains; log: $BUILD_LOG"
+  VENV="$VENV" nice -n 19 bash scripts/install_llamacpp.sh >"$BUILD_LOG" 2>&1 &
+  BUILD_PID=$!
+fi
+
 if [ "$MODE" = offline ]; then
   phase "1/3 data: store.fill=$FILL"
   "$PY" -m "specforge.$FILL" --config "$CONFIG" "$@"
@@ -56,15 +76,20 @@ if [ -z "$CKPT" ]; then echo "error: no checkpoint under $OUT to evaluate" >&2; 
 phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out prompts"
 "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --draft prompt-lookup --num-prompts "${EVAL_PROMPTS:-16}" "$@"
 # The same draft served by llama.cpp's llama-server, when it is installed (optional component).
-if "$PY" -c 'import sys; from specforge.engines.llamacpp import installed; sys.exit(0 if installed() else 1)'; then
+if [ -n "$BUILD_PID" ]; then
+  phase "3b: waiting for the background llama.cpp build ($BUILD_LOG)"
+  wait "$BUILD_PID" || { tail -5 "$BUILD_LOG" >&2; echo "warning: the llama.cpp build failed (log: $BUILD_LOG)" >&2; }
+fi
+if llamacpp_installed; then
   # the build is cached per machine; this venv may still lack the converter's Python deps (instant when cached)
   VENV="$VENV" bash scripts/install_llamacpp.sh >/dev/null
   phase "3b eval: $CKPT served by llama.cpp (llama-server, greedy, the same held-out prompts)"
   "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --engine llama.cpp --num-prompts "${EVAL_PROMPTS:-16}" "$@" \
     || echo "warning: the llama.cpp rows failed (see above); the draft and the rows above stand" >&2
 else
-  echo; echo "llama.cpp rows: not installed. Run \`bash scripts/install_llamacpp.sh\` (once, ~10 min), then"
+  echo; echo "llama.cpp rows: not installed. Run \`bash scripts/install_llamacpp.sh\` (once, ~5 min on 2 idle cores), then"
   echo "  $PY -m specforge.eval --config $CONFIG --draft $CKPT --engine llama.cpp"
+  echo "or rerun this script with --with-llamacpp to build it in the background while the draft trains."
 fi
 echo; echo "dashboards of $RUN/metrics.jsonl (wandb draws the same as train_vs_heldout/*):"
 echo "$PLOTS" | sed 's/^/  /'

@@ -707,3 +707,26 @@ def test_a_fresh_start_that_fails_a_check_moves_nothing(assets, tmp_path):  # no
         _single(assets, tmp_path, "checkpoint.resume=false", "placement.mode=offline",
                 f"store.dir={tmp_path / 'no-store'}")
     assert not list(root.glob("previous-*")) and _hashes(root) == before
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_default_script_offers_a_background_llamacpp_build(tmp_path, flag):
+    """--with-llamacpp starts the llama.cpp build in the background, at low priority, before the
+    draft trains (here a fake ``nice`` records the command instead of building, and a missing data
+    file ends the run at once); without the flag nothing is built."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nice").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/nice-args\n')
+    (fake / "nice").chmod(0o755)
+    env = dict(os.environ, SKIP_INSTALL="1", VENV=sys.prefix, PATH=f"{fake}:{os.environ['PATH']}",
+               SPECFORGE_LLAMACPP_DIR=str(tmp_path / "no-llamacpp"))
+    args = ["--with-llamacpp"] if flag else []
+    out = subprocess.run(["bash", "scripts/train_eagle3.sh", *args, f"data.path={tmp_path / 'missing.jsonl'}",
+                          f"train.output_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0  # the missing data file
+    if flag:
+        assert "building llama-server in the background (nice 19)" in out.stdout, out.stdout[-2000:]
+        assert (tmp_path / "nice-args").read_text().split() == ["-n", "19", "bash", "scripts/install_llamacpp.sh"]
+    else:
+        assert "background" not in out.stdout and not (tmp_path / "nice-args").exists()
