@@ -15,8 +15,9 @@ the permissions a plain mkdir/open would (umask applied), not mkdtemp's 0700, so
 server running as another user can read them. Resume restores the fp32 master weights from the
 training state (the served file may be bf16), so it continues exactly. ``CheckpointManager`` is the one
 component the single-process trainer and the Ray train workers save and resume with, plain or
-FSDP2-sharded alike: full weights and full optimizer state are gathered by torch's distributed
-state-dict API (collective over the train ranks) and written by one rank.
+FSDP2-sharded alike: full weights (not the frozen embedding) and full optimizer state are gathered,
+shard by shard, into the host memory of the one rank that writes (``parallel/fsdp.py``; collective
+over the train ranks): the other ranks hold and copy nothing.
 """
 
 from __future__ import annotations
@@ -301,24 +302,23 @@ class CheckpointManager:
     def save(self, trainer, rows: Sequence[dict] = ()) -> Optional[Path]:
         """Write the trainer's current step; the folder on the writer, None elsewhere or if saved.
         ``rows``: the newest metric rows (``recorded_rows`` reads them back when resuming)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        from specforge.parallel.fsdp import full_state_dict
+        from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, is_first_rank
 
         if trainer.step_count == self.saved_step:
             return None
         draft = trainer.draft
+        assert self.writer == is_first_rank(draft), "the writer must be the FSDP mesh's first rank (where the gathers land)"
         keys = set(draft.export_state_dict())  # the SGLang keys (sharded entries: no gather)
-        weights = {k: v for k, v in full_state_dict(draft).items() if k in keys}  # {} except on the writer
-        # cpu_offload=True would keep the optimizer state on GLOBAL rank 0 only, a rollout rank when
-        # disaggregated; so every train rank gathers it (one layer + lm_head: small).
-        optim = get_optimizer_state_dict(draft, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
+        # Both gathers are collective and land in the writer's host memory only ({} elsewhere); the
+        # frozen target embedding is not saved, so it is not copied either.
+        weights = {k: v for k, v in full_state_dict(draft, include_frozen=False).items() if k in keys}
+        optim = full_optimizer_state(draft, trainer.optimizer)
         self.saved_step = trainer.step_count
         if not self.writer:
             return None
         step = trainer.step_count
         state = {"step": step, "optimizer": optim, "full_optimizer_state": True,
-                 "model": {k: v.detach().to("cpu") for k, v in weights.items()},  # fp32 master weights
+                 "model": weights,  # fp32 master weights, in host memory
                  "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng(), "identity": self.identity,
                  "recent_rows": [dict(r) for r in rows if r["step"] <= step]}
         if "global_batch" in self.identity:
