@@ -444,6 +444,10 @@ def validate(cfg: Config) -> None:
         errors.append("config keys 'train.max_steps' and 'train.epochs' may not both be null (nothing would stop training)")
     if len(cfg.train.betas) != 2 or not all(0 <= b < 1 for b in cfg.train.betas):
         errors.append(f"config key 'train.betas'={cfg.train.betas!r} must be two values in [0, 1)")
+    if cfg.train.precision == "fp16":  # before any worker starts; "auto" never trains in fp16 (DraftTrainer)
+        errors.append("config key 'train.precision'='fp16' is refused: fp16 training needs loss scaling, which the "
+                      "trainer does not do (small gradients would flush to zero); use 'bf16' (fp32's exponent range, "
+                      "no scaling needed), or 'fp32' on a GPU without bf16")
     errors += algorithm_key_errors(cfg)
     if cfg.model.aux_layer_ids is not None:
         errors += aux_layer_errors(cfg.model.aux_layer_ids, count=3 if cfg.draft.algorithm == "eagle3" else None)

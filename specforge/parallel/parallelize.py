@@ -30,7 +30,8 @@ from specforge.parallel.dims import ParallelDims, ParallelGroups
 from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy, full_state_dict
 from specforge.parallel.sp import apply_sp
 
-__all__ = ["ParallelDims", "ParallelGroups", "parallelize_draft", "sum_over_train_ranks", "full_state_dict"]
+__all__ = ["ParallelDims", "ParallelGroups", "parallelize_draft", "mixed_precision", "sum_over_train_ranks",
+           "full_state_dict"]
 
 
 def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[ParallelGroups], cfg) -> nn.Module:
@@ -41,11 +42,18 @@ def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[Par
     if dims.sp > 1:
         apply_sp(draft, groups.ulysses_group, groups.ring_group)
     # 2. FSDP2 over all dp*sp train ranks, gradients summed
-    mp = None
-    if groups.device.type == "cuda" and autocast_dtype(cfg.train.precision, groups.device) == torch.bfloat16:
-        mp = bf16_mp_policy()
-    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mp, sum_gradients=True)
+    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(cfg.train.precision, groups.device), sum_gradients=True)
     return draft
+
+
+def mixed_precision(precision: str, device: torch.device):
+    """FSDP2's policy for ``train.precision`` on ``device``: bf16 params and compute with fp32
+    gradient reduction on a GPU computing in bf16 (the all-gathers move half the bytes); None
+    elsewhere: on the CPU the params stay fp32 and autocast does the bf16 compute (the policy
+    itself works there too: tests/test_mixed_precision.py runs it on gloo against fp32)."""
+    if device.type == "cuda" and autocast_dtype(precision, device) == torch.bfloat16:
+        return bf16_mp_policy()
+    return None
 
 
 def sum_over_train_ranks(groups: Optional[ParallelGroups]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -116,7 +116,13 @@ class DraftTrainer:
         self.draft, self.cfg, self.device, self.reduce_sum, self.algorithm = draft, cfg, device, reduce_sum, algorithm
         # small (EAGLE-3: N x H) and fp32; autocast casts it down where it runs
         self.state = state.to(device, torch.float32) if hasattr(state, "to") else state
+        # fp16 would need loss scaling (none here): config validation refuses train.precision=fp16, and
+        # "auto" on a GPU without bf16 (where autocast_dtype picks fp16) trains in fp32
         self.amp_dtype = autocast_dtype(cfg.train.precision, device)
+        if self.amp_dtype == torch.float16:
+            if cfg.train.precision == "fp16":
+                raise ValueError("config key 'train.precision'='fp16' is refused (no loss scaling); use 'bf16'")
+            self.amp_dtype = None
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train, total_steps or cfg.train.max_steps)
         self.step_count = 0
 
