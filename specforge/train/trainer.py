@@ -19,7 +19,7 @@ import torch
 
 from specforge.config import ALGORITHM_KEYS, Config
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
-from specforge.device import autocast, autocast_dtype
+from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.target import TargetModel, capture
 from specforge.train.batch import TrainBatch, collate, pad_id
 from specforge.train.checkpoint import tensor_digest
@@ -127,16 +127,17 @@ class DraftTrainer:
         self.step_count = 0
 
     def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
-        """Run the loss over ``micro_batches`` (backward too when training); the summed counters."""
+        """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
+        on the trainer's device (summed there: no host sync per micro-batch)."""
         algo = self.algorithm
-        counts = torch.zeros(algo.counts_shape(self.cfg), dtype=torch.float64)
+        counts = torch.zeros(algo.counts_shape(self.cfg), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             mb = _compute_dtype(mb.to(self.device), self.amp_dtype)
             with autocast(self.device, self.amp_dtype):
                 loss, c = algo.loss(self.draft, mb, self.state, self.cfg, self.step_count, normalizer)
             if torch.is_grad_enabled():
                 loss.backward()
-            counts[: c.shape[0]] += c.cpu()
+            counts[: c.shape[0]] += c.to(self.device)
         return self.reduce_sum(counts)
 
     def step(self, micro_batches: Sequence[TrainBatch]) -> dict[str, float]:
@@ -155,13 +156,17 @@ class DraftTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
-        out = self.algorithm.metrics(counts, cfg)
-        gn = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # the step's one read of device values: counters and gradient norm in one copy to the host
+        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        host = torch.cat([counts.reshape(-1), gn.reshape(1).to(counts)]).cpu()
+        synchronize(self.device)  # train_ms: the optimizer step has finished, not just been launched
+        train_ms = (time.perf_counter() - t0) * 1000
+        out = self.algorithm.metrics(host[:-1].view(counts.shape), cfg)
         out.update(
             lr=self.scheduler.get_last_lr()[0],
-            grad_norm=gn,
+            grad_norm=host[-1].item(),
             tokens=float(sum(mb.num_tokens for mb in micro_batches)),
-            train_ms=(time.perf_counter() - t0) * 1000,
+            train_ms=train_ms,
         )
         return out
 
