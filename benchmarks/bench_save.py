@@ -1,6 +1,6 @@
 """Checkpoint saves of an FSDP2-sharded draft: host memory per rank, the writer vs the other rank.
 
-    python benchmarks/bench_save.py [--no-readme]
+    python benchmarks/bench_save.py [--repeats 3] [--no-readme]
 
 2 train ranks (spawned processes, gloo, ``parallelize_draft`` with dp=2), the SmolLM2-135M-shaped
 EAGLE-3 draft of ``bench_ttt.py`` (hidden 576, target vocab 49152: a frozen, replicated embedding
@@ -20,7 +20,9 @@ while the files are written); "largest new" = the largest tensor any op creates 
 gathers (views excluded; a TorchDispatchMode sees every op, collectives included); "peak RSS
 gather" / "peak RSS save" = the rise of the process's resident-set high-water mark (reset through
 /proc/self/clear_refs) over the RSS just before, for the gathers alone and for the whole save
-(gathers + the writer's bf16 safetensors and torch.save), each in fresh processes. On a GPU the same gathers put
+(gathers + the writer's bf16 safetensors and torch.save), each in fresh processes; the median
+of ``--repeats`` runs (range in parentheses: RSS peaks move by tens of MB from run to run with
+the allocator's arenas; held bytes and tensor sizes do not move). On a GPU the same gathers put
 "before"'s full state on every rank's device; "after" holds one full tensor at a time on the
 writer's device only (the gather target) and one shard on the others; this machine has none.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -153,16 +156,26 @@ def measure(method: str, phase: str) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
     info = machine_info()
     info["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    results = {m: [{**g, "save_peak_mb": s["peak_mb"]} for g, s in zip(measure(m, "gather"), measure(m, "save"))]
-               for m in METHODS}
+    results = {m: [[] for _ in range(2)] for m in METHODS}
+    for _ in range(args.repeats):  # interleaved, so that background load touches both methods alike
+        for m in METHODS:
+            for r, (g, sv) in enumerate(zip(measure(m, "gather"), measure(m, "save"))):
+                results[m][r].append({**g, "save_peak_mb": sv["peak_mb"]})
     info["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    rows = [[m, "0 (writer)" if r == 0 else "1", f"{x['held_mb']:.1f}", f"{x['largest_mb']:.1f}",
-             f"{x['peak_mb']:.0f}", f"{x['save_peak_mb']:.0f}"]
-            for m in METHODS for r, x in enumerate(results[m])]
+
+    def cell(runs: list[dict], key: str, fmt: str) -> str:
+        vals = sorted(x[key] for x in runs)
+        med = format(statistics.median(vals), fmt)
+        return med if len(vals) == 1 or vals[0] == vals[-1] else f"{med} ({vals[0]:{fmt}}-{vals[-1]:{fmt}})"
+
+    rows = [[m, "0 (writer)" if r == 0 else "1", cell(runs, "held_mb", ".1f"), cell(runs, "largest_mb", ".1f"),
+             cell(runs, "peak_mb", ".0f"), cell(runs, "save_peak_mb", ".0f")]
+            for m in METHODS for r, runs in enumerate(results[m])]
     table = markdown_table(["save", "rank", "held MB", "largest new tensor MB", "peak RSS gather MB",
                             "peak RSS save MB"], rows)
     print(header_markdown(info))
@@ -175,7 +188,8 @@ def main() -> int:
                 "copied on every rank); after = gathered shard by shard to the writer's host memory, frozen weights "
                 "left out. held = what the gathers return on the rank; largest new tensor = the largest any op "
                 "creates during them; peak RSS = rise of the resident high-water mark over the RSS just before "
-                "(gathers alone; the whole save incl. the writer's files). See the script's docstring.\n\n"
+                "(gathers alone; the whole save incl. the writer's files); median of "
+                f"{args.repeats} runs (range). See the script's docstring.\n\n"
                 f"{table}\n")
         append_section("Saves", body)
     return 0
