@@ -177,6 +177,10 @@ class RayConfig:
     # them (ray start --resources='{"rollout_node": 8}'); e.g. {rollout_node: 1}. {} = anywhere.
     rollout_resources: dict[str, float] = field(default_factory=dict)
     train_resources: dict[str, float] = field(default_factory=dict)
+    # Memory of one GPU the workers get, in GiB: the driver refuses a run whose predicted peak on a
+    # device (specforge/memory.py) exceeds it, before any worker starts. None = this machine's first
+    # CUDA device when the run uses GPUs; no check without one (e.g. a driver off the GPU nodes).
+    gpu_memory_gib: Optional[float] = None
 
 
 @dataclass
