@@ -51,7 +51,7 @@ METHODS = ("before", "after")
 def _status_mb(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
+            return int(line.split()[1]) / 1024  # kB -> MiB
     raise KeyError(field)
 
 
@@ -141,7 +141,7 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
                      "scheduler": trainer.scheduler.state_dict(), "rng": capture_rng()}
             save_or_rescue(Path(out_dir, "ckpt"), 1, trainer.algorithm.hf_config(draft), weights, state)
         out = {}
-    out["peak_mb"] = _status_mb("VmHWM") - base
+    out["peak_mb"] = max(0.0, _status_mb("VmHWM") - base)  # a rise; RSS may also have dropped
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -176,8 +176,8 @@ def main() -> int:
     rows = [[m, "0 (writer)" if r == 0 else "1", cell(runs, "held_mb", ".1f"), cell(runs, "largest_mb", ".1f"),
              cell(runs, "peak_mb", ".0f"), cell(runs, "save_peak_mb", ".0f")]
             for m in METHODS for r, runs in enumerate(results[m])]
-    table = markdown_table(["save", "rank", "held MB", "largest new tensor MB", "peak RSS gather MB",
-                            "peak RSS save MB"], rows)
+    table = markdown_table(["save", "rank", "held MiB", "largest new tensor MiB", "peak RSS gather MiB",
+                            "peak RSS save MiB"], rows)
     print(header_markdown(info))
     print(table)
     if not args.no_readme:
