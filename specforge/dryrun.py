@@ -9,10 +9,13 @@ The target's config.json comes from ``--target-config FILE`` if given, else from
 (``<org>--<name>.json``, see its README) before trying the hub, so a GPU config can be checked on a
 machine without network.
 
-Counted: weights (target: ``model.dtype``; draft: fp32 master weights, as FSDP2 keeps them) and the
-draft's AdamW state (fp32 gradient + 2 moments per trainable parameter), sharded by FSDP2 over the
-train workers, plus the frozen train state (EAGLE-3's teacher rows, fp32). Not counted: activations,
-the KV cache, the CUDA context, communication buffers: leave room for them.
+Counted per device at its peak (``specforge/memory.py``, term by term): weights as FSDP2 places
+them (the draft's trainable params, fp32 master weights and AdamW state sharded over the train
+workers; its frozen copy of the target's embedding whole on every rank), the frozen train state,
+FSDP2's unsharded params/grads and reduce-scatter buffer, one micro-batch's activations, the step's
+features and receive buffers, the in-flight budget, the target's capture forward, a save, and
+allowances for the CUDA context, NCCL and allocator fragmentation. Held against the GPU's memory
+(``ray.gpu_memory_gib``, or this machine's GPU, or an 80 GB H100 when there is neither).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from specforge import memory
 from specforge.config import Config, EMBEDDED_TARGET
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
@@ -33,6 +37,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
 SHIPPED_BITS = {"mxfp4": 4.25, "fp8": 8.0, "fbgemm_fp8": 8.0}
 OPTIMIZER_BYTES = 12  # per trainable parameter: fp32 gradient + AdamW's two fp32 moments
 MASTER_BYTES = 4  # per draft parameter: fp32 weights
+H100_80GB = 81559 * 2**20  # what an 80 GB H100 reports (nvidia-smi: 81559 MiB): the verdict without a GPU or key
 
 
 @dataclass
@@ -49,7 +54,9 @@ class DryRun:
     draft_frozen: list[str]  # the draft's frozen parameters (copies of target weights), by name
     placement: str
     workers: dict[str, int]  # role -> how many
-    per_device: dict[str, int] = field(default_factory=dict)  # role -> bytes on its fullest device while training
+    per_device: dict[str, int] = field(default_factory=dict)  # role -> weights + optimizer on its fullest device
+    memory: list = field(default_factory=list)  # memory.DeviceMemory per kind of device: every term, the peak
+    available: Optional[int] = None  # bytes one GPU has (ray.gpu_memory_gib / this machine's GPU), if known
     target_split: list[int] = field(default_factory=list)  # model.num_gpus > 1: the target's bytes on each GPU
     quantized: Optional[str] = None  # the checkpoint's quant_method, if it ships quantized weights
     shipped_bytes: Optional[int] = None  # its weights as shipped (SHIPPED_BITS), where the GPU keeps them so
@@ -192,15 +199,13 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     d_train = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     frozen = [name for name, p in draft.named_parameters() if not p.requires_grad]
     s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))  # DraftTrainer holds it in fp32
-    shards = cfg.train.num_workers  # FSDP2 shards the draft over every dp x sp train rank
-    draft_per_rank = -(-(MASTER_BYTES * d_params + OPTIMIZER_BYTES * d_train) // shards) + s_bytes
+    shards = cfg.train.num_workers  # FSDP2 shards the trainable draft over every dp x sp train rank
+    frozen_bytes = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
+    # the frozen params (the target's embedding) are FSDP2's ignored_params: a full replica on every rank
+    draft_per_rank = -(-((MASTER_BYTES + OPTIMIZER_BYTES) * d_train) // shards) + frozen_bytes + s_bytes
 
     mode = cfg.placement.mode  # single process: colocated or offline (runtime.loop.single_process)
-    split = []  # the plan load_target uses for model.num_gpus GPUs (offline runs no target forward)
-    if cfg.model.num_gpus > 1 and mode != "offline":
-        from specforge.models.target import split_plan
-
-        split = list(split_plan(hf_config, cfg.model.num_gpus, dtype, target.model)[1].values())
+    split = _target_split(cfg, hf_config, dtype, target)
     on_gpus = split or [t_bytes]  # the target's bytes on each GPU of a worker that runs it
     workers = {"train": cfg.train.num_workers}
     per_device = {"train": draft_per_rank}
@@ -212,6 +217,8 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
 
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
     use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    devices = memory.plan(cfg, target, draft, s_bytes, on_gpus, _on_gpus(cfg))
+    available = memory.available_bytes(cfg)[0]
     spec = FeatureSpec.eagle3(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
     per_token = spec.bytes_per_token()
     report = DryRun(
@@ -220,10 +227,39 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
         draft_frozen=frozen,
         placement=f"single process ({mode})" if single_process else mode, workers=workers, per_device=per_device,
         target_split=split, quantized=quantized, shipped_bytes=shipped, global_batch=global_batch,
+        memory=devices, available=available,
         max_tokens=cfg.data.max_length, feature_bytes_per_token=per_token,
         feature_bytes_per_step=global_batch * cfg.data.max_length * per_token)
     _print(cfg, report, family_of(hf_config), dims)
     return report
+
+
+def _target_split(cfg: Config, hf_config, dtype: torch.dtype, target) -> list[int]:
+    """The target's bytes on each of ``model.num_gpus`` GPUs (the plan load_target uses; [] for one
+    GPU, and offline, where no target runs a forward)."""
+    if cfg.model.num_gpus <= 1 or cfg.placement.mode == "offline":
+        return []
+    from specforge.models.target import split_plan
+
+    return list(split_plan(hf_config, cfg.model.num_gpus, dtype, target.model)[1].values())
+
+
+def _on_gpus(cfg: Config) -> bool:
+    """Whether the workers run on GPUs (``ray.gpu_memory_gib`` set says they do)."""
+    from specforge.device import wants_gpu
+
+    return wants_gpu(cfg.model.device) or cfg.ray.gpu_memory_gib is not None
+
+
+def memory_plan(cfg: Config, target_config: Optional[str] = None) -> list:
+    """``memory.plan`` of ``cfg`` from the target's config.json alone (the meta models the dry run
+    builds): each kind of device at its peak, for the driver's check before any worker starts."""
+    hf_config, _ = read_target_config(cfg, target_config)
+    dtype = _target_dtype(cfg)
+    target, draft, state = meta_models(cfg, hf_config, dtype)
+    shares = _target_split(cfg, hf_config, dtype, target) or [_nbytes(target.model.parameters())]
+    s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))
+    return memory.plan(cfg, target, draft, s_bytes, shares, _on_gpus(cfg))
 
 
 def _print(cfg: Config, r: DryRun, family, dims) -> None:
@@ -239,13 +275,14 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
               f"{r.target_dtype} (model.dtype), as transformers dequantizes it where they do not")
     frozen = f"; the rest are frozen copies of target weights: {', '.join(r.draft_frozen)}" if r.draft_frozen else ""
     print(f"draft   {cfg.draft.algorithm}: {r.draft_params:,} parameters ({r.draft_trainable:,} trainable{frozen}); "
-          "fp32 weights + AdamW = "
-          f"{MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable:,} bytes, "
-          f"sharded over {cfg.train.num_workers} train worker(s); train state {r.state_bytes:,} bytes")
+          f"trainable: fp32 weights + grad + AdamW = {(MASTER_BYTES + OPTIMIZER_BYTES) * r.draft_trainable:,} bytes, "
+          f"sharded over {cfg.train.num_workers} train worker(s); frozen: "
+          f"{MASTER_BYTES * (r.draft_params - r.draft_trainable):,} bytes (fp32) whole on each; "
+          f"train state {r.state_bytes:,} bytes")
     roles = " + ".join(f"{n} {role}" for role, n in r.workers.items())
     print(f"placement {r.placement}: {roles} worker(s) (dp {dims.dp} x sp {dims.sp})")
     target = "the target" if not r.target_split else "its share of the target"
-    holds = {"rollout": target, "train": "its draft shard + the train state"
+    holds = {"rollout": target, "train": "its draft shard + the frozen draft params + the train state"
              + (f" + {target}" if cfg.placement.mode == "colocated" else "")}
     if r.target_split:
         who = "rollout" if "rollout" in r.per_device else "train"
@@ -264,7 +301,29 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
           f"{cfg.train.grad_accum} x dp {dims.dp}) of up to {r.max_tokens:,} tokens; features "
           f"{r.feature_bytes_per_token:,} B/token = up to {r.feature_bytes_per_step:,} bytes "
           f"({_gib(r.feature_bytes_per_step)}) per step")
-    print("not counted: activations, KV cache, CUDA context, communication buffers")
+    _print_memory(cfg, r)
+
+
+def _print_memory(cfg: Config, r: DryRun) -> None:
+    """Each kind of device at its peak: held terms, the peak phase's terms, the other phases' totals,
+    and whether it fits the GPU (``ray.gpu_memory_gib``, this machine's, or an 80 GB H100)."""
+    available, where = memory.available_bytes(cfg)
+    if available is None and _on_gpus(cfg):
+        available, where = H100_80GB, "an 80 GB H100 (no GPU here and ray.gpu_memory_gib unset)"
+    print("memory per device at its peak (specforge/memory.py: held through the run + the largest phase):")
+    for dev in r.memory:
+        verdict = "" if available is None else \
+            f": {'fits' if dev.peak <= available else 'DOES NOT FIT'} in {available / memory.GiB:,.1f} GiB of {where}"
+        print(f"  {dev.device} (x{dev.count}): peak {dev.peak / memory.GiB:,.2f} GiB at '{dev.peak_phase}'{verdict}")
+        for label, terms in (("held", dev.held), (dev.peak_phase, dev.phases.get(dev.peak_phase, []))):
+            print(f"    {label}: {sum(t.nbytes for t in terms) / memory.GiB:,.2f} GiB")
+            for t in terms:
+                print(f"      {t.nbytes / memory.GiB:9.2f}  {t.name}")
+        others = [f"{name} {dev.held_bytes / memory.GiB + dev.phase_bytes(name) / memory.GiB:,.1f}"
+                  for name in dev.phases if name != dev.peak_phase]
+        if others:
+            print(f"    other phases (peak GiB): {', '.join(others)}")
+    print("not counted: the KV cache of generation (regenerate/eval, other commands); allowances as stated above")
 
 
 def with_dry_run_flags(ap) -> None:

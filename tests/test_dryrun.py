@@ -51,7 +51,10 @@ def test_gpu_config_dry_run(name, capsys):
     cfg = load_config(CONFIGS / name)
     r = dry_run(cfg)
     assert (r.target_params, r.target_bytes) == (params, nbytes)
-    shard = -(-(MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable) // cfg.train.num_workers)
+    # FSDP2 shards the trainable params (fp32 weights + grad + AdamW m, v); the frozen embedding is
+    # ignored_params: whole on every rank (fp32, as the draft is built)
+    frozen = 4 * (r.draft_params - r.draft_trainable)
+    shard = -(-((MASTER_BYTES + OPTIMIZER_BYTES) * r.draft_trainable) // cfg.train.num_workers) + frozen
     hidden = text_config(read_target_config(cfg)[0]).hidden_size
     assert r.state_bytes == cfg.draft.vocab_size * hidden * 4  # EAGLE-3's teacher rows, fp32
     if placement == "disaggregated":
@@ -63,6 +66,24 @@ def test_gpu_config_dry_run(name, capsys):
     assert r.global_batch == cfg.train.batch_size * cfg.train.grad_accum * dp
     assert r.feature_bytes_per_step == r.global_batch * cfg.data.max_length * r.feature_bytes_per_token
     assert f"{r.per_device['train']:,} bytes" in out
+    # the peak of every device: the weights plus what a step adds, with a verdict against an 80 GB GPU
+    train = next(d for d in r.memory if d.device == "train GPU")
+    assert train.peak > r.per_device["train"] and train.count == cfg.train.num_workers
+    assert re.search(r"train GPU \(x\d+\): peak [\d.]+ GiB at '[a-z -]+': fits in 79\.6 GiB of an 80 GB H100", out)
+
+
+def test_the_frozen_embedding_is_counted_whole_on_every_train_rank():
+    """Gemma-3-27B's draft holds a frozen copy of the 262k x 5376 embedding (5.25 GiB in fp32) on every
+    train rank (FSDP2 ignored_params); dividing it by the 6 train workers, as the dry run once did,
+    printed 3.3 GiB per train GPU for weights + AdamW."""
+    cfg = load_config(CONFIGS / "gemma-3-27b.yaml")
+    r = dry_run(cfg)
+    embedding = 262208 * 5376 * 4
+    assert r.draft_params - r.draft_trainable == 262208 * 5376
+    assert r.per_device["train"] > embedding + r.state_bytes  # the old formula gave ~3.3 GiB: below the embedding
+    old = -(-(MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable) // cfg.train.num_workers) + r.state_bytes
+    assert old < embedding < r.per_device["train"]
+    assert 7.0 * 2**30 < r.per_device["train"] < 8.5 * 2**30  # ~7.7 GiB: embedding + shard + teacher rows
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gemma3"])
