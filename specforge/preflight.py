@@ -2,10 +2,12 @@
 
 ``check_run`` holds the config against the target's config.json (no weights are read) and, in
 offline mode, against the feature store's meta: a mistake there otherwise surfaces minutes later
-inside a Ray worker, or not at all (a checkpoint SGLang cannot serve). ``check_resources`` holds
-the CPUs/GPUs (and custom resources) the placement's workers request against what the Ray
-cluster, or this machine, has: more workers than cores starts them all and thrashes instead of
-failing. Both raise a ``ValueError`` naming the config keys and the numbers.
+inside a Ray worker, or not at all (a checkpoint SGLang cannot serve). ``check_memory`` (the Ray
+driver) holds each device's predicted peak against one GPU's memory: an out-of-memory otherwise
+shows in step 1, after the workers started. ``check_resources`` holds the CPUs/GPUs (and custom
+resources) the placement's workers request against what the Ray cluster, or this machine, has:
+more workers than cores starts them all and thrashes instead of failing. All raise a
+``ValueError`` naming the config keys and the numbers.
 """
 
 from __future__ import annotations
@@ -25,8 +27,22 @@ def check_placement(cfg: Config) -> None:
     to start Ray itself, the workers against this machine. (Ray prestarts a worker process per
     CPU it is given, so checking after it started would be too late.)"""
     check_run(cfg)
+    check_memory(cfg)
     if local := before_local_ray(cfg):
         check_resources(cfg, *local)
+
+
+def check_memory(cfg: Config) -> None:
+    """Each device's predicted peak (``specforge/memory.py``: the terms ``--dry-run`` prints) against
+    one GPU's memory (``ray.gpu_memory_gib``, else this machine's GPU when the run uses GPUs): a
+    ValueError naming the device, both figures and the keys that shrink it. Nothing to hold it
+    against (a CPU run; a driver off the GPU nodes without the key): no check."""
+    from specforge import memory
+    from specforge.dryrun import memory_plan
+
+    available, where = memory.available_bytes(cfg)
+    if available is not None:
+        memory.check_fits(memory_plan(cfg), available, where, cfg)
 
 
 def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]]:

@@ -1,0 +1,109 @@
+"""The memory model (specforge/memory.py) against a measurement, and the refusal it drives.
+
+* At two tiny shapes (EAGLE-3's TTT unroll, DFlash's blocks) the model's peak of a train step is
+  within 20% of the peak the CPU allocator reports for the same step (benchmarks/bench_memory.py's
+  method: the profiler's allocation events). Control: the dry run's old count (weights + AdamW,
+  no activations) is far outside that tolerance.
+* The driver refuses a config whose predicted peak exceeds ``ray.gpu_memory_gib`` with one error
+  line naming the device, both figures and the keys to change, before Ray starts; a GPU that holds
+  it passes; a DFlash or SP run names its own keys.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from specforge import memory
+from specforge.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "benchmarks" / "bench_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "dflash"])
+def test_model_matches_the_measured_peak(algo):
+    bench = _bench()
+    case = bench.Case(f"tiny {algo}", algo=algo, B=2, T=96, H=128, I=320, Hq=4, Hkv=2, D=32, V=2000, N=500,
+                      ttt=4, anchors=24, block=4)
+    measured = bench.measure(case)
+    dev = bench.predict(case)
+    predicted, _ = bench.predicted_peak(dev)
+    assert abs(predicted / measured - 1) < 0.20, (predicted, measured)
+    # control: what the dry run counted before (fp32 weights + AdamW, nothing transient) misses most of it
+    weights_and_adam = sum(t.nbytes for t in dev.held if "params" in t.name or "AdamW" in t.name)
+    assert weights_and_adam / measured < 0.5, (weights_and_adam, measured)
+
+
+def test_a_config_that_cannot_fit_is_refused_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    from specforge.ray_train import main
+    from tests.test_targets_train import overrides, target_folder
+
+    target_folder("llama", tmp_path)
+    capsys.readouterr()  # the tiny target's save progress bars
+    assert main(overrides(tmp_path) + ["ray.gpu_memory_gib=0.5"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: predicted peak "), err
+    assert "GiB on each train GPU" in err[0] and "0.5 GiB available (ray.gpu_memory_gib=0.5)" in err[0]
+    assert "train.batch_size" in err[0] and "data.max_length" in err[0]
+    assert not ray.is_initialized() and not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_the_check_passes_a_gpu_that_holds_it_and_names_the_device_that_does_not():
+    from specforge.dryrun import memory_plan
+    from specforge.preflight import check_memory
+
+    cfg = load_config(CONFIGS / "llama3.1-8b-instruct.yaml", ["ray.gpu_memory_gib=80"])
+    check_memory(cfg)  # fits an 80 GiB GPU
+    small, big = sorted(memory_plan(cfg), key=lambda d: d.peak)
+    assert {small.device, big.device} == {"train GPU", "rollout GPU"} and small.peak > 8 * memory.GiB
+    between = (small.peak + big.peak) / 2 / memory.GiB  # holds one kind of device, not the other
+    with pytest.raises(ValueError, match=rf"on each {big.device} .* exceeds the {between:.1f} GiB available"):
+        check_memory(load_config(CONFIGS / "llama3.1-8b-instruct.yaml", [f"ray.gpu_memory_gib={between:.2f}"]))
+    with pytest.raises(ValueError, match="must be > 0"):
+        check_memory(load_config(None, ["ray.gpu_memory_gib=0"]))
+
+
+def test_sequence_parallelism_divides_the_activations():
+    """Ulysses over 2 ranks halves the rows each rank computes: the causal-block probabilities (T^2)
+    halve too (heads split), the peak drops; the refusal names parallel.sp for EAGLE-3."""
+    from specforge.dryrun import memory_plan
+
+    def train(*extra):
+        cfg = load_config(CONFIGS / "qwen3-8b.yaml", list(extra))
+        return next(d for d in memory_plan(cfg) if d.device.startswith("train"))
+
+    one, two = train("parallel.sp_ulysses=1"), train("parallel.sp_ulysses=2")
+    probs = lambda d: next(t.nbytes for t in d.phases["forward end"] if "probabilities" in t.name)  # noqa: E731
+    assert abs(probs(one) / probs(two) - 2) < 0.05
+    assert two.peak < one.peak
+    with pytest.raises(ValueError, match="parallel.sp_ulysses"):
+        memory.check_fits([one], one.peak - 1, "test", load_config(CONFIGS / "qwen3-8b.yaml"))
+
+
+def test_frozen_parameters_are_whole_on_every_rank():
+    """FSDP2 keeps the frozen embedding whole (ignored_params): more train ranks shrink the trainable
+    shard, never the embedding (the dry run once divided both)."""
+    from specforge.dryrun import memory_plan
+
+    def held(n):
+        dev = memory_plan(load_config(CONFIGS / "gemma-3-27b.yaml", [f"train.num_workers={n}"]))[0]
+        return {t.name: t.nbytes for t in dev.held}
+
+    two, six = held(2), held(6)
+    frozen = "frozen draft params (full replica on every rank, fp32)"
+    assert two[frozen] == six[frozen] > 5 * memory.GiB  # 262k x 5376 fp32
+    assert abs(two["draft params (fp32, sharded over 2)"] / six["draft params (fp32, sharded over 6)"] - 3) < 0.01
