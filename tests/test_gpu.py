@@ -5,6 +5,8 @@ CPU everywhere else, so it runs unchanged on a GPU machine.
 What it checks, each against the CPU/single-process result the CPU suite already pins:
 * NCCL p2p, packed and field by field; a CPU tensor handed to an NCCL transfer is refused;
   completion under NCCL (``wait()`` returns at once; ``finish`` sees completion; abort ends it).
+* FSDP2's bf16 mixed precision on 2 GPUs against the fp32 step (tests/test_mixed_precision.py's
+  tolerances).
 * The TTT cores (SDPA and the fast core) against the eager reference, forward and backward.
 * Capture on the GPU equals capture on the CPU; gpt-oss's flex-attention capture equals eager.
 * A disaggregated run (1 rollout + 2 train GPUs) against the single process; a killed rollout
@@ -101,6 +103,52 @@ def _nccl_completion(rank, world):
 def test_nccl_completion_semantics_are_what_the_emulation_models(tmp_path):
     need_gpus(2)
     run_ranks(_nccl_completion, 2, workdir=tmp_path, backend="nccl", timeout_s=120)
+
+
+# ------------------------------------------------------------------------- mixed precision
+
+
+def _bf16_rank_gpu(rank, world, ref_path):
+    import math
+
+    from specforge.device import pick_device
+    from specforge.parallel.dims import ParallelDims
+    from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy, grads_full
+    from specforge.parallel.parallelize import sum_over_train_ranks
+    from specforge.train.trainer import DraftTrainer
+    from tests.test_mixed_precision import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, _rel
+    from tests.test_parallel_fsdp import _rows
+    from tests.test_parallel_sp import _cfg, _setup
+
+    here = pick_device("auto", rank)
+    groups = ParallelDims(dp=2).build([0, 1], rank, "nccl", 90, here)
+    cfg = _cfg()
+    cfg.train.precision = "bf16"
+    draft, teacher, batches = _setup()
+    draft.to(here)
+    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
+    trainer = DraftTrainer(draft, teacher.to(here), cfg, here, reduce_sum=sum_over_train_ranks(groups))
+    m = trainer.step([_rows(batches[0], rank)])
+    grads = {k: g.cpu() for k, g in grads_full(draft).items()}
+    if rank != 0:
+        return
+    ref, ref_grads, _ = torch.load(ref_path)
+    assert math.isclose(m["loss"], ref["loss"], rel_tol=LOSS_RTOL), (m["loss"], ref["loss"])
+    assert math.isclose(m["grad_norm"], ref["grad_norm"], rel_tol=NORM_RTOL)
+    errors = {k: _rel(grads[k], g) for k, g in ref_grads.items()}
+    assert max(errors.values()) < GRAD_RTOL, errors
+
+
+def test_bf16_fsdp_on_gpus_matches_fp32_within_tolerance(tmp_path):
+    """The bf16 FSDP2 policy on 2 GPUs over NCCL against the single-process fp32 step on the CPU,
+    with tests/test_mixed_precision.py's tolerances (loss 1e-3, grad norm 1e-2, per-tensor grads 5e-2)."""
+    from tests.test_mixed_precision import _fp32_step
+
+    need_gpus(2)
+    ref, ref_grads = _fp32_step([0, 1])
+    _, alone = _fp32_step([0])
+    torch.save((ref, ref_grads, alone), tmp_path / "ref.pt")
+    run_ranks(_bf16_rank_gpu, 2, str(tmp_path / "ref.pt"), workdir=tmp_path, backend="nccl", timeout_s=300)
 
 
 # ----------------------------------------------------------------------------- kernels
