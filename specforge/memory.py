@@ -373,11 +373,20 @@ class TargetDims:
     moe_I: int = 0
 
     @classmethod
-    def of(cls, model, text, dtype_bytes: int) -> "TargetDims":
+    def of(cls, model, text, dtype_bytes: int, gpu: bool = False) -> "TargetDims":
+        """``gpu``: where the capture runs, which decides its attention (``target.capture_attention``:
+        a class without SDPA captures with flex attention on CUDA, eager on the CPU)."""
+        import torch
+
+        from specforge.models.target import capture_attention
+        from specforge.targets import family_of
+
         heads = int(text.num_attention_heads)
         experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
         moe_I = int(getattr(text, "moe_intermediate_size", None) or (text.intermediate_size if experts else 0))
-        impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        impl = capture_attention(family_of(model.config), torch.device("cuda" if gpu else "cpu"))
+        if impl == "default":
+            impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
         return cls(int(text.hidden_size), int(text.intermediate_size), heads, int(text.num_key_value_heads or heads),
                    int(getattr(text, "head_dim", None) or text.hidden_size // heads), int(text.vocab_size), dtype_bytes,
                    impl == "eager", bool(getattr(text, "sliding_window", None)), experts,
@@ -567,7 +576,7 @@ def plan(cfg, target, draft, state_bytes: int, target_shares: Sequence[int], gpu
                           int(2 * POOL_HEADROOM * step_bytes)))
     gpu_word = "GPU" if gpu else "process"
     train = train_device(f"train {gpu_word}", tr.num_workers, params, p, step, state_bytes, features, upcast, extra)
-    tdims = TargetDims.of(target.model, text, target.model.dtype.itemsize)
+    tdims = TargetDims.of(target.model, text, target.model.dtype.itemsize, gpu)
     if mode == "colocated":
         train.held.insert(0, Term("target weights" + (" (its first share)" if len(target_shares) > 1 else ""),
                                   target_shares[0]))
