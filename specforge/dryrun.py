@@ -29,6 +29,7 @@ import torch
 
 from specforge import memory
 from specforge.config import Config, EMBEDDED_TARGET
+from specforge.device import wants_gpu
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
 # Bits per converted weight of a quantized checkpoint as shipped (mxfp4: 4-bit values + an 8-bit scale
@@ -216,7 +217,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
         per_device = {"rollout": max(on_gpus), **per_device}
 
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
-    use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    use_gpu = wants_gpu(cfg.model.device)
     devices = memory.plan(cfg, target, draft, s_bytes, on_gpus, _on_gpus(cfg))
     available = memory.available_bytes(cfg)[0]
     spec = FeatureSpec.eagle3(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
@@ -246,8 +247,6 @@ def _target_split(cfg: Config, hf_config, dtype: torch.dtype, target) -> list[in
 
 def _on_gpus(cfg: Config) -> bool:
     """Whether the workers run on GPUs (``ray.gpu_memory_gib`` set says they do)."""
-    from specforge.device import wants_gpu
-
     return wants_gpu(cfg.model.device) or cfg.ray.gpu_memory_gib is not None
 
 

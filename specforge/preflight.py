@@ -53,9 +53,9 @@ def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]
 
     if ray.is_initialized() or cfg.ray.address:
         return None
-    import torch
+    from specforge.device import wants_gpu
 
-    use_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    use_gpu = wants_gpu(cfg.model.device)
     return (use_gpu, *machine_resources(cfg))
 
 
