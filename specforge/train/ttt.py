@@ -302,12 +302,23 @@ def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH, softcap=None):
     return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
 
 
-def _step_lengths(valid_LBR: torch.Tensor) -> list[int]:
-    """Rows step i must compute: t < t_len[i] = 1 + the last row counted at any step >= i
-    (a row's later steps depend on its own earlier steps; step 0 also provides the keys)."""
-    later = (valid_LBR.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)  # L,R: counted at a step >= i
-    idx = torch.arange(1, valid_LBR.shape[2] + 1, device=valid_LBR.device)
-    return [max(int(n), 1) for n in torch.where(later, idx, 0).amax(dim=1).tolist()]
+def _step_rows(valid_LBR: torch.Tensor, sp_rows: Optional[int]) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every unroll step's rows at once: ``t_len[i]``, the rows step i must compute (t < 1 + the last
+    row counted at any step >= i: a row's later steps depend on its own earlier steps; step 0 also
+    provides the keys; all ``R`` of an SP slice, the same shapes on every rank), and step i's
+    counted rows as ``(b, t)`` index tensors in ``(b, t)`` order.
+    One ``nonzero`` and one host read for all steps (a GPU sync each), not one per step."""
+    L, _, R = valid_LBR.shape
+    nz = valid_LBR.nonzero()  # (n, 3): step, b, t; step-major, then b, then t
+    sizes = valid_LBR.sum(dim=(1, 2))
+    if sp_rows is None:
+        later = (valid_LBR.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)
+        idx = torch.arange(1, R + 1, device=valid_LBR.device)
+        host = torch.cat([torch.where(later, idx, 0).amax(dim=1), sizes]).tolist()
+        t_len, counts = [max(int(n), 1) for n in host[:L]], host[L:]
+    else:
+        t_len, counts = [R] * L, sizes.tolist()
+    return t_len, [(part[:, 1], part[:, 2]) for part in nz.split([int(c) for c in counts])]
 
 
 def ttt_loss(
@@ -339,15 +350,16 @@ def ttt_loss(
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L)[:, :, :R]  # L,B,R
     teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH, softcap)
     # SP: the same shapes on every rank (collectives inside the attention core)
-    t_len = _step_lengths(valid) if sp_rows is None else [R] * L
+    t_len, step_rows = _step_rows(valid, sp_rows)
     target_flat = target_ids.reshape(-1)
     counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)
 
     def head(i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Step i's decayed loss sum over its counted rows; runs inside the draft's forward, and
         on zero rows too (see the module docstring)."""
-        Ti = hidden.shape[1]
-        rows_bt = valid[i, :, :Ti].reshape(-1).nonzero().squeeze(-1)  # in (B, Ti) flat
+        Ti = hidden.shape[1]  # t_len[i]: every counted row of step i lies below it
+        b_idx, t_idx = step_rows[i]
+        rows_bt = b_idx * Ti + t_idx  # in (B, Ti) flat, the order valid[i, :, :Ti].nonzero() gives
         flat_p = rows_bt // Ti * T + rows_bt % Ti + 1 + i  # position of the teacher / target argmax
         h_rows = draft.norm(hidden.reshape(B * Ti, -1)[rows_bt])
         ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, draft.lm_head.weight, teacher, pos_map[flat_p])
