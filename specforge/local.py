@@ -19,7 +19,7 @@ from specforge.config import Config, load_config
 def run(cfg: Config) -> Optional[Path]:
     """Train in this process; returns the newest checkpoint folder."""
     from specforge.device import pick_device
-    from specforge.preflight import check_run, check_target_gpus
+    from specforge.preflight import check_memory, check_run, check_target_gpus
     from specforge.runtime.loop import LocalCluster, check, not_applied, restore_rows, single_process, train_loop
     from specforge.runtime.plan import Planner, prepare
     from specforge.tracking import MetricsLogger
@@ -28,6 +28,7 @@ def run(cfg: Config) -> Optional[Path]:
 
     check(cfg)
     check_run(cfg)  # the config against the target's config.json, before the target loads
+    check_memory(single_process(cfg))  # the single process's predicted peak against one GPU (none: no check)
     if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
     local = single_process(cfg)

@@ -107,3 +107,14 @@ def test_frozen_parameters_are_whole_on_every_rank():
     frozen = "frozen draft params (full replica on every rank, fp32)"
     assert two[frozen] == six[frozen] > 5 * memory.GiB  # 262k x 5376 fp32
     assert abs(two["draft params (fp32, sharded over 2)"] / six["draft params (fp32, sharded over 6)"] - 3) < 0.01
+
+
+def test_the_single_process_trainer_refuses_what_cannot_fit_before_loading(tmp_path):
+    """python -m specforge.train makes the same check on its own (single-process) plan."""
+    from specforge.local import run
+    from tests.test_targets_train import overrides, target_folder
+
+    target_folder("llama", tmp_path)
+    with pytest.raises(ValueError, match=r"^predicted peak .* GiB on each train GPU .*\(ray\.gpu_memory_gib=0\.01\)"):
+        run(load_config(None, overrides(tmp_path) + ["ray.gpu_memory_gib=0.01"]))
+    assert not (tmp_path / "out" / "checkpoints").exists()
