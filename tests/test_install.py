@@ -22,3 +22,18 @@ def test_a_fresh_install_prints_no_error(tmp_path):
     notes = [line for line in lines if line.startswith("note: ")]
     assert len(notes) == 1 and "speculators" in notes[0] and "on purpose" in notes[0], notes
     assert out.stdout.splitlines()[-1].startswith(f"installed into {tmp_path / 'venv'}: torch ")
+
+
+def test_the_default_runs_stated_duration_is_the_measured_one():
+    """The README and the config header state one range for the default run, and the latest
+    fresh-clone measurement in benchmarks/README.md lies in it (a figure a user reads as a promise
+    is a measured one)."""
+    import re
+
+    stated = {name: re.search(r"(\d+)-(\d+) min", (REPO / name).read_text().replace("\n#", "").replace("\n", " "))
+              for name in ("README.md", "configs/smollm2-135m-cpu.yaml")}
+    ranges = {name: (int(m.group(1)), int(m.group(2))) for name, m in stated.items() if m}
+    assert len(ranges) == 2 and len(set(ranges.values())) == 1, ranges
+    low, high = ranges["README.md"]
+    latest = re.search(r"Latest default run from a fresh clone: (\d+(?:\.\d+)?) min", (REPO / "benchmarks/README.md").read_text())
+    assert latest and low <= float(latest.group(1)) <= high, (latest and latest.group(1), low, high)
