@@ -98,19 +98,28 @@ def _run_peak(cfg) -> int:
     return inflight_peak(logs)
 
 
+# 1 rollout worker -> 1 train worker; a 7-step TTT unroll makes training slower than the tiny
+# target's forward, so without a bound the rollout worker runs ahead of training.
+COMMON = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1", f"train.max_steps={STEPS}",
+          "draft.ttt_length=7"]
+
+
+def _bounded_run(assets, tmp_path) -> tuple[int, int, list[int]]:  # noqa: F811
+    """The run with a budget of 2.5 of its largest steps: ``(its in-flight peak, budget, step bytes)``;
+    the peak is checked to lie between the largest step and the budget."""
+    per_step = _step_bytes(make_cfg(assets, tmp_path / "plan", *COMMON))
+    budget = int(2.5 * max(per_step))
+    bounded = _run_peak(make_cfg(assets, tmp_path / "bounded", *COMMON, f"placement.max_inflight_mb={budget / 2**20}"))
+    assert max(per_step) <= bounded <= budget, (bounded, budget, per_step)
+    return bounded, budget, per_step
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_session, tmp_path):  # noqa: F811
-    # 1 rollout worker -> 1 train worker; a 7-step TTT unroll makes training slower than the
-    # tiny target's forward, so without a bound the rollout worker runs ahead of training.
-    common = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1",
-              f"train.max_steps={STEPS}", "draft.ttt_length=7"]
-    per_step = _step_bytes(make_cfg(assets, tmp_path / "plan", *common))
-    budget = int(2.5 * max(per_step))
-    bounded = _run_peak(make_cfg(assets, tmp_path / "bounded", *common, f"placement.max_inflight_mb={budget / 2**20}"))
-    assert max(per_step) <= bounded <= budget, (bounded, budget, per_step)
-    unbounded = _run_peak(make_cfg(assets, tmp_path / "unbounded", *common, "placement.max_inflight_mb=1024"))
+    bounded, budget, per_step = _bounded_run(assets, tmp_path)
+    unbounded = _run_peak(make_cfg(assets, tmp_path / "unbounded", *COMMON, "placement.max_inflight_mb=1024"))
     print(f"in-flight peak: bounded {bounded}, unbounded {unbounded}, budget {budget}, largest step {max(per_step)}")
     assert unbounded > budget, (unbounded, budget, per_step)
 
@@ -125,12 +134,7 @@ def test_the_budget_holds_under_nccl_completion_semantics(assets, ray_session, t
     from specforge.device import EMULATE_NCCL_ENV
 
     monkeypatch.setenv(EMULATE_NCCL_ENV, "1")  # spawn_actors passes it to the workers
-    common = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1",
-              f"train.max_steps={STEPS}", "draft.ttt_length=7"]
-    per_step = _step_bytes(make_cfg(assets, tmp_path / "plan", *common))
-    budget = int(2.5 * max(per_step))
-    bounded = _run_peak(make_cfg(assets, tmp_path / "bounded", *common, f"placement.max_inflight_mb={budget / 2**20}"))
-    assert max(per_step) <= bounded <= budget, (bounded, budget, per_step)
+    _bounded_run(assets, tmp_path)
 
 
 @pytest.mark.ray
