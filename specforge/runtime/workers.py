@@ -213,7 +213,7 @@ class TrainWorker(DistributedWorker):
         return abort is not None
 
     def peer_was_lost(self) -> bool:
-        return bool(getattr(getattr(self, "source", None), "aborted", False)) or self.lost is not None
+        return bool(getattr(getattr(self, "source", None), "aborted", False)) or getattr(self, "lost", None) is not None
 
     def train_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = (), save: bool = False) -> StepReport:
         t0, wait0, recv0 = time.perf_counter(), self.source.wait_ms, self.source.bytes_recv
