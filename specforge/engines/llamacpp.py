@@ -83,7 +83,7 @@ def find_server() -> Path:
     if not (server.is_file() and os.access(server, os.X_OK)):
         where = f"${DIR_ENV}={d}" if os.environ.get(DIR_ENV) else str(d)
         raise ValueError(f"llama.cpp is not installed (no llama-server in {where}); run `{INSTALL}` "
-                         f"(builds it once, ~5 min on 2 idle cores) or point ${DIR_ENV} at a folder with bin/llama-server")
+                         f"(builds it once, ~6 min on 2 idle cores) or point ${DIR_ENV} at a folder with bin/llama-server")
     return server
 
 
