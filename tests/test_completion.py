@@ -21,7 +21,7 @@ from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
 from specforge.runtime.dataplane import P2PTransport, synthetic_features, wire_features
 
 SPEC = FeatureSpec.eagle3(hidden_size=8)
-DELAY_S = 1.0  # rank 0 sends this long after rank 1 posted its receive
+DELAY_S = 2.0  # rank 0 sends this long after rank 1 posted its receive (margin for a loaded machine)
 
 
 def _recv_post(completion: Completion):
