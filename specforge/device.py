@@ -4,7 +4,7 @@ Everything else asks here; no other module names ``cpu``/``cuda`` or ``gloo``/``
 
 ``SPECFORGE_DEVICE=cpu`` in the environment makes ``auto`` mean the CPU (and so gloo) even where CUDA
 exists: the CPU test suite sets it (tests/conftest.py), so it runs unchanged on a GPU machine.
-Ray workers inherit it (``ray_train.start_ray`` passes it on).
+Ray workers get it too (``worker_env``, which ``runtime.actors.spawn_actors`` passes on).
 """
 
 from __future__ import annotations

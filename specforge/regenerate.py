@@ -658,7 +658,7 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
         use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_workers("regenerate.num_workers", W, use_gpu, *ray_resources(cfg, started), gpus=cfg.model.num_gpus)
         threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // W)
-        env = {"runtime_env": {"env_vars": device.worker_env()}} if device.worker_env() else {}
+        env = {"runtime_env": {"env_vars": switches}} if (switches := device.worker_env()) else {}
         task = ray.remote(_worker).options(num_cpus=1, num_gpus=cfg.model.num_gpus if use_gpu else 0, max_retries=0, **env)
         refs = [task.remote(cfg, jobs[k::W], str(part_path(output, k, W)),
                             str(store_dir / f"worker-{k}-of-{W}") if store_dir else None, k, threads) for k in range(W)]

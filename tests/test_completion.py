@@ -121,3 +121,20 @@ def test_the_cpu_suite_forces_the_cpu():
         with mock.patch.dict("os.environ", {device.FORCE_ENV: ""}):  # negative control
             assert device.cuda_allowed() and device.wants_gpu("auto", cluster_gpus=8)
             assert not device.wants_gpu("auto", cluster_gpus=0) and not device.wants_gpu("cpu", cluster_gpus=8)
+
+
+def test_the_completion_of_a_group_follows_its_backend(monkeypatch):
+    """NCCL: its own semantics, never the emulation (whose watcher would call NCCL's non-blocking
+    wait() and mark a pending work complete); gloo: emulated only under SPECFORGE_EMULATE_NCCL=1."""
+    from specforge.device import EMULATE_NCCL_ENV
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, env, want in (("nccl", "1", (True, False)), ("nccl", None, (True, False)),
+                               ("gloo", "1", (True, True)), ("gloo", None, (False, False))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        if env:
+            monkeypatch.setenv(EMULATE_NCCL_ENV, env)
+        else:
+            monkeypatch.delenv(EMULATE_NCCL_ENV, raising=False)
+        c = Completion.for_group(timeout_s=5)
+        assert (c.stream, c.emulate) == want, (backend, env)

@@ -69,6 +69,17 @@ class Completion:
         self._lost = threading.Event()
         self._why = ""
 
+    @classmethod
+    def for_group(cls, timeout_s: float, group=None) -> "Completion":
+        """How transfers on ``group`` (None: the default group) complete: NCCL's semantics on NCCL;
+        on gloo the same, emulated, under ``SPECFORGE_EMULATE_NCCL=1`` (never on NCCL itself, whose
+        ``wait()`` would mark a pending work complete); else gloo's blocking waits."""
+        from specforge.device import stream_semantics
+
+        backend = dist.get_backend(group) if dist.is_initialized() else None
+        nccl = backend == "nccl"
+        return cls(stream=nccl, timeout_s=timeout_s, emulate=not nccl and stream_semantics("gloo"))
+
     def post(self, ops: Sequence[dist.P2POp]) -> list:
         """``batch_isend_irecv(ops)``; emulated, each gloo work as a ``StreamWork`` (an op that gloo
         refuses at once, its peer already gone, becomes one that never completes, as on NCCL)."""

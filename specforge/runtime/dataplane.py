@@ -255,11 +255,7 @@ class P2PTransport:
         self.group = group
         self.device = device or device_mod.pick_device()
         self.pack = pack
-        if completion is None:
-            emulate = device_mod.stream_semantics("gloo")  # SPECFORGE_EMULATE_NCCL
-            completion = Completion(device_mod.stream_semantics(dist.get_backend(group)) if dist.is_initialized()
-                                    else False, timeout_s, emulate=emulate)
-        self.completion = completion
+        self.completion = completion or Completion.for_group(timeout_s, group)
         self.pool = BufferPool(self.device)
         self.bytes_sent = 0
         self.bytes_recv = 0

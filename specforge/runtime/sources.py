@@ -98,7 +98,6 @@ class CaptureSource:
     wait_ms, bytes_recv = 0.0, 0  # time blocked on / bytes from the SP exchange
 
     def __init__(self, target, data, groups, cfg: Config, peers: Sequence[int] = ()):
-        from specforge.device import stream_semantics
         from specforge.runtime.completion import Completion
 
         self.target, self.data, self.groups = target, data, groups
@@ -106,12 +105,9 @@ class CaptureSource:
         self.peers = list(peers)  # global rank of each SP rank of this rank's group
         self.captured = 0  # micro-batches this rank ran the target over
         if groups is not None and groups.sp_size > 1:
-            import torch.distributed as dist
-
             if len(self.peers) != groups.sp_size:
                 raise ValueError(f"CaptureSource: {len(self.peers)} SP peers for sp_size={groups.sp_size}")
-            self.completion = Completion(stream_semantics(dist.get_backend()), cfg.parallel.timeout_s,
-                                         emulate=stream_semantics("gloo"))
+            self.completion = Completion.for_group(cfg.parallel.timeout_s)
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
         from specforge.train.trainer import local_batches
@@ -137,12 +133,13 @@ class CaptureSource:
             if owner == me:
                 (full,) = local_batches(self.target, rows_m, len(rows_m), self.chunk)
                 self.captured += 1
+                shapes = self._meta_batch(rows_m)
                 for r in range(S):
                     part = sp_slice_batch(full, r, S, self.ttt_length)
                     if r == me:
                         out.append(part)
                         continue
-                    want = self._shape_of(rows_m, r)
+                    want = sp_slice_batch(shapes, r, S, self.ttt_length)
                     for name in _FEATURES:  # the receiver's buffers are made from the same shapes
                         t, w = getattr(part, name), getattr(want, name)
                         if t.shape != w.shape or t.dtype != w.dtype:
@@ -150,7 +147,7 @@ class CaptureSource:
                                                f"receivers expect {w.dtype} {tuple(w.shape)}")
                         ops.append(dist.P2POp(dist.isend, t.contiguous(), self.peers[r]))
             else:
-                shell = self._shape_of(rows_m, me)
+                shell = sp_slice_batch(self._meta_batch(rows_m), me, S, self.ttt_length)
                 bufs = {name: torch.empty(getattr(shell, name).shape, dtype=getattr(shell, name).dtype,
                                           device=self.target.device) for name in _FEATURES}
                 ops += [dist.P2POp(dist.irecv, bufs[name], self.peers[owner]) for name in _FEATURES]
@@ -161,9 +158,9 @@ class CaptureSource:
         self.wait_ms += 1000 * (time.perf_counter() - t0)
         return out
 
-    def _shape_of(self, rows_m: list, sp_rank: int):
-        """SP rank ``sp_rank``'s slice of these rows with real ids and loss mask and the features
-        as ``meta`` tensors of the shapes and dtypes the capture gives (nothing computed)."""
+    def _meta_batch(self, rows_m: list) -> TrainBatch:
+        """These rows' batch with real ids and loss mask and the features as ``meta`` tensors of the
+        shapes and dtypes the capture gives (nothing computed): sliced, what each SP rank receives."""
         from specforge.train.batch import collate, pad_id
 
         ids, mask, _ = collate(rows_m, pad_id(self.target.tokenizer))
@@ -171,9 +168,8 @@ class CaptureSource:
         H = self.target.config.hidden_size
         dtype = self.target.model.get_input_embeddings().weight.dtype
         meta = dict(device="meta", dtype=dtype)
-        full = TrainBatch(ids, mask, torch.empty(B, T, len(self.target.aux_layer_ids) * H, **meta),
+        return TrainBatch(ids, mask, torch.empty(B, T, len(self.target.aux_layer_ids) * H, **meta),
                           torch.empty(B, T, H, **meta), torch.empty(B, T, dtype=torch.long, device="meta"))
-        return sp_slice_batch(full, sp_rank, self.groups.sp_size, self.ttt_length)
 
 
 _FEATURES = ("aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")  # what the SP exchange sends
