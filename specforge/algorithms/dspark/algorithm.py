@@ -1,0 +1,186 @@
+"""DSpark behind the draft-algorithm seam: DFlash's hooks (features, anchors, SP refusal, the
+runtime's view of a block draft) with the Markov and confidence heads, their loss, their export.
+
+Features: DFlash's (``draft.num_layers`` target layer outputs by default, ``model.aux_layer_ids``
+sets them), the target argmax (greedy labels, the CE term and the accuracy metrics) and the target's
+last hidden state (the teacher of the KL term and of the confidence target). Anchors are DFlash's
+(a function of train.seed, the step and the micro-batch's tokens). Sequence parallelism is refused.
+Engines: llama.cpp (``--spec-type draft-dspark``); this project writes no SGLang or vLLM export for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, EVAL_STEP, DFlash, DFlashOptions, _generator
+from specforge.config import DraftConfig
+
+
+@dataclass
+class DSparkOptions(DFlashOptions):
+    """``draft.*`` keys of a DSpark draft: DFlash's (defaults: speculators' DSpark, blocks of 8 and
+    the decay gamma 4) plus the Markov head's rank, the confidence head, the block layout and the
+    loss weights: ``kl_weight`` x KL(target || draft) + ``ce_weight`` x CE(draft, target argmax),
+    plus ``confidence_weight`` x the confidence head's BCE against 1 - TV(draft, target)."""
+
+    block_size: int = field(default=8, metadata={"at_least": 2})
+    loss_gamma: float = field(default=4.0, metadata={"positive": True})
+    markov_rank: int = field(default=256, metadata={"at_least": 1})
+    confidence_head: bool = True
+    sample_from_anchor: bool = True  # block row k predicts the token after a + k: K drafts a block (else K - 1)
+    kl_weight: float = field(default=1.0, metadata={"at_least": 0})
+    ce_weight: float = field(default=0.0, metadata={"at_least": 0})
+    confidence_weight: float = field(default=1.0, metadata={"at_least": 0})
+
+
+class DSpark(DFlash):
+    name = "dspark"
+    options = DSparkOptions
+    architecture = "DSparkDraftModel"
+    dynamic_drafting = False  # a block is drafted whole, in one forward (the chain runs on its logits)
+    llamacpp_spec_type = "draft-dspark"
+    gguf_architecture = "dflash"  # llama.cpp's converter writes DFlash's architecture; owns_gguf tells them apart
+    engines = ("llama.cpp",)
+
+    # ---------------------------------------------------------------- configuration
+
+    def config_errors(self, cfg) -> list[str]:
+        from specforge.config import aux_layer_errors
+
+        d = cfg.draft
+        errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
+        if d.vocab_size != DraftConfig.vocab_size:
+            errors.append(f"config key 'draft.vocab_size'={d.vocab_size!r} applies to draft.algorithm=eagle3, not "
+                          "dspark (a DSpark draft predicts the target's whole vocabulary); remove it")
+        if d.kl_weight == 0 and d.ce_weight == 0:
+            errors.append("config keys 'draft.kl_weight' and 'draft.ce_weight' are both 0: nothing would train the "
+                          "draft's tokens; set one of them > 0 (kl_weight=1 is speculators' DSpark loss)")
+        if d.confidence_head and d.confidence_weight == 0:
+            errors.append("config key 'draft.confidence_weight'=0 with 'draft.confidence_head'=true: the confidence "
+                          "head would never train; set draft.confidence_weight > 0 or draft.confidence_head=false")
+        return errors
+
+    def check(self, cfg, target_config) -> None:
+        sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
+        if sp > 1:
+            raise ValueError(f"config keys 'parallel.sp_ulysses'={cfg.parallel.sp_ulysses} / 'parallel.sp_ring'="
+                             f"{cfg.parallel.sp_ring}: DSpark has no sequence parallelism (each block reads the whole "
+                             "context before its anchor); use 1 and data parallelism (train.num_workers)")
+        super().check(cfg, target_config)
+
+    # ---------------------------------------------------------------- training
+
+    def _draft_config(self, cfg, target, vocab):
+        from specforge.algorithms.dspark.model import DSparkConfig
+
+        base = super()._draft_config(cfg, target, vocab)
+        d = cfg.draft
+        return DSparkConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                            markov_rank=d.markov_rank, confidence_head=d.confidence_head,
+                            sample_from_anchor=d.sample_from_anchor)
+
+    def build_draft(self, cfg, target, vocab):
+        from specforge.algorithms.dspark.model import DSparkDraft
+
+        dcfg = self._draft_config(cfg, target, vocab)
+        with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone
+            torch.manual_seed(cfg.train.seed)
+            draft = DSparkDraft(dcfg)
+        return draft.set_target_weights(target.embed_weight_VH, target.lm_head_weight_VH)
+
+    def _targets(self, draft, batch, cfg, step: int):
+        from specforge.algorithms.dflash.loss import sample_anchors
+        from specforge.algorithms.dspark.loss import dspark_targets
+
+        c = draft.config
+        gen = _generator(batch, cfg, step if torch.is_grad_enabled() else EVAL_STEP)
+        anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, gen)
+        anchors, keep = anchors.to(batch.input_ids_BT.device), keep.to(batch.input_ids_BT.device)
+        labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
+                                                 anchors, keep, c.block_size, c.shift)
+        return anchors, keep, labels, valid, prev_pos
+
+    def normalizer(self, draft, batch, cfg, step: int) -> float:
+        from specforge.algorithms.dflash.loss import decay_weights
+
+        valid = self._targets(draft, batch, cfg, step)[3]
+        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma)).sum())
+
+    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
+        from specforge.algorithms.dflash.loss import build_block_ids
+        from specforge.algorithms.dspark.loss import dspark_block_loss
+
+        c, d = draft.config, cfg.draft
+        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, cfg, step)
+        block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
+
+        def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
+            norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
+            return dspark_block_loss(module, hidden, batch, anchors, labels, valid, prev_pos, gamma=d.loss_gamma,
+                                     kl_weight=d.kl_weight, ce_weight=d.ce_weight,
+                                     confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
+
+        return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, heads=heads)
+
+    def counts_shape(self, cfg) -> tuple[int, int]:
+        return (cfg.draft.block_size + int(cfg.draft.sample_from_anchor), 7)
+
+    def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
+        from specforge.algorithms.dspark.loss import dspark_metrics
+
+        d = cfg.draft
+        return dspark_metrics(counts, d.loss_gamma, d.confidence_weight, d.confidence_head,
+                              teacher=bool(d.kl_weight) or d.confidence_head)
+
+    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
+        from specforge.algorithms.dspark.memory import dspark_step
+
+        return dspark_step(draft.config, shape.B, shape.T, min(cfg.draft.num_anchors, shape.T - 1), precision,
+                           CHUNK_BLOCKS)
+
+    # ---------------------------------------------------------------- a saved draft
+
+    def hf_config(self, draft) -> dict:
+        from specforge.algorithms.dspark.export import to_hf_config
+
+        return to_hf_config(draft.config)
+
+    def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
+        """llama.cpp's own rule (common/speculative.cpp): a ``dflash`` GGUF with ``markov_w1.weight`` is DSpark."""
+        return arch == self.gguf_architecture and "markov_w1.weight" in tensor_names
+
+    def check_checkpoint(self, path):
+        from specforge.algorithms.dspark.export import check_checkpoint
+
+        return check_checkpoint(path)
+
+    def load(self, path, target):
+        from specforge.algorithms.dspark.export import load_dspark
+
+        self.check_checkpoint(path)
+        return load_dspark(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
+
+    def tokens_per_round(self, hf_config: dict) -> int:
+        from specforge.algorithms.dspark.export import tokens_per_round
+
+        return tokens_per_round(hf_config)
+
+    def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
+        """llama-server clamps --spec-draft-n-max to block_size (anchor-first DSpark), else block_size - 1."""
+        return self.tokens_per_round(hf_config)
+
+    def export(self, engine, draft_dir, out_dir, req) -> str:
+        raise ValueError(f"--engine {engine}: DSparkDraftModel drafts are exported for llama.cpp only "
+                         "(--engine llama.cpp)")
+
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
+        from specforge.algorithms.dspark.propose import DSparkProposer
+
+        return DSparkProposer(draft, dtype)
+
+
+ALGORITHM = DSpark()

@@ -1,0 +1,123 @@
+"""Save / load a DSpark draft in the format llama.cpp's converter reads (``conversion/qwen.py`` ``DSparkModel``).
+
+The folder is DFlash's flat z-lab format (:mod:`specforge.algorithms.dflash.export`: a Qwen3 config
+of the draft with ``block_size``, ``num_target_layers`` and ``dflash_config: {mask_token_id,
+target_layer_ids}``, layer OUTPUT ids, ours) with ``architectures: ["DSparkDraftModel"]`` and the
+DSpark keys the converter reads: ``sample_from_anchor`` (written explicitly: absent, the converter
+guesses it from the schema), ``markov_head_type: "vanilla"`` (it refuses any other),
+``draft_vocab_size`` (= ``vocab_size``: no reduced vocab, no ``d2t``), plus ``markov_rank``,
+``enable_confidence_head`` and ``confidence_head_with_markov: true`` for readers of speculators'
+keys. Tensors: DFlash's plus ``markov_head.markov_w1.weight [V, r]``, ``markov_head.markov_w2.weight
+[V, r]`` and, with the confidence head, ``confidence_head.proj.weight [1, H + r]`` and
+``confidence_head.proj.bias [1]``; no embedding, no lm_head (the target's).
+
+The converter writes ``general.architecture = "dflash"`` (DFlash's), ``dflash.sample_from_anchor``,
+``dflash.has_confidence_head`` and the tensors ``markov_w1`` / ``markov_w2`` / ``conf_proj``;
+llama-server tells DSpark from DFlash by the ``markov_w1.weight`` tensor.
+
+speculators cannot ``from_pretrained`` this flat folder (its converter takes it for DFlash and refuses
+the Markov tensors); its ``DSparkDraftModel`` is built from the config by hand (tests/test_dspark.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specforge.algorithms.dflash import export as dflash_export
+
+from .model import DSparkConfig, DSparkDraft
+
+__all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dspark", "load_dspark", "check_checkpoint",
+           "tokens_per_round"]
+
+ARCHITECTURE = "DSparkDraftModel"
+
+
+def to_hf_config(cfg: DSparkConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    return {**dflash_export.to_hf_config(cfg, dtype), "architectures": [ARCHITECTURE],
+            "sample_from_anchor": bool(cfg.sample_from_anchor), "markov_rank": cfg.markov_rank,
+            "markov_head_type": "vanilla", "enable_confidence_head": bool(cfg.confidence_head),
+            "confidence_head_with_markov": True, "draft_vocab_size": cfg.vocab_size}
+
+
+def from_hf_config(d: Mapping) -> DSparkConfig:
+    if ARCHITECTURE not in (d.get("architectures") or []):
+        raise ValueError(f"architectures={d.get('architectures')}: expected [{ARCHITECTURE!r}]")
+    problems = []
+    if d.get("markov_head_type", "vanilla") != "vanilla":
+        problems.append(f"markov_head_type={d['markov_head_type']!r} (llama.cpp and this draft: 'vanilla' only)")
+    if d.get("enable_confidence_head", True) and d.get("confidence_head_with_markov", True) is not True:
+        problems.append("confidence_head_with_markov=false (llama.cpp loads a confidence head on "
+                        "[hidden ; W1[prev]] only)")
+    if d.get("draft_vocab_size") not in (None, d.get("vocab_size")):
+        problems.append(f"draft_vocab_size={d['draft_vocab_size']} != vocab_size={d.get('vocab_size')} "
+                        "(a reduced draft vocabulary is not implemented)")
+    if "markov_rank" not in d:
+        problems.append("markov_rank is missing")
+    if problems:
+        raise ValueError("; ".join(problems))
+    base = dflash_export.from_hf_config({**d, "architectures": [dflash_export.ARCHITECTURE]})
+    return DSparkConfig(**{f.name: getattr(base, f.name) for f in fields(base)}, markov_rank=int(d["markov_rank"]),
+                        confidence_head=bool(d.get("enable_confidence_head", True)),
+                        sample_from_anchor=bool(d.get("sample_from_anchor", True)))
+
+
+def tokens_per_round(d: Mapping) -> int:
+    """Tokens one block drafts: block_size anchor-first, block_size - 1 otherwise (llama-server's n_max clamp)."""
+    return from_hf_config(d).drafts_per_block
+
+
+def save_dspark(draft: DSparkDraft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.export_state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_hf_config(draft.config, dtype), indent=2) + "\n")
+    return out
+
+
+def load_dspark(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optional[torch.Tensor] = None,
+                dtype: torch.dtype = torch.float32) -> DSparkDraft:
+    """Rebuild the draft from a folder; pass the target's embedding and lm_head to make it usable."""
+    p = Path(path)
+    draft = DSparkDraft(from_hf_config(json.loads((p / "config.json").read_text()))).to(dtype)
+    missing, unexpected = draft.load_state_dict(load_file(str(p / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
+    if missing or unexpected:
+        raise ValueError(f"{p / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
+    if embed_VH is not None and lm_head_VH is not None:
+        draft.set_target_weights(embed_VH, lm_head_VH)
+    return draft
+
+
+def check_checkpoint(draft_dir) -> tuple[dict, None]:
+    """(config.json, None) of a valid DSpark checkpoint: every tensor present and shaped as its config
+    says, the mask token set; one ValueError naming what is wrong."""
+    from safetensors import safe_open
+
+    from specforge.train.checkpoint import load_draft_folder
+
+    draft_dir = Path(draft_dir)
+    config, _ = load_draft_folder(draft_dir)  # a missing or truncated file is named, as for every checkpoint
+    try:
+        cfg = from_hf_config(config)
+        if cfg.mask_token_id is None:
+            raise ValueError("dflash_config.mask_token_id is missing (llama.cpp drafts with it)")
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in DSparkDraft(cfg).export_state_dict().items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: {e}") from None
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as st:
+        got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+    bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
+    if bad:
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: tensors missing, "
+                         f"misshapen or unexpected: {bad[:8]}. Export a checkpoint written by specforge training "
+                         "with draft.algorithm=dspark (a step-* folder)")
+    return config, None

@@ -1,0 +1,159 @@
+"""DSpark's training objective: DFlash's anchors and blocks, the Markov-biased logits, the confidence head.
+
+Legend: B batch, T tokens, N blocks per row, K block size, R = K + shift rows of a block in
+"token space", H hidden, V target vocab.
+
+Token space: row j of a block anchored at a stands for the token at a + j (row 0: the anchor,
+never predicted). With ``sample_from_anchor`` (shift 1) draft row k predicts row k + 1, so the K
+draft rows predict rows 1 .. K; without it (shift 0, DFlash's layout) draft row k predicts row k,
+so rows 1 .. K - 1. Labels and which rows count are DFlash's :func:`block_targets` over R rows
+(the target's greedy token, the run stopping at the first non-assistant token); the weights are
+DFlash's decay over R rows (``exp(-(j - 1) / gamma)`` for row j: the first drafted token weighs 1).
+
+Per predicted row (at token position p = a + j):
+
+* the previous token ``x_{p-1}`` (a data token: teacher forcing, as speculators trains) feeds the
+  Markov head: ``logits = lm_head(h) + W2 W1[x_{p-1}]``;
+* the teacher is the target's distribution at p - 1, ``softmax(lm_head(last_hidden[p - 1]))``
+  (``last_hidden`` is the target's post-norm final hidden state; a Gemma-style logit soft-cap is
+  not applied, on either side);
+* main term: ``kl_weight * KL(teacher || draft) + ce_weight * CE(draft, greedy label)``;
+* confidence term (with the head): ``BCEWithLogits(conf, c*)`` with ``c* = sum_v min(q_v, p_v)``
+  (1 - total variation: the probability that sampling verification accepts the row, detached),
+  weighted ``confidence_weight``. Neither the hidden state nor W1 is detached (speculators' choice:
+  the confidence term also trains the backbone and W1).
+
+``loss = sum(w * (main + confidence_weight * bce)) / normalizer`` where the normalizer is the
+global sum of the counted rows' weights (speculators divides by a count of rows; we divide by
+the weight sum as DFlash does here, so per-row terms, not totals, compare with speculators').
+
+Counters ``[R, 7]`` in token space (row 0 stays 0): DFlash's four (main loss sum, counted rows,
+greedy-correct rows, leading run of correct rows) so :func:`dflash.loss.metrics_from_counts` turns
+them into ``loss_k`` / ``acc_k`` / ``tau`` unchanged, plus the BCE sum, the sum of
+``|sigmoid(conf) - c*|`` and the sum of ``c*`` (speculators' accept rate).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from specforge.algorithms.dflash.loss import block_targets, decay_weights, metrics_from_counts, next_token_labels
+
+__all__ = ["COUNTERS", "dspark_targets", "dspark_block_loss", "dspark_metrics"]
+
+COUNTERS = ("loss_sum", "valid", "correct", "accepted", "conf_bce_sum", "conf_abs_err_sum", "accept_prob_sum")
+
+
+def dspark_targets(input_ids_BT: torch.Tensor, target_ids_BT: Optional[torch.Tensor], loss_mask_BT: torch.Tensor,
+                   anchors_BN: torch.Tensor, keep_BN: torch.Tensor, block_size: int, shift: int):
+    """``(labels [B,N,R], valid [B,N,R], prev_pos [B,N,R-1])``: DFlash's labels and counted rows over
+    R = K + shift token rows, and for predicted rows 1 .. R-1 the position of the token before each
+    (the Markov head's previous token and the teacher's row), clamped inside the sequence."""
+    T = input_ids_BT.shape[1]
+    R = block_size + shift
+    labels = next_token_labels(input_ids_BT, target_ids_BT)
+    labels_BNR, valid = block_targets(labels, loss_mask_BT, anchors_BN, keep_BN, R)
+    prev_pos = (anchors_BN.unsqueeze(-1) + torch.arange(R - 1, device=anchors_BN.device)).clamp(max=T - 1)
+    return labels_BNR, valid, prev_pos
+
+
+def _gather_rows(x_BTX: torch.Tensor, pos_BNJ: torch.Tensor) -> torch.Tensor:
+    B, N, J = pos_BNJ.shape
+    flat = pos_BNJ.reshape(B, N * J)
+    if x_BTX.dim() == 2:
+        return x_BTX.gather(1, flat).view(B, N, J)
+    return x_BTX.gather(1, flat.unsqueeze(-1).expand(-1, -1, x_BTX.shape[-1])).view(B, N, J, -1)
+
+
+def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, ce_weight: float):
+    """Per predicted row: (main loss, bce, greedy correct, c*, |sigmoid(conf) - c*|), zero where not counted."""
+    logits, conf = draft.head(hidden, prev)
+    logq = F.log_softmax(logits.float(), dim=-1)
+    v = valid.float()
+    main = torch.zeros_like(v)
+    if ce_weight:
+        main = main + ce_weight * -logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    bce = err = accept = torch.zeros_like(v)
+    if teacher is not None:
+        with torch.no_grad():
+            logp = F.log_softmax(draft.logits(teacher).float(), dim=-1)
+        if kl_weight:
+            main = main + kl_weight * F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)
+        with torch.no_grad():
+            accept = torch.minimum(logq.exp(), logp.exp()).sum(-1)
+        if conf is not None:
+            bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
+            with torch.no_grad():
+                err = (torch.sigmoid(conf.float()) - accept).abs()
+    correct = (logq.argmax(-1) == labels) & valid
+    return main * v, bce * v, correct, accept * v, err * v
+
+
+def dspark_block_loss(draft, hidden_BNKH: torch.Tensor, batch, anchors_BN, labels_BNR, valid_BNR, prev_pos_BNJ,
+                      *, gamma: Optional[float], kl_weight: float, ce_weight: float, confidence_weight: float,
+                      normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
+    """``(loss, counts[R, 7])`` of one micro-batch (see the module docstring). ``hidden_BNKH``: the
+    backbone's rows; ``batch``: its ``input_ids_BT`` and ``last_hidden_BTH`` (the teacher).
+    ``chunk_blocks > 0``: that many blocks' full-vocab logits at a time, recomputed in backward."""
+    c = draft.config
+    R = valid_BNR.shape[-1]
+    shift = R - c.block_size
+    hidden = hidden_BNKH[:, :, 1 - shift:]  # the draft rows that predict token rows 1 .. R-1
+    labels, valid = labels_BNR[..., 1:], valid_BNR[..., 1:]
+    prev = _gather_rows(batch.input_ids_BT, prev_pos_BNJ)
+    need_teacher = bool(kl_weight) or draft.confidence_head is not None
+    teacher = _gather_rows(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden.dtype) if need_teacher else None
+    args = (hidden, prev, teacher, labels, valid)
+    N = hidden.shape[1]
+    if chunk_blocks and chunk_blocks < N:
+        pieces = zip(*[a.split(chunk_blocks, 1) if a is not None else [None] * math.ceil(N / chunk_blocks)
+                       for a in args])
+        parts = [checkpoint(_chunk_terms, draft, *p, kl_weight, ce_weight, use_reentrant=False) for p in pieces]
+        main, bce, correct, accept, err = (torch.cat(t, 1) for t in zip(*parts))
+    else:
+        main, bce, correct, accept, err = _chunk_terms(draft, *args, kl_weight, ce_weight)
+    w = decay_weights(R, gamma, hidden.device)[1:]
+    if normalizer is None:
+        normalizer = (valid * w).sum()
+    alpha = confidence_weight if draft.confidence_head is not None else 0.0
+    loss = ((main + alpha * bce) * w).sum() / normalizer.clamp_min(1e-12)
+    with torch.no_grad():
+        run = F.pad(correct, (1, 0), value=True).long().cumprod(-1).bool()[..., 1:]
+
+        def rows(x):  # [B, N, R-1] -> per token row [R] (row 0: the anchor, zero)
+            return F.pad(x.detach().float().flatten(0, 1).sum(0), (1, 0))
+
+        counts = torch.stack([rows(main), rows(valid), rows(correct), rows(run), rows(bce), rows(err), rows(accept)], 1)
+    return loss, counts
+
+
+def dspark_metrics(counts_R7: torch.Tensor, gamma: Optional[float], confidence_weight: float,
+                   confidence_head: bool, teacher: bool = True) -> dict[str, float]:
+    """Rates from summed counters: DFlash's (``loss_k``, ``acc_k``, ``tau``; block row k logged as
+    position k-1, the first drafted token's being position 0), ``loss`` as trained (main +
+    confidence term), ``loss_main``, ``accept_rate`` (mean c*; only when the teacher was computed:
+    a KL term or a confidence head), ``conf_bce`` and ``conf_error``."""
+    import re
+
+    c = counts_R7.double().cpu()
+    out = {}
+    for key, v in metrics_from_counts(c[:, :4], gamma).items():
+        m = re.fullmatch(r"(loss|acc)_(\d+)", key)
+        out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
+    w = decay_weights(c.shape[0], gamma).double()
+    denom = (w * c[:, 1]).sum().item()
+    n = c[:, 1].sum().item()
+    out["loss_main"] = out["loss"]
+    if teacher:
+        out["accept_rate"] = c[:, 6].sum().item() / n if n else math.nan
+    if confidence_head:
+        bce = (w * c[:, 4]).sum().item() / denom if denom else math.nan
+        out["conf_bce"] = c[:, 4].sum().item() / n if n else math.nan
+        out["conf_error"] = c[:, 5].sum().item() / n if n else math.nan
+        out["loss"] = out["loss_main"] + confidence_weight * bce
+    return out
