@@ -13,7 +13,7 @@ import importlib
 
 from specforge.algorithms.base import DraftAlgorithm
 
-NAMES = ("eagle3", "dflash")
+NAMES = ("eagle3", "dflash", "dspark")
 # config.json "architectures" entry -> algorithm (what a saved draft folder says it is)
 ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
 
