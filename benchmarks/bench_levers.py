@@ -31,20 +31,20 @@ from common import append_section, header_markdown, markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "smollm2-135m-cpu.yaml"
-_PLAIN = ["draft.init_midlayer_from_target=false", "train.ttt_warmup_steps=0"]
+_PLAIN = ["draft.init_midlayer_from_target=false", "draft.ttt_warmup_steps=0"]
 LEVERS = {  # name -> (config overrides, loss on every token instead of the answer tokens only)
     "base": (_PLAIN + ["draft.ttt_length=7"], False),
-    "init": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=7"], False),
+    "init": (["draft.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=7"], False),
     "ttt2": (_PLAIN + ["draft.ttt_length=2"], False),
     "ttt1": (_PLAIN + ["draft.ttt_length=1"], False),
     "lr3e-3": (_PLAIN + ["draft.ttt_length=7", "train.lr=3e-3"], False),
     "all-tokens": (_PLAIN + ["draft.ttt_length=7"], True),
     "ttt2-all-tokens": (_PLAIN + ["draft.ttt_length=2"], True),
-    "init-ttt1": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=1"], False),
-    "init-ttt2": (["train.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=2"], False),
-    "init-warmup150-ttt7": (["draft.init_midlayer_from_target=true", "train.ttt_warmup_steps=150",
+    "init-ttt1": (["draft.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=1"], False),
+    "init-ttt2": (["draft.ttt_warmup_steps=0", "draft.init_midlayer_from_target=true", "draft.ttt_length=2"], False),
+    "init-warmup150-ttt7": (["draft.init_midlayer_from_target=true", "draft.ttt_warmup_steps=150",
                              "draft.ttt_length=7"], False),
-    "init-warmup150-ttt3": (["draft.init_midlayer_from_target=true", "train.ttt_warmup_steps=150",
+    "init-warmup150-ttt3": (["draft.init_midlayer_from_target=true", "draft.ttt_warmup_steps=150",
                              "draft.ttt_length=3"], False),
 }
 
@@ -61,7 +61,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     overrides, all_tokens = LEVERS[name]
     base = ["train.precision=fp32", f"train.batch_size={batch_size}"]
     cfg = load_config(CONFIG, base + overrides)
-    cfg7 = load_config(CONFIG, base + overrides + ["draft.ttt_length=7", "train.ttt_warmup_steps=0"])
+    cfg7 = load_config(CONFIG, base + overrides + ["draft.ttt_length=7", "draft.ttt_warmup_steps=0"])
     ids = list(store.ids)
     hold, train = ids[-16:], ids[:-16]
     train = train[: max(batch_size, round(len(train) * fraction))]
@@ -82,7 +82,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
         for s in range(len(train) // batch_size):
             b = store.batch([train[i] for i in order[s * batch_size : (s + 1) * batch_size]], 0)
             if all_tokens:
-                b.loss_mask_BT = (b.aux_hidden_BT3H.abs().sum(-1) > 0).long()  # every real (unpadded) token
+                b.loss_mask_BT = (b.aux_hidden_BTKH.abs().sum(-1) > 0).long()  # every real (unpadded) token
             t0 = time.perf_counter()
             trainer.step([b])
             train_s += time.perf_counter() - t0

@@ -127,18 +127,20 @@ def peak_in_mark(prof, mark: str = MARK) -> int:
 
 
 def _config(case: Case):
-    from specforge.config import Config, DraftConfig, TrainConfig
+    from specforge.algorithms.dflash.algorithm import DFlashOptions
+    from specforge.algorithms.eagle3.algorithm import Eagle3Options
+    from specforge.config import Config, TrainConfig
 
     if case.algo == "eagle3":
-        draft = DraftConfig(ttt_length=case.ttt, attention=case.attention)
+        draft = Eagle3Options(ttt_length=case.ttt, attention=case.attention)
     else:
-        draft = DraftConfig(algorithm="dflash", num_layers=case.layers, block_size=case.block, num_anchors=case.anchors)
+        draft = DFlashOptions(algorithm="dflash", num_layers=case.layers, block_size=case.block, num_anchors=case.anchors)
     return Config(draft=draft, train=TrainConfig(precision=case.precision, warmup_steps=0, num_workers=case.world))
 
 
 def _draft(case: Case):
     if case.algo == "eagle3":
-        from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
+        from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 
         return Eagle3Draft(Eagle3DraftConfig(hidden_size=case.H, intermediate_size=case.I,
                                              num_attention_heads=case.Hq, num_key_value_heads=case.Hkv,
@@ -164,7 +166,7 @@ def _batch(case: Case, g: torch.Generator, groups=None):
                    torch.randn(B, T, 3 * H, generator=g).to(torch.bfloat16),
                    torch.randn(B, T, H, generator=g).to(torch.bfloat16), torch.randint(0, top, (B, T), generator=g))
     if groups is not None and groups.sp_size > 1:
-        b = sp_slice_batch(b, groups.sp_rank, groups.sp_size, case.ttt)
+        b = sp_slice_batch(b, groups.sp_rank, groups.sp_size, case.ttt + 1)
     return b
 
 
@@ -181,7 +183,9 @@ def measure(case: Case, groups=None) -> int:
         state = torch.randn(case.N, case.H, generator=g) if case.algo == "eagle3" else None
         if groups is not None:  # the GPU's layout: SP core swap, then FSDP2 (bf16 mixed precision if asked)
             if groups.sp_size > 1:
-                apply_sp(draft, groups.ulysses_group, groups.ring_group)
+                from specforge.algorithms import get_algorithm
+
+                apply_sp(draft, get_algorithm(case.algo).sp_cores(draft), groups.ulysses_group, groups.ring_group)
             apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy() if case.mp else None)
         trainer = DraftTrainer(draft, state, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
         first = _batch(case, g, groups)
@@ -195,16 +199,22 @@ def measure(case: Case, groups=None) -> int:
 
 def predict(case: Case) -> memory.DeviceMemory:
     """memory.train_device for the case (the fullest rank)."""
+    from specforge.algorithms.eagle3.loss import loss_chunk
+
     draft = _draft(case)
     p = memory.StepPrecision(compute=2 if case.precision == "bf16" else 4, mp=case.mp, world=case.world,
                              step0_fused=case.attention == "sdpa")
     s = memory.SeqShape(case.B, case.T, case.ulysses, case.ring, case.ttt)
     if case.algo == "eagle3":
-        step = memory.eagle3_step(memory.Eagle3Dims.of(draft.config), s, p, memory.attention_chunk(False),
-                                  memory._loss_rows(False, case.N))
+        from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
+
+        step = eagle3_step(Eagle3Dims.of(draft.config), s, p, attention_chunk(False),
+                                  loss_chunk(torch.device("cpu"), case.N))
         state = 4 * case.N * case.H
     else:
-        step = memory.dflash_step(memory.DFlashDims.of(draft.config), s.B, s.T, min(case.anchors, s.T - 1), p)
+        from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
+
+        step = dflash_step(DFlashDims.of(draft.config), s.B, s.T, min(case.anchors, s.T - 1), p)
         state = 0
     aux_rows = s.R if s.sp > 1 else s.T
     features = s.B * (aux_rows * 3 * case.H * 2 + s.window * (case.H * 2 + 3 * 8))

@@ -103,7 +103,8 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from specforge.config import Config, DraftConfig, TrainConfig
+    from specforge.algorithms.eagle3.algorithm import Eagle3Options
+    from specforge.config import Config, TrainConfig
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.batch import TrainBatch
@@ -111,14 +112,14 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     from specforge.train.trainer import DraftTrainer
     from tests.test_save_memory import _LargestTensor
 
-    cfg = Config(draft=DraftConfig(vocab_size=DRAFT_VOCAB, ttt_length=2),
+    cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=2),
                  train=TrainConfig(precision="fp32", lr=1e-4, warmup_steps=0))
     groups = ParallelDims(dp=world).build(list(range(world)), rank, timeout_s=600)
     torch.manual_seed(0)
     draft = make_draft(DRAFT_VOCAB)
     teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
     b = make_batch(1, T, draft)
-    batch = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BT3H"].float(), b["last_hidden_BTH"].float(),
+    batch = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"].float(), b["last_hidden_BTH"].float(),
                        b["target_ids_BT"])
     draft = parallelize_draft(draft, ParallelDims(dp=world), groups, cfg)
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))

@@ -49,14 +49,15 @@ def _rss_mb() -> float:
 
 
 def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
-    from specforge.config import Config, DraftConfig, TrainConfig
+    from specforge.algorithms.eagle3.algorithm import Eagle3Options
+    from specforge.config import Config, TrainConfig
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.batch import TrainBatch
     from specforge.train.slicing import sp_slice_batch
     from specforge.train.trainer import DraftTrainer
 
-    cfg = Config(draft=DraftConfig(vocab_size=DRAFT_VOCAB, ttt_length=7),
+    cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7),
                  train=TrainConfig(precision="bf16", lr=1e-4, warmup_steps=0))
     dims = ParallelDims(dp=1, sp_ulysses=world)
     groups = dims.build(list(range(world)), rank, timeout_s=1800)
@@ -64,10 +65,10 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     draft = make_draft(DRAFT_VOCAB)
     teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
     b = make_batch(1, T, draft)
-    full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BT3H"], b["last_hidden_BTH"], b["target_ids_BT"])
+    full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"], b["target_ids_BT"])
     draft = parallelize_draft(draft, dims, groups, cfg)
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
-    local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length)]
+    local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length + 1)]
     base = _rss_mb()
     times = []
     for _ in range(steps + 1):  # the first step warms up (allocator, optimizer state)

@@ -60,7 +60,7 @@ def save_baseline(folder: Path, sid: int, f: dict) -> None:
     """What upstream SpecForge writes per sample (scripts/prepare_hidden_states.py)."""
     torch.save({"input_ids": f["input_ids_T"].clone(), "loss_mask": f["loss_mask_T"].clone(),
                 "hidden_state": f["last_hidden_TH"].to(torch.bfloat16).unsqueeze(0),
-                "aux_hidden_state": f["aux_hidden_T3H"].to(torch.bfloat16).unsqueeze(0)}, folder / f"data_{sid}.ckpt")
+                "aux_hidden_state": f["aux_hidden_TKH"].to(torch.bfloat16).unsqueeze(0)}, folder / f"data_{sid}.ckpt")
 
 
 def read_baseline(folder: Path, ids: list[int], pad: int) -> torch.Tensor:
@@ -165,7 +165,7 @@ def feature_error(store: FeatureStore, ref: dict, target, chunk: int) -> dict:
     num = den = agree = n = 0.0
     for i, want in ref.items():
         got = store.read(i)
-        for name, key in (("aux_hidden", "aux_hidden_T3H"), ("last_hidden", "last_hidden_TH")):
+        for name, key in (("aux_hidden", "aux_hidden_TKH"), ("last_hidden", "last_hidden_TH")):
             num += float((got[name].float() - want[key]).norm() ** 2)
             den += float(want[key].norm() ** 2)
         am = argmax_chunked(got["last_hidden"].float(), target.lm_head_weight_VH.float(), chunk)

@@ -40,7 +40,7 @@ from specforge.runtime.dataplane import (  # noqa: E402
 
 SMOL_H, SMOL_V = 576, 49152
 LLAMA_H, LLAMA_V = 4096, 128256
-SPEC = FeatureSpec.eagle3(SMOL_H)
+SPEC = FeatureSpec.hidden_states(SMOL_H)
 SAMPLES_PER_STEP = 8
 SRC, DST = 0, 1
 
@@ -199,7 +199,7 @@ def run(sizes_mb: list[float], write_readme: bool) -> None:
 def bytes_per_token_table() -> str:
     rows = []
     for name, h, v in [("SmolLM2-135M", SMOL_H, SMOL_V), ("Llama-3-8B", LLAMA_H, LLAMA_V)]:
-        ours = FeatureSpec.eagle3(h).bytes_per_token()
+        ours = FeatureSpec.hidden_states(h).bytes_per_token()
         ids = 8 + 8 + 1  # target ids, input ids, loss mask
         logits_bf16 = 3 * h * 2 + v * 2 + ids
         logits_fp32 = 3 * h * 2 + v * 4 + ids

@@ -7,10 +7,10 @@ SmolLM2-135M-shaped draft (hidden 576, intermediate 1536, 9 heads / 3 kv heads, 
 target vocab 49152) with random target features and a realistic loss mask (alternating user /
 assistant spans, ~60% assistant tokens). Two threads (torch.set_num_threads(2)).
 
-* fast     = ``specforge.train.ttt.ttt_loss`` (attention core "auto" = the mask-free chunked core
+* fast     = ``specforge.algorithms.eagle3.loss.ttt_loss`` (attention core "auto" = the mask-free chunked core
              on CPU; fused chunked lm_head + soft-CE on counted rows only; teacher once;
              embedding half of q/k/v once; rows no later step needs trimmed)
-* baseline = ``specforge.train.ttt.ttt_loss_reference`` (eager attention over concatenated keys
+* baseline = ``specforge.algorithms.eagle3.loss.ttt_loss_reference`` (eager attention over concatenated keys
              with the materialized T x T*(i+1) mask, lm_head + log_softmax on all B*T rows)
 
 Precision: what training runs on this machine (``--precision auto``, the trainer's
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
 from specforge.device import autocast, autocast_dtype, cpu_fast_bf16  # noqa: E402
-from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
-from specforge.train.ttt import ttt_loss, ttt_loss_reference  # noqa: E402
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
+from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference  # noqa: E402
 
 TARGET = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152)
 TTT_LENGTH = 7
@@ -94,7 +94,7 @@ def make_batch(B: int, T: int, draft: Eagle3Draft, seed: int = 0) -> dict:
         "input_ids_BT": torch.randint(0, V, (B, T), generator=g),
         "loss_mask_BT": realistic_loss_mask(B, T, g),
         "target_ids_BT": tgt,
-        "aux_hidden_BT3H": torch.randn(B, T, 3 * H, generator=g).to(feature_dtype()),
+        "aux_hidden_BTKH": torch.randn(B, T, 3 * H, generator=g).to(feature_dtype()),
         "last_hidden_BTH": torch.randn(B, T, H, generator=g).to(feature_dtype()),
     }
 

@@ -54,7 +54,7 @@ def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: 
         for b, sid in enumerate(ids):
             n = len(sub[b]["input_ids"])
             yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],
-                        "aux_hidden_T3H": f.aux_hidden_BT3H[b, :n], "last_hidden_TH": f.last_hidden_BTH[b, :n],
+                        "aux_hidden_TKH": f.aux_hidden_BTKH[b, :n], "last_hidden_TH": f.last_hidden_BTH[b, :n],
                         "target_ids_T": f.target_ids_BT[b, :n]}
 
 
@@ -98,7 +98,7 @@ def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", sh
 
 def capture_store(cfg, progress: bool = True) -> Path:
     """Load the target and the tokenized data of ``cfg`` and write the train split's features."""
-    from specforge.config import feature_layer_ids
+    from specforge.algorithms import feature_layers
     from specforge.data.prepare import prepare_dataset
     from specforge.device import set_threads
     from specforge.models.target import load_target
@@ -108,7 +108,7 @@ def capture_store(cfg, progress: bool = True) -> Path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
-    target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
+    target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
     data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir, progress=progress)
     meta = store_meta(cfg, target, source=data.cache_key)

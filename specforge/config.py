@@ -19,6 +19,7 @@ import yaml
 
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
+DEFAULT_ALGORITHM = "eagle3"  # draft.algorithm when a config names none (a name of specforge.algorithms.NAMES)
 
 
 @dataclass
@@ -53,31 +54,27 @@ class DataConfig:
 
 @dataclass
 class DraftConfig:
-    """The draft: an EAGLE-3 draft (LlamaForCausalLMEagle3 layout) or a DFlash block-diffusion draft
-    (``algorithm``). Keys of the other algorithm are refused (``ALGORITHM_KEYS``)."""
+    """The draft: which algorithm trains it (``specforge.algorithms``) and the keys every algorithm
+    reads. An algorithm's own keys are the fields of its options class, a subclass of this one
+    (``DraftAlgorithm.options``): the ``draft`` section is built as that class, so a key of another
+    algorithm is refused as unknown. Range checks of an option: its field metadata ``at_least``,
+    ``positive`` or ``unit`` (``"(0, 1]"``)."""
 
-    algorithm: Literal["eagle3", "dflash"] = "eagle3"
+    algorithm: str = DEFAULT_ALGORITHM
     vocab_size: int = 32000  # draft vocabulary (most frequent assistant tokens)
-    hidden_size: Optional[int] = None  # None = the target's
-    intermediate_size: Optional[int] = None
+    intermediate_size: Optional[int] = None  # None = the target's (per algorithm: its default)
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     rope_theta: Optional[float] = None
     rms_norm_eps: Optional[float] = None
-    init_lm_head_from_target: bool = True
-    init_midlayer_from_target: bool = False  # start from the target layer after the deepest aux layer
-    ttt_length: int = 7
-    ttt_decay: float = 0.8
-    attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
-    # DFlash: decoder layers, block = anchor + block_size - 1 drafted tokens, anchors per sequence and
-    # step, the block loss's position decay exp(-(k-1)/loss_gamma), and the mask token (None = the
-    # highest target id the training data never use as an assistant token)
-    num_layers: int = 3
-    block_size: int = 16
-    num_anchors: int = 64
-    loss_gamma: float = 7.0
-    mask_token_id: Optional[int] = None
+
+
+def draft_options(algorithm: str) -> type:
+    """The options class (a ``DraftConfig``) of ``algorithm``; a ValueError naming the key otherwise."""
+    from specforge.algorithms import get_algorithm
+
+    return get_algorithm(algorithm).options
 
 
 @dataclass
@@ -91,7 +88,6 @@ class TrainConfig:
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
-    ttt_warmup_steps: int = 0  # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 0.5
@@ -205,7 +201,7 @@ class CheckpointConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
+    draft: DraftConfig = field(default_factory=lambda: draft_options(DEFAULT_ALGORITHM)())
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -280,6 +276,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 # Keys a config may still carry from an older specforge: what to write instead.
 _REPLACED = {
+    "train.ttt_warmup_steps": "it is an EAGLE-3 key now: write draft.ttt_warmup_steps",
     "rollout.tp_size": "set model.num_gpus to the GPUs one copy of the target spans (its layers are split over "
                        "them; tensor parallelism is not implemented) and remove rollout.tp_size",
 }
@@ -297,13 +294,34 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if key in _REPLACED:
             raise ValueError(f"config key {key!r} was replaced: {_REPLACED[key]}")
         if name not in fields:
+            if prefix == "draft." and (owner := _draft_key_owner(name)):
+                raise ValueError(f"config key {key!r}={value!r} applies to draft.algorithm={owner}, not {data.get('algorithm', DEFAULT_ALGORITHM)}; "
+                                 f"remove it (or set draft.algorithm={owner})")
             raise ValueError(f"unknown config key {key!r}; allowed here: {', '.join(sorted(fields))}")
         tp = hints[name]
+        if key == "draft":  # built as the options class of its algorithm
+            tp = _draft_class(value)
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, f"{key}.")
         else:
             kwargs[name] = _coerce(value, tp, key)
     return cls(**kwargs)
+
+
+def _draft_class(data: Any) -> type:
+    name = data.get("algorithm", DEFAULT_ALGORITHM) if isinstance(data, dict) else DEFAULT_ALGORITHM
+    from specforge.algorithms import NAMES
+
+    if name not in NAMES:
+        raise ValueError(f"config key 'draft.algorithm': got {name!r}, expected one of {', '.join(map(repr, NAMES))}")
+    return draft_options(name)
+
+
+def _draft_key_owner(name: str) -> Optional[str]:
+    """The algorithm whose options have the key ``name`` (the first in the registry), or None."""
+    from specforge.algorithms import NAMES
+
+    return next((a for a in NAMES if name in {f.name for f in dataclasses.fields(draft_options(a))}), None)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -377,43 +395,21 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 # Numeric ranges a type cannot say: key -> (lowest, inclusive). A null Optional passes.
 _AT_LEAST = {
     "model.argmax_chunk_tokens": 1, "model.num_gpus": 1, "data.max_length": 8, "data.max_samples": 1, "data.num_eval": 0,
-    "data.num_proc": 1, "draft.vocab_size": 2, "draft.hidden_size": 1, "draft.intermediate_size": 1,
-    "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1, "draft.ttt_length": 1,
-    "train.warmup_steps": 0, "train.ttt_warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
+    "data.num_proc": 1, "draft.vocab_size": 2, "draft.intermediate_size": 1,
+    "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1,
+    "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
     "train.grad_accum": 1,
     "train.max_steps": 1, "train.num_threads": 1, "train.num_workers": 1, "train.log_every": 1,
     "train.eval_every": 0, "rollout.num_workers": 1, "rollout.max_restarts": 0, "parallel.sp_ulysses": 1,
     "parallel.sp_ring": 1, "ray.num_cpus": 1, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0,
     "regenerate.concurrency": 1, "regenerate.retries": 0, "regenerate.max_new_tokens": 1,
     "regenerate.temperature": 0, "regenerate.batch_size": 1, "regenerate.num_workers": 1,
-    "regenerate.max_samples": 1, "regenerate.max_turns": 1, "draft.num_layers": 1, "draft.block_size": 2,
-    "draft.num_anchors": 1, "draft.mask_token_id": 0,
+    "regenerate.max_samples": 1, "regenerate.max_turns": 1,
 }
-_POSITIVE = ("draft.loss_gamma", "draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
+_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
              "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s", "placement.max_inflight_mb", "store.shard_mb",
              "regenerate.timeout_s")
-_UNIT = {"draft.ttt_decay": "(0, 1]", "train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
-
-
-# Keys that only one draft algorithm reads: set to anything but the default under the other, an error.
-ALGORITHM_KEYS = {
-    "eagle3": ("draft.vocab_size", "draft.hidden_size", "draft.ttt_length", "draft.ttt_decay", "draft.attention",
-               "draft.init_lm_head_from_target", "draft.init_midlayer_from_target", "train.ttt_warmup_steps"),
-    "dflash": ("draft.num_layers", "draft.block_size", "draft.num_anchors", "draft.loss_gamma", "draft.mask_token_id"),
-}
-
-
-def algorithm_key_errors(cfg: Config) -> list[str]:
-    """``key=value`` set for an algorithm the run does not train (it would be ignored silently)."""
-    default = Config()
-    out = []
-    for algo, keys in ALGORITHM_KEYS.items():
-        if algo == cfg.draft.algorithm:
-            continue
-        out += [f"config key {k!r}={_get(cfg, k)!r} applies to draft.algorithm={algo}, not "
-                f"{cfg.draft.algorithm}; remove it (or set draft.algorithm={algo})"
-                for k in keys if _get(cfg, k) != _get(default, k)]
-    return out
+_UNIT = {"train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -421,19 +417,29 @@ def _get(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def _or_null(key: str) -> str:
+def _or_null(cfg: Config, key: str) -> str:
     """' or null' where the key's type admits null (the range message must not offer what is refused)."""
     section, name = key.split(".")
-    tp = typing.get_type_hints(type(getattr(Config(), section)))[name]
+    tp = typing.get_type_hints(type(getattr(cfg, section)))[name]
     return " or null" if type(None) in typing.get_args(tp) else ""
 
 
+def _option_ranges(cfg: Config) -> tuple[dict, tuple, dict]:
+    """The ranges of the draft algorithm's own keys (their field metadata)."""
+    fields = dataclasses.fields(cfg.draft)
+    return ({f"draft.{f.name}": f.metadata["at_least"] for f in fields if "at_least" in f.metadata},
+            tuple(f"draft.{f.name}" for f in fields if f.metadata.get("positive")),
+            {f"draft.{f.name}": f.metadata["unit"] for f in fields if "unit" in f.metadata})
+
+
 def _range_errors(cfg: Config) -> list[str]:
-    out = [f"config key {k!r}={_get(cfg, k)!r} must be >= {lo}{_or_null(k)}" for k, lo in _AT_LEAST.items()
+    at_least, positive, unit = _option_ranges(cfg)
+    at_least, positive, unit = {**_AT_LEAST, **at_least}, (*_POSITIVE, *positive), {**_UNIT, **unit}
+    out = [f"config key {k!r}={_get(cfg, k)!r} must be >= {lo}{_or_null(cfg, k)}" for k, lo in at_least.items()
            if _get(cfg, k) is not None and _get(cfg, k) < lo]
-    out += [f"config key {k!r}={_get(cfg, k)!r} must be > 0{_or_null(k)}" for k in _POSITIVE
+    out += [f"config key {k!r}={_get(cfg, k)!r} must be > 0{_or_null(cfg, k)}" for k in positive
             if _get(cfg, k) is not None and _get(cfg, k) <= 0]
-    for k, interval in _UNIT.items():
+    for k, interval in unit.items():
         v = _get(cfg, k)
         if not ((0 < v if interval[0] == "(" else 0 <= v) and v <= 1):
             out.append(f"config key {k!r}={v!r} must be in {interval}")
@@ -452,9 +458,9 @@ def validate(cfg: Config) -> None:
         errors.append("config key 'train.precision'='fp16' is refused: fp16 training needs loss scaling, which the "
                       "trainer does not do (small gradients would flush to zero); use 'bf16' (fp32's exponent range, "
                       "no scaling needed), or 'fp32' on a GPU without bf16")
-    errors += algorithm_key_errors(cfg)
-    if cfg.model.aux_layer_ids is not None:
-        errors += aux_layer_errors(cfg.model.aux_layer_ids, count=3 if cfg.draft.algorithm == "eagle3" else None)
+    from specforge.algorithms import get_algorithm
+
+    errors += get_algorithm(cfg.draft.algorithm).config_errors(cfg)
     endpoint = cfg.regenerate.endpoint
     if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
         errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
@@ -463,19 +469,20 @@ def validate(cfg: Config) -> None:
         raise ValueError(errors[0])
 
 
-def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Optional[int] = 3) -> list[str]:
-    """EAGLE-3 checkpoints fuse exactly 3 target layer outputs (``count``; a DFlash draft any number),
-    and SGLang concatenates them in ascending layer order and captures layer ``id``'s output as the
-    input of layer ``id + 1``: anything but sorted unique ids in 0..L-2 trains a draft SGLang cannot
-    serve as trained."""
+def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Optional[int] = None,
+                     who: str = "the draft") -> list[str]:
+    """Target layer outputs a draft reads (``count`` of them if the algorithm fixes it): SGLang
+    concatenates them in ascending layer order and captures layer ``id``'s output as the input of
+    layer ``id + 1``, so anything but sorted unique ids in 0..L-2 trains a draft SGLang cannot serve
+    as trained."""
     key = f"config key 'model.aux_layer_ids'={list(ids)!r}"
     if count is not None and len(ids) != count:
-        return [f"{key}: an EAGLE-3 draft fuses exactly 3 target layers, got {len(ids)}"]
+        return [f"{key}: {who} fuses exactly {count} target layers, got {len(ids)}"]
     if not ids:
         return [f"{key}: name at least one target layer"]
     if list(ids) != sorted(set(ids)):
         return [f"{key}: must be in ascending order without repeats (SGLang concatenates them in layer order)"
-                + (f", e.g. {sorted(ids)}" if len(set(ids)) == 3 else ", e.g. the default: leave the key unset")]
+                + (f", e.g. {sorted(set(ids))}" if count is None or len(set(ids)) == count else ", e.g. the default: leave the key unset")]
     top = "L-2" if num_layers is None else num_layers - 2
     if ids[0] < 0 or (num_layers is not None and ids[-1] > num_layers - 2):
         where = "" if num_layers is None else f" (the target has {num_layers} layers)"
@@ -483,39 +490,16 @@ def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Op
     return []
 
 
-def aux_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:
-    """The target layer outputs the draft fuses (EAGLE-3 default [1, L//2 - 1, L - 4]); a
-    ValueError naming the key unless they are 3 sorted unique ids in 0..L-2."""
-    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else [1, num_layers // 2 - 1, num_layers - 4]
-    if cfg.aux_layer_ids is not None:
-        errors = aux_layer_errors(ids, num_layers)
-    elif min(ids) < 0:
-        errors = [f"the target has {num_layers} layers, too few for the default model.aux_layer_ids {ids}; "
-                  f"set 3 sorted ids in 0..{num_layers - 2}"]
-    else:  # the default repeats a layer only on targets under 7 layers (toy targets of the tests)
-        errors = []
-    if errors:
-        raise ValueError(errors[0])
-    return list(ids)
-
-
-def dflash_default_layers(num_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default (z-lab's reference): one target layer output per draft layer, spread over
-    [1, L-3] (a single draft layer reads the middle one)."""
-    if num_draft_layers == 1:
-        return [num_layers // 2]
-    lo, hi = 1, num_layers - 3
-    return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-def feature_layer_ids(cfg: Config, num_layers: int) -> list[int]:
-    """The target layer outputs the run's draft algorithm reads: ``model.aux_layer_ids`` if set
-    (checked against the target's ``num_layers``), else the algorithm's default."""
-    if cfg.draft.algorithm == "eagle3":
-        return aux_layer_ids(cfg.model, num_layers)
+def layer_ids_or_default(cfg: Config, num_layers: int, default: list[int], count: Optional[int] = None,
+                         who: str = "the draft") -> list[int]:
+    """``model.aux_layer_ids`` checked against a target of ``num_layers`` layers, or ``default``
+    (an algorithm's, which may repeat a layer only on the toy targets of the tests)."""
     ids = cfg.model.aux_layer_ids
     if ids is None:
-        return dflash_default_layers(num_layers, cfg.draft.num_layers)
-    if errors := aux_layer_errors(ids, num_layers, count=None):
+        if min(default) < 0:
+            raise ValueError(f"the target has {num_layers} layers, too few for the default model.aux_layer_ids "
+                             f"{default}; set {count or 'some'} sorted ids in 0..{num_layers - 2}")
+        return list(default)
+    if errors := aux_layer_errors(ids, num_layers, count, who):
         raise ValueError(errors[0])
     return list(ids)

@@ -110,7 +110,7 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     in ``dtype``, the draft and its train state from the run's algorithm, as the workers build them
     (a draft vocab of ``draft.vocab_size`` placeholder ids)."""
     from specforge.algorithms import get_algorithm
-    from specforge.config import feature_layer_ids
+    from specforge.algorithms import feature_layers
     from specforge.data.vocab import DraftVocab
     from specforge.models.target import TargetModel
     from specforge.targets import family_of, text_config
@@ -122,7 +122,7 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))
     with meta:
         model = family.auto_class().from_config(hf_config, dtype=dtype)
-        target = TargetModel(model, None, feature_layer_ids(cfg, text.num_hidden_layers), meta)
+        target = TargetModel(model, None, feature_layers(cfg, text.num_hidden_layers), meta)
         algo = get_algorithm(cfg.draft.algorithm)
         draft = algo.build_draft(cfg, target, vocab)
         state = algo.train_state(cfg, target, vocab)
@@ -171,7 +171,7 @@ def _gib(n: int) -> str:
 def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bool = False) -> DryRun:
     """Check ``cfg`` as a run would (no weights, no data, no Ray), print what it would hold where."""
     from specforge.algorithms import get_algorithm
-    from specforge.config import feature_layer_ids
+    from specforge.algorithms import feature_layers
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.contracts import FeatureSpec
     from specforge.runtime.loop import check
@@ -185,7 +185,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
         cfg = one_rank(cfg)
     hf_config, source = read_target_config(cfg, target_config)
     text = text_config(hf_config)
-    layers = feature_layer_ids(cfg, text.num_hidden_layers)
+    layers = feature_layers(cfg, text.num_hidden_layers)
     check_target(hf_config, layers)
     get_algorithm(cfg.draft.algorithm).check(cfg, text)
     dims = ParallelDims.from_config(cfg)
@@ -220,7 +220,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     use_gpu = wants_gpu(cfg.model.device)
     devices = memory.plan(cfg, target, draft, s_bytes, on_gpus, _on_gpus(cfg))
     available = memory.available_bytes(cfg)[0]
-    spec = FeatureSpec.eagle3(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
+    spec = FeatureSpec.hidden_states(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
     per_token = spec.bytes_per_token()
     report = DryRun(
         target_source=source, target_params=t_params, target_dtype=str(dtype).replace("torch.", ""),

@@ -35,7 +35,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from specforge.algorithms.eagle3.propose import EagleProposer  # noqa: F401  (the eval's EAGLE-3 proposer)
 from specforge.models.target import TargetModel, forward_aux
 
 # Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).
@@ -558,7 +557,8 @@ def heldout_rows(cfg, tokenizer) -> list[dict]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from specforge.compat import check_target_weights
-    from specforge.config import feature_layer_ids, load_config
+    from specforge.algorithms import feature_layers
+    from specforge.config import load_config
     from specforge.device import set_threads
     from specforge.models.target import load_target
 
@@ -570,7 +570,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return serve_eval.main(args, cfg)
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
-    target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
+    target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
     for name in aux_ids:
         if note := check_target_weights(name, target.model, args.allow_mismatch):
             print(note, file=sys.stderr)

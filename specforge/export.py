@@ -5,19 +5,19 @@
     python -m specforge.export --draft runs/x/checkpoints --engine llama.cpp --out served/gguf \
         [--target HF_FOLDER] [--outtype f32|bf16|f16|q8_0]
 
-``--draft`` is a checkpoint folder (``step-*``) or a checkpoint root (its ``latest``). Every engine
-starts from the checkpoint validated against SGLang's contract (``engines/sglang.py``, the training
-output itself); each engine's own contract lives in its module and in docs/ENGINES.md:
+``--draft`` is a checkpoint folder (``step-*``) or a checkpoint root (its ``latest``). Its config.json
+names its algorithm; every engine starts from the checkpoint validated by that algorithm
+(``check_checkpoint``), and the algorithm writes each engine's format (its ``export`` hook, in
+``specforge/algorithms/<name>/export.py``); each engine's own contract is in docs/ENGINES.md:
 
-* ``sglang``: the checkpoint's config.json + model.safetensors, copied (no resume state).
-* ``vllm``: the ``speculators`` format, written by speculators' own converter (``engines/vllm.py``),
-  told our aux layer ids (renumbered) and residual convention.
-* ``llama.cpp``: a GGUF written by llama.cpp's own converter (``engines/llamacpp.py``).
-
-A DFlash checkpoint is z-lab's ``DFlashDraftModel`` folder, which SGLang (``--speculative-algorithm
-DFLASH``) and vLLM (``"method": "dflash"``) serve as it is: ``sglang`` / ``vllm`` copy it after
-checking it loads; ``llama.cpp`` converts it (``--spec-type draft-dflash``). ``--num-speculative-tokens``
-(vllm) defaults to the draft's block size - 1 for DFlash.
+* EAGLE-3: ``sglang`` = the checkpoint's config.json + model.safetensors, copied (no resume state);
+  ``vllm`` = the ``speculators`` format, written by speculators' own converter, told our aux layer
+  ids (renumbered) and residual convention.
+* DFlash: z-lab's ``DFlashDraftModel`` folder, which SGLang (``--speculative-algorithm DFLASH``)
+  and vLLM (``"method": "dflash"``) serve as it is (``--num-speculative-tokens`` defaults to the
+  block size - 1).
+* ``llama.cpp``: a GGUF written by llama.cpp's own converter (``engines/llamacpp.py``) from a staged
+  copy whose config.json the algorithm writes (``llamacpp_config``).
 
 ``--target`` (vllm, llama.cpp; checked against the draft for sglang) is the target's HF folder or hub
 id; default: the embedded default target (SmolLM2-135M-Instruct, converted once into the cache), the
@@ -148,46 +148,29 @@ def finish_output(tmp: Path, out: Path) -> None:
 
 
 def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
-    """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it."""
-    from specforge.algorithms import algorithm_name
+    """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it. The
+    checkpoint is checked first (its algorithm's ``check_checkpoint``: a bad one is named before any
+    target loads), then the target, then the algorithm's own export (``llama.cpp``: its converter)."""
+    from specforge.algorithms import ExportRequest, algorithm_of
     from specforge.compat import read_draft_config
-    from specforge.engines import sglang
 
-    out = Path(args.out)
     draft_config = read_draft_config(draft)
-    dflash = algorithm_name(draft_config, repr(str(draft))) == "dflash"
-    if args.engine == "sglang" and not dflash:
-        if args.target is not None:
-            check_target(draft, *resolve_target(args.target), given=True)
-        sglang.export(draft, tmp)
-        return (f"python -m sglang.launch_server --model-path {args.target or '<target>'} --speculative-algorithm "
-                f"EAGLE3 --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
-                "--speculative-num-draft-tokens 4")
-    if not dflash:  # a bad checkpoint is named before any target loads (DFlash: its exports check it)
-        sglang.check_checkpoint(draft)
+    algo = algorithm_of(draft_config, repr(str(draft)))
+    if args.engine not in algo.engines:
+        raise ValueError(f"--engine {args.engine}: {algo.architecture} drafts cannot be served by {args.engine}; "
+                         f"export this draft for {' or '.join(algo.engines)}")
+    algo.check_checkpoint(draft)
+    if args.engine == "sglang" and args.target is None:  # SGLang reads the folder alone: no target needed
+        return algo.export(args.engine, draft, tmp, ExportRequest(Path(args.out), None))
     target, target_config = resolve_target(args.target)
     check_target(draft, target, target_config, given=args.target is not None)
-    if dflash and args.engine in ("sglang", "vllm"):  # both serve z-lab's folder as it is
-        from specforge.algorithms.dflash.export import tokens_per_round
-        from specforge.engines.vllm import export_dflash
-
-        export_dflash(draft, tmp)
-        if args.engine == "sglang":
-            return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-                    f"DFLASH --speculative-draft-model-path {out}")
-        return (f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
-                f"\"{out}\", \"num_speculative_tokens\": {args.num_speculative_tokens or tokens_per_round(draft_config)}}}'")
-    if args.engine == "vllm":
-        from specforge.engines import vllm
-
-        vllm.export(draft, tmp, target, target_config, args.num_speculative_tokens)
-        return (f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
-                f"\"num_speculative_tokens\": {args.num_speculative_tokens or vllm.DEFAULT_SPECULATIVE_TOKENS}}}'")
-    return export_gguf(args, draft, tmp, target, draft_config)
+    if args.engine == "llama.cpp":
+        return export_gguf(args, draft, tmp, target, draft_config, algo)
+    req = ExportRequest(Path(args.out), target, target_config, args.num_speculative_tokens)
+    return algo.export(args.engine, draft, tmp, req)
 
 
-def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, draft_config: dict) -> str:
-    from specforge.algorithms.dflash.export import tokens_per_round
+def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, draft_config: dict, algo) -> str:
     from specforge.engines import llamacpp
 
     if not Path(target).is_dir():
@@ -196,9 +179,9 @@ def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, d
     outtype = args.outtype or "f32"
     name = f"draft-{outtype}.gguf"
     llamacpp.convert_draft(draft, target, tmp / name, outtype=outtype)
-    kind = llamacpp.draft_spec_type(draft_config)  # checked by convert_draft first
-    n_max = tokens_per_round(draft_config) if kind == "draft-dflash" else 3
-    return f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type {kind} --spec-draft-n-max {n_max}"
+    n_max = algo.tokens_per_round(draft_config)
+    return (f"llama-server -m <target.gguf> -md {Path(args.out) / name} --spec-type {algo.llamacpp_spec_type} "
+            f"--spec-draft-n-max {n_max}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

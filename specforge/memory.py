@@ -7,11 +7,12 @@ its backward (activations autograd saves for one micro-batch), FSDP2's reduce-sc
 backward, the optimizer step, the target's capture forward, a checkpoint save. The peak is ``held``
 plus the largest phase. Every term is bytes, computed from the shapes and dtypes the code uses:
 
-* what autograd saves per TTT step is read off ``models/draft.py``, ``models/attention.py`` and
-  ``train/ttt.py`` (the fast core keeps the causal-block probabilities, ``B x Hq x ~T^2/2`` in the
-  compute dtype, at every step that runs it: steps >= 1 always, step 0 too on CPU where ``auto`` is
-  the fast core; SDPA's fused kernel, step 0 on GPUs, keeps ``B x Hq x T`` statistics only);
-* DFlash from ``algorithms/dflash/{model,loss}.py`` (blocks of anchors, chunked logits);
+* the activations of one micro-batch are the algorithm's (its ``memory_step`` hook):
+  ``algorithms/eagle3/memory.py`` (what autograd saves per TTT step; the fast core keeps the
+  causal-block probabilities, ``B x Hq x ~T^2/2`` in the compute dtype, at every step that runs
+  it: steps >= 1 always, step 0 too on CPU where ``auto`` is the fast core; SDPA's fused kernel,
+  step 0 on GPUs, keeps ``B x Hq x T`` statistics only), ``algorithms/dflash/memory.py`` (blocks of
+  anchors, chunked logits);
 * FSDP2 (``parallel/fsdp.py``): one unit = the whole trainable draft, so its unsharded params (bf16
   under the GPU mixed-precision policy) live through forward and backward, its unsharded grads
   through the backward, and the reduce-scatter input (fp32) after it; frozen params (the target's
@@ -45,13 +46,6 @@ NCCL_BYTES = 1 * GiB
 FRAGMENTATION = 0.10
 POOL_HEADROOM = 1.25  # runtime/dataplane.py BufferPool: a new buffer is 25% larger than asked
 MAX_STEPS_AHEAD = 8  # runtime/contracts.py: plans the driver lets run ahead of training
-
-
-def attention_chunk(gpu: bool) -> int:
-    """Query rows per iteration of the fast TTT core on that device (models/attention.py)."""
-    from specforge.models import attention
-
-    return int(getattr(attention, "CHUNK_GPU" if gpu else "CHUNK_CPU", 128))
 
 
 @dataclass(frozen=True)
@@ -138,218 +132,12 @@ class SeqShape:
         return self.R + self.ttt + 1 if self.sp > 1 else self.T
 
 
-def _norm_saved(width: int, p: StepPrecision) -> int:
-    """Bytes per row RMSNorm (models/draft.py) leaves saved for backward, besides its output: the
+def norm_saved(width: int, p: StepPrecision) -> int:
+    """Bytes per row RMSNorm (``models/layers.py``) leaves saved for backward, besides its output: the
     fp32 input copy ``xf`` and the normalized value (fp32, or the 16-bit copy the weight multiplies)."""
     if p.compute == 4:
         return 8 * width
     return (4 + 2) * width if p.mp else (4 + 4) * width
-
-
-def _probs_bytes(B: int, heads: int, rows: int, q_offset: int, c: int, chunk: int) -> int:
-    """The fast core's saved causal-block probabilities: chunk [c0, c1) of the queries keeps
-    ``B x heads x (c1 - c0) x (q_offset + c1)`` values in the compute dtype (models/attention.py)."""
-    total, c0 = 0, 0
-    while c0 < rows:
-        c1 = min(rows, c0 + chunk)
-        total += (c1 - c0) * (q_offset + c1)
-        c0 = c1
-    return B * heads * total * c
-
-
-# ---------------------------------------------------------------- EAGLE-3: the TTT unroll
-
-
-@dataclass(frozen=True)
-class Eagle3Dims:
-    """The EAGLE-3 draft's widths (``models/draft.py`` ``Eagle3DraftConfig``)."""
-
-    H: int
-    Ht: int
-    Hq: int
-    Hkv: int
-    D: int
-    I: int
-    N: int
-    V: int
-
-    @classmethod
-    def of(cls, c) -> "Eagle3Dims":
-        return cls(c.hidden_size, c.target_hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                   c.intermediate_size, c.draft_vocab_size, c.vocab_size)
-
-    @property
-    def Fq(self) -> int:
-        return self.Hq * self.D
-
-    @property
-    def Fk(self) -> int:
-        return self.Hkv * self.D
-
-    @property
-    def Fqkv(self) -> int:
-        return self.Fq + 2 * self.Fk
-
-
-def _core_heads(d: Eagle3Dims, u: int) -> tuple[int, int]:
-    """(query heads, kv heads) the attention core of one Ulysses rank runs (parallel/sp.py: kv heads
-    repeated by the least factor that splits, or MHA + zero heads when the query heads do not split)."""
-    if u == 1:
-        return d.Hq, d.Hkv
-    if d.Hq % u == 0:
-        G = d.Hq // d.Hkv
-        rep = next(r for r in range(1, G + 1) if G % r == 0 and (d.Hkv * r) % u == 0)
-        return d.Hq // u, d.Hkv * rep // u
-    heads = (d.Hq + (-d.Hq % u)) // u
-    return heads, heads
-
-
-def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
-                loss_rows: int = 64) -> dict[str, list[Term]]:
-    """One EAGLE-3 micro-batch (the TTT unroll of ``train/ttt.py`` through ``Eagle3Draft.forward``):
-    ``{"forward": ..., "backward": ...}``, the transient terms at the forward's end (everything autograd
-    saved for the L steps, the teacher distribution, what only the forward still holds) and at the
-    backward's peak (the last step's attention backward: the saved tensors less that step's MLP and
-    loss head, plus the core's fp32 working set). Worst case: every row counts. ``chunk``: the fast
-    core's query rows per iteration; ``loss_rows``: the fused loss's rows per chunk."""
-    c, B, L = p.compute, s.B, s.ttt
-    hq, hkv = _core_heads(d, s.ulysses)
-    sp = s.sp > 1
-    rows = [s.R if sp else max(s.T - 2 - i, 1) for i in range(L)]  # rows step i computes (ttt._step_rows)
-    uly = s.ulysses > 1
-    offset = (s.ring - 1) * s.ulysses * s.R  # the last ring rank's queries start there: the fullest rank
-    saved = dict.fromkeys(("norms (fp32 copies) + RoPE", "layer inputs (16-bit)", "q/k/v", "attention core (q, out, "
-                           "diagonal k/v)", "causal-block probabilities", "MLP (gate, up, act, product)",
-                           "loss head (rows, logit gradients)"), 0)
-    fwd_only = 0
-    last = {}  # the last step's tensors the backward frees before its attention backward
-    for i, n_rows in enumerate(rows):
-        n = B * n_rows
-        qrows = s.ulysses * n_rows if uly else n_rows  # rows inside the core (a Ulysses group's range)
-        norms = 2 * _norm_saved(d.H, p) * n + 4 * c * d.D * n  # hidden_norm, post-attention norm; cos/sin copies
-        inputs = 2 * d.H * c * n  # q/k/v's and the MLP's inputs (o_proj's is the core's output)
-        mlp = 4 * d.I * c * n
-        head = (_norm_saved(d.H, p) + c * d.H + c * d.N + 8) * n  # norm, its output, G = softmax - p, row ids
-        saved["norms (fp32 copies) + RoPE"] += norms
-        saved["layer inputs (16-bit)"] += inputs
-        saved["MLP (gate, up, act, product)"] += mlp
-        saved["loss head (rows, logit gradients)"] += head
-        if i == 0 or uly:  # step 0's qkv (v0 is a view of it) and rotated k; the Ulysses cache keeps every step's
-            saved["q/k/v"] += (d.Fqkv + d.Fk) * c * n
-        else:  # qkv, rotated k of later steps: only the forward's lists hold them
-            fwd_only += (d.Fqkv + d.Fk) * c * n
-        core = (2 * hq * d.D * c + 4 * hq) * B * qrows  # q (rotated), out, lse (fp32)
-        fused = i == 0 and p.step0_fused and s.ring == 1
-        if not fused:
-            core += 2 * i * hkv * d.D * c * B * qrows  # the stacked diagonal keys and values
-            saved["causal-block probabilities"] += _probs_bytes(B, hq, qrows, offset if s.ring > 1 else 0, c, chunk)
-        if uly:
-            saved["q/k/v"] += 2 * hkv * d.D * c * B * qrows  # k, v after the all-to-all (cached per unroll)
-        saved["attention core (q, out, diagonal k/v)"] += core
-        last = dict(free=mlp + head + norms // 2 + d.H * c * n, n=B * qrows, i=i,
-                    L0=(offset if s.ring > 1 else 0) + qrows)
-    if s.ring > 1:
-        saved["q/k/v"] += 2 * hkv * d.D * c * B * s.ring * s.ulysses * s.R  # step-0 k, v gathered over the ring
-    saved["layer inputs (16-bit)"] += (4 + c) * d.H * B * s.window  # step 0's input_layernorm(embeddings), 16-bit copy
-    weights = _weight_copies(d, p, L)
-    P = B * ((s.R + L - 1) if sp else (s.T - 1))  # positions whose teacher a counted row reads
-    acts = [Term(f"activations: {k}", v) for k, v in saved.items() if v]
-    loss_chunk = 2 * 4 * loss_rows * d.N  # the fused loss's fp32 logits and teacher rows of one chunk
-    forward = acts + weights + [
-        Term("teacher distribution (fp32, positions x N)", 4 * P * d.N),
-        Term("forward-only: embedding half of q/k/v, later steps' q/k/v, fused weight",
-             fwd_only + d.Fqkv * c * B * s.window + (4 * d.Fqkv * 2 * d.H if p.cast else 0)),
-        Term("loss head chunk (fp32 logits, teacher rows)", loss_chunk)]
-    # the backward's peak: inside the last step's attention backward (its MLP and loss head are freed)
-    n, Fq, Fk = last["n"], hq * d.D, hkv * d.D
-    common = (2 * c * Fq + c * d.H) * n + 8 * Fk * B * last["L0"] + 4 * hq * n  # dout, dq, dhidden; dk0, dv0 fp32
-    chunks = B * hq * chunk * last["L0"] * (2 + 4 + 2)  # one chunk's dP (16-bit, fp32) and dS
-    diag = (12 * Fq + 16 * last["i"] * Fk) * n  # fp32 q, dout, dq; diagonal k, v and their grads in fp32
-    backward = acts + weights + [
-        Term("freed before the peak: the last step's MLP, loss head, post-attention norm", -last["free"]),
-        Term("attention backward working set (fp32)", common + max(chunks, diag))]
-    return {"forward": forward, "backward": backward}
-
-
-def _weight_copies(d: Eagle3Dims, p: StepPrecision, L: int) -> list[Term]:
-    """Weights the step reads besides the parameters themselves. Under a 16-bit autocast of fp32
-    weights (``p.cast``), the copies autograd keeps: leaf weights once (autocast's cache), the fused
-    q/k/v halves and the lm_head once per TTT step (not leaves). Else the fused q/k/v weight (cat)."""
-    if not p.cast:
-        return [Term("fused q/k/v weight (cat, kept for backward)", d.Fqkv * 2 * d.H * p.unsharded_param)]
-    leaves = (3 * d.Ht * d.H + d.Fq * d.H + 3 * d.I * d.H) * 2
-    per_step = (d.Fqkv * d.H + d.N * d.H) * 2
-    return [Term("16-bit weight copies (autocast; q/k/v and lm_head once per TTT step)",
-                 leaves + d.Fqkv * d.H * 2 + L * per_step)]
-
-
-# ---------------------------------------------------------------- DFlash: blocks after a context
-
-
-@dataclass(frozen=True)
-class DFlashDims:
-    """The DFlash draft's widths (``algorithms/dflash/model.py`` ``DFlashConfig``)."""
-
-    H: int
-    Hq: int
-    Hkv: int
-    D: int
-    I: int
-    V: int
-    F: int  # context width: captured layers x target hidden
-    layers: int
-    K: int  # block size
-
-    @classmethod
-    def of(cls, c) -> "DFlashDims":
-        return cls(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
-                   c.vocab_size, c.context_width, c.num_hidden_layers, c.block_size)
-
-
-def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
-                chunk_blocks: int = 16) -> dict[str, list[Term]]:
-    """One DFlash micro-batch (``DFlashDraft.forward`` + ``loss.block_loss``): ``anchors`` blocks of
-    ``d.K`` rows per sample (worst case ``draft.num_anchors``; fewer when a sample has fewer assistant
-    positions) attend to the T context positions. The block rows' residual stream is fp32 (the frozen
-    embedding is), every layer's keys/values of the context are kept, SDPA's fused kernel keeps no
-    scores (measured on CPU: flash with the block mask; on CUDA assumed the memory-efficient kernel,
-    which takes a mask). With more than ``chunk_blocks`` blocks the logits exist that many blocks at a
-    time and are recomputed in backward (checkpoint); with fewer, one pass keeps the log-softmax."""
-    c, Q = p.compute, anchors * d.K
-    Fq, Fk = d.Hq * d.D, d.Hkv * d.D
-    n, m = B * T, B * Q  # context rows, block rows
-    ctx = (_norm_saved(d.H, p) + c * d.H + 2 * c * d.D) * n  # hidden_norm, its output, RoPE cos/sin
-    ctx += d.layers * (_norm_saved(Fk, p) + 2 * c * Fk) * n  # k_norm; k, v of the context (kept as the SDPA's keys)
-    blk_norm = 8 * d.H  # input/post-attention norms of an fp32 stream: the input (aliased) and the normalized value
-    per_layer = (2 * blk_norm + (3 + 2) * c * d.H  # norms; 16-bit copies of the normed stream for q, k, v, gate, up
-                 + _norm_saved(Fq, p) + _norm_saved(Fk, p)  # q_norm, k_norm
-                 + 2 * c * Fq + 4 * d.Hq + c * Fk * 2  # SDPA's q copy, out, lse; the block's k (16-bit), v
-                 + 4 * c * d.I) * m  # MLP
-    blocks = d.layers * per_layer + (blk_norm + 8 * d.D) * m  # final norm (its fp32 output is the hidden); fp32 cos/sin
-    mask = d.layers * c * B * Q * (T + Q)  # each layer's SDPA keeps the block mask additive, in the compute dtype
-    kv_cat = d.layers * 2 * c * Fk * B * Q  # the block rows' part of each layer's concatenated keys/values
-    weights = []
-    if p.cast:
-        weights = [Term("16-bit weight copies (autocast, cached)",
-                        (d.F * d.H + d.layers * (2 * Fq * d.H + 2 * Fk * d.H + 3 * d.I * d.H)) * 2)]
-    acts = [Term("activations: context (norm, k/v of every layer)", ctx),
-            Term("activations: block rows (norms, projections, SDPA, MLP)", blocks + kv_cat),
-            Term("block mask (additive, per layer)", mask)] + weights
-    head = d.V * d.H * 2  # the frozen lm_head's 16-bit copy (autocast casts it per call: not a leaf that trains)
-    if anchors > chunk_blocks:  # chunked: logits of chunk_blocks blocks at a time, recomputed in backward
-        r = B * chunk_blocks * d.K
-        loss_fwd = [Term("loss chunk (lm_head 16-bit copy, fp32 logits, log-softmax)", head + r * d.V * 8)]
-        loss_bwd = [Term("loss chunk backward (recomputed log-softmax, its gradients; fp32)", head + r * d.V * 12)]
-    else:  # one pass: the log-softmax (fp32) and the lm_head copy stay for backward
-        r = m
-        kept = Term("loss: log-softmax (fp32) and the lm_head 16-bit copy, kept for backward", head + r * d.V * 4)
-        loss_fwd = [kept, Term("loss: fp32 logits while the log-softmax runs", r * d.V * 4)]
-        loss_bwd = [kept, Term("loss backward: the log-softmax's gradients (fp32)", r * d.V * 8)]
-    forward = acts + [Term("forward-only: block embeddings, the concatenated fp32 keys, the boolean mask",
-                           4 * d.H * m + 4 * Fk * B * (T + Q) + B * Q * (T + Q))] + loss_fwd
-    backward = acts + loss_bwd  # the loss's backward runs first: no parameter has a gradient yet
-    layers_bwd = acts + [Term("one block layer's backward working set", (4 * c * d.I + 8 * d.H) * m)]
-    return {"forward": forward, "backward": backward, "backward (decoder layers)": layers_bwd}
 
 
 # ---------------------------------------------------------------- the target's capture forward
@@ -526,22 +314,12 @@ def _compute_bytes(precision: str, gpu: bool) -> int:
     return 2 if cpu_fast_bf16() else 4
 
 
-def _loss_rows(gpu: bool, N: int) -> int:
-    """Rows per chunk of the fused EAGLE-3 loss on that device (train/ttt.py)."""
-    from specforge.train import ttt
-
-    if hasattr(ttt, "loss_chunk"):
-        import torch
-
-        return int(ttt.loss_chunk(torch.device("cuda" if gpu else "cpu"), N))
-    return 64
-
-
 def plan(cfg, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
     """Every kind of device of ``cfg``'s placement at its peak. ``target``: the ``TargetModel`` (meta
     device is enough), ``draft``: the run's draft (meta), ``state_bytes``: the algorithm's frozen train
     state in fp32, ``target_shares``: the target's bytes on each GPU of a worker that runs it (one
     entry: the whole target), ``gpu``: whether the workers get GPUs (the CUDA/NCCL allowances)."""
+    from specforge.algorithms import get_algorithm
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.contracts import DTYPE_BYTES, FeatureSpec
     from specforge.runtime.plan import wire_dtype
@@ -551,16 +329,12 @@ def plan(cfg, target, draft, state_bytes: int, target_shares: Sequence[int], gpu
     text = text_config(target.model.config)
     Ht, layers = int(text.hidden_size), len(target.aux_layer_ids)
     compute = _compute_bytes(tr.precision, gpu)
-    p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers,
-                      step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash"))
+    p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers)
+    algo = get_algorithm(cfg.draft.algorithm)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
-                 cfg.draft.ttt_length if cfg.draft.algorithm == "eagle3" else 0)
+                 max(algo.sp_halo(cfg) - 1, 0))
     params = DraftParams.of(draft)
-    if cfg.draft.algorithm == "eagle3":
-        d = Eagle3Dims.of(draft.config)
-        step = eagle3_step(d, s, p, attention_chunk(gpu), _loss_rows(gpu, d.N))
-    else:
-        step = dflash_step(DFlashDims.of(draft.config), s.B, s.T, min(cfg.draft.num_anchors, s.T - 1), p)
+    step = algo.memory_step(cfg, draft, s, p, gpu)
     wire = wire_dtype(cfg.model.dtype, gpu)
     wb = DTYPE_BYTES[wire]
     aux_rows = s.R if s.sp > 1 else s.T
@@ -569,7 +343,7 @@ def plan(cfg, target, draft, state_bytes: int, target_shares: Sequence[int], gpu
     upcast = s.B * (aux_rows * layers + s.window) * Ht * 4 if compute == 4 and wb < 4 else 0
     comms = int(tr.num_workers > 1) + int(s.ulysses > 1) + int(s.ring > 1) + int(mode == "disaggregated")
     extra = context_terms(gpu, comms)
-    spec = FeatureSpec.eagle3(Ht, wire, layers)
+    spec = FeatureSpec.hidden_states(Ht, wire, layers)
     if mode == "disaggregated":
         step_bytes = tr.grad_accum * s.B * s.window * spec.bytes_per_token()
         extra.append(Term("receive buffers (the step in use + the next one posted, BufferPool +25%)",
@@ -635,11 +409,9 @@ def _keys_for(dev: DeviceMemory, cfg) -> str:
     if dev.device.startswith("rollout"):
         return ("rollout batch (train.batch_size, train.grad_accum; more rollout.num_workers), data.max_length, "
                 "placement.max_inflight_mb or model.num_gpus")
-    keys = ["train.batch_size", "data.max_length"]
-    if cfg.draft.algorithm == "eagle3":
-        keys.append("parallel.sp_ulysses / parallel.sp_ring (split T)")
-    else:
-        keys.append("draft.num_anchors")
+    from specforge.algorithms import get_algorithm
+
+    keys = ["train.batch_size", "data.max_length", *get_algorithm(cfg.draft.algorithm).memory_keys(cfg)]
     if cfg.placement.mode == "colocated":
         keys.append("placement.mode=disaggregated (the target off the train GPUs)")
     return ", ".join(keys)

@@ -57,7 +57,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Union
 
-from specforge.config import Config, DataConfig, feature_layer_ids, load_config
+from specforge.algorithms import feature_layers
+from specforge.config import Config, DataConfig, load_config
 from specforge.data.sharegpt import Conversation, iter_conversations
 from specforge.data.template import (
     TemplateError, assistant_char_spans, render, resolve_chat_template, span_mask, tokenize_conversation,
@@ -281,7 +282,7 @@ class LocalBackend:
         feats = gen.features
         if feats is not None:
             T = len(prompt.ids) + len(out)
-            feats = type(feats)(feats.aux_hidden_BT3H[:, :T], feats.last_hidden_BTH[:, :T], feats.target_ids_BT[:, :T])
+            feats = type(feats)(feats.aux_hidden_BTKH[:, :T], feats.last_hidden_BTH[:, :T], feats.target_ids_BT[:, :T])
         return Answer(text, reason, len(out), out, feats)
 
 
@@ -437,7 +438,7 @@ class RowSink:
             ids = torch.tensor(job.prompt.ids + ans.output_ids)
             mask = torch.tensor(job.prompt.mask + [1] * len(ans.output_ids))
             f = ans.features
-            self.store.add(job.source_row, ids, mask, f.aux_hidden_BT3H[0], f.last_hidden_BTH[0], f.target_ids_BT[0])
+            self.store.add(job.source_row, ids, mask, f.aux_hidden_BTKH[0], f.last_hidden_BTH[0], f.target_ids_BT[0])
 
 
 # ---------------------------------------------------------------- the turn loop
@@ -569,7 +570,7 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     if local and target is None:
         from specforge.models.target import load_target
 
-        target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
+        target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
     tokenizer = target.tokenizer if local else tokenizer
     template = resolve_chat_template(tokenizer, cfg.model.chat_template)
     model_name = cfg.model.target_path if local else (r.api_model or cfg.model.target_path)

@@ -47,8 +47,8 @@ def _rank(rank, world):
     assert source.captured == len([m for m in range(len(MICRO)) if m % 2 == rank])  # its share only
     for ids, b in zip(MICRO, got):
         (full,) = local_batches(target, [rows[i] for i in ids], len(ids), 1024)
-        want = sp_slice_batch(full, rank, 2, 3)
-        for name in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT",
+        want = sp_slice_batch(full, rank, 2, 4)  # halo: ttt_length 3 + 1
+        for name in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT",
                      "position_ids_BT"):
             assert torch.equal(getattr(b, name), getattr(want, name)), (ids, name)
         assert (b.num_rows, b.start) == (want.num_rows, want.start)

@@ -20,7 +20,7 @@ from specforge.runtime.completion import Completion, PeerLost, StreamWork
 from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
 from specforge.runtime.dataplane import P2PTransport, synthetic_features, wire_features
 
-SPEC = FeatureSpec.eagle3(hidden_size=8)
+SPEC = FeatureSpec.hidden_states(hidden_size=8)
 DELAY_S = 2.0  # rank 0 sends this long after rank 1 posted its receive (margin for a loaded machine)
 
 

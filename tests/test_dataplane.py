@@ -27,7 +27,7 @@ from specforge.runtime.dataplane import (
 )
 
 pytestmark = pytest.mark.timeout(600)
-SPEC = FeatureSpec.eagle3(hidden_size=8)
+SPEC = FeatureSpec.hidden_states(hidden_size=8)
 ROLLOUT, TRAIN = [0], [1, 2]
 
 

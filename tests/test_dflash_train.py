@@ -121,7 +121,7 @@ def test_what_dflash_cannot_run_is_refused_before_anything_loads(assets, tmp_pat
 
 @pytest.mark.parametrize("overrides, key", [
     (["draft.algorithm=dflash", "draft.ttt_length=3"], "draft.ttt_length"),
-    (["draft.algorithm=dflash", "train.ttt_warmup_steps=10"], "train.ttt_warmup_steps"),
+    (["draft.algorithm=dflash", "draft.ttt_warmup_steps=10"], "draft.ttt_warmup_steps"),
     (["draft.algorithm=dflash", "draft.vocab_size=8192"], "draft.vocab_size"),
     (["draft.block_size=8"], "draft.block_size"),
     (["draft.num_anchors=32"], "draft.num_anchors"),

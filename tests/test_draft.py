@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from specforge.config import DraftConfig
-from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_from_target
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig, draft_config_from_target
 
 
 def _cfg(**kw):
@@ -93,14 +93,14 @@ def test_draft_config_from_target():
     t = LlamaConfig(hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2,
                     vocab_size=500, num_hidden_layers=8, rope_theta=50000.0, rms_norm_eps=1e-5,
                     max_position_embeddings=4096)
-    cfg = draft_config_from_target(t, DraftConfig(vocab_size=128), [1, 3, 4])
+    cfg = draft_config_from_target(t, Eagle3Options(vocab_size=128), [1, 3, 4])
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (96, 256, 6, 2)
     assert cfg.head_dim == 16 and cfg.vocab_size == 500 and cfg.draft_vocab_size == 128
     assert cfg.rope_theta == 50000.0 and cfg.rms_norm_eps == 1e-5 and cfg.max_position_embeddings == 4096
     assert cfg.target_hidden_size == 96 and cfg.aux_layer_ids == [1, 3, 4]
-    same = draft_config_from_target(t.to_dict(), DraftConfig(vocab_size=128), [1, 3, 4])
+    same = draft_config_from_target(t.to_dict(), Eagle3Options(vocab_size=128), [1, 3, 4])
     assert same == cfg
-    small = draft_config_from_target(t, DraftConfig(vocab_size=128, hidden_size=64, intermediate_size=128), [1, 3, 4])
+    small = draft_config_from_target(t, Eagle3Options(vocab_size=128, hidden_size=64, intermediate_size=128), [1, 3, 4])
     assert small.hidden_size == 64 and small.target_hidden_size == 96 and small.num_attention_heads == 4
     assert small.to_hf_config()["target_hidden_size"] == 96
     Eagle3Draft(small)  # builds
@@ -123,7 +123,7 @@ def test_init_midlayer_from_target_is_the_target_layer_on_the_deepest_aux_hidden
 
     model = tiny_target()
     H, layer = model.config.hidden_size, model.model.layers[3]
-    dcfg = draft_config_from_target(model.config, DraftConfig(vocab_size=64), [0, 1, 2])
+    dcfg = draft_config_from_target(model.config, Eagle3Options(vocab_size=64), [0, 1, 2])
     draft = Eagle3Draft(dcfg)
     draft.init_midlayer_from_target(layer, top_aux=2)
     with torch.no_grad():
@@ -142,5 +142,5 @@ def test_init_midlayer_from_target_is_the_target_layer_on_the_deepest_aux_hidden
         want = _layer(layer, x, cos, sin, kv, 0, causal)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="hidden size"):
-        Eagle3Draft(draft_config_from_target(model.config, DraftConfig(vocab_size=64, hidden_size=32), [0, 1, 2])) \
+        Eagle3Draft(draft_config_from_target(model.config, Eagle3Options(vocab_size=64, hidden_size=32), [0, 1, 2])) \
             .init_midlayer_from_target(layer, top_aux=2)

@@ -66,7 +66,7 @@ def served(tmp_path_factory):
 
 def _ours(target, ckpt):
     from specforge.algorithms import load_draft
-    from specforge.eval import EagleProposer
+    from specforge.algorithms.eagle3.propose import EagleProposer
 
     return EagleProposer(load_draft(ckpt, target).to(target.device), torch.float32)
 
@@ -232,7 +232,7 @@ def test_draft_of_another_target_is_refused(tmp_path):
     from safetensors.torch import save_file
 
     from specforge.config import ModelConfig
-    from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
+    from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
     from specforge.models.target import resolve_target_path
 
     target_dir = resolve_target_path(ModelConfig())  # the embedded SmolLM2 (hidden 576)

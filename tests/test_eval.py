@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specforge import eval as ev
+from specforge.algorithms.eagle3.propose import EagleProposer
 from specforge.eval import (
-    EagleProposer,
     GreedyRun,
     PromptLookupProposer,
     RoundCosts,
@@ -17,7 +17,7 @@ from specforge.eval import (
     greedy_run,
     speculative_decode,
 )
-from specforge.models.draft import ChainDrafter, DraftKVCache, Eagle3Draft, Eagle3DraftConfig
+from specforge.algorithms.eagle3.model import ChainDrafter, DraftKVCache, Eagle3Draft, Eagle3DraftConfig
 from specforge.models.target import TargetModel
 from tests.test_target import tiny_target
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from specforge import engines, export
 from specforge.cli import run_cli
-from specforge.engines import sglang, vllm
-from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
+from specforge.algorithms.eagle3 import export as eagle3_export
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.models.target import TargetModel, forward_aux
 from specforge.train.checkpoint import save_checkpoint
 from tests.test_target import tiny_target
@@ -127,7 +127,7 @@ def test_sglang_export_is_the_checkpoint_and_sglang_loads_every_tensor(tmp_path,
     assert dropped and all(k.startswith("layers.0.") for k in dropped)
     assert not any(".midlayer." in p for p in landed.values())
     with pytest.raises(ValueError, match="missing midlayer.self_attn.q_proj.weight"):
-        sglang.check_checkpoint(_with_weights(ckpt, renamed, tmp_path / "bad"))
+        eagle3_export.check_checkpoint(_with_weights(ckpt, renamed, tmp_path / "bad"))
 
 
 def _with_weights(ckpt: Path, weights, dest: Path) -> Path:
@@ -142,13 +142,13 @@ def test_check_checkpoint_names_what_is_wrong(tmp_path, target_dir):
     weights = load_file(ckpt / "model.safetensors")
     bad = dict(weights, **{"fc.weight": weights["fc.weight"][:, :H]})
     with pytest.raises(ValueError, match=r"fc.weight is \[48, 48\] torch.float32, expected \[48, 144\]"):
-        sglang.check_checkpoint(_with_weights(ckpt, bad, tmp_path / "a"))
+        eagle3_export.check_checkpoint(_with_weights(ckpt, bad, tmp_path / "a"))
     bad = dict(weights, d2t=torch.roll(weights["d2t"], 1))
     with pytest.raises(ValueError, match="d2t"):
-        sglang.check_checkpoint(_with_weights(ckpt, bad, tmp_path / "b"))
+        eagle3_export.check_checkpoint(_with_weights(ckpt, bad, tmp_path / "b"))
     bad = dict(weights, **{"norm.weight": weights["norm.weight"].bfloat16()})
     with pytest.raises(ValueError, match="norm.weight .* torch.bfloat16, expected .* torch.float32"):
-        sglang.check_checkpoint(_with_weights(ckpt, bad, tmp_path / "c"))
+        eagle3_export.check_checkpoint(_with_weights(ckpt, bad, tmp_path / "c"))
 
 
 # ---------------------------------------------------------------- vLLM (speculators)
@@ -185,7 +185,7 @@ def logits_ours_and_speculators(ckpt: Path, exported: Path, target_dir: Path, T=
     Each side gets the target features its own convention names; the same token ids."""
     from transformers import LlamaForCausalLM
 
-    from specforge.train.checkpoint import load_draft
+    from specforge.algorithms import load_draft
 
     hf_target = LlamaForCausalLM.from_pretrained(target_dir).eval()
     ours_ids = json.loads((ckpt / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -249,7 +249,7 @@ def test_vllm_comparison_fails_on_unshifted_ids_or_wrong_d2t(tmp_path, target_di
     ckpt = make_checkpoint(tmp_path / "ckpts", target_dir, [0, 2, 6])
     # 1. the layer ids copied as they are (SGLang's numbers in vLLM's convention): other features
     with monkeypatch.context() as m:
-        m.setattr(vllm, "speculators_layer_ids", lambda ids: list(ids))
+        m.setattr(eagle3_export, "speculators_layer_ids", lambda ids: list(ids))
         assert run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "ids", "--target", target_dir], capsys)[0] == 0
     ours, theirs = logits_ours_and_speculators(ckpt, tmp_path / "ids", target_dir)[0]
     assert not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)

@@ -58,8 +58,8 @@ def test_generation_features_equal_teacher_forced_capture(dtype, atol):
         seq = torch.tensor([g.prompt_ids + g.output_ids])
         want = capture(target, seq)
         got = g.features
-        assert got.aux_hidden_BT3H.shape == want.aux_hidden_BT3H.shape == (1, seq.shape[1], 3 * 48)
-        torch.testing.assert_close(got.aux_hidden_BT3H.float(), want.aux_hidden_BT3H.float(), atol=atol, rtol=atol)
+        assert got.aux_hidden_BTKH.shape == want.aux_hidden_BTKH.shape == (1, seq.shape[1], 3 * 48)
+        torch.testing.assert_close(got.aux_hidden_BTKH.float(), want.aux_hidden_BTKH.float(), atol=atol, rtol=atol)
         torch.testing.assert_close(got.last_hidden_BTH.float(), want.last_hidden_BTH.float(), atol=atol, rtol=atol)
         agree = (got.target_ids_BT == want.target_ids_BT).float().mean().item()
         assert agree == 1.0 if dtype == torch.float32 else agree > 0.9
@@ -79,7 +79,7 @@ def test_qwen3_layout_with_head_norms():
     for p, g in zip(prompts, gens):
         assert g.output_ids == _hf_greedy(model, p, 6, set())
         want = capture(target, torch.tensor([p + g.output_ids]))
-        torch.testing.assert_close(g.features.aux_hidden_BT3H, want.aux_hidden_BT3H, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(g.features.aux_hidden_BTKH, want.aux_hidden_BTKH, atol=2e-5, rtol=2e-5)
 
 
 def test_sampling_is_seeded_and_respects_top_p():

@@ -26,7 +26,7 @@ from specforge.runtime.dataplane import P2PTransport, synthetic_features
 from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
-SPEC = FeatureSpec.eagle3(hidden_size=64, hidden_dtype="bfloat16")
+SPEC = FeatureSpec.hidden_states(hidden_size=64, hidden_dtype="bfloat16")
 
 
 def need_gpus(n: int) -> None:
@@ -158,7 +158,7 @@ def test_bf16_fsdp_on_gpus_matches_fp32_within_tolerance(tmp_path):
 @pytest.mark.parametrize("num_keys", [1, 3])
 def test_ttt_cores_match_eager_on_gpu(impl, num_keys):
     """fp32 forward and backward within 1e-4 (TF32 off); bf16 within 2e-2 of the fp32 reference."""
-    from specforge.models.attention import IMPLS, ttt_attention_eager
+    from specforge.algorithms.eagle3.attention import IMPLS, ttt_attention_eager
 
     need_gpus(1)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -180,7 +180,8 @@ def test_ttt_cores_match_eager_on_gpu(impl, num_keys):
 
 
 def test_capture_on_gpu_equals_cpu():
-    from specforge.config import ModelConfig, aux_layer_ids
+    from specforge.algorithms.eagle3.algorithm import aux_layer_ids
+    from specforge.config import ModelConfig
     from specforge.models.target import TargetModel, capture
     from tests.test_target import tiny_target
 
@@ -195,7 +196,7 @@ def test_capture_on_gpu_equals_cpu():
     gpu_model = tiny_target().cuda()
     gpu = capture(TargetModel(model=gpu_model, tokenizer=None, aux_layer_ids=layers, device=torch.device("cuda", 0)),
                   ids.cuda(), mask.cuda())
-    torch.testing.assert_close(gpu.aux_hidden_BT3H.cpu(), cpu.aux_hidden_BT3H, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gpu.aux_hidden_BTKH.cpu(), cpu.aux_hidden_BTKH, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(gpu.last_hidden_BTH.cpu(), cpu.last_hidden_BTH, atol=1e-4, rtol=1e-4)
     assert (gpu.target_ids_BT.cpu() == cpu.target_ids_BT).float().mean() > 0.99  # argmax ties may differ
 
@@ -217,7 +218,7 @@ def test_gpt_oss_captures_with_flex_attention_as_eager_does():
         ids = torch.randint(3, 256, (2, 40), device="cuda")
         feats[impl] = capture(TargetModel(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3],
                                           device=torch.device("cuda", 0)), ids, torch.ones_like(ids))
-    torch.testing.assert_close(feats["flex_attention"].aux_hidden_BT3H, feats["eager"].aux_hidden_BT3H, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feats["flex_attention"].aux_hidden_BTKH, feats["eager"].aux_hidden_BTKH, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(feats["flex_attention"].last_hidden_BTH, feats["eager"].last_hidden_BTH, atol=1e-4, rtol=1e-4)
 
 

@@ -1,9 +1,11 @@
-"""The package layering, checked on the import statements (cheap, keeps the architecture visible)."""
+"""The package layering, checked on the import statements and literals (cheap, keeps the architecture visible)."""
 
 import ast
 from pathlib import Path
 
 import pytest
+
+from specforge.algorithms import NAMES
 
 PKG = Path(__file__).parent.parent / "specforge"
 
@@ -20,17 +22,75 @@ def _imports(folder: str) -> set[str]:
 
 
 @pytest.mark.parametrize("folder, forbidden", [
-    ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train")),
+    ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train",
+                "specforge.algorithms.")),  # the registry (specforge.algorithms) only
     ("parallel", ("ray", "specforge.runtime", "specforge.train", "specforge.models")),
-    ("train", ("ray",)),
+    ("train", ("ray", "specforge.runtime")),
 ])
 def test_layer_does_not_import(folder, forbidden):
     bad = sorted(m for m in _imports(folder) if m.startswith(forbidden))
     assert not bad, f"specforge/{folder} imports {bad}"
 
 
-def test_train_does_not_import_the_runtime():
-    """The step sits below the runtime; the single-process entry (specforge/local.py) above both.
-    The one exception is runtime/contracts.py: stdlib-only records (slicing bounds) both sides share."""
-    bad = sorted(m for m in _imports("train") if m.startswith("specforge.runtime") and m != "specforge.runtime.contracts")
-    assert not bad, f"specforge/train imports {bad} (the runtime imports train: a circle)"
+# ---------------------------------------------------------------- the algorithm seam
+
+
+def seam_violations(source: str, names=NAMES) -> list[str]:
+    """What in ``source`` (a module outside specforge/algorithms/) bypasses the seam: an import of an
+    algorithm's own modules (only the registry ``specforge.algorithms`` and its ``base``), or an
+    algorithm name as a literal (compared, a key, an argument: the choice belongs in a hook)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        mods = []
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            mods = [node.module] + ([f"{node.module}.{a.name}" for a in node.names]
+                                    if node.module == "specforge.algorithms" else [])
+        out += [f"line {node.lineno}: imports {m}" for m in mods
+                if m.startswith("specforge.algorithms.") and m not in ("specforge.algorithms.base",)
+                and m.split(".")[2] in names]
+        if isinstance(node, ast.Constant) and node.value in names:
+            out.append(f"line {node.lineno}: the literal {node.value!r}")
+    return out
+
+
+# config.py names the default algorithm once (DEFAULT_ALGORITHM): the one literal outside the packages
+ALLOWED = {("config.py", 'DEFAULT_ALGORITHM = "eagle3"')}
+
+
+def test_no_algorithm_choice_outside_the_algorithm_packages():
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] == "algorithms":
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        for v in seam_violations(text):
+            line = lines[int(v.split(":")[0].split()[1]) - 1]
+            if not any(str(rel) == f and line.startswith(start) for f, start in ALLOWED):
+                bad.append(f"specforge/{rel} {v}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", [
+    'if cfg.draft.algorithm == "dflash":\n    pass',
+    'x = {"eagle3": 1}',
+    'x = cfg.draft.algorithm in ("eagle3", "other")',
+    "from specforge.algorithms.dflash.export import tokens_per_round",
+    "from specforge.algorithms import dflash",
+    "import specforge.algorithms.eagle3.model",
+])
+def test_the_seam_check_catches_a_bypass(source):
+    """Negative control: each way around the seam is caught."""
+    assert seam_violations(source)
+
+
+@pytest.mark.parametrize("source", [
+    "from specforge.algorithms import get_algorithm\nget_algorithm(cfg.draft.algorithm).feature_layers(cfg, 30)",
+    "from specforge.algorithms.base import ExportRequest",
+    'x = "eagle3-like text in a sentence"',
+])
+def test_the_seam_check_passes_the_registry(source):
+    assert not seam_violations(source)

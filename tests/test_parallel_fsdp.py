@@ -13,7 +13,7 @@ from specforge.train.batch import TrainBatch
 from specforge.train.trainer import DraftTrainer
 from tests.test_parallel_sp import _cfg, _close, _run_sp, _setup
 
-_FIELDS = ("input_ids_BT", "loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")
+_FIELDS = ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")
 
 
 def _rows(b: TrainBatch, i: int) -> TrainBatch:

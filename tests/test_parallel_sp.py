@@ -10,24 +10,25 @@ import math
 import pytest
 import torch
 
-from specforge.config import Config, DraftConfig, TrainConfig
-from specforge.models.attention import ttt_attention_eager
-from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.config import Config, TrainConfig
+from specforge.algorithms.eagle3.attention import ttt_attention_eager
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict, grads_full
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.parallel.sp import _flash_step0, _kv_repeat
 from specforge.train.batch import TrainBatch
-from specforge.train.slicing import sp_slice_batch, sp_slice_bounds
+from specforge.train.slicing import slice_bounds, sp_slice_batch
 from specforge.train.trainer import DraftTrainer
-from specforge.train.ttt import num_valid_rows, ttt_loss
+from specforge.algorithms.eagle3.loss import num_valid_rows, ttt_loss
 
 V, N, H, T, L, STEPS = 300, 100, 64, 29, 4, 3
 
 
 def _cfg() -> Config:
-    return Config(draft=DraftConfig(ttt_length=L), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0))
+    return Config(draft=Eagle3Options(ttt_length=L), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0))
 
 
 def _setup():
@@ -80,7 +81,7 @@ def _check_ulysses_head_plans(groups):
     """Core level, every rank checks its own rows: kv heads repeated (4q/1kv) and query heads
     padded (3q/1kv, 9q/3kv) over 2 Ulysses ranks, 2 TTT steps, forward and backward."""
     from specforge.parallel.sp import UlyssesAttention
-    from specforge.models.attention import TTTAttentionCore
+    from specforge.algorithms.eagle3.attention import TTTAttentionCore
 
     core = UlyssesAttention(TTTAttentionCore("fast"), groups.ulysses_group)
     P, r = 2, groups.uly_rank
@@ -114,8 +115,8 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
         if dims.dp > 1:  # each DP rank takes its share of the samples
             per = full.input_ids_BT.shape[0] // dims.dp
             full = TrainBatch(*(getattr(full, f)[groups.dp_rank * per : (groups.dp_rank + 1) * per]
-                                for f in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")))
-        local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L) if groups.sp_size > 1 else full]
+                                for f in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")))
+        local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L + 1) if groups.sp_size > 1 else full]
         m = trainer.step(local)
         grads = grads_full(draft)  # all-gather of every gradient shard
         if rank == 0:
@@ -160,18 +161,18 @@ def test_ulysses2_x_ring2_matches_single_process(tmp_path):
 
 
 def test_slice_bounds_pad_to_a_multiple():
-    assert [sp_slice_bounds(29, r, 4, 4) for r in range(4)] == [(0, 8, 13), (8, 16, 21), (16, 24, 29), (24, 32, 37)]
-    assert sp_slice_bounds(5, 3, 4, 7)[0] == 6  # a slice may lie entirely in the padding
+    assert [slice_bounds(29, r, 4, 5) for r in range(4)] == [(0, 8, 13), (8, 16, 21), (16, 24, 29), (24, 32, 37)]
+    assert slice_bounds(5, 3, 4, 8)[0] == 6  # a slice may lie entirely in the padding
     with pytest.raises(ValueError):
-        sp_slice_bounds(10, 2, 2, 1)
+        slice_bounds(10, 2, 2, 2)
 
 
 def test_slices_partition_rows_and_valid_count():
     draft, _, batches = _setup()
     b = batches[0]
-    parts = [sp_slice_batch(b, r, 4, L) for r in range(4)]
-    assert all(p.aux_hidden_BT3H.shape == (2, 8, 3 * H) and p.input_ids_BT.shape == (2, 8 + L + 1) for p in parts)
-    assert torch.equal(torch.cat([p.aux_hidden_BT3H for p in parts], 1)[:, :T], b.aux_hidden_BT3H)
+    parts = [sp_slice_batch(b, r, 4, L + 1) for r in range(4)]
+    assert all(p.aux_hidden_BTKH.shape == (2, 8, 3 * H) and p.input_ids_BT.shape == (2, 8 + L + 1) for p in parts)
+    assert torch.equal(torch.cat([p.aux_hidden_BTKH for p in parts], 1)[:, :T], b.aux_hidden_BTKH)
     assert torch.equal(torch.cat([p.position_ids_BT for p in parts], 1)[0], torch.arange(32))
     assert torch.equal(parts[1].input_ids_BT, b.input_ids_BT[:, 8:21])  # owned rows + halo
     assert parts[3].loss_mask_BT[:, T - 24 :].sum() == 0  # padding never counts
@@ -187,7 +188,7 @@ def test_batch_from_samples_equals_slicing_the_full_batch():
 
     _, _, batches = _setup()
     b, lengths = batches[0], [T, 21]  # row 1 is right-padded after 21 tokens
-    names = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BT3H",
+    names = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BTKH",
              "last_hidden": "last_hidden_BTH", "target_ids": "target_ids_BT"}
     for v in names.values():  # a sample's features end with it (the pad id is 0 here)
         getattr(b, v)[1, lengths[1]:] = 0
@@ -200,10 +201,10 @@ def test_batch_from_samples_equals_slicing_the_full_batch():
     whole = [Sample(r, 0, n) for r, n in enumerate(lengths)]
     for P in (1, 2, 3):
         for r in range(P):
-            got_whole = batch_from_samples(whole, T, 0, r, P, L)
+            got_whole = batch_from_samples(whole, T, 0, r, P, L + 1)
             cut = [split_slices(n, P, L + 1, padded_length=T)[r] for n in lengths]
-            got_recv = batch_from_samples([Sample(i, s, w) for i, (s, _, w) in enumerate(cut)], T, 0, r, P, L)
-            want = b if P == 1 else sp_slice_batch(b, r, P, L)
+            got_recv = batch_from_samples([Sample(i, s, w) for i, (s, _, w) in enumerate(cut)], T, 0, r, P, L + 1)
+            want = b if P == 1 else sp_slice_batch(b, r, P, L + 1)
             for name in names.values():
                 assert torch.equal(getattr(got_whole, name), getattr(want, name)), (P, r, name)
                 assert torch.equal(getattr(got_recv, name), getattr(want, name)), (P, r, name)
@@ -215,7 +216,7 @@ def test_one_slice_without_trimming_equals_full_loss():
     b = batches[0]
     l_ref, c_ref = ttt_loss(draft, b, teacher, L)
     g_ref = torch.autograd.grad(l_ref, [p for p in draft.parameters() if p.requires_grad])
-    l_sp, c_sp = ttt_loss(draft, sp_slice_batch(b, 0, 1, L), teacher, L)
+    l_sp, c_sp = ttt_loss(draft, sp_slice_batch(b, 0, 1, L + 1), teacher, L)
     g_sp = torch.autograd.grad(l_sp, [p for p in draft.parameters() if p.requires_grad])
     assert torch.allclose(l_sp, l_ref, atol=1e-6) and c_sp[0, 0] == c_ref[0, 0]
     for a, c in zip(g_sp, g_ref):

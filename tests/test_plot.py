@@ -141,7 +141,7 @@ def test_a_warmup_run_logs_and_draws_no_untrained_ttt_steps(assets, tmp_path, ca
     from tests.test_ray_train import make_cfg
 
     out = tmp_path / "run"
-    run(make_cfg(assets, out, "train.num_workers=1", "train.max_steps=14", "train.ttt_warmup_steps=4",
+    run(make_cfg(assets, out, "train.num_workers=1", "train.max_steps=14", "draft.ttt_warmup_steps=4",
                  "train.eval_every=5", "train.log_every=1"))
     train = load_records(out)
     assert [("loss_1" in r, "acc_2" in r) for r in train] == [(False, False)] * 4 + [(True, True)] * 10

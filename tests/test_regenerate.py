@@ -261,7 +261,7 @@ def test_features_go_to_the_store_with_the_training_loss_mask(tok, target, fake,
         if sid == 1:  # both assistant turns are in the loss: the regenerated first one inside the prompt
             assert len([i for i in range(1, n) if mask[i] and not mask[i - 1]]) == 2
         want = _capture(target, ids[:n])
-        torch.testing.assert_close(got["aux_hidden"].float(), want.aux_hidden_BT3H[0], atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(got["aux_hidden"].float(), want.aux_hidden_BTKH[0], atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(got["last_hidden"].float(), want.last_hidden_BTH[0], atol=3e-2, rtol=2e-2)
         assert got["target_ids"].tolist() == want.target_ids_BT[0].tolist()
 

@@ -26,9 +26,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge.config import Config, DraftConfig, TrainConfig
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.config import Config, TrainConfig
 from specforge.data.vocab import DraftVocab
-from specforge.train.checkpoint import CheckpointManager, load_draft, load_train_state
+from specforge.algorithms import load_draft
+from specforge.train.checkpoint import CheckpointManager, load_train_state
 from specforge.train.trainer import run_identity
 from tests.test_trainer import _batch, _params, _setup
 
@@ -37,7 +39,7 @@ REPO = Path(__file__).parent.parent
 
 def _cfg(**train) -> Config:
     train = {"precision": "fp32", "lr": 1e-2, "warmup_steps": 0, "max_grad_norm": 10.0, **train}
-    return Config(draft=DraftConfig(vocab_size=48, ttt_length=3), train=TrainConfig(**train))
+    return Config(draft=Eagle3Options(vocab_size=48, ttt_length=3), train=TrainConfig(**train))
 
 
 FACTS = {"data": "cache-abc", "num_samples": 12, "global_batch": 2}

@@ -85,7 +85,7 @@ def test_bf16_round_trip_is_exact(target, rows, meta, tmp_path):
         assert got["input_ids"].dtype == torch.int64 and got["input_ids"].tolist() == rows[sid]["input_ids"]
         assert got["loss_mask"].tolist() == rows[sid]["loss_mask"]
         assert torch.equal(got["target_ids"], want["target_ids_T"])
-        assert torch.equal(got["aux_hidden"], want["aux_hidden_T3H"].to(torch.bfloat16))
+        assert torch.equal(got["aux_hidden"], want["aux_hidden_TKH"].to(torch.bfloat16))
         assert torch.equal(got["last_hidden"], want["last_hidden_TH"].to(torch.bfloat16))
     part = store.read(3, start=2, stop=7)  # an SP rank's slice
     assert torch.equal(part["aux_hidden"], store.read(3)["aux_hidden"][2:7])
@@ -99,7 +99,7 @@ def test_int8_round_trip_within_bound(target, rows, meta, tmp_path):
         got = store.read(sid)
         assert got["aux_hidden"].dtype == torch.float32
         assert torch.equal(got["target_ids"], ref[sid]["target_ids_T"])  # ids are never quantized
-        for name, key in (("aux_hidden", "aux_hidden_T3H"), ("last_hidden", "last_hidden_TH")):
+        for name, key in (("aux_hidden", "aux_hidden_TKH"), ("last_hidden", "last_hidden_TH")):
             want = ref[sid][key]
             assert (got[name] - want).norm() / want.norm() < 0.01
 
@@ -149,13 +149,13 @@ def test_batch_pads_like_collate(target, rows, meta, tmp_path):
     want_ids, want_mask, attn = collate([rows[i] for i in ids], 7)
     assert torch.equal(b.input_ids_BT, want_ids) and torch.equal(b.loss_mask_BT, want_mask)
     T = want_ids.shape[1]
-    assert b.aux_hidden_BT3H.shape == (3, T, 3 * 48) and b.last_hidden_BTH.shape == (3, T, 48)
+    assert b.aux_hidden_BTKH.shape == (3, T, 3 * 48) and b.last_hidden_BTH.shape == (3, T, 48)
     for j, sid in enumerate(ids):
         n = store.lengths[sid]
         one = store.read(sid)
-        assert torch.equal(b.aux_hidden_BT3H[j, :n], one["aux_hidden"])
+        assert torch.equal(b.aux_hidden_BTKH[j, :n], one["aux_hidden"])
         assert torch.equal(b.target_ids_BT[j, :n], one["target_ids"])
-        assert not b.aux_hidden_BT3H[j, n:].any() and not b.last_hidden_BTH[j, n:].any()
+        assert not b.aux_hidden_BTKH[j, n:].any() and not b.last_hidden_BTH[j, n:].any()
         assert not b.target_ids_BT[j, n:].any() and not b.loss_mask_BT[j, n:].any()
 
 
@@ -330,7 +330,7 @@ def test_capture_cli_end_to_end(assets, tmp_path, capsys):
     got = store.read(5)
     assert got["input_ids"].tolist() == row["input_ids"] and got["loss_mask"].tolist() == row["loss_mask"]
     alone = capture(tgt, torch.tensor([row["input_ids"]]))  # unpadded: equal up to bf16 rounding
-    torch.testing.assert_close(got["aux_hidden"].float(), alone.aux_hidden_BT3H[0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got["aux_hidden"].float(), alone.aux_hidden_BTKH[0], atol=0.05, rtol=0.02)
 
     assert main(cli_args(assets, tmp_path)) == 0  # a complete store: nothing to do
     assert "10 samples already stored, 0 B to write" in capsys.readouterr().out

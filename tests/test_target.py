@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specforge.config import ModelConfig, aux_layer_ids
+from specforge.algorithms.eagle3.algorithm import aux_layer_ids
+from specforge.config import ModelConfig
 from specforge.models.target import TargetModel, argmax_chunked, capture, resolve_target_path
 
 
@@ -30,8 +31,8 @@ def test_capture_matches_output_hidden_states(tie):
         ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     hs = ref.hidden_states  # hs[i + 1] = output of layer i; hs[-1] is after the final norm
     want_aux = torch.cat([hs[i + 1] for i in layers], dim=-1)
-    assert feats.aux_hidden_BT3H.shape == (2, 17, 3 * 48)
-    torch.testing.assert_close(feats.aux_hidden_BT3H, want_aux)
+    assert feats.aux_hidden_BTKH.shape == (2, 17, 3 * 48)
+    torch.testing.assert_close(feats.aux_hidden_BTKH, want_aux)
     torch.testing.assert_close(feats.last_hidden_BTH, hs[-1])
     assert torch.equal(feats.target_ids_BT, ref.logits.argmax(-1))
 

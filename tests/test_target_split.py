@@ -95,7 +95,7 @@ def test_a_dispatched_target_captures_and_generates_as_one_device(folder, monkey
     assert "disk" in spread.model.hf_device_map.values()  # really dispatched: half its layers are loaded per forward
     ids = torch.randint(0, whole.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     a, b = capture(whole, ids), capture(spread, ids)
-    torch.testing.assert_close(b.aux_hidden_BT3H, a.aux_hidden_BT3H, rtol=0, atol=0)
+    torch.testing.assert_close(b.aux_hidden_BTKH, a.aux_hidden_BTKH, rtol=0, atol=0)
     torch.testing.assert_close(b.last_hidden_BTH, a.last_hidden_BTH, rtol=0, atol=0)
     assert torch.equal(b.target_ids_BT, a.target_ids_BT)
     torch.testing.assert_close(spread.logits(b.last_hidden_BTH[0]), whole.logits(a.last_hidden_BTH[0]))
@@ -106,7 +106,7 @@ def test_a_dispatched_target_captures_and_generates_as_one_device(folder, monkey
     g_spread = generate(spread, prompts, params, stop_ids=set(), capture=True)
     for x, y in zip(g_whole, g_spread):
         assert x.output_ids == y.output_ids
-        torch.testing.assert_close(y.features.aux_hidden_BT3H, x.features.aux_hidden_BT3H, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y.features.aux_hidden_BTKH, x.features.aux_hidden_BTKH, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -120,8 +120,8 @@ def test_two_gpus_capture_equals_one(folder):
     assert two.split and {d for d in two.model.hf_device_map.values()} == {0, 1}
     ids = torch.randint(0, one.config.vocab_size, (2, 11), device=one.device)
     a, b = capture(one, ids), capture(two, ids)
-    assert b.aux_hidden_BT3H.device == two.device == torch.device("cuda", 0)
-    torch.testing.assert_close(b.aux_hidden_BT3H, a.aux_hidden_BT3H)
+    assert b.aux_hidden_BTKH.device == two.device == torch.device("cuda", 0)
+    torch.testing.assert_close(b.aux_hidden_BTKH, a.aux_hidden_BTKH)
     assert torch.equal(b.target_ids_BT, a.target_ids_BT)
 
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from specforge import targets
-from specforge.config import DraftConfig
 from specforge.data.vocab import build_draft_vocab
-from specforge.models.draft import Eagle3Draft, draft_config_from_target
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
 from specforge.models.generate import SamplingParams, generate
 from specforge.models.target import TargetModel, capture, text_tower
 from specforge.targets import FAMILIES, IN_PROCESS, tiny
 from specforge.train.batch import TrainBatch
-from specforge.train.ttt import teacher_weight_from_target, ttt_loss
+from specforge.algorithms.eagle3.loss import teacher_weight_from_target, ttt_loss
 
 AUX = [0, 2, 4]
 NAMES = [f.name for f in FAMILIES]
@@ -116,7 +116,7 @@ def test_capture_and_teacher_logits_equal_hf(name):
         ref = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     hs, valid = ref.hidden_states, mask.bool()  # hs[i + 1] = output of layer i; hs[-1] after the final norm
     want_aux = torch.cat([hs[i + 1] for i in AUX], dim=-1)
-    torch.testing.assert_close(feats.aux_hidden_BT3H[valid], want_aux[valid])
+    torch.testing.assert_close(feats.aux_hidden_BTKH[valid], want_aux[valid])
     torch.testing.assert_close(feats.last_hidden_BTH[valid], hs[-1][valid])
     logits = target.logits(feats.last_hidden_BTH)
     torch.testing.assert_close(logits[valid], ref.logits[valid], rtol=1e-5, atol=2e-4)
@@ -159,7 +159,7 @@ def test_generation_equals_hf_greedy_with_features(name):
     for p, g in zip(prompts, gens):
         assert g.output_ids == _hf_greedy(target.model, p, 12, {2})
         ref = capture(target, torch.tensor([p + g.output_ids]))
-        torch.testing.assert_close(g.features.aux_hidden_BT3H, ref.aux_hidden_BT3H, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g.features.aux_hidden_BTKH, ref.aux_hidden_BTKH, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(g.features.last_hidden_BTH, ref.last_hidden_BTH, rtol=1e-4, atol=1e-4)
         # greedy: the argmax after each position is the token generated next
         assert g.features.target_ids_BT[0, len(p) - 1 : -1].tolist() == g.output_ids[: len(g.output_ids)]
@@ -210,7 +210,7 @@ def test_draft_config_from_target(name):
     full = built(name).model.config
     text = targets.text_config(full)
     for src in (full, full.to_dict()):  # the config object and its config.json dict give the same draft
-        d = draft_config_from_target(src, DraftConfig(vocab_size=64), AUX)
+        d = draft_config_from_target(src, Eagle3Options(vocab_size=64), AUX)
         heads, kv, head_dim, theta, kind = DRAFT[name]
         assert (d.hidden_size, d.target_hidden_size, d.vocab_size, d.draft_vocab_size) == (tiny.H, tiny.H, tiny.V, 64)
         assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim) == (heads, kv, head_dim)
@@ -228,7 +228,7 @@ def test_one_ttt_train_step(name):
     feats = capture(target, ids, mask)
     rows = [{"input_ids": r.tolist(), "loss_mask": [1] * 17} for r in feats.target_ids_BT]  # argmax ids in the vocab
     vocab = build_draft_vocab(rows, tiny.V, 48)
-    draft = Eagle3Draft(draft_config_from_target(target.model.config, DraftConfig(vocab_size=48), AUX))
+    draft = Eagle3Draft(draft_config_from_target(target.model.config, Eagle3Options(vocab_size=48), AUX))
     draft.set_vocab(vocab.d2t, vocab.t2d)
     draft.init_embeddings_from_target(target.embed_weight_VH)
     batch = TrainBatch.from_features(ids, mask * torch.tensor([0] * 4 + [1] * 13), feats)
@@ -245,7 +245,7 @@ def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     from specforge.algorithms import get_algorithm
     from specforge.config import Config
     from specforge.data.vocab import DraftVocab
-    from specforge.train.ttt import teacher_probs, ttt_loss_reference
+    from specforge.algorithms.eagle3.loss import teacher_probs, ttt_loss_reference
 
     target = built(name)
     ids, mask = _ids()
@@ -264,12 +264,12 @@ def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     torch.testing.assert_close(got, hf_logits.softmax(-1), rtol=1e-4, atol=1e-5)
 
     # the train step's loss uses it: EAGLE-3's loss == the reference TTT loss with the same soft-cap
-    draft = Eagle3Draft(draft_config_from_target(target.model.config, DraftConfig(vocab_size=48), AUX))
+    draft = Eagle3Draft(draft_config_from_target(target.model.config, Eagle3Options(vocab_size=48), AUX))
     draft.set_vocab(vocab.d2t, vocab.t2d)
     draft.init_embeddings_from_target(target.embed_weight_VH)
     batch = TrainBatch.from_features(ids, mask, feats)
     cfg = Config()
-    cfg.draft.vocab_size, cfg.draft.ttt_length, cfg.train.ttt_warmup_steps = 48, 2, 0
+    cfg.draft.vocab_size, cfg.draft.ttt_length, cfg.draft.ttt_warmup_steps = 48, 2, 0
     with torch.no_grad():
         loss, _ = eagle3.loss(draft, batch, head, cfg, 0, None)
         want, _ = ttt_loss_reference(draft, batch, head.weight_NH, 2, cfg.draft.ttt_decay, softcap=head.softcap)

@@ -27,12 +27,14 @@ from safetensors.torch import load_file
 
 from specforge import export
 from specforge.cli import run_cli
-from specforge.config import DraftConfig, ModelConfig
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.config import ModelConfig
 from specforge.engines import llamacpp
-from specforge.models.draft import Eagle3Draft, draft_config_from_target
+from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
 from specforge.models.target import forward_aux, load_target, text_tower
 from specforge.targets import FAMILIES, LLAMACPP, SGLANG, VLLM, tiny
-from specforge.train.checkpoint import load_draft, save_checkpoint
+from specforge.algorithms import load_draft
+from specforge.train.checkpoint import save_checkpoint
 from tests.test_export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits
 from tests.test_targets_train import AUX, target_folder
 
@@ -58,7 +60,7 @@ def draft_checkpoint(target_dir: Path, out: Path) -> Path:
     """An untrained EAGLE-3 checkpoint shaped from the target (random weights, a random draft vocab)."""
     from transformers import AutoConfig
 
-    cfg = draft_config_from_target(AutoConfig.from_pretrained(target_dir), DraftConfig(vocab_size=N), AUX)
+    cfg = draft_config_from_target(AutoConfig.from_pretrained(target_dir), Eagle3Options(vocab_size=N), AUX)
     cfg.torch_dtype = "float32"
     torch.manual_seed(1)
     draft = Eagle3Draft(cfg)

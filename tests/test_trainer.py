@@ -4,14 +4,16 @@ import copy
 
 import torch
 
-from specforge.config import Config, DraftConfig, TrainConfig
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.config import Config, TrainConfig
 from specforge.data.vocab import build_draft_vocab
 from specforge.models.target import TargetModel, capture
 from specforge.train.batch import TrainBatch, collate, global_batch_ids, split_for_ranks
-from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, load_draft, save_checkpoint
+from specforge.algorithms import load_draft
+from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
 from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
 from specforge.train.trainer import DraftTrainer
-from specforge.train.ttt import ttt_logits
+from specforge.algorithms.eagle3.loss import ttt_logits
 from tests.test_target import tiny_target
 
 V = 320
@@ -30,7 +32,8 @@ def _setup(seed=0, **train):
         mask = [0] * 6 + [1] * (n - 6)
         rows.append({"input_ids": ids, "loss_mask": mask})
     vocab = build_draft_vocab(rows, V, 48)
-    cfg = Config(draft=DraftConfig(vocab_size=48, ttt_length=3), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
+    cfg = Config(draft=Eagle3Options(vocab_size=48, ttt_length=3, ttt_warmup_steps=train.pop("ttt_warmup_steps", 0)),
+                 train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
     draft = EAGLE3.build_draft(cfg, target, vocab)
     trainer = DraftTrainer(draft, EAGLE3.train_state(cfg, target, vocab), cfg, torch.device("cpu"))
     return target, rows, trainer
@@ -124,7 +127,7 @@ def test_data_order_is_a_pure_function_of_seed_and_step():
 
 
 def test_ttt_warmup_trains_step_0_alone_then_the_full_unroll():
-    """train.ttt_warmup_steps=1: step 1 is exactly a ttt_length=1 step, step 2 unrolls draft.ttt_length."""
+    """draft.ttt_warmup_steps=1: step 1 is exactly a ttt_length=1 step, step 2 unrolls draft.ttt_length."""
     target, rows, warm = _setup(ttt_warmup_steps=1)
     _, _, short = _setup()
     short.cfg.draft.ttt_length = 1

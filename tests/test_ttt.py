@@ -4,8 +4,8 @@ frozen embedding, training progress, metrics, bf16 autocast."""
 import pytest
 import torch
 
-from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
-from specforge.train.ttt import (
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from specforge.algorithms.eagle3.loss import (
     metrics_from_counts,
     teacher_weight_from_target,
     ttt_loss,
@@ -37,7 +37,7 @@ def _batch(B=2, T=24, dtype=torch.float32, draft=None):
         tgt = torch.where(torch.rand(B, T) < 0.8, inv[torch.randint(0, N, (B, T))], tgt)
     return {
         "input_ids_BT": ids, "loss_mask_BT": mask, "target_ids_BT": tgt,
-        "aux_hidden_BT3H": torch.randn(B, T, 3 * HT, dtype=dtype),
+        "aux_hidden_BTKH": torch.randn(B, T, 3 * HT, dtype=dtype),
         "last_hidden_BTH": torch.randn(B, T, HT, dtype=dtype),
     }
 
@@ -108,18 +108,18 @@ def test_gradcheck_tiny_fp64():
     wq = d.midlayer.self_attn.q_proj.weight
     wk = d.midlayer.self_attn.k_proj.weight
 
-    assert torch.autograd.gradcheck(lambda a: ttt_loss(d, dict(b, aux_hidden_BT3H=a), W, ttt_length=3)[0], (aux,))
+    assert torch.autograd.gradcheck(lambda a: ttt_loss(d, dict(b, aux_hidden_BTKH=a), W, ttt_length=3)[0], (aux,))
     # parameter gradients: compare with finite differences on a few q/k entries
-    loss = ttt_loss(d, dict(b, aux_hidden_BT3H=aux.detach()), W, ttt_length=3)[0]
+    loss = ttt_loss(d, dict(b, aux_hidden_BTKH=aux.detach()), W, ttt_length=3)[0]
     gq, gk = torch.autograd.grad(loss, [wq, wk])
     eps = 1e-6
     for w, g in ((wq, gq), (wk, gk)):
         for idx in [(0, 0), (1, 9), (3, 15)]:
             with torch.no_grad():
                 w[idx] += eps
-                lp = ttt_loss(d, dict(b, aux_hidden_BT3H=aux.detach()), W, ttt_length=3)[0]
+                lp = ttt_loss(d, dict(b, aux_hidden_BTKH=aux.detach()), W, ttt_length=3)[0]
                 w[idx] -= 2 * eps
-                lm = ttt_loss(d, dict(b, aux_hidden_BT3H=aux.detach()), W, ttt_length=3)[0]
+                lm = ttt_loss(d, dict(b, aux_hidden_BTKH=aux.detach()), W, ttt_length=3)[0]
                 w[idx] += eps
             assert (lp - lm).item() / (2 * eps) == pytest.approx(g[idx].item(), rel=1e-5, abs=1e-8)
 
@@ -128,7 +128,7 @@ def test_frozen_embedding_no_grad_and_loss_decreases():
     torch.manual_seed(5)
     d = _draft(target_hidden=64)
     b = _batch(draft=d)
-    b["aux_hidden_BT3H"] = torch.randn(2, 24, 192)
+    b["aux_hidden_BTKH"] = torch.randn(2, 24, 192)
     b["last_hidden_BTH"] = torch.randn(2, 24, 64)
     W = torch.randn(N, 64)
     assert not d.embed_tokens.weight.requires_grad
@@ -183,8 +183,8 @@ def test_hot_loops_chunk_by_device_and_the_chunk_never_changes_the_result():
     GPU (fewer launches); a chunk only regroups rows, so every chunk gives the same numbers."""
     import torch
 
-    from specforge.models.attention import CHUNK_CPU, CHUNK_GPU, ttt_attention_eager, ttt_attention_fast
-    from specforge.train.ttt import LOSS_CHUNK_BYTES, LOSS_CHUNK_CPU, linear_soft_cross_entropy, loss_chunk
+    from specforge.algorithms.eagle3.attention import CHUNK_CPU, CHUNK_GPU, ttt_attention_eager, ttt_attention_fast
+    from specforge.algorithms.eagle3.loss import LOSS_CHUNK_BYTES, LOSS_CHUNK_CPU, linear_soft_cross_entropy, loss_chunk
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
     assert loss_chunk(cpu, 32000) == LOSS_CHUNK_CPU

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from specforge.models.attention import (
+from specforge.algorithms.eagle3.attention import (
     build_ttt_mask,
     ttt_attention_eager,
     ttt_attention_fast,
     ttt_attention_sdpa,
 )
-from specforge.models.draft import DraftKVCache, Eagle3Draft, Eagle3DraftConfig
-from specforge.train.ttt import ttt_logits
+from specforge.algorithms.eagle3.model import DraftKVCache, Eagle3Draft, Eagle3DraftConfig
+from specforge.algorithms.eagle3.loss import ttt_logits
 
 V, N = 300, 100
 
@@ -35,7 +35,7 @@ def test_ttt_rows_equal_chain_drafting(target_hidden):
     ids = torch.randint(0, V, (B, T))
     aux = torch.randn(B, T, 3 * target_hidden)
     with torch.no_grad():
-        train = ttt_logits(d, {"input_ids_BT": ids, "aux_hidden_BT3H": aux}, ttt_length=L)
+        train = ttt_logits(d, {"input_ids_BT": ids, "aux_hidden_BTKH": aux}, ttt_length=L)
         for t in range(T - 1):
             cache = DraftKVCache()
             pos = torch.arange(t + 1).expand(B, t + 1)

@@ -1,21 +1,26 @@
-"""Draft algorithms behind one seam: the runtime trains, checkpoints and evaluates any of them.
+"""Draft algorithms behind one seam: the runtime trains, checkpoints, evaluates and exports any of them.
 
 An algorithm is one package (``eagle3/``, ``dflash/``) exposing ``ALGORITHM``, an object with the
-hooks of :class:`~specforge.algorithms.base.DraftAlgorithm`: which target layers it reads, how its
-draft is built, its loss and metrics, how its checkpoint is loaded, its proposer for the eval.
-The runtime (placements, planner, feature sources, store, checkpoints, FSDP2, the loop, resume)
-asks ``get_algorithm(cfg.draft.algorithm)`` and never branches on the name.
+hooks of :class:`~specforge.algorithms.base.DraftAlgorithm`: its config keys, which target layers
+it reads, how its draft is built, its loss and metrics, what sequence parallelism wraps, its memory
+terms, how its checkpoint is checked and loaded, its proposer for the eval, its engine exports.
+The runtime (placements, planner, feature sources, store, checkpoints, FSDP2, the loop, resume,
+export, eval) asks ``get_algorithm(cfg.draft.algorithm)`` and never compares a name. A new
+algorithm is its package plus one line in ``NAMES``.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
-from specforge.algorithms.base import DraftAlgorithm
+from specforge.algorithms.base import DraftAlgorithm, ExportRequest
 
-NAMES = ("eagle3", "dflash", "dspark")
-# config.json "architectures" entry -> algorithm (what a saved draft folder says it is)
-ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
+__all__ = ["NAMES", "DraftAlgorithm", "ExportRequest", "get_algorithm", "algorithm_of", "algorithm_name",
+           "feature_layers", "load_draft", "by_gguf", "default_feature_layers"]
+
+# the registry: each name is a package specforge/algorithms/<name>/ exposing ALGORITHM
+NAMES = ("eagle3", "dflash", "dspark", "eagle31", "peagle")
 
 
 def get_algorithm(name: str) -> DraftAlgorithm:
@@ -25,18 +30,39 @@ def get_algorithm(name: str) -> DraftAlgorithm:
 
 
 def algorithm_name(hf_config: dict, where: str = "draft") -> str:
-    """The algorithm name of a saved draft, from its config.json ``architectures`` (no import)."""
-    archs = hf_config.get("architectures") or []
-    for a in archs:
-        if a in ARCHITECTURES:
-            return ARCHITECTURES[a]
-    raise ValueError(f"{where}: config.json architectures {archs} is none of {', '.join(ARCHITECTURES)}; "
-                     "not a draft checkpoint this project wrote")
+    """The algorithm of a saved draft, from its config.json: the last registered algorithm that owns
+    it (``owns_checkpoint``; a later algorithm may refine an earlier one's format, so it asks first)."""
+    for name in reversed(NAMES):
+        if get_algorithm(name).owns_checkpoint(hf_config):
+            return name
+    known = sorted({get_algorithm(n).architecture for n in NAMES})
+    raise ValueError(f"{where}: config.json architectures {hf_config.get('architectures') or []} is none of "
+                     f"{', '.join(known)}; not a draft checkpoint this project wrote")
 
 
 def algorithm_of(hf_config: dict, where: str = "draft") -> DraftAlgorithm:
     """The algorithm of a saved draft, from its config.json ``architectures``."""
     return get_algorithm(algorithm_name(hf_config, where))
+
+
+def by_gguf(arch: str, tensor_names) -> Optional[DraftAlgorithm]:
+    """The algorithm whose draft GGUF has ``general.architecture`` ``arch`` and these tensors (the last
+    registered that owns it, ``owns_gguf``); None: none of ours."""
+    return next((a for a in map(get_algorithm, reversed(NAMES)) if a.owns_gguf(arch, set(tensor_names))), None)
+
+
+def feature_layers(cfg, num_layers: int) -> list[int]:
+    """The target layer outputs the run's draft algorithm reads (``model.aux_layer_ids`` checked
+    against a target of ``num_layers`` layers, else the algorithm's default)."""
+    return get_algorithm(cfg.draft.algorithm).feature_layers(cfg, num_layers)
+
+
+def default_feature_layers(model_cfg, num_layers: int) -> list[int]:
+    """The layers the default algorithm (``config.DEFAULT_ALGORITHM``) reads, for ``model_cfg`` (a
+    ``ModelConfig``): what a target loaded without a run's config captures."""
+    from specforge.config import Config
+
+    return feature_layers(Config(model=model_cfg), num_layers)
 
 
 def load_draft(path, target):

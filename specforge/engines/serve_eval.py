@@ -139,21 +139,21 @@ def evaluate_engine(target_dir: str | Path, drafts: Sequence[str | Path], prompt
 
 
 def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
-    """The n_max values a draft can run: a DFlash draft drafts at most block_size - 1 tokens a round
-    (llama-server clamps a larger --spec-draft-n-max to that: the row would be mislabelled)."""
-    from specforge.algorithms import algorithm_name
+    """The n_max values a draft can run: a block draft (DFlash) drafts at most its
+    ``max_tokens_per_round`` (block_size - 1) a round, and llama-server clamps a larger
+    --spec-draft-n-max to that: the row would be mislabelled."""
+    from specforge.algorithms import algorithm_of
     from specforge.compat import read_draft_config
 
     config = read_draft_config(draft)
-    if algorithm_name(config, repr(str(draft))) != "dflash":
+    algo = algorithm_of(config, repr(str(draft)))
+    top = algo.max_tokens_per_round(config)
+    if top is None:
         return list(n_max)
-    from specforge.algorithms.dflash.export import tokens_per_round
-
-    top = tokens_per_round(config)
     kept = [n for n in n_max if n <= top]
     if len(kept) < len(n_max):
-        print(f"llama.cpp engine: DFlash draft {draft} drafts at most {top} tokens a round (block size "
-              f"{top + 1}); --engine-n-max values above it skipped", file=sys.stderr)
+        print(f"llama.cpp engine: {algo.architecture} draft {draft} drafts at most {top} tokens a round; "
+              "--engine-n-max values above it skipped", file=sys.stderr)
     return kept or [top]
 
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from specforge.models.layers import apply_rotary
 from specforge.models.target import Features, TargetModel, _decoder_layers, capture as capture_features, text_tower
 from specforge.targets import IN_PROCESS, sliding_windows
 
@@ -50,11 +51,6 @@ class Generation:
 # ---------------------------------------------------------------- one decoder layer, cached
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 def _heads(x_BTX: torch.Tensor, n: int) -> torch.Tensor:
     B, T, _ = x_BTX.shape
     return x_BTX.view(B, T, n, -1).transpose(1, 2)
@@ -69,8 +65,7 @@ def _layer(layer, x_BTH, cos_BTD, sin_BTD, kv: tuple[torch.Tensor, torch.Tensor]
     v = _heads(attn.v_proj(h), cfg.num_key_value_heads)
     if hasattr(attn, "q_norm"):  # qwen3 normalizes each head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k = apply_rotary(q, cos_BTD, sin_BTD), apply_rotary(k, cos_BTD, sin_BTD)
     end = start + x_BTH.shape[1]
     kv[0][:, :, start:end] = k
     kv[1][:, :, start:end] = v
@@ -104,7 +99,7 @@ class _Batch:
         self.kv = [(torch.zeros(B, K, self.L, D, dtype=dtype, device=dev),
                     torch.zeros(B, K, self.L, D, dtype=dtype, device=dev)) for _ in self.layers]
         H = cfg.hidden_size
-        self.aux = torch.zeros(B, self.L, 3 * H, dtype=dtype, device=dev) if capture else None
+        self.aux = torch.zeros(B, self.L, len(self.aux_ids) * H, dtype=dtype, device=dev) if capture else None
         self.last = torch.zeros(B, self.L, H, dtype=dtype, device=dev) if capture else None
         self.argmax = torch.zeros(B, self.L, dtype=torch.long, device=dev)
         self.row = torch.arange(B, device=dev)  # index into the caller's prompt list
@@ -165,7 +160,7 @@ def _finish(batch: _Batch, b: int, prompt: list[int], stopped: bool) -> Generati
     feats = None
     if batch.aux is not None:
         feats = Features(
-            aux_hidden_BT3H=batch.aux[b : b + 1, start:end].clone(),
+            aux_hidden_BTKH=batch.aux[b : b + 1, start:end].clone(),
             last_hidden_BTH=batch.last[b : b + 1, start:end].clone(),
             target_ids_BT=batch.argmax[b : b + 1, start:end].clone(),
         )
@@ -221,7 +216,7 @@ def _generate_hf(target: TargetModel, prompts: list[list[int]], params: Sampling
             mask[b, : len(r)] = 1
         feats = capture_features(target, ids, mask)
         for b, (g, r) in enumerate(zip(results, rows)):
-            g.features = Features(aux_hidden_BT3H=feats.aux_hidden_BT3H[b : b + 1, : len(r)].clone(),
+            g.features = Features(aux_hidden_BTKH=feats.aux_hidden_BTKH[b : b + 1, : len(r)].clone(),
                                   last_hidden_BTH=feats.last_hidden_BTH[b : b + 1, : len(r)].clone(),
                                   target_ids_BT=feats.target_ids_BT[b : b + 1, : len(r)].clone())
     return results

@@ -5,6 +5,7 @@ Legend: B batch, T tokens, H target hidden, V target vocab.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -17,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from specforge.config import EMBEDDED_TARGET, ModelConfig, aux_layer_ids
+from specforge.config import EMBEDDED_TARGET, ModelConfig
 from specforge.device import host_device, pick_dtype, target_devices
 from specforge.targets import Family, family_of, logit_softcap, text_config
 
@@ -29,7 +30,7 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class Features:
     """What the draft trains on, per token: 3 fused target layers, the last hidden, the argmax."""
 
-    aux_hidden_BT3H: torch.Tensor
+    aux_hidden_BTKH: torch.Tensor
     last_hidden_BTH: torch.Tensor
     target_ids_BT: torch.Tensor
 
@@ -190,7 +191,7 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     process that only copies a few target tensors (a train worker fed by rollout workers or a store):
     the safetensors stay memory-mapped, so only the pages it reads are ever resident.
     ``layers(num_layers)`` picks the captured layers (default: EAGLE-3's, ``model.aux_layer_ids``);
-    runs pass ``config.feature_layer_ids`` so the draft algorithm decides."""
+    runs pass ``specforge.algorithms.feature_layers`` so the draft algorithm decides."""
     devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
     dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
@@ -209,7 +210,11 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
         model.to(devices[0])
     model.eval().requires_grad_(False)
     num_layers = text_config(model.config).num_hidden_layers
-    ids = layers(num_layers) if layers is not None else aux_layer_ids(cfg, num_layers)
+    if layers is None:  # no run says which: the default algorithm's layers
+        from specforge.algorithms import default_feature_layers
+
+        layers = functools.partial(default_feature_layers, cfg)
+    ids = layers(num_layers)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
 
 
@@ -293,7 +298,7 @@ def forward_aux(
     attention_mask_BT: Optional[torch.Tensor] = None,
     past_key_values=None,
 ):
-    """One target forward keeping only the aux layer outputs: (aux_BT3H, last_hidden_BTH, output).
+    """One target forward keeping only the aux layer outputs: (aux_BTKH, last_hidden_BTH, output).
 
     Hooks on the chosen decoder layers keep only those layers (not all ``hidden_states``), and the
     base model is called without its lm_head, so full-vocab logits are never built for the batch.
@@ -318,8 +323,8 @@ def forward_aux(
         for h in hooks:
             h.remove()
     home = target.device
-    aux_BT3H = torch.cat([grabbed[i].to(home) for i in target.aux_layer_ids], dim=-1)
-    return aux_BT3H, out.last_hidden_state.to(home), out
+    aux_BTKH = torch.cat([grabbed[i].to(home) for i in target.aux_layer_ids], dim=-1)
+    return aux_BTKH, out.last_hidden_state.to(home), out
 
 
 @torch.no_grad()
@@ -330,7 +335,7 @@ def capture(
     chunk_tokens: int = 1024,
 ) -> Features:
     """Run the target once: aux layer outputs, final hidden state, and the argmax at every position."""
-    aux_BT3H, last_BTH, _ = forward_aux(target, input_ids_BT, attention_mask_BT)
+    aux_BTKH, last_BTH, _ = forward_aux(target, input_ids_BT, attention_mask_BT)
     B, T, H = last_BTH.shape
     ids = argmax_chunked(last_BTH.reshape(B * T, H), target.lm_head_weight_VH, chunk_tokens).view(B, T)
-    return Features(aux_hidden_BT3H=aux_BT3H, last_hidden_BTH=last_BTH, target_ids_BT=ids)
+    return Features(aux_hidden_BTKH=aux_BTKH, last_hidden_BTH=last_BTH, target_ids_BT=ids)

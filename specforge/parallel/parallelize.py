@@ -38,9 +38,11 @@ def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[Par
     """THE ordered parallelization of the draft (in place; returns it). ``cfg``: the full Config."""
     if groups is None or dims.world == 1:
         return draft
-    # 1. sequence parallel: swap the TTT attention core (no parameters, so before sharding)
+    # 1. sequence parallel: wrap the attention cores the algorithm names (no parameters, so before sharding)
     if dims.sp > 1:
-        apply_sp(draft, groups.ulysses_group, groups.ring_group)
+        from specforge.algorithms import get_algorithm
+
+        apply_sp(draft, get_algorithm(cfg.draft.algorithm).sp_cores(draft), groups.ulysses_group, groups.ring_group)
     # 2. FSDP2 over all dp*sp train ranks, gradients summed
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(cfg.train.precision, groups.device), sum_gradients=True)
     return draft

@@ -4,7 +4,8 @@ Legend: B batch, H heads, T/C tokens (C = rows one rank owns), D head dim, P gro
 
 Each SP rank owns a contiguous slice ``[start, start + C)`` of the sequence, padded to a
 multiple of ``sp_size`` (``specforge/train/slicing.py``). Everything in the draft is row-local
-except attention, so only the core ``draft.midlayer.self_attn.core`` is swapped (:func:`apply_sp`):
+except attention, so only the attention cores the algorithm names (``sp_cores``; EAGLE-3's TTT core
+``draft.midlayer.self_attn.core``) are wrapped (:func:`apply_sp`):
 
 * :class:`UlyssesAttention` -- all-to-all from sequence-sharded ``[B, H, C, D]`` to
   head-sharded ``[B, H/P, P*C, D]`` for q, every key and value (the diagonal keys of later TTT
@@ -226,13 +227,14 @@ class RingAttention(nn.Module):
         return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset)
 
 
-def apply_sp(draft: nn.Module, ulysses_group=None, ring_group=None) -> nn.Module:
-    """Swap ``draft.midlayer.self_attn.core`` for the SP wrappers (``None`` group = degree 1)."""
-    attn = draft.midlayer.self_attn
-    core = attn.core
-    if ring_group is not None:
-        core = RingAttention(core, ring_group)
-    if ulysses_group is not None:
-        core = UlyssesAttention(core, ulysses_group)
-    attn.core = core
+def apply_sp(draft: nn.Module, cores, ulysses_group=None, ring_group=None) -> nn.Module:
+    """Wrap each attention core ``(module, attribute)`` of ``cores`` (the algorithm's ``sp_cores``;
+    EAGLE-3: ``draft.midlayer.self_attn.core``) in the SP wrappers (``None`` group = degree 1)."""
+    for module, name in cores:
+        core = getattr(module, name)
+        if ring_group is not None:
+            core = RingAttention(core, ring_group)
+        if ulysses_group is not None:
+            core = UlyssesAttention(core, ulysses_group)
+        setattr(module, name, core)
     return draft

@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
+from specforge.parallel.bounds import split_slices  # the slice rule (stdlib), which train/slicing.py imports too
+
 # Plans the driver keeps submitted but not yet collected (and so not yet logged), whatever the byte
 # budget allows. Train workers record this many recent metric rows in every checkpoint, so a driver
 # killed after a save but before it logged the steps behind it loses none of their rows.
@@ -92,10 +94,10 @@ class FeatureSpec:
         return sum(f.nbytes(num_tokens) for f in self.fields)
 
     @classmethod
-    def eagle3(cls, hidden_size: int, hidden_dtype: str = "bfloat16", num_layers: int = 3) -> "FeatureSpec":
-        """The draft features: ``num_layers`` fused aux layers (EAGLE-3: 3; DFlash: one per draft
-        layer by default), the last hidden state (the EAGLE-3 train side rebuilds the teacher
-        distribution from it), the target argmax, the ids and loss mask."""
+    def hidden_states(cls, hidden_size: int, hidden_dtype: str = "bfloat16", num_layers: int = 3) -> "FeatureSpec":
+        """The draft features: ``num_layers`` (K) target layer outputs concatenated (the layers the
+        algorithm's ``feature_layers`` chose), the last hidden state (from which a train side may
+        rebuild the teacher distribution), the target argmax, the ids and loss mask."""
         return cls((
             FeatureField("aux_hidden", num_layers * hidden_size, hidden_dtype),
             FeatureField("last_hidden", hidden_size, hidden_dtype),
@@ -172,49 +174,6 @@ class StepReport:
 # ------------------------------------------------------------------------------ planning
 
 Policy = Literal["balanced", "round_robin"]
-
-
-def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[int, int, int]:
-    """``(start, end, window_end)`` of slice ``rank`` of ``parts`` over a sequence padded to a
-    multiple of ``parts``: ``C = ceil(seq_len / parts)`` rows each, ``[rank * C, rank * C + C)``
-    owned, ``window_end = end + halo``. Any of them may lie past ``seq_len`` (padding). THE slice
-    rule of sequence parallelism: the data plane (``plan_step``) and the train side
-    (``specforge.parallel.sp.sp_slice_batch``) both use it."""
-    if parts < 1 or halo < 0:
-        raise ValueError(f"slice_bounds: parts must be >= 1 and halo >= 0, got {parts}, {halo}")
-    if not 0 <= rank < parts:
-        raise ValueError(f"sp_rank {rank} outside 0..{parts - 1}")
-    C = -(-seq_len // parts)
-    start = rank * C
-    return start, start + C, start + C + halo
-
-
-def sp_halo(ttt_length: int) -> int:
-    """Rows past its own a sequence-parallel rank reads: step i of row t reads x_{t+1+i}, the
-    teacher/argmax at t+1+i and the loss mask at t+2+i."""
-    return ttt_length + 1
-
-
-def sp_slice_bounds(seq_len: int, sp_rank: int, sp_size: int, ttt_length: int) -> tuple[int, int, int]:
-    """``(start, end, window_end)``: owned rows ``[start, end)``; ids/mask/targets/last hidden
-    are needed on ``[start, window_end)`` (= end + sp_halo); all may run past ``seq_len``
-    (zero padding). The sequence is padded to a multiple of ``sp_size``."""
-    return slice_bounds(seq_len, sp_rank, sp_size, sp_halo(ttt_length))
-
-
-def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | None = None) -> list[tuple[int, int, int]]:
-    """The ``parts`` slices ``(start, end, stop)`` of a sample of ``length`` tokens that sits in a
-    micro-batch padded to ``padded_length`` (default: ``length``): :func:`slice_bounds` over the
-    padded length, clipped to the tokens that exist (a slice in the padding is empty,
-    ``start == stop == length``). ``stop = min(end + halo, length)``."""
-    T = length if padded_length is None else padded_length
-    if T < length:
-        raise ValueError(f"split_slices: padded_length {T} < length {length}")
-    out = []
-    for r in range(parts):
-        start, end, wend = slice_bounds(T, r, parts, halo)
-        out.append((min(start, length), min(end, length), min(wend, length)))
-    return out
 
 
 def assign_groups(group_tokens: Sequence[int], num_rollout: int, policy: Policy = "balanced") -> list[int]:

@@ -21,7 +21,7 @@ from typing import Optional
 
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
-from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step, sp_halo
+from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step
 from specforge.train.batch import global_batch_ids, split_for_ranks
 
 
@@ -52,7 +52,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 
     if cfg.placement.mode == "offline":
         return prepare_offline(cfg)
-    from specforge.config import feature_layer_ids
+    from specforge.algorithms import feature_layers
     from specforge.data.prepare import prepare_dataset
     from specforge.models.target import load_tokenizer, resolve_target_path
     from specforge.train.trainer import build_vocab, vocab_path
@@ -72,7 +72,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
         hidden_size=int(target_cfg.hidden_size),
         wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
         data_key=data.cache_key,
-        num_aux_layers=len(feature_layer_ids(cfg, target_cfg.num_hidden_layers)),
+        num_aux_layers=len(feature_layers(cfg, target_cfg.num_hidden_layers)),
     )
 
 
@@ -148,7 +148,10 @@ class Planner:
         self.dp = ParallelDims.from_config(cfg).dp
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
         self.total_steps = total_steps(cfg, len(data.lengths))
-        self.spec = FeatureSpec.eagle3(data.hidden_size, data.wire_dtype, data.num_aux_layers)
+        self.spec = FeatureSpec.hidden_states(data.hidden_size, data.wire_dtype, data.num_aux_layers)
+        from specforge.algorithms import get_algorithm
+
+        self.halo = get_algorithm(cfg.draft.algorithm).sp_halo(cfg)  # rows past its slice an SP rank reads
         self._cache: dict[int, StepPlan] = {}
         n_eval = min(EVAL_SAMPLES, len(data.eval_lengths)) // self.dp * self.dp
         if cfg.train.eval_every and not n_eval:
@@ -187,7 +190,7 @@ class Planner:
         groups = [list(share[0]) for share in split_for_ranks(refs, self.dp, 1)]
         P = len(self.layout.train_ranks) // self.dp
         ranks = [self.layout.train_ranks[g * P : (g + 1) * P] for g in range(self.dp)]
-        return plan_step(step, groups, self.layout.rollout_ranks, ranks, self.spec, halo=sp_halo(self.cfg.draft.ttt_length),
+        return plan_step(step, groups, self.layout.rollout_ranks, ranks, self.spec, halo=self.halo,
                          micro_batch_size=self.cfg.train.batch_size, split=split)
 
     def recv_bytes(self, plan: StepPlan) -> int:

@@ -30,6 +30,13 @@ from specforge.train.batch import TrainBatch, pad_id
 from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
 
 
+def _halo(cfg: Config) -> int:
+    """Rows past its slice a sequence-parallel rank reads (the algorithm's ``sp_halo``)."""
+    from specforge.algorithms import get_algorithm
+
+    return get_algorithm(cfg.draft.algorithm).sp_halo(cfg)
+
+
 def open_data(cfg: Config):
     """Re-open the driver's memory-mapped token cache (a cache hit: nothing is re-tokenized)."""
     from specforge.data.prepare import prepare_dataset
@@ -77,13 +84,13 @@ class StoreSource:
     def __init__(self, store, groups, cfg: Config, pad: int):
         from specforge.runtime.plan import store_split
 
-        self.store, self.groups, self.pad, self.ttt_length = store, groups, pad, cfg.draft.ttt_length
+        self.store, self.groups, self.pad, self.halo = store, groups, pad, _halo(cfg)
         self.split = store_split(store, cfg)
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
         ids, g = self.split[plan.split], self.groups
         return [batch_from_samples([WholeSample(self.store.read(ids[i])) for i in micro], T, self.pad, g.sp_rank,
-                                   g.sp_size, self.ttt_length)
+                                   g.sp_size, self.halo)
                 for micro, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]
 
 
@@ -101,7 +108,7 @@ class CaptureSource:
         from specforge.runtime.completion import Completion
 
         self.target, self.data, self.groups = target, data, groups
-        self.ttt_length, self.chunk = cfg.draft.ttt_length, cfg.model.argmax_chunk_tokens
+        self.halo, self.chunk = _halo(cfg), cfg.model.argmax_chunk_tokens
         self.peers = list(peers)  # global rank of each SP rank of this rank's group
         self.captured = 0  # micro-batches this rank ran the target over
         if groups is not None and groups.sp_size > 1:
@@ -135,11 +142,11 @@ class CaptureSource:
                 self.captured += 1
                 shapes = self._meta_batch(rows_m)
                 for r in range(S):
-                    part = sp_slice_batch(full, r, S, self.ttt_length)
+                    part = sp_slice_batch(full, r, S, self.halo)
                     if r == me:
                         out.append(part)
                         continue
-                    want = sp_slice_batch(shapes, r, S, self.ttt_length)
+                    want = sp_slice_batch(shapes, r, S, self.halo)
                     for name in _FEATURES:  # the receiver's buffers are made from the same shapes
                         t, w = getattr(part, name), getattr(want, name)
                         if t.shape != w.shape or t.dtype != w.dtype:
@@ -147,7 +154,7 @@ class CaptureSource:
                                                f"receivers expect {w.dtype} {tuple(w.shape)}")
                         ops.append(dist.P2POp(dist.isend, t.contiguous(), self.peers[r]))
             else:
-                shell = sp_slice_batch(self._meta_batch(rows_m), me, S, self.ttt_length)
+                shell = sp_slice_batch(self._meta_batch(rows_m), me, S, self.halo)
                 bufs = {name: torch.empty(getattr(shell, name).shape, dtype=getattr(shell, name).dtype,
                                           device=self.target.device) for name in _FEATURES}
                 ops += [dist.P2POp(dist.irecv, bufs[name], self.peers[owner]) for name in _FEATURES]
@@ -172,7 +179,7 @@ class CaptureSource:
                           torch.empty(B, T, H, **meta), torch.empty(B, T, dtype=torch.long, device="meta"))
 
 
-_FEATURES = ("aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")  # what the SP exchange sends
+_FEATURES = ("aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")  # what the SP exchange sends
 
 
 class _PlanQueue:
@@ -203,7 +210,7 @@ class ReceiveSource:
     batches are handed out (double buffering), within ``placement.max_inflight_mb``."""
 
     def __init__(self, transport, groups, rank: int, cfg: Config, pad: int):
-        self.groups, self.pad, self.ttt_length = groups, pad, cfg.draft.ttt_length
+        self.groups, self.pad, self.halo = groups, pad, _halo(cfg)
         self.plans = _PlanQueue()
         self.prefetcher = Prefetcher(transport, self.plans, int(cfg.placement.max_inflight_mb * 2**20), my_rank=rank)
 
@@ -228,5 +235,5 @@ class ReceiveSource:
         got, fbs = next(self.prefetcher)
         assert (got.split, got.step) == (plan.split, plan.step), (got.split, got.step, plan.split, plan.step)
         g = self.groups
-        return [batch_from_samples([fbs[s] for s in ids], T, self.pad, g.sp_rank, g.sp_size, self.ttt_length)
+        return [batch_from_samples([fbs[s] for s in ids], T, self.pad, g.sp_rank, g.sp_size, self.halo)
                 for ids, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]

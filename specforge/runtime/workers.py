@@ -60,7 +60,7 @@ class RolloutWorker(DistributedWorker):
         self.cfg = cfg
 
     def setup(self, layout: Layout) -> int:
-        from specforge.config import feature_layer_ids
+        from specforge.algorithms import feature_layers
         from specforge.models.target import load_target
 
         cfg = self.cfg
@@ -71,7 +71,7 @@ class RolloutWorker(DistributedWorker):
         build_groups(cfg, layout, self.rank, device)  # collective: this rank is in none of them
         self.data = open_data(cfg)
         # over model.num_gpus GPUs when one cannot hold it; device (the first of them) gets the features
-        self.target = load_target(cfg.model, layers=lambda n: feature_layer_ids(cfg, n))
+        self.target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
         self.device = self.target.device
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
@@ -112,7 +112,7 @@ class RolloutWorker(DistributedWorker):
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
         input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.target.tokenizer))
         f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens)
-        fields = {"aux_hidden": f.aux_hidden_BT3H, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
+        fields = {"aux_hidden": f.aux_hidden_BTKH, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
                   "input_ids": input_ids_BT, "loss_mask": loss_mask_BT}
         per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows], self.transport.device)
         return dict(zip(ids, per_sample))
@@ -155,7 +155,7 @@ class TrainWorker(DistributedWorker):
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
         from specforge.train.checkpoint import CheckpointManager
         from specforge.algorithms import get_algorithm
-        from specforge.config import feature_layer_ids
+        from specforge.algorithms import feature_layers
         from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
 
         cfg = self.cfg
@@ -169,7 +169,7 @@ class TrainWorker(DistributedWorker):
         # workers or a store, a train rank keeps it memory-mapped in host memory: it reads the few
         # tensors it copies (and the fingerprint's samples), and no GPU holds the target.
         colocated = layout.mode == "colocated"
-        target = load_target(cfg.model, None if colocated else device, layers=lambda n: feature_layer_ids(cfg, n),
+        target = load_target(cfg.model, None if colocated else device, layers=lambda n: feature_layers(cfg, n),
                              on_host=not colocated)
         vocab = load_draft_vocab(layout.vocab_path)
         algo = get_algorithm(cfg.draft.algorithm)

@@ -2,7 +2,7 @@
 
 Every piece of per-family knowledge lives in ``FAMILIES`` (one frozen ``Family`` per row); the
 target code (``models/target.py``), in-process generation (``models/generate.py``), the draft's
-config (``models/draft.py``) and the run checks (``preflight.check_run``) ask this module instead
+config (``algorithms/eagle3/model.py``) and the run checks (``preflight.check_run``) ask this module instead
 of branching on model types. ``tests/test_targets.py`` runs every row's tiny random model
 (``targets/tiny.py``) through capture, teacher logits, generation and the draft config, and checks
 that the README's supported-targets table is ``python -m specforge.targets --table``.
@@ -213,7 +213,7 @@ def logit_softcap(config: Any) -> Optional[float]:
     return float(cap) if cap else None
 
 
-# RoPE variants models/draft.py implements; the draft of a target with another variant (YaRN,
+# RoPE variants algorithms/eagle3/model.py implements; the draft of a target with another variant (YaRN,
 # dynamic, ...) gets plain RoPE at the target's theta (as SpecForge's gpt-oss / DeepSeek-V3 drafts):
 # what matters is that training and serving use the same, and both read the draft's config.json.
 DRAFT_ROPE_TYPES = ("linear", "llama3")

@@ -21,13 +21,13 @@ class TrainBatch:
 
     input_ids_BT: torch.Tensor
     loss_mask_BT: torch.Tensor
-    aux_hidden_BT3H: torch.Tensor
+    aux_hidden_BTKH: torch.Tensor
     last_hidden_BTH: torch.Tensor
     target_ids_BT: torch.Tensor
 
     @classmethod
     def from_features(cls, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, feats: Features) -> "TrainBatch":
-        return cls(input_ids_BT, loss_mask_BT, feats.aux_hidden_BT3H, feats.last_hidden_BTH, feats.target_ids_BT)
+        return cls(input_ids_BT, loss_mask_BT, feats.aux_hidden_BTKH, feats.last_hidden_BTH, feats.target_ids_BT)
 
     def to(self, device: torch.device) -> "TrainBatch":
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})

@@ -206,21 +206,6 @@ def set_aside(root: str | Path) -> Optional[Path]:
     return dest
 
 
-def load_draft(path: str | Path, target=None):
-    """An ``Eagle3Draft`` from a saved folder; the frozen embedding comes from ``target``
-    (``specforge.algorithms.load_draft`` loads a draft of any algorithm)."""
-    from specforge.models.draft import Eagle3Draft, Eagle3DraftConfig
-
-    hf_config, weights = load_draft_folder(path)
-    draft = Eagle3Draft(Eagle3DraftConfig.from_hf_config(hf_config))
-    if target is not None and "embed_tokens.weight" not in weights:
-        draft.init_embeddings_from_target(target.embed_weight_VH)
-    elif "embed_tokens.weight" not in weights:
-        raise ValueError(f"{str(path)!r} has no embedding: pass the target to take it from")
-    draft.load_export_state_dict(weights)
-    return draft.eval()
-
-
 # ------------------------------------------------------------------------------ what a resume must share
 
 

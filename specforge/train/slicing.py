@@ -1,10 +1,10 @@
 """Sequence-parallel slicing: the slice rule, the SP batch type, and building a rank's batch.
 
-THE rule (``sp_slice_bounds``; stdlib, in ``runtime/contracts.py`` because the planner that cuts
+THE rule (``slice_bounds``; stdlib, in ``parallel/bounds.py`` because the planner that cuts
 the data-plane transfers uses it too): a micro-batch padded to ``T`` tokens is padded further to
 a multiple of ``sp_size``; SP rank r owns rows ``[r*C, (r+1)*C)``, ``C = ceil(T / sp_size)``, and
-also reads a right halo of ``ttt_length + 1`` rows (the TTT shifts). ``specforge/train/ttt.py``
-says how the loss treats such a slice.
+also reads a right halo of ``halo`` rows (the algorithm's ``sp_halo``: EAGLE-3's TTT shifts need
+``ttt_length + 1``; ``algorithms/eagle3/loss.py`` says how its loss treats such a slice).
 
 Two ways to a rank's batch, equal by construction (the SP placement tests check it):
 
@@ -24,15 +24,15 @@ from typing import Sequence
 
 import torch
 
-from specforge.runtime.contracts import sp_slice_bounds
+from specforge.parallel.bounds import slice_bounds
 from specforge.train.batch import TrainBatch
 
-__all__ = ["SPTrainBatch", "WholeSample", "sp_slice_bounds", "sp_slice_batch", "batch_from_samples"]
+__all__ = ["SPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
 
 
 @dataclass
 class SPTrainBatch(TrainBatch):
-    """One SP rank's slice: owned rows + right halo (see ``specforge/train/ttt.py``)."""
+    """One SP rank's slice: owned rows + right halo (see ``specforge/algorithms/eagle3/loss.py``)."""
 
     position_ids_BT: torch.Tensor  # B x num_rows, global positions start + t
     num_rows: int
@@ -48,7 +48,7 @@ class SPTrainBatch(TrainBatch):
         return int(self.input_ids_BT.shape[0] * self.num_rows)
 
 
-_FIELDS = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BT3H",
+_FIELDS = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BTKH",
            "last_hidden": "last_hidden_BTH", "target_ids": "target_ids_BT"}  # sample field -> batch field
 
 
@@ -59,20 +59,20 @@ class WholeSample(dict):
     start = 0
 
 
-def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, ttt_length: int) -> SPTrainBatch:
+def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, halo: int) -> SPTrainBatch:
     """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any):
     each row is a whole sample of the padded length, assembled like any other."""
     B, T = batch.input_ids_BT.shape
     rows = [WholeSample({k: getattr(batch, f)[b] for k, f in _FIELDS.items()}) for b in range(B)]
-    return _sp_batch(rows, T, 0, sp_rank, sp_size, ttt_length)
+    return _sp_batch(rows, T, 0, sp_rank, sp_size, halo)
 
 
 def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_rank: int = 0, sp_size: int = 1,
-                       ttt_length: int = 0) -> TrainBatch:
+                       halo: int = 0) -> TrainBatch:
     """One micro-batch of samples padded to ``padded_length`` tokens, as SP rank ``sp_rank`` of
     ``sp_size`` holds it: a plain ``TrainBatch`` without SP, else this rank's ``SPTrainBatch``.
 
-    ``samples[b]``: a mapping of the ``FeatureSpec.eagle3`` field names to tensors of tokens
+    ``samples[b]``: a mapping of the ``FeatureSpec.hidden_states`` field names to tensors of tokens
     ``[s.start, s.start + n)`` (e.g. a received ``FeatureBatch``: a slice + halo; or a whole
     sample, start 0). Equal to ``sp_slice_batch`` of the full right-padded micro-batch: pad id
     inside the padded length, zeros past it. The tensors are copied (receive buffers are reused).
@@ -80,11 +80,11 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
     T = padded_length
     if sp_size == 1:
         return TrainBatch(**_fields(samples, T, pad_id, 0, T, T))
-    return _sp_batch(samples, T, pad_id, sp_rank, sp_size, ttt_length)
+    return _sp_batch(samples, T, pad_id, sp_rank, sp_size, halo)
 
 
-def _sp_batch(samples: Sequence, T: int, pad_id: int, sp_rank: int, sp_size: int, ttt_length: int) -> SPTrainBatch:
-    start, end, wend = sp_slice_bounds(T, sp_rank, sp_size, ttt_length)
+def _sp_batch(samples: Sequence, T: int, pad_id: int, sp_rank: int, sp_size: int, halo: int) -> SPTrainBatch:
+    start, end, wend = slice_bounds(T, sp_rank, sp_size, halo)
     pos = torch.arange(start, end, device=samples[0]["input_ids"].device).expand(len(samples), end - start)
     return SPTrainBatch(**_fields(samples, T, pad_id, start, end, wend), position_ids_BT=pos, num_rows=end - start,
                         start=start)

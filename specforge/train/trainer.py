@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specforge.config import ALGORITHM_KEYS, Config
+from specforge.config import Config
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.target import TargetModel, capture
@@ -42,12 +42,10 @@ def keep_old_checkpoints(cfg: Config) -> None:
 
 
 def draft_vocab_size(cfg: Config, target_vocab_size: int) -> int:
-    """Entries of the run's vocab file. EAGLE-3: ``draft.vocab_size``. DFlash predicts the target's
-    whole vocabulary (its public format has no draft vocab): the file only marks the ids the data use
-    most, so that the mask token can be one outside them (``min(draft.vocab_size, V - 1)``)."""
-    if cfg.draft.algorithm == "eagle3":
-        return cfg.draft.vocab_size
-    return min(cfg.draft.vocab_size, target_vocab_size - 1)
+    """Entries of the run's vocab file (the algorithm's ``draft_vocab_size`` hook)."""
+    from specforge.algorithms import get_algorithm
+
+    return get_algorithm(cfg.draft.algorithm).draft_vocab_size(cfg, target_vocab_size)
 
 
 def vocab_path(cfg: Config, data_key: str) -> Path:
@@ -68,30 +66,27 @@ def build_vocab(cfg: Config, train_rows, target_vocab_size: int, data_key: str) 
 
 # Config keys that change what a step computes (besides the draft's shape, draft.*): a checkpoint
 # resumes only into a run with the same values (a restored scheduler would silently keep the old LR).
-RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.ttt_warmup_steps",
+RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
                "train.weight_decay", "train.betas", "train.max_grad_norm", "train.precision")
 
 
 def run_identity(cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
     """What a checkpoint must share with the run resuming it: hashes of the target weights and the
     vocab mapping, the data (``plan.run_facts``: key, sample count, global batch), the LR horizon
-    and the config keys that change the math (``RESUME_KEYS``, every draft.* but the attention impl)."""
+    and the config keys that change the math (``RESUME_KEYS``, and the algorithm's ``identity``)."""
+    from specforge.algorithms import get_algorithm
+
     def get(key: str):
         section, name = key.split(".")
         return getattr(getattr(cfg, section), name)
 
-    # every draft.* key the run's algorithm reads but the attention impl; draft.algorithm only when not
-    # EAGLE-3, so checkpoints written before the algorithm seam still resume
-    other = {k for algo, keys in ALGORITHM_KEYS.items() if algo != cfg.draft.algorithm for k in keys}
-    draft_keys = [f"draft.{f.name}" for f in dataclasses.fields(cfg.draft)
-                  if f.name != "attention" and f"draft.{f.name}" not in other
-                  and (f.name != "algorithm" or cfg.draft.algorithm != "eagle3")]
     return {
         "target": tensor_digest(target.model.state_dict().items(), sample=64),
         "vocab": tensor_digest([("d2t", vocab.d2t), ("t2d", vocab.t2d)]),
         **facts,
         "total_steps": total_steps,
-        **{k: get(k) for k in (*RESUME_KEYS, *draft_keys)},
+        **{k: get(k) for k in RESUME_KEYS},
+        **get_algorithm(cfg.draft.algorithm).identity(cfg),
     }
 
 
@@ -190,6 +185,6 @@ def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, ch
 def _compute_dtype(mb: TrainBatch, amp_dtype: Optional[torch.dtype]) -> TrainBatch:
     """Without autocast the draft computes in fp32: bf16 features (a bf16 store or wire) are
     upcast here, once, whatever source they came from (under autocast they stay as they are)."""
-    if amp_dtype is not None or mb.aux_hidden_BT3H.dtype == torch.float32:
+    if amp_dtype is not None or mb.aux_hidden_BTKH.dtype == torch.float32:
         return mb
-    return dataclasses.replace(mb, aux_hidden_BT3H=mb.aux_hidden_BT3H.float(), last_hidden_BTH=mb.last_hidden_BTH.float())
+    return dataclasses.replace(mb, aux_hidden_BTKH=mb.aux_hidden_BTKH.float(), last_hidden_BTH=mb.last_hidden_BTH.float())

@@ -11,11 +11,13 @@ Sequence parallelism is refused (a block reads the whole context before its anch
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from specforge.config import feature_layer_ids
+from specforge.config import DraftConfig, layer_ids_or_default
 
 CHUNK_BLOCKS = 16  # blocks whose full-vocab logits exist at once (recomputed in backward)
 EVAL_STEP = -1  # held-out metrics draw the same anchors at every periodic eval
@@ -28,12 +30,57 @@ def _generator(batch, cfg, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((cfg.train.seed, step, content, tuple(ids.shape))) % (2**63))
 
 
+@dataclass
+class DFlashOptions(DraftConfig):
+    """``draft.*`` keys of a DFlash draft: decoder layers, block = anchor + block_size - 1 drafted
+    tokens, anchors per sequence and step, the block loss's position decay exp(-(k-1)/loss_gamma),
+    and the mask token (None = the highest target id the training data never use as an assistant token)."""
+
+    num_layers: int = field(default=3, metadata={"at_least": 1})
+    block_size: int = field(default=16, metadata={"at_least": 2})
+    num_anchors: int = field(default=64, metadata={"at_least": 1})
+    loss_gamma: float = field(default=7.0, metadata={"positive": True})
+    mask_token_id: Optional[int] = field(default=None, metadata={"at_least": 0})
+
+
 class DFlash:
     name = "dflash"
+    options = DFlashOptions
+    architecture = "DFlashDraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward
+    llamacpp_spec_type = "draft-dflash"
+    gguf_architecture = "dflash"
+    engines = ("sglang", "vllm", "llama.cpp")
+
+    def config_errors(self, cfg) -> list[str]:
+        from specforge.config import aux_layer_errors
+
+        errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
+        if cfg.draft.vocab_size != DraftConfig.vocab_size:
+            errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, not "
+                          "dflash (a DFlash draft predicts the target's whole vocabulary); remove it")
+        return errors
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
-        return feature_layer_ids(cfg, num_layers)
+        from specforge.algorithms.dflash.model import default_target_layer_ids
+
+        return layer_ids_or_default(cfg, num_layers, default_target_layer_ids(num_layers, cfg.draft.num_layers))
+
+    def draft_vocab_size(self, cfg, target_vocab_size: int) -> int:
+        """DFlash predicts the target's whole vocabulary (its public format has no draft vocab): the
+        file only marks the ids the data use most, so that the mask token can be one outside them."""
+        return min(cfg.draft.vocab_size, target_vocab_size - 1)
+
+    def identity(self, cfg) -> dict:
+        """Every draft.* key but vocab_size (refused unless the default, config_errors)."""
+        return {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
+                if f.name != "vocab_size"}
+
+    def sp_halo(self, cfg) -> int:
+        return 0  # sequence parallelism is refused (check)
+
+    def sp_cores(self, draft) -> list:
+        return []
 
     def check(self, cfg, target_config) -> None:
         sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
@@ -93,7 +140,7 @@ class DFlash:
         c = draft.config
         anchors, keep, labels, valid = self._blocks(draft, batch, cfg, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
-        hidden = draft(batch.aux_hidden_BT3H, block_ids, anchors, keep)
+        hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep)
         norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
         return block_loss(draft.logits, hidden, labels, valid, cfg.draft.loss_gamma, norm, CHUNK_BLOCKS)
 
@@ -113,17 +160,55 @@ class DFlash:
             out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
         return out
 
+    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
+        from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
+
+        return dflash_step(DFlashDims.of(draft.config), shape.B, shape.T, min(cfg.draft.num_anchors, shape.T - 1),
+                           precision)
+
+    def memory_keys(self, cfg) -> list[str]:
+        return ["draft.num_anchors"]
+
     def hf_config(self, draft) -> dict:
         from specforge.algorithms.dflash.export import to_hf_config
 
         return to_hf_config(draft.config)
 
+    def owns_checkpoint(self, hf_config: dict) -> bool:
+        return self.architecture in (hf_config.get("architectures") or [])
+
+    def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
+        return arch == self.gguf_architecture
+
+    def check_checkpoint(self, path):
+        from specforge.algorithms.dflash.export import check_checkpoint
+
+        return check_checkpoint(path)
+
     def load(self, path, target):
         from specforge.algorithms.dflash.export import load_dflash
-        from specforge.train.checkpoint import load_draft_folder
 
-        load_draft_folder(path)  # a truncated file is named, as for every checkpoint
+        self.check_checkpoint(path)  # a truncated or misshapen file is named, as for every checkpoint
         return load_dflash(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
+
+    def tokens_per_round(self, hf_config: dict) -> int:
+        from specforge.algorithms.dflash.export import tokens_per_round
+
+        return tokens_per_round(hf_config)
+
+    def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
+        """One block a round: the anchor + block_size - 1 masks (llama-server clamps n_max to it)."""
+        return self.tokens_per_round(hf_config)
+
+    def export(self, engine, draft_dir, out_dir, req) -> str:
+        from specforge.algorithms.dflash.export import export
+
+        return export(engine, draft_dir, out_dir, req)
+
+    def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
+        from specforge.algorithms.dflash.export import llamacpp_config
+
+        return llamacpp_config(draft_config, target_config, layer_ids)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
         from specforge.algorithms.dflash.propose import DFlashProposer

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from .model import DFlashConfig, DFlashDraft
 
-__all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dflash", "load_dflash"]
+__all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dflash", "load_dflash", "check_checkpoint", "export",
+           "llamacpp_config", "tokens_per_round"]
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -119,3 +120,54 @@ def load_dflash(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optio
     if embed_VH is not None and lm_head_VH is not None:
         draft.set_target_weights(embed_VH, lm_head_VH)
     return draft
+
+
+def check_checkpoint(draft_dir) -> tuple[dict, None]:
+    """(config.json, None) of a valid DFlash checkpoint (our export's format): every tensor of the
+    model present and shaped as its config says, the mask token set; a ValueError naming what is wrong."""
+    from safetensors import safe_open
+
+    from specforge.train.checkpoint import load_draft_folder
+
+    draft_dir = Path(draft_dir)
+    config, _ = load_draft_folder(draft_dir)  # a missing or truncated file is named, as for every checkpoint
+    try:
+        cfg = from_hf_config(config)
+        if cfg.mask_token_id is None:
+            raise ValueError("dflash_config.mask_token_id is missing (every engine drafts with it)")
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in DFlashDraft(cfg).export_state_dict().items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: {e}") from None
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as st:
+        got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+    bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
+    if bad:
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: tensors missing, "
+                         f"misshapen or unexpected: {bad[:8]}. Export a checkpoint written by specforge training "
+                         "with draft.algorithm=dflash (a step-* folder)")
+    return config, None
+
+
+def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
+    """SGLang (``--speculative-algorithm DFLASH``) and vLLM (``"method": "dflash"``) both serve z-lab's
+    folder as it is: config.json and model.safetensors, copied (checked by :func:`check_checkpoint`)."""
+    from specforge.engines import sglang
+
+    sglang.copy_served(draft_dir, out_dir)
+    if engine == "sglang":
+        return (f"python -m sglang.launch_server --model-path {req.target or '<target>'} --speculative-algorithm "
+                f"DFLASH --speculative-draft-model-path {req.out}")
+    n = req.num_speculative_tokens or tokens_per_round(json.loads((Path(draft_dir) / "config.json").read_text()))
+    return (f"vllm serve {req.target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
+            f"\"{req.out}\", \"num_speculative_tokens\": {n}}}'")
+
+
+def llamacpp_config(draft_config: dict, target_config: dict, layer_ids=None) -> dict:
+    """The config.json llama.cpp's converter reads: ``dflash_config.target_layer_ids`` as layer
+    OUTPUTS (ours: the converter adds 1 itself, ``DFlashModel.set_gguf_parameters``); ``layer_ids``
+    overrides them."""
+    dflash = dict(draft_config.get("dflash_config") or {})
+    if layer_ids is not None:
+        dflash["target_layer_ids"] = [int(i) for i in layer_ids]
+    return {**draft_config, "dflash_config": dflash}

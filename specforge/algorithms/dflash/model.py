@@ -32,15 +32,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specforge.config import dflash_default_layers
-from specforge.models.draft import Eagle3MLP, RMSNorm
+from specforge.models.layers import GatedMLP, RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq
 
 __all__ = ["DFlashConfig", "DFlashDraft", "ContextCache", "build_block_mask", "default_target_layer_ids"]
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference's default: one captured target layer per draft layer, spread over [1, L-3]."""
-    return dflash_default_layers(num_target_layers, num_draft_layers)
+    """The reference's default (z-lab's): one captured target layer output per draft layer, spread
+    over [1, L-3] (a single draft layer reads the middle one)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, num_target_layers - 3
+    return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 @dataclass
@@ -121,21 +124,6 @@ def build_block_mask(anchors_BN: torch.Tensor, keep_BN: Optional[torch.Tensor], 
     return mask.unsqueeze(1)
 
 
-def _rope(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin ``[B, T, D]``, computed in fp32 then cast, as HF's Qwen3/Llama rotary embedding does."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids_BT.device).float()
-                           / head_dim))
-    freqs = position_ids_BT.float().unsqueeze(-1) * inv
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _apply_rope(x_BhTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BhTD.chunk(2, dim=-1)
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    return x_BhTD * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -156,12 +144,12 @@ class DFlashAttention(nn.Module):
         """Rotated keys and values ``[B, Hkv, T, D]`` of rows (context or block alike)."""
         k = self.k_norm(self._heads(self.k_proj(x_BTH), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(x_BTH), self.num_kv_heads).transpose(1, 2)
-        return _apply_rope(k, cos, sin), v
+        return apply_rotary(k, cos, sin), v
 
     def forward(self, x_BQH, ctx_kv, cos_BQD, sin_BQD, mask=None):
         B, Q, _ = x_BQH.shape
         q = self.q_norm(self._heads(self.q_proj(x_BQH), self.num_heads)).transpose(1, 2)
-        q = _apply_rope(q, cos_BQD, sin_BQD)
+        q = apply_rotary(q, cos_BQD, sin_BQD)
         k_blk, v_blk = self.keys_values(x_BQH, cos_BQD, sin_BQD)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
@@ -173,7 +161,7 @@ class DFlashLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
-        self.mlp = Eagle3MLP(cfg)  # the same SwiGLU (gate/up/down): reads hidden_size, intermediate_size
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -229,16 +217,22 @@ class DFlashDraft(nn.Module):
         """The saved weights, named as in the reference checkpoint (no embedding, no lm_head)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
 
+    def rope(self, position_ids_BT: torch.Tensor, dtype: torch.dtype):
+        """cos/sin ``[B, T, D]``, computed in fp32 then cast, as HF's Qwen3/Llama rotary embedding does."""
+        inv = rope_inv_freq(self.config.head_dim, self.config.rope_theta, device=position_ids_BT.device)
+        cos, sin = rope_cos_sin(position_ids_BT, inv)
+        return cos.to(dtype), sin.to(dtype)
+
     def context_kv(self, ctx_BTF: torch.Tensor, position_ids_BT: torch.Tensor):
         """Fuse the target features and project them to every layer's keys/values."""
         c = self.hidden_norm(self.fc(ctx_BTF))
-        cos, sin = _rope(position_ids_BT, self.config.head_dim, self.config.rope_theta, c.dtype)
+        cos, sin = self.rope(position_ids_BT, c.dtype)
         return [layer.self_attn.keys_values(c, cos, sin) for layer in self.layers]
 
     def run_blocks(self, block_ids_BQ, block_pos_BQ, ctx_kv, mask=None) -> torch.Tensor:
         assert len(ctx_kv) == len(self.layers)
         x = self.embed_tokens(block_ids_BQ)
-        cos, sin = _rope(block_pos_BQ, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self.rope(block_pos_BQ, x.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
             x = layer(x, kv, cos, sin, mask)
         return self.norm(x)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from specforge.models.draft import ChainDrafter
+from specforge.algorithms.eagle3.model import ChainDrafter
 
 
 class EagleProposer:

@@ -25,7 +25,7 @@ loader maps it to ``model.embed_tokens.weight``). With equal sizes (the normal c
 embedding is the target's, frozen, and not saved.
 
 Training: :meth:`~Eagle3Draft.forward` IS the training-time-test (TTT) unroll (conventions and
-the loss in ``specforge/train/ttt.py``), so FSDP2's hooks fire around it like around any forward.
+the loss in ``specforge/algorithms/eagle3/loss.py``), so FSDP2's hooks fire around it like around any forward.
 Inference uses :meth:`~Eagle3Draft.forward_cached` with a :class:`DraftKVCache`. Both are built
 from the same pieces (``project_aux``, ``embed_part``, ``layer_qkv``, ``layer_finish``,
 ``logits``), so training and drafting agree exactly.
@@ -33,7 +33,6 @@ from the same pieces (``project_aux``, ``embed_part``, ``layer_qkv``, ``layer_fi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -42,7 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specforge.models.attention import TTTAttentionCore, ttt_attention_fast
+from specforge.algorithms.eagle3.attention import TTTAttentionCore, ttt_attention_fast
+from specforge.models.layers import GatedMLP, RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
 
 __all__ = [
     "Eagle3DraftConfig",
@@ -225,55 +225,6 @@ def draft_config_from_target(target_hf_config: Any, draft_cfg: Any, aux_layer_id
 # ------------------------------------------------------------------------------ building blocks
 
 
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: statistics in fp32, result in the input dtype."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.to(torch.promote_types(dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype) if self.weight.dtype == dtype else (self.weight * xf).to(dtype)
-
-
-def _inv_freq(cfg: Eagle3DraftConfig) -> torch.Tensor:
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    sc = cfg.rope_scaling
-    if not sc:
-        return inv.float()
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "linear":
-        return (inv / float(sc["factor"])).float()
-    if kind == "llama3":
-        factor = float(sc["factor"])
-        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
-        old = float(sc.get("original_max_position_embeddings", 8192))
-        low_wl, high_wl = old / low, old / high
-        wl = 2 * math.pi / inv
-        out = torch.where(wl > low_wl, inv / factor, inv)
-        smooth = (old / wl - low) / (high - low)
-        mid = (1 - smooth) * out / factor + smooth * out
-        is_mid = (wl >= high_wl) & (wl <= low_wl)
-        return torch.where(is_mid, mid, out).float()
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not implemented (linear, llama3 are)")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """Standard Llama RoPE (rotate_half convention)."""
-    cos, sin = cos_BTD.unsqueeze(1).to(x_BHTD.dtype), sin_BTD.unsqueeze(1).to(x_BHTD.dtype)
-    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
-
-
 class Eagle3Attention(nn.Module):
     def __init__(self, cfg: Eagle3DraftConfig):
         super().__init__()
@@ -286,18 +237,6 @@ class Eagle3Attention(nn.Module):
         self.core = TTTAttentionCore(cfg.attention)
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, cfg: Eagle3DraftConfig):
-        super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: Eagle3DraftConfig):
         super().__init__()
@@ -305,7 +244,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 # ------------------------------------------------------------------------------ KV cache
@@ -378,7 +317,7 @@ class Eagle3Draft(nn.Module):
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[:N] = True
         self.register_buffer("t2d", t2d)
-        self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
         self.reset_parameters()
         self.embed_tokens.weight.requires_grad_(self.embedding_trainable)
 
@@ -490,12 +429,10 @@ class Eagle3Draft(nn.Module):
 
     def rope(self, position_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each ``B x T x D``, fp32."""
-        freqs = position_ids_BT.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(position_ids_BT.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        return rope_cos_sin(position_ids_BT, self.inv_freq)
 
-    def project_aux(self, aux_hidden_BT3H: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux_hidden_BT3H)
+    def project_aux(self, aux_hidden_BTKH: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux_hidden_BTKH)
 
     def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids_BT)
@@ -548,7 +485,7 @@ class Eagle3Draft(nn.Module):
 
     # ---------------------------------------------------------------- training: the TTT unroll
 
-    def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BT3H: torch.Tensor, position_ids_BT: torch.Tensor,
+    def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BTKH: torch.Tensor, position_ids_BT: torch.Tensor,
                 t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None) -> list:
         """The training forward: ``[head(i, hidden_out_B_Ti_H) for TTT steps i]`` (default head: the
         hidden itself). The head runs inside this forward because it reads ``norm``/``lm_head``,
@@ -562,7 +499,7 @@ class Eagle3Draft(nn.Module):
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
         e_full = self.embed_part(self.embed(input_ids_BT), w_emb)  # (B,T,F) for x_0..x_{T-1}
-        hidden = self.project_aux(aux_hidden_BT3H)
+        hidden = self.project_aux(aux_hidden_BTKH)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out = []
@@ -655,9 +592,8 @@ class ChainDrafter:
 
     def _rope_table(self, n: int) -> None:
         # the same fp32 ops as Eagle3Draft.rope, once for positions 0..n-1
-        freqs = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = rope_cos_sin(torch.arange(n, device=self.inv_freq.device), self.inv_freq)
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
 
     def prefill(self, ids_T: torch.Tensor, hidden_TX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows taking target ids (any of V) and target features (raw ``3*H_target`` or projected),
@@ -686,7 +622,7 @@ class ChainDrafter:
         qkv = F.linear(torch.cat([self._norm(0, e_TH), self._norm(1, h_TH)], dim=-1), self.w_qkv)
         qk, v = qkv.view(T, Hq + 2 * Hk, D).transpose(0, 1).split([Hq + Hk, Hk])
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]
-        q, k = (qk * cos + _rotate_half(qk) * sin).split([Hq, Hk])
+        q, k = (qk * cos + rotate_half(qk) * sin).split([Hq, Hk])
         K, V = self.cache.append(k[None], v[None])
         if T == 1:  # the newest row sees every cached key: no mask
             attn = F.scaled_dot_product_attention(q[None], K, V, enable_gqa=Hq != Hk)[0]

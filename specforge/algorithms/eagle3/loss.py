@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge.device import loop_chunk
-from specforge.models.attention import ttt_attention_eager
-from specforge.models.draft import apply_rotary
+from specforge.algorithms.eagle3.attention import ttt_attention_eager
+from specforge.algorithms.eagle3.model import apply_rotary
 
 __all__ = [
     "ttt_loss",
@@ -91,7 +91,7 @@ def _get(batch: Any, name: str, default: Any = ...) -> Any:
     return default
 
 
-def _unpack(batch: Any, names=("loss_mask_BT", "aux_hidden_BT3H", "last_hidden_BTH", "target_ids_BT")):
+def _unpack(batch: Any, names=("loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")):
     """(input_ids, *names, position_ids) of a batch; positions default to ``arange(T)``."""
     ids = _get(batch, "input_ids_BT")
     pos = _get(batch, "position_ids_BT", None)
@@ -282,7 +282,7 @@ def metrics_from_counts(counts_L4: torch.Tensor, decay: float) -> dict[str, floa
 
 def ttt_logits(draft, batch: Any, ttt_length: int = 7) -> list[torch.Tensor]:
     """Draft-vocab logits of every step and row (``B x T x N`` each) via the training forward."""
-    ids, aux, pos = _unpack(batch, ("aux_hidden_BT3H",))
+    ids, aux, pos = _unpack(batch, ("aux_hidden_BTKH",))
     return draft(ids, aux, pos, [ids.shape[1]] * ttt_length, head=lambda i, h: draft.logits(h))
 
 
@@ -334,7 +334,7 @@ def ttt_loss(
     """The TTT loss of one batch (fast path) and its counters: ``(loss, counts_L4)``, float64
     ``[ttt_length, 4]`` with the columns :data:`COUNTERS`.
 
-    ``batch`` (mapping or object): ``input_ids_BT``, ``loss_mask_BT``, ``aux_hidden_BT3H``,
+    ``batch`` (mapping or object): ``input_ids_BT``, ``loss_mask_BT``, ``aux_hidden_BTKH``,
     ``last_hidden_BTH``, ``target_ids_BT``; optional ``position_ids_BT`` (default ``arange(T)``).
     Right padding must carry ``loss_mask`` 0. ``num_rows`` (default: ``batch.num_rows`` if
     present): sequence-parallel slice mode, see the module docstring. ``softcap``: the target's

@@ -1,0 +1,205 @@
+"""EAGLE-3 behind the draft-algorithm seam: the draft (``algorithms/eagle3/model.py``, SGLang's
+``LlamaForCausalLMEagle3`` layout), the TTT loss (``algorithms/eagle3/loss.py``), its proposer (``propose.py``).
+
+Features: 3 target layer outputs (``model.aux_layer_ids``, default [1, L//2 - 1, L - 4]) fused by
+``fc``, and the last hidden state, from which the train side rebuilds the teacher over the draft
+vocabulary with the target's lm_head rows and its final logit soft-cap (``train_state``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
+
+
+@dataclass
+class Eagle3Options(DraftConfig):
+    """``draft.*`` keys of an EAGLE-3 draft (besides the shared ones of ``DraftConfig``)."""
+
+    hidden_size: Optional[int] = field(default=None, metadata={"at_least": 1})  # None = the target's
+    init_lm_head_from_target: bool = True
+    init_midlayer_from_target: bool = False  # start from the target layer after the deepest aux layer
+    ttt_length: int = field(default=7, metadata={"at_least": 1})
+    ttt_decay: float = field(default=0.8, metadata={"unit": "(0, 1]"})
+    # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
+    ttt_warmup_steps: int = field(default=0, metadata={"at_least": 0})
+    attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
+
+
+AUX_LAYERS = 3  # target layer outputs an EAGLE-3 draft fuses (SGLang's eagle_aux_hidden_state_layer_ids)
+# keys that do not change what a step computes, left out of a checkpoint's identity
+_NOT_IDENTITY = ("algorithm", "attention")
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default target layer outputs: [1, L//2 - 1, L - 4]."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def aux_layer_ids(model_cfg, num_layers: int) -> list[int]:
+    """The target layer outputs an EAGLE-3 draft fuses (``model.aux_layer_ids`` of ``model_cfg``, a
+    ``ModelConfig``, or the default); a ValueError naming the key unless 3 sorted unique ids in 0..L-2."""
+    from types import SimpleNamespace
+
+    return layer_ids_or_default(SimpleNamespace(model=model_cfg), num_layers, default_layers(num_layers),
+                                AUX_LAYERS, "an EAGLE-3 draft")
+
+
+class Eagle3:
+    name = "eagle3"
+    options = Eagle3Options
+    architecture = "LlamaForCausalLMEagle3"
+    dynamic_drafting = True  # the eval also runs its chain with cost-based early stops
+    llamacpp_spec_type = "draft-eagle3"
+    gguf_architecture = "eagle3"
+    engines = ("sglang", "vllm", "llama.cpp")
+
+    def config_errors(self, cfg) -> list[str]:
+        ids = cfg.model.aux_layer_ids
+        return [] if ids is None else aux_layer_errors(ids, count=AUX_LAYERS, who="an EAGLE-3 draft")
+
+    def feature_layers(self, cfg, num_layers: int) -> list[int]:
+        return aux_layer_ids(cfg.model, num_layers)
+
+    def draft_vocab_size(self, cfg, target_vocab_size: int) -> int:
+        return cfg.draft.vocab_size
+
+    def identity(self, cfg) -> dict:
+        """Every draft.* key but the attention impl; without the algorithm's name (checkpoints written
+        before the seam still resume), and ttt_warmup_steps under its former name train.*."""
+        out = {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
+               if f.name not in _NOT_IDENTITY}
+        out["train.ttt_warmup_steps"] = out.pop("draft.ttt_warmup_steps")
+        return out
+
+    def sp_halo(self, cfg) -> int:
+        """Step i of row t reads x_{t+1+i}, the teacher/argmax at t+1+i and the loss mask at t+2+i."""
+        return cfg.draft.ttt_length + 1
+
+    def sp_cores(self, draft) -> list:
+        return [(draft.midlayer.self_attn, "core")]
+
+    def check(self, cfg, target_config) -> None:
+        if cfg.draft.vocab_size > target_config.vocab_size:
+            raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's vocabulary "
+                             f"({target_config.vocab_size} tokens); choose at most {target_config.vocab_size}")
+
+    def build_draft(self, cfg, target, vocab):
+        """A fresh draft shaped from the target, embedding copied (frozen), lm_head warm-started."""
+        from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
+        from specforge.models.target import _decoder_layers
+
+        dcfg = draft_config_from_target(target.config, cfg.draft, target.aux_layer_ids)
+        with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone, whatever ran before
+            torch.manual_seed(cfg.train.seed)
+            draft = Eagle3Draft(dcfg)
+        draft.set_vocab(vocab.d2t, vocab.t2d)
+        draft.init_embeddings_from_target(target.embed_weight_VH)
+        if cfg.draft.init_lm_head_from_target and dcfg.hidden_size == dcfg.target_hidden_size:
+            draft.init_lm_head_from_target(target.lm_head_weight_VH)
+            with torch.no_grad():  # lm_head rows were trained against this norm's scale (Gemma-style: 1 + w)
+                draft.norm.weight.copy_(target.final_norm_scale_H.to(draft.norm.weight))
+        if cfg.draft.init_midlayer_from_target:
+            layers = _decoder_layers(target.model)
+            draft.init_midlayer_from_target(layers[min(max(target.aux_layer_ids) + 1, len(layers) - 1)],
+                                            target.aux_layer_ids.index(max(target.aux_layer_ids)))
+        return draft
+
+    def train_state(self, cfg, target, vocab):
+        """The teacher over the draft vocab (a ``TeacherHead``): the target's lm_head rows of the
+        draft vocab (N x H) and its family's final logit soft-cap, if its HF class applies one."""
+        from specforge.targets import logit_softcap
+        from specforge.algorithms.eagle3.loss import TeacherHead, teacher_weight_from_target
+
+        return TeacherHead(teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone(),
+                           logit_softcap(target.model.config))
+
+    def unroll_length(self, cfg, step: int, training: bool) -> int:
+        """TTT steps a step trains: 1 during ``draft.ttt_warmup_steps``, then ``draft.ttt_length``
+        (evaluation: always all). A function of the step alone, so every rank agrees without talking."""
+        return 1 if training and step < cfg.draft.ttt_warmup_steps else cfg.draft.ttt_length
+
+    def normalizer(self, draft, batch, cfg, step: int) -> float:
+        from specforge.algorithms.eagle3.loss import num_valid_rows
+
+        return float(num_valid_rows(batch, draft.t2d, cfg.draft.ttt_length))
+
+    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
+        from specforge.algorithms.eagle3.loss import TeacherHead, ttt_loss
+
+        steps = self.unroll_length(cfg, step, torch.is_grad_enabled())
+        total = None if normalizer is None else max(normalizer, 1.0)  # no valid row anywhere: a zero loss
+        head = state if isinstance(state, TeacherHead) else TeacherHead(state)  # a bare N x H tensor: no soft-cap
+        return ttt_loss(draft, batch, head.weight_NH, steps, cfg.draft.ttt_decay, num_valid_global=total,
+                        softcap=head.softcap)
+
+    def counts_shape(self, cfg) -> tuple[int, int]:
+        return (cfg.draft.ttt_length, 4)
+
+    def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
+        from specforge.algorithms.eagle3.loss import metrics_from_counts
+
+        return metrics_from_counts(counts, cfg.draft.ttt_decay)
+
+    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
+        from specforge.algorithms.eagle3.loss import loss_chunk
+        from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
+
+        d = Eagle3Dims.of(draft.config)
+        # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities
+        precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash"))
+        rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
+        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows)
+
+    def memory_keys(self, cfg) -> list[str]:
+        return ["parallel.sp_ulysses / parallel.sp_ring (split T)"]
+
+    def hf_config(self, draft) -> dict:
+        return draft.config.to_hf_config()
+
+    def owns_checkpoint(self, hf_config: dict) -> bool:
+        return self.architecture in (hf_config.get("architectures") or [])
+
+    def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
+        return arch == self.gguf_architecture
+
+    def check_checkpoint(self, path):
+        from specforge.algorithms.eagle3.export import check_checkpoint
+
+        return check_checkpoint(path)
+
+    def load(self, path, target):
+        from specforge.algorithms.eagle3.export import load_eagle3
+
+        return load_eagle3(path, target)
+
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
+        from specforge.algorithms.eagle3.propose import EagleProposer
+
+        return EagleProposer(draft, dtype)
+
+    def tokens_per_round(self, hf_config: dict) -> int:
+        from specforge.algorithms.eagle3.export import DEFAULT_SPECULATIVE_TOKENS
+
+        return DEFAULT_SPECULATIVE_TOKENS
+
+    def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
+        return None  # a chain: one forward a token, as many as asked
+
+    def export(self, engine, draft_dir, out_dir, req) -> str:
+        from specforge.algorithms.eagle3.export import export
+
+        return export(engine, draft_dir, out_dir, req)
+
+    def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
+        from specforge.algorithms.eagle3.export import llamacpp_config
+
+        return llamacpp_config(draft_config, target_config, layer_ids)
+
+
+ALGORITHM = Eagle3()

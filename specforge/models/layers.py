@@ -1,0 +1,94 @@
+"""Layers every draft algorithm shares: RMSNorm, the gated (SwiGLU) MLP, and ONE rotary embedding.
+
+Legend: B batch, T tokens, H hidden, D head dim, I the MLP's inner width.
+
+RoPE: ``rope_inv_freq`` takes a head dim, a base and an HF ``rope_scaling`` dict (the variants the
+draft families need: none, ``linear``, ``llama3``; ``specforge.targets.draft_rope`` refuses the
+others before a run starts), computed in fp64 and rounded once to fp32 (transformers computes the
+powers in fp32: the two differ by at most one fp32 rounding per frequency, ~1e-7 relative).
+``rope_cos_sin`` turns positions into fp32 ``cos``/``sin`` tables and ``apply_rotary`` applies them
+(the rotate-half convention of Llama/Qwen).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: statistics in fp32, result in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.promote_types(dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype) if self.weight.dtype == dtype else (self.weight * xf).to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases (the checkpoint names of Llama/Qwen)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, device=None) -> torch.Tensor:
+    """The ``head_dim / 2`` inverse frequencies (fp32) for base ``theta`` and an HF ``rope_scaling``."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    return _scaled(inv, scaling).float()
+
+
+def _scaled(inv: torch.Tensor, scaling: Optional[dict]) -> torch.Tensor:
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old / low, old / high
+        wl = 2 * math.pi / inv
+        out = torch.where(wl > low_wl, inv / factor, inv)
+        smooth = (old / wl - low) / (high - low)
+        mid = (1 - smooth) * out / factor + smooth * out
+        is_mid = (wl >= high_wl) & (wl <= low_wl)
+        return torch.where(is_mid, mid, out)
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not implemented (linear, llama3 are)")
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``position_ids.shape + (D,)``, fp32."""
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.to(position_ids.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotate heads ``[B, heads, T, D]`` by ``cos``/``sin`` ``[B, T, D]`` (cast to ``x``'s dtype)."""
+    cos, sin = cos_BTD.unsqueeze(1).to(x_BHTD.dtype), sin_BTD.unsqueeze(1).to(x_BHTD.dtype)
+    return x_BHTD * cos + rotate_half(x_BHTD) * sin
