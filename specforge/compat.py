@@ -106,3 +106,19 @@ def check_target_weights(path: str | Path, model, allow: bool) -> Optional[str]:
     if allow:
         return f"warning: {msg}; evaluating anyway ({ALLOW_FLAG})"
     raise ValueError(f"{msg}, or pass {ALLOW_FLAG} to compare anyway")
+
+
+def check_drafts(drafts: Sequence[str], cfg, allow: bool) -> dict[str, Optional[list[int]]]:
+    """Before the target loads: every draft checkpoint against the target's config.json; the
+    layer ids each draft runs with (its own, unless model.aux_layer_ids asks otherwise)."""
+    from specforge.models.target import load_target_config
+
+    target_config = load_target_config(cfg.model)
+    out = {}
+    for name in dict.fromkeys(drafts):
+        if name == "prompt-lookup":
+            continue
+        hf = read_draft_config(name)
+        check_draft_shape(name, hf, target_config)
+        out[name] = check_aux_ids(name, draft_aux_ids(hf), cfg.model.aux_layer_ids, allow)
+    return out

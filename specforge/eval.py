@@ -420,20 +420,6 @@ def _eos_ids(target: TargetModel) -> set[int]:
     return ids
 
 
-def eval_prompts(rows, num: int, max_prompt_tokens: int) -> list[list[int]]:
-    """Held-out rows cut before their first assistant token (the model's first reply)."""
-    prompts = []
-    for r in rows:
-        ids, mask = r["input_ids"], r["loss_mask"]
-        first = next((i for i, m in enumerate(mask) if m), None)
-        if first is None or first > max_prompt_tokens or first < 2:
-            continue
-        prompts.append(list(ids[:first]))
-        if len(prompts) == num:
-            break
-    return prompts
-
-
 # ---------------------------------------------------------------- the table and the CLI
 
 
@@ -475,23 +461,6 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
     return settings
 
 
-def check_drafts(drafts: Sequence[str], cfg, allow: bool) -> dict[str, Optional[list[int]]]:
-    """Before the target loads: every draft checkpoint against the target's config.json; the
-    layer ids each draft runs with (its own, unless model.aux_layer_ids asks otherwise)."""
-    from specforge.compat import check_aux_ids, check_draft_shape, draft_aux_ids, read_draft_config
-    from specforge.models.target import load_target_config
-
-    target_config = load_target_config(cfg.model)
-    out = {}
-    for name in dict.fromkeys(drafts):
-        if name == "prompt-lookup":
-            continue
-        hf = read_draft_config(name)
-        check_draft_shape(name, hf, target_config)
-        out[name] = check_aux_ids(name, draft_aux_ids(hf), cfg.model.aux_layer_ids, allow)
-    return out
-
-
 def _draft_dtype(choice: str, precision: str, device: torch.device) -> torch.dtype:
     """auto = the dtype the draft's matmuls ran in during training (train.precision's autocast)."""
     from specforge.device import autocast_dtype, torch_dtype
@@ -531,30 +500,6 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def heldout_rows(cfg, tokenizer) -> list[dict]:
-    """The eval split's tokenized rows: from the data cache when it exists, else only the held-out
-    tail is tokenized (the same rows, without tokenizing the whole dataset: minutes on ShareGPT)."""
-    from pathlib import Path
-
-    from specforge.data.prepare import cache_key, prepare_dataset
-    from specforge.data.sharegpt import iter_conversations
-    from specforge.data.template import resolve_chat_template, tokenize_conversation
-    from specforge.regenerate import heldout_rows as heldout_sources
-
-    template = resolve_chat_template(tokenizer, cfg.model.chat_template)
-    cached = Path(cfg.model.cache_dir).expanduser() / "data" / cache_key(cfg.data, tokenizer, template) / "stats.json"
-    if cached.is_file():
-        return list(prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template,
-                                    cache_dir=cfg.model.cache_dir, progress=False).eval)
-    held = heldout_sources(cfg.data, tokenizer, template)
-    rows = []
-    for conv in iter_conversations(cfg.data.path):
-        if conv.index in held:
-            ids, mask, _ = tokenize_conversation(tokenizer, conv.messages, cfg.data.max_length, template)
-            rows.append({"input_ids": ids, "loss_mask": mask})
-    return rows
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     from specforge.compat import check_target_weights
     from specforge.algorithms import feature_layers
@@ -569,6 +514,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from specforge.engines import serve_eval
 
         return serve_eval.main(args, cfg)
+    from specforge.compat import check_drafts
+    from specforge.data.heldout import eval_prompts, heldout_rows
+
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
     target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
     for name in aux_ids:

@@ -4,7 +4,7 @@
 
 Rows. The conversations of ``data.path`` as ``specforge.data.sharegpt.iter_conversations``
 yields them; a row's id is its index there (``source_row``, recorded). Rows the data pipeline
-holds out for evaluation (``heldout_rows``: the last ``data.num_eval`` usable conversations,
+holds out for evaluation (``data.heldout.heldout_sources``: the last ``data.num_eval`` usable conversations,
 exactly as ``prepare_dataset`` splits) are never regenerated, so eval prompts cannot leak into
 training data (``data.max_samples`` only moves that split, as in ``prepare_dataset``).
 ``regenerate.max_samples`` keeps the first N remaining normalized rows, ``regenerate.max_turns``
@@ -52,16 +52,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from specforge.algorithms import feature_layers
-from specforge.config import Config, DataConfig, load_config
-from specforge.data.sharegpt import Conversation, iter_conversations
+from specforge.config import Config, load_config
+from specforge.data.heldout import heldout_sources
+from specforge.data.sharegpt import iter_conversations
 from specforge.data.template import (
-    TemplateError, assistant_char_spans, render, resolve_chat_template, span_mask, tokenize_conversation,
+    TemplateError, assistant_char_spans, render, resolve_chat_template, span_mask,
 )
 
 HELD_OUT = "held out for eval"
@@ -77,49 +77,6 @@ class EndpointError(ValueError):
 
 
 # ---------------------------------------------------------------- which rows
-
-
-def _usable(conv: Conversation, tokenizer, data: DataConfig, template: str) -> bool:
-    """What prepare_dataset keeps: a normalized row that renders with >= 1 loss token after truncation."""
-    if not conv.ok:
-        return False
-    try:
-        _, mask, _ = tokenize_conversation(tokenizer, conv.messages, data.max_length, template)
-    except TemplateError:
-        return False
-    return any(mask)
-
-
-def heldout_rows(data: DataConfig, tokenizer, template: str) -> set[int]:
-    """Source rows ``prepare_dataset`` puts in its eval split: the last ``num_eval`` of the first
-    ``max_samples`` usable conversations. Only the tail is tokenized when max_samples is None."""
-    n_eval = max(data.num_eval, 0)
-    if n_eval == 0:
-        return set()
-    if data.max_samples is not None:
-        kept: list[int] = []
-        for conv in iter_conversations(data.path):
-            if len(kept) >= data.max_samples:
-                break
-            if _usable(conv, tokenizer, data, template):
-                kept.append(conv.index)
-        return set(kept[-n_eval:])
-    window: deque[Conversation] = deque(maxlen=n_eval + 64)  # usually every tail row is usable
-    n_ok = 0
-    for conv in iter_conversations(data.path):
-        if conv.ok:
-            window.append(conv)
-            n_ok += 1
-    held = []
-    for conv in reversed(window):
-        if _usable(conv, tokenizer, data, template):
-            held.append(conv.index)
-        if len(held) == n_eval:
-            return set(held)
-    if n_ok == len(window):  # the window held every normalized row
-        return set(held)
-    usable = [c.index for c in iter_conversations(data.path) if _usable(c, tokenizer, data, template)]
-    return set(usable[-n_eval:])
 
 
 @dataclass
@@ -151,7 +108,7 @@ def _cut_turns(messages: list[dict], max_turns: Optional[int]) -> list[dict]:
 
 def select_jobs(cfg: Config, tokenizer, template: str, skipped: dict[str, int]) -> list[Job]:
     """The rows to regenerate, in source order; counts every row left out by reason."""
-    held = heldout_rows(cfg.data, tokenizer, template)
+    held = heldout_sources(cfg.data, tokenizer, template)
     jobs: list[Job] = []
     limit = cfg.regenerate.max_samples
     for conv in iter_conversations(cfg.data.path):

@@ -46,7 +46,7 @@ def served(tmp_path_factory):
     fp32, a draft trained 40 steps on a store of 36 conversations (~1-2 min on 2 cores)."""
     from specforge.capture import capture_store
     from specforge.config import load_config
-    from specforge.eval import eval_prompts, heldout_rows
+    from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.local import run
     from specforge.models.target import load_target, resolve_target_path
 

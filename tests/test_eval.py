@@ -260,7 +260,9 @@ def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
     loads = []
     monkeypatch.setattr(target_mod, "load_target", lambda cfg, **kw: loads.append(cfg) or target)
     monkeypatch.setattr(target_mod, "load_target_config", lambda cfg: target.model.config)
-    monkeypatch.setattr(ev, "heldout_rows", lambda cfg, tokenizer: rows)
+    from specforge.data import heldout
+
+    monkeypatch.setattr(heldout, "heldout_rows", lambda cfg, tokenizer: rows)
     out_json = tmp_path / "eval.json"
     ev.main(["--draft", str(ckpt), "--draft", "prompt-lookup", "--num-prompts", "2", "--max-new-tokens", "10",
              "--chain", "3", "--threads", str(torch.get_num_threads()), "--draft-dtype", "float32",

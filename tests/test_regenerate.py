@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specforge import regenerate as rg
+from specforge.data.heldout import heldout_sources
 from specforge.config import load_config
 from specforge.data.prepare import prepare_dataset
 from specforge.data.sharegpt import iter_conversations
@@ -139,7 +140,7 @@ def test_heldout_rows_are_exactly_prepare_datasets_eval_split(tok, tmp_path, max
     path = write_rows(tmp_path / "d.jsonl", rows)
     cfg = load_config(None, [f"data.path={path}", "data.max_length=64", "data.num_eval=3",
                              f"data.max_samples={'null' if max_samples is None else max_samples}"])
-    held = rg.heldout_rows(cfg.data, tok, tok.chat_template)
+    held = heldout_sources(cfg.data, tok, tok.chat_template)
     prepared = prepare_dataset(cfg.data, tok, cache_dir=None, progress=False)
     by_row = {c.index: c.messages for c in iter_conversations(path) if c.ok}
     assert len(held) == 3

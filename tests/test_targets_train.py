@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specforge import eval as ev
+from specforge.data import heldout
 from specforge.config import load_config
 from specforge.models.target import TargetModel, forward_aux
 from specforge.targets import FAMILIES, RESTORE, tiny
@@ -156,7 +157,7 @@ def test_offline_training_and_lossless_eval(name, tmp_path):
     # ... and that greedy decoding (cached, as the eval runs it) equals decoding without a cache
     target = load_target(cfg.model, layers=lambda n: AUX)
     eos = ev._eos_ids(target)
-    for prompt in ev.eval_prompts(ev.heldout_rows(cfg, target.tokenizer), 3, 384):
+    for prompt in heldout.eval_prompts(heldout.heldout_rows(cfg, target.tokenizer), 3, 384):
         assert ev.greedy_run(target, prompt, 16, eos).tokens == uncached_greedy(target, prompt, 16, eos)
 
 

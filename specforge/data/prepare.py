@@ -240,8 +240,10 @@ def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) 
     if stats.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in stats.skipped.items()) or "no rows at all"
         raise ValueError(f"data.path {data_cfg.path!r}: no usable conversation among {stats.rows_read} rows ({reasons})")
-    n_eval = min(max(data_cfg.num_eval, 0), stats.rows_kept)
-    n_train = stats.rows_kept - n_eval
+    from specforge.data.heldout import split_point  # THE held-out rule (regenerate and eval read it too)
+
+    n_train = split_point(stats.rows_kept, data_cfg.num_eval)
+    n_eval = stats.rows_kept - n_train
     if n_train == 0:
         raise ValueError(
             f"data.path {data_cfg.path!r}: only {stats.rows_kept} usable conversations and data.num_eval="

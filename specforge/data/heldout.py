@@ -1,0 +1,98 @@
+"""THE held-out rule, once: which conversations are never trained on, and the eval's prompts from them.
+
+The eval split is the LAST ``data.num_eval`` of the usable conversations (a normalized row that
+renders with at least one loss token after truncation) among the first ``data.max_samples``.
+``data/prepare.py`` splits its tokenized rows with :func:`split_point`; ``specforge.regenerate``
+skips the source rows :func:`heldout_sources` names (it never rewrites an eval conversation);
+``specforge.eval`` and its llama.cpp engine read :func:`heldout_rows` and cut them into prompts
+(:func:`eval_prompts`). Acceptance figures count only on these rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+from specforge.data.sharegpt import Conversation, iter_conversations
+from specforge.data.template import TemplateError, resolve_chat_template, tokenize_conversation
+
+
+def split_point(rows_kept: int, num_eval: int) -> int:
+    """Rows before the eval split among ``rows_kept`` usable rows (the train split's size)."""
+    return rows_kept - min(max(num_eval, 0), rows_kept)
+
+
+def usable(conv: Conversation, tokenizer, data, template: str) -> bool:
+    """What prepare_dataset keeps: a normalized row that renders with >= 1 loss token after truncation."""
+    if not conv.ok:
+        return False
+    try:
+        _, mask, _ = tokenize_conversation(tokenizer, conv.messages, data.max_length, template)
+    except TemplateError:
+        return False
+    return any(mask)
+
+
+def heldout_sources(data, tokenizer, template: str) -> set[int]:
+    """Source row indices of the eval split (``data``: a ``DataConfig``). Only the tail is tokenized
+    when max_samples is None."""
+    n_eval = max(data.num_eval, 0)
+    if n_eval == 0:
+        return set()
+    if data.max_samples is not None:
+        kept: list[int] = []
+        for conv in iter_conversations(data.path):
+            if len(kept) >= data.max_samples:
+                break
+            if usable(conv, tokenizer, data, template):
+                kept.append(conv.index)
+        return set(kept[split_point(len(kept), n_eval):])
+    window: deque[Conversation] = deque(maxlen=n_eval + 64)  # usually every tail row is usable
+    n_ok = 0
+    for conv in iter_conversations(data.path):
+        if conv.ok:
+            window.append(conv)
+            n_ok += 1
+    held = []
+    for conv in reversed(window):
+        if usable(conv, tokenizer, data, template):
+            held.append(conv.index)
+        if len(held) == n_eval:
+            return set(held)
+    if n_ok == len(window):  # the window held every normalized row
+        return set(held)
+    every = [c.index for c in iter_conversations(data.path) if usable(c, tokenizer, data, template)]
+    return set(every[split_point(len(every), n_eval):])
+
+
+def heldout_rows(cfg, tokenizer) -> list[dict]:
+    """The eval split's tokenized rows: from the data cache when it exists, else only the held-out
+    tail is tokenized (the same rows, without tokenizing the whole dataset: minutes on ShareGPT)."""
+    from specforge.data.prepare import cache_key, prepare_dataset
+
+    template = resolve_chat_template(tokenizer, cfg.model.chat_template)
+    cached = Path(cfg.model.cache_dir).expanduser() / "data" / cache_key(cfg.data, tokenizer, template) / "stats.json"
+    if cached.is_file():
+        return list(prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template,
+                                    cache_dir=cfg.model.cache_dir, progress=False).eval)
+    held = heldout_sources(cfg.data, tokenizer, template)
+    rows = []
+    for conv in iter_conversations(cfg.data.path):
+        if conv.index in held:
+            ids, mask, _ = tokenize_conversation(tokenizer, conv.messages, cfg.data.max_length, template)
+            rows.append({"input_ids": ids, "loss_mask": mask})
+    return rows
+
+
+def eval_prompts(rows, num: int, max_prompt_tokens: int) -> list[list[int]]:
+    """Held-out rows cut before their first assistant token (the model's first reply)."""
+    prompts = []
+    for r in rows:
+        ids, mask = r["input_ids"], r["loss_mask"]
+        first = next((i for i, m in enumerate(mask) if m), None)
+        if first is None or first > max_prompt_tokens or first < 2:
+            continue
+        prompts.append(list(ids[:first]))
+        if len(prompts) == num:
+            break
+    return prompts
