@@ -59,6 +59,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specforge import compat
 from specforge.cli import run_cli
 from specforge.config import load_config
 from specforge.preflight import check_resources, check_run, needed_resources, ray_resources
@@ -555,7 +556,7 @@ def test_eval_runs_a_draft_on_its_own_layers(assets, tmp_path, trained, capsys, 
     hf = json.loads((relabeled / "config.json").read_text())
     hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 4]
     (relabeled / "config.json").write_text(json.dumps(hf))
-    assert ev.check_drafts([str(ckpt), str(relabeled), "prompt-lookup"], cfg, allow=False) == {
+    assert compat.check_drafts([str(ckpt), str(relabeled), "prompt-lookup"], cfg, allow=False) == {
         str(ckpt): [1, 2, 2], str(relabeled): [0, 2, 4]}
     seen = []
     real = ev.speculative_decode
