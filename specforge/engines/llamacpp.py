@@ -169,14 +169,14 @@ def _served_algorithm(draft_config: dict, where: str = "draft"):
     """The algorithm of a draft checkpoint if llama.cpp serves it; one error naming what does otherwise."""
     from specforge.algorithms import NAMES, algorithm_of, get_algorithm
 
-    served = " and ".join(a.architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type)
+    served = ", ".join(sorted({a.architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type}))
     try:
         algo = algorithm_of(draft_config, where)
     except ValueError:
         algo = None
     if algo is None or not algo.llamacpp_spec_type:
         raise ValueError(f"{where} is {draft_config.get('architectures') or []}: llama.cpp {VERSION} serves {served} "
-                         "drafts; serve this one with SGLang or vLLM (python -m specforge.export --engine sglang | vllm)")
+                         "drafts; serve this one with an engine its algorithm exports for (python -m specforge.export --engine ...)")
     return algo
 
 
