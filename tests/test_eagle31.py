@@ -445,7 +445,8 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path):
     from specforge.capture import capture_store
     from specforge.config import load_config
     from specforge.engines import llamacpp
-    from specforge.eval import TIE_RTOL, _eos_ids, check_lossless, eval_prompts, greedy_run, heldout_rows, speculative_decode
+    from specforge.data.heldout import eval_prompts, heldout_rows
+    from specforge.eval import TIE_RTOL, _eos_ids, check_lossless, greedy_run, speculative_decode
     from specforge.local import run as train
     from specforge.models.target import load_target, resolve_target_path
 

@@ -116,7 +116,9 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
                 assert math.isclose(m[key], rm[key], rel_tol=1e-5, abs_tol=1e-6), (step, key, m[key], rm[key])
             assert grads.keys() == ref["grads"][step].keys()
             for k, g in grads.items():
-                _close(f"step {step} grad {k}", g, ref["grads"][step][k])
+                # step 0: 2e-5; later steps start from weights AdamW moved, which magnifies fp32 noise of
+                # gradient entries near its epsilon (a ring's different summation order): 5e-5
+                _close(f"step {step} grad {k}", g, ref["grads"][step][k], atol=2e-5 if step == 0 else 5e-5)
     state = full_state_dict(draft)
     if rank == 0:  # the gradients were checked tightly every step; AdamW's first steps turn fp32 noise on a
         # gradient entry near its eps (|g| ~ 1e-7) into up to ~lr/10 of difference: 1e-3 is a tenth of lr
