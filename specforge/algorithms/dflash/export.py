@@ -125,6 +125,14 @@ def load_dflash(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optio
 def check_checkpoint(draft_dir) -> tuple[dict, None]:
     """(config.json, None) of a valid DFlash checkpoint (our export's format): every tensor of the
     model present and shaped as its config says, the mask token set; a ValueError naming what is wrong."""
+    return check_block_checkpoint(draft_dir, from_hf_config, DFlashDraft, ARCHITECTURE, "dflash",
+                                  "every engine drafts with it")
+
+
+def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algorithm: str,
+                           mask_use: str) -> tuple[dict, None]:
+    """The check of a block draft's folder (DFlash and its refinements): ``parse`` reads config.json
+    into the model config, ``model_cls`` (built on meta) says which tensors and shapes must be there."""
     from safetensors import safe_open
 
     from specforge.train.checkpoint import load_draft_folder
@@ -132,20 +140,20 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
     draft_dir = Path(draft_dir)
     config, _ = load_draft_folder(draft_dir)  # a missing or truncated file is named, as for every checkpoint
     try:
-        cfg = from_hf_config(config)
+        cfg = parse(config)
         if cfg.mask_token_id is None:
-            raise ValueError("dflash_config.mask_token_id is missing (every engine drafts with it)")
+            raise ValueError(f"dflash_config.mask_token_id is missing ({mask_use})")
         with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in DFlashDraft(cfg).export_state_dict().items()}
+            want = {k: tuple(v.shape) for k, v in model_cls(cfg).export_state_dict().items()}
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: {e}") from None
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {architecture} checkpoint: {e}") from None
     with safe_open(str(draft_dir / "model.safetensors"), "pt") as st:
         got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
     bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
     if bad:
-        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: tensors missing, "
+        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {architecture} checkpoint: tensors missing, "
                          f"misshapen or unexpected: {bad[:8]}. Export a checkpoint written by specforge training "
-                         "with draft.algorithm=dflash (a step-* folder)")
+                         f"with draft.algorithm={algorithm} (a step-* folder)")
     return config, None
 
 

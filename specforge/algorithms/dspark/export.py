@@ -99,25 +99,7 @@ def load_dspark(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optio
 def check_checkpoint(draft_dir) -> tuple[dict, None]:
     """(config.json, None) of a valid DSpark checkpoint: every tensor present and shaped as its config
     says, the mask token set; one ValueError naming what is wrong."""
-    from safetensors import safe_open
+    from specforge.algorithms.dflash.export import check_block_checkpoint
 
-    from specforge.train.checkpoint import load_draft_folder
-
-    draft_dir = Path(draft_dir)
-    config, _ = load_draft_folder(draft_dir)  # a missing or truncated file is named, as for every checkpoint
-    try:
-        cfg = from_hf_config(config)
-        if cfg.mask_token_id is None:
-            raise ValueError("dflash_config.mask_token_id is missing (llama.cpp drafts with it)")
-        with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in DSparkDraft(cfg).export_state_dict().items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: {e}") from None
-    with safe_open(str(draft_dir / "model.safetensors"), "pt") as st:
-        got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
-    bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
-    if bad:
-        raise ValueError(f"draft {str(draft_dir)!r} is not a valid {ARCHITECTURE} checkpoint: tensors missing, "
-                         f"misshapen or unexpected: {bad[:8]}. Export a checkpoint written by specforge training "
-                         "with draft.algorithm=dspark (a step-* folder)")
-    return config, None
+    return check_block_checkpoint(draft_dir, from_hf_config, DSparkDraft, ARCHITECTURE, "dspark",
+                                  "llama.cpp drafts with it")
