@@ -257,7 +257,7 @@ def test_a_draft_llamacpp_does_not_serve_is_refused(tmp_path):
     from specforge.models.target import resolve_target_path
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
-    with pytest.raises(ValueError, match=r"MedusaModel.*serves .*DFlashDraftModel, .*LlamaForCausalLMEagle3 drafts; serve this one with"):
+    with pytest.raises(ValueError, match=r"MedusaModel.*serves .*DFlashDraftModel, .*LlamaForCausalLMEagle3 drafts; serve it with the engine it was trained for"):
         convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
 
 

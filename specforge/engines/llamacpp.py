@@ -175,8 +175,13 @@ def _served_algorithm(draft_config: dict, where: str = "draft"):
     except ValueError:
         algo = None
     if algo is None or not algo.llamacpp_spec_type:
+        from specforge.targets import ENGINE_NAMES, LLAMACPP
+
+        others = [e for e in (algo.engines if algo else ()) if e in ENGINE_NAMES and e != LLAMACPP]
+        fix = (f"serve it with {' or '.join(ENGINE_NAMES[e] for e in others)} (python -m specforge.export --engine "
+               f"{'|'.join(others)})" if others else "serve it with the engine it was trained for")
         raise ValueError(f"{where} is {draft_config.get('architectures') or []}: llama.cpp {VERSION} serves {served} "
-                         "drafts; serve this one with an engine its algorithm exports for (python -m specforge.export --engine ...)")
+                         f"drafts; {fix}")
     return algo
 
 
