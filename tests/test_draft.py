@@ -119,7 +119,7 @@ def test_init_midlayer_from_target_is_the_target_layer_on_the_deepest_aux_hidden
     """With the embedding half of q/k/v zeroed, TTT step 0 of a draft started from target layer
     j computes exactly layer j of the target on the deepest aux hidden (fc selects it)."""
     from specforge.models.generate import _layer
-    from tests.test_target import tiny_target
+    from tests.helpers.models import tiny_target
 
     model = tiny_target()
     H, layer = model.config.hidden_size, model.model.layers[3]

@@ -93,7 +93,7 @@ def test_dry_run_counts_equal_the_loaded_models(name, tmp_path, capsys):
     from specforge.data.vocab import DraftVocab
     from specforge.local import main
     from specforge.models.target import load_target
-    from tests.test_targets_train import overrides, target_folder
+    from tests.helpers.targets import overrides, target_folder
 
     target_folder(name, tmp_path)
     args = overrides(tmp_path) + ["placement.mode=colocated", "model.dtype=bfloat16"]

@@ -19,7 +19,7 @@ from specforge.eval import (
 )
 from specforge.algorithms.eagle3.model import ChainDrafter, DraftKVCache, Eagle3Draft, Eagle3DraftConfig
 from specforge.models.target import TargetModel
-from tests.test_target import tiny_target
+from tests.helpers.models import tiny_target
 
 V = 320  # tiny_target's vocab
 

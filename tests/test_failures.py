@@ -16,14 +16,10 @@ the run recovers only because the driver tells the train ranks (``peer_lost``), 
 ``parallel.timeout_s``.
 """
 
-import contextlib
-import os
-import signal
-
 import pytest
 
-from tests.test_memory_bound import _planner
-from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401  (shared fixtures)
+from tests.helpers.failures import STEPS, failure_cfg, killing
+from tests.helpers.ray_run import losses
 
 ON_RAY = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -42,16 +38,6 @@ def on_ray(test):
     for mark in ON_RAY:
         test = mark(test)
     return test
-STEPS = 6
-
-
-def _cfg(assets, out):
-    # an in-flight budget of two of the largest steps: few plans at a time, so a worker killed after
-    # step k has steps left to do
-    common = ["placement.mode=disaggregated", "rollout.num_workers=1", f"train.max_steps={STEPS}",
-              "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true"]
-    largest = _planner(make_cfg(assets, out, *common), train_ranks=(1, 2)).largest_step_bytes()
-    return make_cfg(assets, out, *common, f"placement.max_inflight_mb={2 * largest / 2**20}")
 
 
 @pytest.fixture(scope="module")
@@ -60,38 +46,8 @@ def straight(assets, ray_session, tmp_path_factory):
     from specforge.ray_train import fit
 
     out = tmp_path_factory.mktemp("straight")
-    fit(_cfg(assets, out))
+    fit(failure_cfg(assets, out))
     return {r["step"]: r["loss"] for r in losses(out)}
-
-
-@contextlib.contextmanager
-def killing(group: str, index: int, after_step: int):
-    """SIGKILL actor ``index`` of the first placement's ``group`` ("rollout"/"train") once the driver
-    has collected train step ``after_step``; yields the placements spawned meanwhile."""
-    import ray
-
-    import specforge.ray_train as rt
-
-    spawned, real_spawn, real_collect = [], rt.spawn_cluster, rt.Cluster.collect
-
-    def spawn(*args, **kw):
-        cluster = real_spawn(*args, **kw)
-        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in getattr(cluster, group).actors], timeout=60)
-        spawned.append((cluster, pids))
-        return cluster
-
-    def collect(self, handle, what):
-        out = real_collect(self, handle, what)
-        first, pids = spawned[0]
-        if self is first and what == f"train step {after_step}":
-            os.kill(pids[index], signal.SIGKILL)
-        return out
-
-    rt.spawn_cluster, rt.Cluster.collect = spawn, collect
-    try:
-        yield spawned
-    finally:
-        rt.spawn_cluster, rt.Cluster.collect = real_spawn, real_collect
 
 
 @on_ray
@@ -105,7 +61,7 @@ def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_sessi
         causes.append(str(err)), real_recover(cfg, data, use_gpu, err, cluster)))
     out = tmp_path / "rollout-killed"
     with killing("rollout", 0, after_step=1) as spawned:
-        path = fit(_cfg(assets, out))
+        path = fit(failure_cfg(assets, out))
     assert len(causes) == 1, causes
     # the train ranks stopped because the receive failed (gloo) or the driver said so (NCCL), not
     # because a wait ran into parallel.timeout_s
@@ -125,7 +81,7 @@ def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray
     from specforge.ray_train import TrainWorkerLost, fit
 
     out = tmp_path / f"train-killed-{semantics}"
-    cfg = _cfg(assets, out)
+    cfg = failure_cfg(assets, out)
     with killing("train", 1, after_step=1):
         with pytest.raises(TrainWorkerLost, match=r"(?s)train worker train\[1\] died.*last good checkpoint: "
                                                   r"\S+step-00000[2-6]; rerun the same command"):

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from specforge.models.generate import SamplingParams, generate
 from specforge.models.target import TargetModel, capture
-from tests.test_target import tiny_target
+from tests.helpers.models import tiny_target
 
 
 def _target(model, aux=(1, 2, 4)) -> TargetModel:

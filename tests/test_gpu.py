@@ -23,7 +23,7 @@ import torch.distributed as dist
 from specforge.parallel.launch import run_ranks
 from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
 from specforge.runtime.dataplane import P2PTransport, synthetic_features
-from tests.test_ray_train import assets, losses, make_cfg, ray_session  # noqa: F401 (fixtures)
+from tests.helpers.ray_run import losses, make_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 SPEC = FeatureSpec.hidden_states(hidden_size=64, hidden_dtype="bfloat16")
@@ -116,37 +116,35 @@ def _bf16_rank_gpu(rank, world, ref_path):
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy, grads_full
     from specforge.parallel.parallelize import sum_over_train_ranks
     from specforge.train.trainer import DraftTrainer
-    from tests.test_mixed_precision import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, _rel
-    from tests.test_parallel_fsdp import _rows
-    from tests.test_parallel_sp import _cfg, _setup
+    from tests.helpers.ranks import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, rel_error, sample_rows, setup_sp, sp_cfg
 
     here = pick_device("auto", rank)
     groups = ParallelDims(dp=2).build([0, 1], rank, "nccl", 90, here)
-    cfg = _cfg()
+    cfg = sp_cfg()
     cfg.train.precision = "bf16"
-    draft, teacher, batches = _setup()
+    draft, teacher, batches = setup_sp()
     draft.to(here)
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
     trainer = DraftTrainer(draft, teacher.to(here), cfg, here, reduce_sum=sum_over_train_ranks(groups))
-    m = trainer.step([_rows(batches[0], rank)])
+    m = trainer.step([sample_rows(batches[0], rank)])
     grads = {k: g.cpu() for k, g in grads_full(draft).items()}
     if rank != 0:
         return
     ref, ref_grads, _ = torch.load(ref_path)
     assert math.isclose(m["loss"], ref["loss"], rel_tol=LOSS_RTOL), (m["loss"], ref["loss"])
     assert math.isclose(m["grad_norm"], ref["grad_norm"], rel_tol=NORM_RTOL)
-    errors = {k: _rel(grads[k], g) for k, g in ref_grads.items()}
+    errors = {k: rel_error(grads[k], g) for k, g in ref_grads.items()}
     assert max(errors.values()) < GRAD_RTOL, errors
 
 
 def test_bf16_fsdp_on_gpus_matches_fp32_within_tolerance(tmp_path):
     """The bf16 FSDP2 policy on 2 GPUs over NCCL against the single-process fp32 step on the CPU,
     with tests/test_mixed_precision.py's tolerances (loss 1e-3, grad norm 1e-2, per-tensor grads 5e-2)."""
-    from tests.test_mixed_precision import _fp32_step
+    from tests.helpers.ranks import fp32_step
 
     need_gpus(2)
-    ref, ref_grads = _fp32_step([0, 1])
-    _, alone = _fp32_step([0])
+    ref, ref_grads = fp32_step([0, 1])
+    _, alone = fp32_step([0])
     torch.save((ref, ref_grads, alone), tmp_path / "ref.pt")
     run_ranks(_bf16_rank_gpu, 2, str(tmp_path / "ref.pt"), workdir=tmp_path, backend="nccl", timeout_s=300)
 
@@ -183,7 +181,7 @@ def test_capture_on_gpu_equals_cpu():
     from specforge.algorithms.eagle3.algorithm import aux_layer_ids
     from specforge.config import ModelConfig
     from specforge.models.target import TargetModel, capture
-    from tests.test_target import tiny_target
+    from tests.helpers.models import tiny_target
 
     need_gpus(1)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -225,7 +223,7 @@ def test_gpt_oss_captures_with_flex_attention_as_eager_does():
 # ------------------------------------------------------------------------------- runs on Ray
 
 
-def test_disaggregated_on_gpus_matches_single_process(assets, ray_session, tmp_path):  # noqa: F811
+def test_disaggregated_on_gpus_matches_single_process(assets, ray_session, tmp_path):
     """1 rollout + 2 train GPUs over NCCL against one process on one GPU (fp32 everywhere, TF32
     off: losses within 1e-3 relative; GPU reductions are not bit-exact across layouts)."""
     from specforge.local import run
@@ -241,20 +239,20 @@ def test_disaggregated_on_gpus_matches_single_process(assets, ray_session, tmp_p
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), a["step"]
 
 
-def test_killed_rollout_worker_is_replaced_under_nccl(assets, ray_session, tmp_path, monkeypatch):  # noqa: F811
+def test_killed_rollout_worker_is_replaced_under_nccl(assets, ray_session, tmp_path, monkeypatch):
     """The failure test of the CPU suite (tests/test_failures.py) on GPUs with real NCCL: the
     driver's peer_lost ends the train ranks' pending receives; the run recovers before
     parallel.timeout_s and every step is trained once."""
     from dataclasses import replace
 
     import specforge.ray_train as rt
-    from tests.test_failures import STEPS, _cfg, killing
+    from tests.helpers.failures import STEPS, failure_cfg, killing
 
     need_gpus(3)
     causes, real_recover = [], rt.recover
     monkeypatch.setattr(rt, "recover", lambda cfg, data, use_gpu, err, cluster: (
         causes.append(str(err)), real_recover(cfg, data, use_gpu, err, cluster)))
-    cfg = _cfg(assets, tmp_path / "killed")
+    cfg = failure_cfg(assets, tmp_path / "killed")
     cfg = replace(cfg, model=replace(cfg.model, device="cuda"), parallel=replace(cfg.parallel, backend="auto"))
     with killing("rollout", 0, after_step=1):
         rt.fit(cfg)

@@ -94,3 +94,59 @@ def test_the_seam_check_catches_a_bypass(source):
 ])
 def test_the_seam_check_passes_the_registry(source):
     assert not seam_violations(source)
+
+
+# ---------------------------------------------------------------- the tests' own layering
+
+TESTS = Path(__file__).parent
+
+
+def cross_test_imports(source: str) -> list[str]:
+    """Imports of a test module in ``source``: ``tests.test_*`` (or ``test_*``, the name pytest imports it
+    under) as a module, or a ``test_*`` name from the ``tests`` package. Shared fixtures belong in
+    tests/conftest.py, shared helpers in tests/helpers/."""
+    def is_test_module(name: str) -> bool:
+        parts = name.split(".")
+        return parts[-1].startswith("test_") and parts[:-1] in ([], ["tests"])
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        mods = []
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            mods = [base] + [f"{base.rstrip('.')}.{a.name}".lstrip(".") for a in node.names
+                             if node.module in (None, "tests")]
+        out += [f"line {node.lineno}: imports {m}" for m in mods if is_test_module(m.lstrip("."))]
+    return out
+
+
+def test_no_test_module_imports_another():
+    bad = [f"tests/{path.relative_to(TESTS)} {v}" for path in sorted(TESTS.rglob("*.py"))
+           for v in cross_test_imports(path.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", [
+    "from tests.test_ray_train import assets, make_cfg",
+    "import tests.test_target",
+    "from tests import test_target",
+    "from test_ray_train import make_cfg",
+    "from .test_target import tiny_target",
+    "def f():\n    from tests.test_targets_train import overrides, target_folder",
+])
+def test_the_test_import_check_catches_a_cross_import(source):
+    """Negative control: each way of importing a test module is caught."""
+    assert cross_test_imports(source)
+
+
+@pytest.mark.parametrize("source", [
+    "from tests.helpers.ray_run import make_cfg",
+    "import tests.helpers.models",
+    "from tests.helpers import data",
+    "from specforge.algorithms import get_algorithm",
+    'x = "tests.test_target"',
+])
+def test_the_test_import_check_passes_helpers(source):
+    assert not cross_test_imports(source)

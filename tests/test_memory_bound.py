@@ -15,7 +15,8 @@ import pytest
 
 from specforge.runtime.dataplane import InflightLog, inflight_peak
 from specforge.runtime.loop import MAX_STEPS_AHEAD
-from tests.test_ray_train import assets, make_cfg, ray_session  # noqa: F401 (fixtures)
+from tests.helpers.plan import planner
+from tests.helpers.ray_run import make_cfg
 
 STEPS = 12
 # A starved box (benchmarks at normal priority, tests at idle) can take minutes to start a worker
@@ -35,18 +36,9 @@ def test_inflight_peak_merges_the_ranks_logs():
     assert len(send.times) == 4
 
 
-def _planner(cfg, train_ranks=(1,)):
-    """The driver's planner of a disaggregated ``cfg`` (rollout rank 0 -> ``train_ranks``)."""
-    from specforge.runtime.contracts import Layout
-    from specforge.runtime.plan import Planner, prepare
-
-    data = prepare(cfg, use_gpu=False)
-    return Planner(cfg, data, Layout(cfg.placement.mode, (0,), tuple(train_ranks), data.vocab_path))
-
-
 def _step_bytes(cfg) -> list[int]:
     """Feature bytes of each step's transfers (rollout rank 0 -> train rank 1)."""
-    plan = _planner(cfg)
+    plan = planner(cfg)
     return [plan.step_bytes(s) for s in range(STEPS)]
 
 
@@ -64,10 +56,10 @@ def test_has_room_admits_within_the_budget_only():
     assert has_room(flying(0), 0, budget=0) and not has_room(flying(0, 0), 0, budget=0)
 
 
-def test_a_budget_smaller_than_one_step_is_refused_before_training(assets, tmp_path):  # noqa: F811
+def test_a_budget_smaller_than_one_step_is_refused_before_training(assets, tmp_path):
     common = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=2", "train.batch_size=2",
               f"train.max_steps={STEPS}", "train.eval_every=4"]
-    plan = _planner(make_cfg(assets, tmp_path, *common), train_ranks=(1, 2))
+    plan = planner(make_cfg(assets, tmp_path, *common), train_ranks=(1, 2))
     largest = plan.largest_step_bytes()
     # a bound on every plan of the schedule, and not a loose one: the 2 x 2 longest samples padded to the longest
     every = [plan.recv_bytes(plan.task(t)) for t in plan.schedule(0)]
@@ -104,7 +96,7 @@ COMMON = ["placement.mode=disaggregated", "rollout.num_workers=1", "train.num_wo
           "draft.ttt_length=7"]
 
 
-def _bounded_run(assets, tmp_path) -> tuple[int, int, list[int]]:  # noqa: F811
+def _bounded_run(assets, tmp_path) -> tuple[int, int, list[int]]:
     """The run with a budget of 2.5 of its largest steps: ``(its in-flight peak, budget, step bytes)``;
     the peak is checked to lie between the largest step and the budget."""
     per_step = _step_bytes(make_cfg(assets, tmp_path / "plan", *COMMON))
@@ -117,7 +109,7 @@ def _bounded_run(assets, tmp_path) -> tuple[int, int, list[int]]:  # noqa: F811
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_session, tmp_path):  # noqa: F811
+def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_session, tmp_path):
     bounded, budget, per_step = _bounded_run(assets, tmp_path)
     unbounded = _run_peak(make_cfg(assets, tmp_path / "unbounded", *COMMON, "placement.max_inflight_mb=1024"))
     print(f"in-flight peak: bounded {bounded}, unbounded {unbounded}, budget {budget}, largest step {max(per_step)}")
@@ -127,7 +119,7 @@ def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_budget_holds_under_nccl_completion_semantics(assets, ray_session, tmp_path, monkeypatch):  # noqa: F811
+def test_the_budget_holds_under_nccl_completion_semantics(assets, ray_session, tmp_path, monkeypatch):
     """The same bounded run with NCCL's semantics emulated (``wait()`` returns at once; completion
     only through ``is_completed()``): the log's receive events are finished transfers, not posted
     ones, and the budget still holds."""
@@ -139,7 +131,7 @@ def test_the_budget_holds_under_nccl_completion_semantics(assets, ray_session, t
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_fit_refuses_a_budget_below_one_step_before_training(assets, ray_session, tmp_path):  # noqa: F811
+def test_fit_refuses_a_budget_below_one_step_before_training(assets, ray_session, tmp_path):
     from specforge.ray_train import fit
 
     cfg = make_cfg(assets, tmp_path, "placement.mode=disaggregated", "rollout.num_workers=1",

@@ -50,7 +50,7 @@ def test_a_config_that_cannot_fit_is_refused_before_ray_starts(tmp_path, capsys)
     import ray
 
     from specforge.ray_train import main
-    from tests.test_targets_train import overrides, target_folder
+    from tests.helpers.targets import overrides, target_folder
 
     target_folder("llama", tmp_path)
     capsys.readouterr()  # the tiny target's save progress bars
@@ -112,7 +112,7 @@ def test_frozen_parameters_are_whole_on_every_rank():
 def test_the_single_process_trainer_refuses_what_cannot_fit_before_loading(tmp_path):
     """python -m specforge.train makes the same check on its own (single-process) plan."""
     from specforge.local import run
-    from tests.test_targets_train import overrides, target_folder
+    from tests.helpers.targets import overrides, target_folder
 
     target_folder("llama", tmp_path)
     with pytest.raises(ValueError, match=r"^predicted peak .* GiB on each train GPU .*\(ray\.gpu_memory_gib=0\.01\)"):

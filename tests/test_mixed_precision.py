@@ -25,21 +25,7 @@ from specforge.config import Config, TrainConfig, load_config
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import mixed_precision
 from specforge.train.trainer import DraftTrainer
-from tests.test_parallel_fsdp import _rows
-from tests.test_parallel_sp import _cfg, _setup
-
-LOSS_RTOL, GRAD_RTOL, NORM_RTOL = 1e-3, 5e-2, 1e-2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def _fp32_step(samples) -> tuple[dict, dict]:
-    draft, teacher, batches = _setup()
-    trainer = DraftTrainer(draft, teacher, _cfg(), torch.device("cpu"))
-    m = trainer.step([_rows(batches[0], i) for i in samples])
-    return m, {k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None}
+from tests.helpers.ranks import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, fp32_step, rel_error, sample_rows, setup_sp, sp_cfg
 
 
 def _bf16_rank(rank, world, ref_path):
@@ -48,14 +34,14 @@ def _bf16_rank(rank, world, ref_path):
     from specforge.parallel.parallelize import sum_over_train_ranks
 
     groups = ParallelDims(dp=2).build([0, 1], rank, timeout_s=90)
-    cfg = _cfg()
+    cfg = sp_cfg()
     cfg.train.precision = "bf16"
-    draft, teacher, batches = _setup()
+    draft, teacher, batches = setup_sp()
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
     seen = []
     draft.register_forward_pre_hook(lambda m, _: seen.append(m.midlayer.self_attn.q_proj.weight.dtype))  # after FSDP's
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
-    m = trainer.step([_rows(batches[0], rank)])
+    m = trainer.step([sample_rows(batches[0], rank)])
     grads = grads_full(draft)  # collective
     assert seen and set(seen) == {torch.bfloat16}, seen  # the policy's unsharded params are bf16 in the forward
     assert {p.dtype for p in draft.parameters()} == {torch.float32}  # fp32 master weights and optimizer
@@ -68,16 +54,16 @@ def _bf16_rank(rank, world, ref_path):
     assert m["loss"] != ref["loss"]  # bf16 did run (an fp32 path would agree to ~1e-7)
     assert math.isclose(m["grad_norm"], ref["grad_norm"], rel_tol=NORM_RTOL), (m["grad_norm"], ref["grad_norm"])
     assert grads.keys() == ref_grads.keys()
-    errors = {k: _rel(grads[k], g) for k, g in ref_grads.items()}
+    errors = {k: rel_error(grads[k], g) for k, g in ref_grads.items()}
     assert max(errors.values()) < GRAD_RTOL, errors
     # control: a rank's own share of the gradient is rejected by the same tolerance
-    assert min(_rel(alone[k], g) for k, g in ref_grads.items()) > GRAD_RTOL
+    assert min(rel_error(alone[k], g) for k, g in ref_grads.items()) > GRAD_RTOL
 
 
 @pytest.mark.timeout(240)
 def test_bf16_fsdp_policy_matches_fp32_within_tolerance(tmp_path):
-    ref, ref_grads = _fp32_step([0, 1])
-    _, alone = _fp32_step([0])
+    ref, ref_grads = fp32_step([0, 1])
+    _, alone = fp32_step([0])
     torch.save((ref, ref_grads, alone), tmp_path / "ref.pt")
     run_ranks(_bf16_rank, 2, str(tmp_path / "ref.pt"), workdir=tmp_path, timeout_s=150)
 
@@ -101,6 +87,6 @@ def test_fp16_is_refused_before_workers_start(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: config key 'train.precision'") and "'bf16'" in err[0], err
     # a Config built in code (not validated) is refused by the trainer too
-    draft, teacher, _ = _setup()
+    draft, teacher, _ = setup_sp()
     with pytest.raises(ValueError, match="train.precision"):
         DraftTrainer(draft, teacher, Config(train=TrainConfig(precision="fp16")), torch.device("cpu"))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.test_ray_train import STEPS, _assert_same_losses, assets, make_cfg, reference  # noqa: F401 (fixtures)
+from tests.helpers.ray_run import STEPS, assert_same_losses, make_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -47,7 +47,7 @@ def _node_id(_actor=None) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def test_rollout_and_train_workers_on_their_nodes_train_the_reference(assets, reference, cluster, tmp_path):  # noqa: F811
+def test_rollout_and_train_workers_on_their_nodes_train_the_reference(assets, reference, cluster, tmp_path):
     import ray
 
     import specforge.ray_train as rt
@@ -76,4 +76,4 @@ def test_rollout_and_train_workers_on_their_nodes_train_the_reference(assets, re
     assert landed == {"rollout[0]": node_of["rollout"], "train[0]": node_of["train"], "train[1]": node_of["train"]}
     assert not ray.is_initialized()  # fit joined the cluster through ray.address and left it
     assert path.endswith(f"step-{STEPS:06d}")
-    _assert_same_losses(reference, out)
+    assert_same_losses(reference, out)

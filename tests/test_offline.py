@@ -10,7 +10,7 @@ import json
 import pytest
 
 from specforge.config import load_config
-from tests.test_ray_train import STEPS, assets, make_cfg, ray_session  # noqa: F401  (fixtures)
+from tests.helpers.ray_run import STEPS, make_cfg
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -21,7 +21,7 @@ def _losses(out, kind="train"):
 
 
 @pytest.fixture(scope="module")
-def store(assets, tmp_path_factory):  # noqa: F811
+def store(assets, tmp_path_factory):
     from specforge.capture import capture_store
 
     root = tmp_path_factory.mktemp("store")
@@ -29,11 +29,11 @@ def store(assets, tmp_path_factory):  # noqa: F811
     return root / "features"
 
 
-def _offline(assets, out, store, *extra):  # noqa: F811
+def _offline(assets, out, store, *extra):
     return make_cfg(assets, out, "model.dtype=bfloat16", "placement.mode=offline", f"store.dir={store}", *extra)
 
 
-def test_store_training_equals_online_training(assets, store, tmp_path):  # noqa: F811
+def test_store_training_equals_online_training(assets, store, tmp_path):
     from specforge.local import run
 
     online, offline = tmp_path / "online", tmp_path / "offline"
@@ -48,7 +48,7 @@ def test_store_training_equals_online_training(assets, store, tmp_path):  # noqa
 
 
 @pytest.mark.ray
-def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tmp_path):  # noqa: F811
+def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tmp_path):
     from specforge.ray_train import fit
     from specforge.local import run
 
@@ -62,7 +62,7 @@ def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tm
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
 
-def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):  # noqa: F811
+def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):
     from specforge.local import run
 
     with pytest.raises(ValueError, match="max_length"):
@@ -71,7 +71,7 @@ def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_p
         run(_offline(assets, tmp_path / "b", store, "model.aux_layer_ids=[0,2,3]"))
 
 
-def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):  # noqa: F811
+def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):
     from specforge.local import run
 
     with pytest.raises(ValueError, match="store"):

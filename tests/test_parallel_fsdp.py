@@ -9,24 +9,17 @@ from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-from specforge.train.batch import TrainBatch
 from specforge.train.trainer import DraftTrainer
-from tests.test_parallel_sp import _cfg, _close, _run_sp, _setup
-
-_FIELDS = ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")
-
-
-def _rows(b: TrainBatch, i: int) -> TrainBatch:
-    return TrainBatch(*(getattr(b, f)[i : i + 1] for f in _FIELDS))
+from tests.helpers.ranks import check_close, run_sp, sample_rows, setup_sp, sp_cfg
 
 
 def _reference(path):
     """Single process, the two samples as two micro-batches; losses + params after each step."""
-    draft, teacher, batches = _setup()
-    trainer = DraftTrainer(draft, teacher, _cfg(), torch.device("cpu"))
+    draft, teacher, batches = setup_sp()
+    trainer = DraftTrainer(draft, teacher, sp_cfg(), torch.device("cpu"))
     out = {"loss": [], "params": []}
     for b in batches:
-        out["loss"].append(trainer.step([_rows(b, 0), _rows(b, 1)])["loss"])
+        out["loss"].append(trainer.step([sample_rows(b, 0), sample_rows(b, 1)])["loss"])
         out["params"].append({k: v.detach().clone() for k, v in draft.state_dict().items()})
     torch.save(out, path)
 
@@ -41,21 +34,21 @@ def _dp_rank(rank, world, ref_path):
         assert groups is None
         return
     assert (groups.dp_rank, groups.sp_size) == (train_ranks.index(rank), 1)
-    cfg = _cfg()
-    draft, teacher, batches = _setup()
+    cfg = sp_cfg()
+    draft, teacher, batches = setup_sp()
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
     assert not isinstance(draft.embed_tokens.weight, DTensor)  # frozen: replicated, never gathered
     assert isinstance(draft.lm_head.weight, DTensor) and isinstance(draft.fc.weight, DTensor)
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if groups.dp_rank == 0 else None
     for step, b in enumerate(batches):
-        m = trainer.step([_rows(b, groups.dp_rank)])
+        m = trainer.step([sample_rows(b, groups.dp_rank)])
         state = full_state_dict(draft)  # collective; the full dict on the mesh's first rank
         if ref is not None:
             assert math.isclose(m["loss"], ref["loss"][step], rel_tol=1e-5), (step, m["loss"], ref["loss"][step])
             assert state.keys() == ref["params"][step].keys(), (sorted(state), sorted(ref["params"][step]))
             for k, v in ref["params"][step].items():
-                _close(f"step {step} {k}", state[k], v)
+                check_close(f"step {step} {k}", state[k], v)
         else:
             assert state == {}
 
@@ -71,7 +64,7 @@ def test_fsdp_dp2_matches_single_process_with_a_rollout_rank(tmp_path):
 @pytest.mark.timeout(300)
 def test_dp2_x_ulysses2_matches_single_process(tmp_path):
     """FSDP over dp*sp = 4 ranks with summed gradients: each DP rank one sample, split in 2 slices."""
-    _run_sp(tmp_path, (2, 2, 1))
+    run_sp(tmp_path, (2, 2, 1))
 
 
 def test_rank_layout_ulysses_innermost():

@@ -16,10 +16,10 @@ from specforge.algorithms.eagle3.loss import ttt_loss
 from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import Config, TrainConfig
-from specforge.train.batch import TrainBatch
 from specforge.train.slicing import sp_slice_batch
+from tests.helpers.ranks import H, N, V, check_close, draft_and_batches, run_sp
 
-V, N, H, T, K, STEPS = 300, 100, 64, 29, 4, 3
+K = 4  # = the harness' L: T = 29 tokens, STEPS = 3 steps (tests/helpers/ranks.py)
 ALGO = get_algorithm("peagle")
 
 
@@ -29,30 +29,10 @@ def _cfg() -> Config:
 
 
 def _setup():
-    """Draft, teacher and STEPS batches, identical in every process."""
-    g = torch.Generator().manual_seed(0)
+    """Draft, teacher and STEPS batches, identical in every process (the mask token an input of row 0)."""
     cfg = PEagleDraftConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, vocab_size=V, draft_vocab_size=N, mask_token_id=V - 1, parallel_tokens=K)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        draft = PEagleDraft(cfg)
-        draft.reset_parameters(std=0.1)
-    draft.set_vocab(torch.sort(torch.randperm(V, generator=g)[:N]).values - torch.arange(N))
-    teacher = torch.randn(N, H, generator=g) * 0.5
-    inv = draft.draft_to_target_ids()
-    batches = []
-    for _ in range(STEPS):
-        mask = torch.zeros(2, T, dtype=torch.long)
-        mask[0, 3:12] = 1
-        mask[0, 15:22] = 1
-        mask[1, 6:20] = 1
-        ids = torch.randint(0, V, (2, T), generator=g)
-        ids[0, 7] = V - 1  # the mask token as an input: its trained row
-        ids[1, 21:] = 0  # right padding of row 1
-        tgt = torch.where(torch.rand(2, T, generator=g) < 0.8, inv[torch.randint(0, N, (2, T), generator=g)],
-                          torch.randint(0, V, (2, T), generator=g))
-        batches.append(TrainBatch(ids, mask, torch.randn(2, T, 3 * H, generator=g), torch.randn(2, T, H, generator=g), tgt))
-    return draft, teacher, batches
+    return draft_and_batches(lambda: PEagleDraft(cfg), mask_token_id=V - 1)
 
 
 def test_one_slice_without_trimming_equals_full_loss():
@@ -70,27 +50,6 @@ def test_one_slice_without_trimming_equals_full_loss():
         assert torch.allclose(a, c, atol=1e-6), name
     mask_grad = dict(zip([n for n, p in draft.named_parameters() if p.requires_grad], g_ref))
     assert mask_grad["mask_hidden"].abs().max() > 0 and mask_grad["mask_embed"].abs().max() > 0
-
-
-def _reference() -> dict:
-    from specforge.train.trainer import DraftTrainer
-
-    draft, teacher, batches = _setup()
-    trainer = DraftTrainer(draft, teacher, _cfg(), torch.device("cpu"))
-    out = {"metrics": [], "grads": []}
-    for b in batches:
-        out["metrics"].append(trainer.step([b]))
-        out["grads"].append({k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None})
-    out["params"] = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-    return out
-
-
-def _close(name, a, b, atol=2e-5, rtol=1e-4):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    if not a.is_floating_point():
-        assert torch.equal(a, b), name
-        return
-    assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{name}: max abs err {(a - b).abs().max().item()}"
 
 
 def _sp_rank(rank, world, dims_tuple, ref_path):
@@ -118,21 +77,16 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
             for k, g in grads.items():
                 # step 0: 2e-5; later steps start from weights AdamW moved, which magnifies fp32 noise of
                 # gradient entries near its epsilon (a ring's different summation order): 5e-5
-                _close(f"step {step} grad {k}", g, ref["grads"][step][k], atol=2e-5 if step == 0 else 5e-5)
+                check_close(f"step {step} grad {k}", g, ref["grads"][step][k], atol=2e-5 if step == 0 else 5e-5)
     state = full_state_dict(draft)
     if rank == 0:  # the gradients were checked tightly every step; AdamW's first steps turn fp32 noise on a
         # gradient entry near its eps (|g| ~ 1e-7) into up to ~lr/10 of difference: 1e-3 is a tenth of lr
         for k, v in ref["params"].items():
-            _close(f"param {k}", state[k], v, atol=1e-3)
+            check_close(f"param {k}", state[k], v, atol=1e-3)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dims_tuple", [(1, 2, 1), (1, 1, 2)], ids=["ulysses2", "ring2"])
 def test_sp_ranks_match_the_single_process(tmp_path, dims_tuple):
-    from specforge.parallel.dims import ParallelDims
-    from specforge.parallel.launch import run_ranks
-
-    ref_path = tmp_path / "ref.pt"
-    torch.save(_reference(), ref_path)
-    run_ranks(_sp_rank, ParallelDims(*dims_tuple).world, dims_tuple, str(ref_path), workdir=tmp_path, timeout_s=150)
+    run_sp(tmp_path, dims_tuple, _sp_rank, _setup, _cfg)

@@ -3,7 +3,6 @@ import json
 import pytest
 
 from specforge.plot import load_records, main, plot_run
-from tests.test_ray_train import assets  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -132,13 +131,13 @@ def test_a_rerun_appended_to_the_file_is_plotted_alone(tmp_path):
     assert [r["loss"] for r in train][5:] == [9.0, 9.0, 9.0] and train[0]["loss"] == 3.0
 
 
-def test_a_warmup_run_logs_and_draws_no_untrained_ttt_steps(assets, tmp_path, capsys):  # noqa: F811
+def test_a_warmup_run_logs_and_draws_no_untrained_ttt_steps(assets, tmp_path, capsys):
     """End to end, single process: TTT steps 1-2 are not trained for the first 4 steps, so their
     rates are absent from those rows (not 0) and from the picture; held-out rows are drawn, the
     epoch ends where the data runs out, and the console's last line compares train and held-out."""
     from specforge.plot import run_figures
     from specforge.local import run
-    from tests.test_ray_train import make_cfg
+    from tests.helpers.ray_run import make_cfg
 
     out = tmp_path / "run"
     run(make_cfg(assets, out, "train.num_workers=1", "train.max_steps=14", "draft.ttt_warmup_steps=4",

@@ -5,84 +5,15 @@ colocated (2 train workers) and disaggregated (1 rollout worker feeding 2 DP tra
 gloo p2p) must give the same per-step losses. Each run writes its own metrics.jsonl.
 """
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 
-from specforge.config import load_config
 from specforge.runtime.contracts import assert_no_tensors
-from tests.test_data_prepare import make_tokenizer, rec, write_jsonl
+from tests.helpers.ray_run import STEPS, assert_same_losses, assert_same_weights, losses, make_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/sfray",
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """A tiny random Llama target + tokenizer folder and a tiny ShareGPT JSONL."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("assets")
-    tok = make_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    words = "hello world user assistant system question answer".split()
-    rows = [rec(" ".join(words[(i + j) % 7] for j in range(3 + i % 4)),
-                " ".join(words[(2 * i + j) % 7] for j in range(6 + i % 5))) for i in range(14)]
-    write_jsonl(root / "data.jsonl", rows)
-    return root
-
-
-def make_cfg(assets, out, *overrides):
-    return load_config(None, cfg_overrides(assets, out, *overrides))
-
-
-def cfg_overrides(assets, out, *overrides):
-    """The tiny run's dotted overrides (also the command line of ``python -m specforge.ray_train``)."""
-    base = [
-        f"model.target_path={assets / 'target'}", "model.dtype=float32", "model.device=cpu",
-        f"model.cache_dir={assets / 'cache'}", f"data.path={assets / 'data.jsonl'}", "data.max_length=64",
-        "data.num_eval=2", "draft.vocab_size=64", "draft.ttt_length=3", "train.lr=1e-2", "train.warmup_steps=0",
-        "train.batch_size=1", f"train.max_steps={STEPS}", "train.precision=fp32", "train.num_threads=1",
-        "train.num_workers=2", "train.log_every=1", "train.eval_every=0", f"train.output_dir={out}",
-        "tracking.wandb=false", "checkpoint.every_steps=0", "checkpoint.keep_last=1", "checkpoint.resume=false",
-        "parallel.timeout_s=90", "placement.max_inflight_mb=1",
-    ]
-    return base + list(overrides)
-
-
-def losses(out, kind="train"):
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if r["kind"] == kind]
-
-
-@pytest.fixture(scope="module")
-def reference(assets, tmp_path_factory):
-    from specforge.local import run
-
-    out = tmp_path_factory.mktemp("single")
-    # one process, global batch = 2 x the per-rank batch; a periodic eval after step 2
-    run(make_cfg(assets, out, "train.grad_accum=2", "train.num_workers=1", "train.eval_every=2"))
-    return out
+# fixtures ray_session, assets and reference (the tiny run in one process): tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +66,7 @@ def test_modes_give_the_same_losses(assets, reference, disaggregated, ray_sessio
     hf, got = load_draft_folder(disaggregated[1])
     assert hf["architectures"] == ["LlamaForCausalLMEagle3"]
     assert set(got) == set(want) and {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(got)
-    _assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(disaggregated[1]), got, want)
+    assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(disaggregated[1]), got, want)
 
 
 def test_driver_received_no_tensors_and_one_forward_per_step(disaggregated):
@@ -202,15 +133,6 @@ def test_resume_continues_exactly(assets, reference, ray_session, tmp_path):
     assert got[-1]["loss"] == pytest.approx(losses(reference)[-1]["loss"], rel=1e-4)
 
 
-def _assert_same_losses(ref_out, out):
-    ref, got = losses(ref_out), losses(out)
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
-    for a, b in zip(ref, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (out.name, a["step"])
-        assert b["acc_0"] == pytest.approx(a["acc_0"], abs=1e-6)
-        assert b["valid_tokens"] == a["valid_tokens"]
-
-
 def _odd_lengths_are_trained(cfg):
     """The run's samples (and so some micro-batch padded lengths) are not all divisible by 2."""
     from specforge.ray_train import Planner, prepare
@@ -235,7 +157,7 @@ def test_sequence_parallel_colocated_matches_single_process(assets, reference, r
     cfg = make_cfg(assets, out, "placement.mode=colocated", "parallel.sp_ulysses=2", "train.grad_accum=2")
     _odd_lengths_are_trained(cfg)
     fit(cfg)
-    _assert_same_losses(reference, out)
+    assert_same_losses(reference, out)
 
 
 @pytest.mark.slow
@@ -256,11 +178,11 @@ def test_sequence_parallel_disaggregated_matches_single_process(assets, referenc
     assert {t.dst_rank for t in p.transfers} == {1, 2}
     assert plan.step_bytes(0) < 2 * full  # slices + halos, not every sample to both SP ranks
     path = fit(cfg)
-    _assert_same_losses(reference, out)
+    assert_same_losses(reference, out)
     _, want = load_draft_folder(reference / "checkpoints" / f"step-{STEPS:06d}")
     _, got = load_draft_folder(path)
     assert set(got) == set(want)
-    _assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(path), got, want)
+    assert_same_weights(reference / "checkpoints" / f"step-{STEPS:06d}", Path(path), got, want)
 
 
 def test_check_rejects_indivisible_sp_and_a_target_split_on_cpu(tmp_path):
@@ -271,20 +193,3 @@ def test_check_rejects_indivisible_sp_and_a_target_split_on_cpu(tmp_path):
     with pytest.raises(ValueError, match=r"model.num_gpus"):
         check(make_cfg(tmp_path, tmp_path / "o", "model.num_gpus=2", "model.device=cpu"))
     check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=4", "parallel.sp_ring=2"))  # dp = 2
-
-
-def _assert_same_weights(ref_dir: Path, got_dir: Path, got: dict, want: dict) -> None:
-    """The fp32 master weights (training_state.pt) match at fp32 tolerance; the served file is those
-    weights rounded to its torch_dtype (bf16), where a 1e-7 difference may flip one rounding step."""
-    import torch
-
-    ref_m = torch.load(ref_dir / "training_state.pt", weights_only=False)["model"]
-    got_m = torch.load(got_dir / "training_state.pt", weights_only=False)["model"]
-    assert set(ref_m) == set(got_m)
-    for k in ref_m:
-        torch.testing.assert_close(got_m[k], ref_m[k], rtol=1e-4, atol=1e-5)
-    for k in want:
-        if want[k].is_floating_point():
-            torch.testing.assert_close(got[k].float(), want[k].float(), rtol=1e-2, atol=1e-3)
-        else:
-            assert torch.equal(got[k], want[k]), k

@@ -22,7 +22,7 @@ from specforge.data.store import FeatureStore
 from specforge.data.template import render, tokenize_conversation
 from specforge.models import generate as engine
 from specforge.models.target import TargetModel, capture
-from tests.test_data_prepare import make_tokenizer
+from tests.helpers.data import make_tokenizer
 
 # ---------------------------------------------------------------- fixtures
 

@@ -32,7 +32,8 @@ from specforge.data.vocab import DraftVocab
 from specforge.algorithms import load_draft
 from specforge.train.checkpoint import CheckpointManager, load_train_state
 from specforge.train.trainer import run_identity
-from tests.test_trainer import _batch, _params, _setup
+from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
+from tests.helpers.ray_run import cfg_overrides, losses
 
 REPO = Path(__file__).parent.parent
 
@@ -46,8 +47,8 @@ FACTS = {"data": "cache-abc", "num_samples": 12, "global_batch": 2}
 
 
 def test_checkpoint_is_servable_by_another_user_and_resumes_exactly(tmp_path):
-    target, rows, trainer = _setup()
-    batch = _batch(target, rows)
+    target, rows, trainer = setup_trainer()
+    batch = feature_batch(target, rows)
     for _ in range(2):
         trainer.step([batch])
     vocab = DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
@@ -70,7 +71,7 @@ def test_checkpoint_is_servable_by_another_user_and_resumes_exactly(tmp_path):
     assert set(dtypes.values()) == {"BF16"}, dtypes
     # what a server loads = the trained weights rounded to that dtype
     served = load_draft(path, target).trainable_state_dict()
-    for k, v in _params(trainer).items():
+    for k, v in trainable_params(trainer).items():
         assert torch.equal(served[k], v.to(torch.bfloat16).float()), k
     # the training state keeps the fp32 master weights, the data cursor and the run identity
     state = load_train_state(path)
@@ -78,23 +79,23 @@ def test_checkpoint_is_servable_by_another_user_and_resumes_exactly(tmp_path):
     assert state["cursor"] == {"step": 2, "epoch": 0, "sample_offset": 4, "global_batch": 2, "num_samples": 12}
     assert state["identity"] == identity and set(state["rng"]) >= {"torch", "python", "numpy"}
     # resume: two more steps from the checkpoint == two more steps straight through, bit for bit
-    _, _, resumed = _setup(seed=123)
+    _, _, resumed = setup_trainer(seed=123)
     assert CheckpointManager(tmp_path, identity=identity).load(resumed) == 2
     for _ in range(2):
         trainer.step([batch])
         resumed.step([batch])
-    for k, v in _params(trainer).items():
-        assert torch.equal(_params(resumed)[k], v), k
+    for k, v in trainable_params(trainer).items():
+        assert torch.equal(trainable_params(resumed)[k], v), k
 
 
 def test_resume_refuses_another_run_naming_what_differs(tmp_path):
-    target, _, trainer = _setup()
+    target, _, trainer = setup_trainer()
     vocab = DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
     saved = run_identity(_cfg(), target, vocab, FACTS, total_steps=10)
     CheckpointManager(tmp_path, identity=saved).save(trainer)
 
     def refused(identity) -> str:
-        _, _, other = _setup(seed=1)
+        _, _, other = setup_trainer(seed=1)
         with pytest.raises(ValueError, match="different run") as err:
             CheckpointManager(tmp_path, identity=identity).load(other)
         return str(err.value)
@@ -115,7 +116,7 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
                  "train.lr: checkpoint 0.01, this run 0.02", "checkpoint.resume=false"):
         assert part in msg, (part, msg)
     # the same run resumes (the attention implementation is not part of the identity)
-    _, _, same = _setup(seed=2)
+    _, _, same = setup_trainer(seed=2)
     cfg = _cfg()
     cfg.draft.attention = "eager"
     assert CheckpointManager(tmp_path, identity=run_identity(cfg, target, vocab, FACTS, total_steps=10)).load(same) == 0
@@ -131,8 +132,7 @@ def test_train_ranks_at_different_steps_are_refused():
 
 
 # ---------------------------------------------------------------- a hard-killed driver
-
-from tests.test_ray_train import assets, cfg_overrides, losses  # noqa: E402,F401  (the tiny Ray run's fixture)
+# (the tiny Ray run: cfg_overrides and losses from tests/helpers/ray_run.py, its assets fixture from conftest)
 
 KILL_STEPS = 12  # two epochs of the 12 train samples: the kill lands well before the end
 

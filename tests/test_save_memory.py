@@ -21,19 +21,18 @@ from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.train.checkpoint import CheckpointManager, load_train_state
 from specforge.train.trainer import DraftTrainer
-from tests.test_parallel_fsdp import _rows
-from tests.test_parallel_sp import _cfg, _setup
+from tests.helpers.ranks import sample_rows, setup_sp, sp_cfg
 
 FROZEN = "embed_tokens.weight"
 
 
 def _sharded_trainer(rank):
     groups = ParallelDims(dp=2).build([0, 1], rank, timeout_s=90)
-    cfg = _cfg()
-    draft, teacher, batches = _setup()
+    cfg = sp_cfg()
+    draft, teacher, batches = setup_sp()
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
     trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
-    return trainer, [_rows(b, rank) for b in batches]
+    return trainer, [sample_rows(b, rank) for b in batches]
 
 
 def _gathers_uneven_shards(rank):

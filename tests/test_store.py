@@ -18,7 +18,7 @@ from specforge.data.store import (
 )
 from specforge.models.target import TargetModel
 from specforge.train.batch import collate
-from tests.test_target import tiny_target
+from tests.helpers.models import tiny_target
 
 AUX = [1, 2, 3]
 SHARD_MB = 0.03  # ~5 samples per shard at H=48: several shards from a dozen samples
@@ -289,7 +289,7 @@ def assets(tmp_path_factory):
     """A tiny random Llama target + ChatML tokenizer folder and a tiny ShareGPT JSONL."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.test_data_prepare import make_tokenizer, rec, write_jsonl
+    from tests.helpers.data import make_tokenizer, rec, write_jsonl
 
     root = tmp_path_factory.mktemp("assets")
     tok = make_tokenizer()

@@ -63,7 +63,7 @@ def test_plan_keeps_tied_weights_together():
 
 @pytest.fixture
 def folder(tmp_path):
-    from tests.test_targets_train import overrides, target_folder
+    from tests.helpers.targets import overrides, target_folder
 
     target_folder("llama", tmp_path)
     return load_config(None, overrides(tmp_path))

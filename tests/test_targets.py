@@ -20,26 +20,16 @@ from specforge.data.vocab import build_draft_vocab
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
 from specforge.models.generate import SamplingParams, generate
-from specforge.models.target import TargetModel, capture, text_tower
+from specforge.models.target import capture, text_tower
 from specforge.targets import FAMILIES, IN_PROCESS, tiny
 from specforge.train.batch import TrainBatch
 from specforge.algorithms.eagle3.loss import teacher_weight_from_target, ttt_loss
+from tests.helpers.targets import AUX, NAMES, build_family
 
-AUX = [0, 2, 4]
-NAMES = [f.name for f in FAMILIES]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@functools.lru_cache(maxsize=None)
-def built(name: str) -> TargetModel:
-    fam = next(f for f in FAMILIES if f.name == name)
-    torch.manual_seed(0)
-    model = fam.auto_class().from_config(getattr(tiny, name)()).eval().requires_grad_(False)
-    with torch.no_grad():  # norms start at 1 (or 0 for 1 + w norms): move them so a wrong norm offset shows
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    return TargetModel(model=model, tokenizer=None, aux_layer_ids=list(AUX), device=torch.device("cpu"))
+built = functools.lru_cache(maxsize=None)(build_family)  # this module's own cache
 
 
 def _ids():

@@ -1,13 +1,13 @@
 """Every row of the supported-targets table (``specforge.targets.FAMILIES``) exported through
 ``python -m specforge.export`` for each engine of its ``engines`` trait, and checked by that engine's
-own code, on the family's tiny random target saved with a tokenizer (tests/test_targets_train.py) and
+own code, on the family's tiny random target saved with a tokenizer (tests/helpers/targets.py) and
 an untrained EAGLE-3 draft shaped from it (random weights: the checks compare, they need no skill):
 
 * vLLM: the export loaded with vLLM's draft library, ``speculators`` (``Eagle3DraftModel``), fed the
   target features IT names ("after k layers", HF ``hidden_states[k]`` of the text tower): its logits
   equal ours, every TTT step, in the target vocab. Negative control: the export's layer ids put back
   in our numbering make the comparison fail.
-* SGLang: the export is the checkpoint, and the mirror of SGLang's loader (tests/test_export.py)
+* SGLang: the export is the checkpoint, and the mirror of SGLang's loader (tests/helpers/export.py)
   places every tensor.
 * llama.cpp (the rows listing it): the target and the draft converted by llama.cpp's own
   ``convert_hf_to_gguf.py``; ``llama-server --spec-type draft-eagle3`` gives the target's own greedy
@@ -35,8 +35,8 @@ from specforge.models.target import forward_aux, load_target, text_tower
 from specforge.targets import FAMILIES, LLAMACPP, SGLANG, VLLM, tiny
 from specforge.algorithms import load_draft
 from specforge.train.checkpoint import save_checkpoint
-from tests.test_export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits
-from tests.test_targets_train import AUX, target_folder
+from tests.helpers.export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits
+from tests.helpers.targets import AUX, target_folder
 
 N = 64  # draft vocab
 NAMES = [f.name for f in FAMILIES]

@@ -4,53 +4,17 @@ import copy
 
 import torch
 
-from specforge.algorithms.eagle3.algorithm import Eagle3Options
-from specforge.config import Config, TrainConfig
-from specforge.data.vocab import build_draft_vocab
-from specforge.models.target import TargetModel, capture
-from specforge.train.batch import TrainBatch, collate, global_batch_ids, split_for_ranks
+from specforge.train.batch import global_batch_ids, split_for_ranks
 from specforge.algorithms import load_draft
 from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
 from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
-from specforge.train.trainer import DraftTrainer
 from specforge.algorithms.eagle3.loss import ttt_logits
-from tests.test_target import tiny_target
-
-V = 320
-
-
-def _setup(seed=0, **train):
-    torch.manual_seed(seed)
-    model = tiny_target()
-    with torch.no_grad():  # a peaked teacher (a random tiny model is near uniform: nothing to learn)
-        model.lm_head.weight.mul_(40)
-    target = TargetModel(model=model, tokenizer=None, aux_layer_ids=[1, 2, 2], device=torch.device("cpu"))
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for n in (20, 27, 33, 24):
-        ids = torch.randint(0, 60, (n,), generator=g).tolist()
-        mask = [0] * 6 + [1] * (n - 6)
-        rows.append({"input_ids": ids, "loss_mask": mask})
-    vocab = build_draft_vocab(rows, V, 48)
-    cfg = Config(draft=Eagle3Options(vocab_size=48, ttt_length=3, ttt_warmup_steps=train.pop("ttt_warmup_steps", 0)),
-                 train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
-    draft = EAGLE3.build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(draft, EAGLE3.train_state(cfg, target, vocab), cfg, torch.device("cpu"))
-    return target, rows, trainer
-
-
-def _batch(target, rows):
-    ids, mask, attn = collate(rows, 0)
-    return TrainBatch.from_features(ids, mask, capture(target, ids, attn))
-
-
-def _params(trainer):
-    return {k: v.detach().clone() for k, v in trainer.draft.trainable_state_dict().items()}
+from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 
 def test_loss_decreases_on_a_fixed_batch():
-    target, rows, trainer = _setup()
-    batch = _batch(target, rows)
+    target, rows, trainer = setup_trainer()
+    batch = feature_batch(target, rows)
     ms = [trainer.step([batch]) for _ in range(15)]
     losses = [m["loss"] for m in ms]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -60,10 +24,10 @@ def test_loss_decreases_on_a_fixed_batch():
 
 def test_grad_accumulation_equals_one_big_batch():
     """Loss is normalized by the valid count of the whole step, so splitting changes nothing."""
-    target, rows, a = _setup()
-    _, _, b = _setup()
-    ma = a.step([_batch(target, rows)])
-    mb = b.step([_batch(target, rows[:1]), _batch(target, rows[1:3]), _batch(target, rows[3:])])
+    target, rows, a = setup_trainer()
+    _, _, b = setup_trainer()
+    ma = a.step([feature_batch(target, rows)])
+    mb = b.step([feature_batch(target, rows[:1]), feature_batch(target, rows[1:3]), feature_batch(target, rows[3:])])
     assert abs(ma["loss"] - mb["loss"]) < 1e-5 * abs(ma["loss"])
     assert ma["valid_tokens"] == mb["valid_tokens"] > 0
     # gradients (left in .grad by the step) match; AdamW's first update is ~sign(g), too touchy to compare
@@ -74,8 +38,8 @@ def test_grad_accumulation_equals_one_big_batch():
 
 
 def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):
-    target, rows, trainer = _setup()
-    batch = _batch(target, rows)
+    target, rows, trainer = setup_trainer()
+    batch = feature_batch(target, rows)
     for _ in range(2):
         trainer.step([batch])
     d = trainer.draft
@@ -93,14 +57,14 @@ def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):
     for w, g in zip(want, got):
         assert torch.equal(w, g)
     # resume: two more steps from the checkpoint == two more steps straight through
-    _, _, resumed = _setup(seed=123)
+    _, _, resumed = setup_trainer(seed=123)
     assert CheckpointManager(tmp_path).load(resumed) == 2
     for _ in range(2):
         trainer.step([batch])
         resumed.step([batch])
     assert resumed.step_count == trainer.step_count == 4
-    for k, v in _params(trainer).items():
-        torch.testing.assert_close(_params(resumed)[k], v, rtol=0, atol=0)
+    for k, v in trainable_params(trainer).items():
+        torch.testing.assert_close(trainable_params(resumed)[k], v, rtol=0, atol=0)
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
@@ -128,15 +92,15 @@ def test_data_order_is_a_pure_function_of_seed_and_step():
 
 def test_ttt_warmup_trains_step_0_alone_then_the_full_unroll():
     """draft.ttt_warmup_steps=1: step 1 is exactly a ttt_length=1 step, step 2 unrolls draft.ttt_length."""
-    target, rows, warm = _setup(ttt_warmup_steps=1)
-    _, _, short = _setup()
+    target, rows, warm = setup_trainer(ttt_warmup_steps=1)
+    _, _, short = setup_trainer()
     short.cfg.draft.ttt_length = 1
-    batch = _batch(target, rows)
+    batch = feature_batch(target, rows)
     assert EAGLE3.unroll_length(warm.cfg, warm.step_count, training=True) == 1
     w1, s1 = warm.step([batch]), short.step([batch])
     assert w1["loss"] == s1["loss"]
-    for k, v in _params(warm).items():
-        torch.testing.assert_close(v, _params(short)[k], rtol=0, atol=0)
+    for k, v in trainable_params(warm).items():
+        torch.testing.assert_close(v, trainable_params(short)[k], rtol=0, atol=0)
     assert EAGLE3.unroll_length(warm.cfg, warm.step_count, training=True) == 3
     w2, s2 = warm.step([batch]), short.step([batch])
     assert w2["loss"] > s2["loss"] * 1.2  # steps 1 and 2 add their (decayed) losses

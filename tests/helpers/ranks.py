@@ -1,0 +1,173 @@
+"""The multi-rank harness: a tiny random draft and batches identical in every process, its
+single-process reference, and gloo ranks compared with it (from tests/test_parallel_sp.py, shared
+by tests/test_parallel_fsdp.py, tests/test_peagle_sp.py, tests/test_mixed_precision.py,
+tests/test_save_memory.py and tests/test_gpu.py).
+
+``run_ranks`` spawns the ranks, which import the rank function's module: this one (or the test
+module that defines its own)."""
+
+import math
+
+import torch
+
+from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.algorithms.eagle3.attention import ttt_attention_eager
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from specforge.config import Config, TrainConfig
+from specforge.parallel.dims import ParallelDims
+from specforge.parallel.fsdp import full_state_dict, grads_full
+from specforge.parallel.launch import run_ranks
+from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+from specforge.train.batch import TrainBatch
+from specforge.train.slicing import sp_slice_batch
+from specforge.train.trainer import DraftTrainer
+
+V, N, H, T, L, STEPS = 300, 100, 64, 29, 4, 3
+
+
+def sp_cfg() -> Config:
+    return Config(draft=Eagle3Options(ttt_length=L), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0))
+
+
+def draft_and_batches(make_draft, mask_token_id=None):
+    """``make_draft()`` (built and reset under seed 0), its vocab, a teacher and STEPS batches of 2 x T,
+    identical in every process; ``mask_token_id``: also an input token (row 0, position 7)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        draft = make_draft()
+        draft.reset_parameters(std=0.1)
+    draft.set_vocab(torch.sort(torch.randperm(V, generator=g)[:N]).values - torch.arange(N))
+    teacher = torch.randn(N, H, generator=g) * 0.5
+    inv = draft.draft_to_target_ids()
+    batches = []
+    for _ in range(STEPS):
+        mask = torch.zeros(2, T, dtype=torch.long)
+        mask[0, 3:12] = 1
+        mask[0, 15:22] = 1  # nothing counts past row 19: with 4 ranks, rank 3 has no valid rows
+        mask[1, 6:20] = 1
+        ids = torch.randint(0, V, (2, T), generator=g)
+        if mask_token_id is not None:
+            ids[0, 7] = mask_token_id  # the mask token as an input: its trained row
+        ids[1, 21:] = 0  # right padding of row 1
+        tgt = torch.where(torch.rand(2, T, generator=g) < 0.8, inv[torch.randint(0, N, (2, T), generator=g)],
+                          torch.randint(0, V, (2, T), generator=g))
+        batches.append(TrainBatch(ids, mask, torch.randn(2, T, 3 * H, generator=g), torch.randn(2, T, H, generator=g), tgt))
+    return draft, teacher, batches
+
+
+def setup_sp():
+    """EAGLE-3 draft, teacher and STEPS batches, identical in every process."""
+    cfg = Eagle3DraftConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, vocab_size=V, draft_vocab_size=N)
+    return draft_and_batches(lambda: Eagle3Draft(cfg))
+
+
+def sp_reference(setup=setup_sp, cfg=sp_cfg) -> dict:
+    """The single process over ``setup()``'s batches: metrics, gradients after every step, final parameters."""
+    draft, teacher, batches = setup()
+    trainer = DraftTrainer(draft, teacher, cfg(), torch.device("cpu"))
+    out = {"metrics": [], "grads": []}
+    for b in batches:
+        out["metrics"].append(trainer.step([b]))
+        out["grads"].append({k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None})
+    out["params"] = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    return out
+
+
+def check_close(name, a, b, atol=2e-5, rtol=1e-4):
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    if not a.is_floating_point():
+        assert torch.equal(a, b), name
+        return
+    assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{name}: max abs err {(a - b).abs().max().item()}"
+
+
+def _check_ulysses_head_plans(groups):
+    """Core level, every rank checks its own rows: kv heads repeated (4q/1kv) and query heads
+    padded (3q/1kv, 9q/3kv) over 2 Ulysses ranks, 2 TTT steps, forward and backward."""
+    from specforge.parallel.sp import UlyssesAttention
+    from specforge.algorithms.eagle3.attention import TTTAttentionCore
+
+    core = UlyssesAttention(TTTAttentionCore("fast"), groups.ulysses_group)
+    P, r = 2, groups.uly_rank
+    for Hq, Hkv in ((4, 1), (3, 1), (9, 3)):
+        g = torch.Generator().manual_seed(Hq)
+        full = [torch.randn(2, h, 14, 8, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hkv, Hkv)]
+        w = torch.randn(2, Hq, 14, 8, generator=g, dtype=torch.float64)
+        q, k0, v0, k1, v1 = [x.clone().requires_grad_() for x in full]
+        (ttt_attention_eager(q, [k0, k1], [v0, v1]) * w).sum().backward()
+        rows = slice(r * 7, (r + 1) * 7)
+        lq, lk0, lv0, lk1, lv1 = [x[:, :, rows].clone().requires_grad_() for x in full]
+        out = core(lq, [lk0, lk1], [lv0, lv1])
+        (out * w[:, :, rows]).sum().backward()
+        for a, b in ((out, ttt_attention_eager(q, [k0, k1], [v0, v1])[:, :, rows]), (lq.grad, q.grad[:, :, rows]),
+                     (lk0.grad, k0.grad[:, :, rows]), (lv1.grad, v1.grad[:, :, rows])):
+            assert torch.allclose(a, b, atol=1e-10), (Hq, Hkv, (a - b).abs().max())
+
+
+def sp_rank(rank, world, dims_tuple, ref_path):
+    """One train rank of an SP (x DP) run; rank 0 compares with the reference every step."""
+    dims = ParallelDims(*dims_tuple)
+    groups = dims.build(list(range(world)), rank, timeout_s=90)
+    cfg = sp_cfg()
+    draft, teacher, batches = setup_sp()
+    if dims_tuple == (1, 2, 1):
+        _check_ulysses_head_plans(groups)
+    draft = parallelize_draft(draft, dims, groups, cfg)
+    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    ref = torch.load(ref_path) if rank == 0 else None
+    for step, full in enumerate(batches):
+        if dims.dp > 1:  # each DP rank takes its share of the samples
+            per = full.input_ids_BT.shape[0] // dims.dp
+            full = TrainBatch(*(getattr(full, f)[groups.dp_rank * per : (groups.dp_rank + 1) * per]
+                                for f in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")))
+        local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L + 1) if groups.sp_size > 1 else full]
+        m = trainer.step(local)
+        grads = grads_full(draft)  # all-gather of every gradient shard
+        if rank == 0:
+            rm = ref["metrics"][step]
+            for key in ("loss", "acc_0", f"acc_{L - 1}", "tau", "valid_tokens"):
+                assert math.isclose(m[key], rm[key], rel_tol=1e-5, abs_tol=1e-6), (step, key, m[key], rm[key])
+            assert math.isclose(m["grad_norm"], rm["grad_norm"], rel_tol=1e-4), (m["grad_norm"], rm["grad_norm"])
+            assert grads.keys() == ref["grads"][step].keys()
+            for k, g in grads.items():
+                check_close(f"step {step} grad {k}", g, ref["grads"][step][k])
+    state = full_state_dict(draft)
+    if rank == 0:
+        for k, v in ref["params"].items():
+            check_close(f"param {k}", state[k], v)
+
+
+def run_sp(tmp_path, dims_tuple, rank_fn=sp_rank, setup=setup_sp, cfg=sp_cfg):
+    """The single-process reference of ``setup``/``cfg`` saved, then ``rank_fn(rank, world, dims_tuple,
+    ref_path)`` on the ranks of ``ParallelDims(*dims_tuple)``."""
+    ref_path = tmp_path / "ref.pt"
+    torch.save(sp_reference(setup, cfg), ref_path)
+    run_ranks(rank_fn, ParallelDims(*dims_tuple).world, dims_tuple, str(ref_path), workdir=tmp_path, timeout_s=150)
+
+
+# ------------------------------------------------ one sample per rank (tests/test_parallel_fsdp.py)
+
+_FIELDS = ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")
+
+
+def sample_rows(b: TrainBatch, i: int) -> TrainBatch:
+    """Sample ``i`` of ``b`` as a batch of one."""
+    return TrainBatch(*(getattr(b, f)[i : i + 1] for f in _FIELDS))
+
+
+# ------------------------------------------------ bf16 against fp32 (tests/test_mixed_precision.py)
+
+LOSS_RTOL, GRAD_RTOL, NORM_RTOL = 1e-3, 5e-2, 1e-2
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def fp32_step(samples) -> tuple[dict, dict]:
+    draft, teacher, batches = setup_sp()
+    trainer = DraftTrainer(draft, teacher, sp_cfg(), torch.device("cpu"))
+    m = trainer.step([sample_rows(batches[0], i) for i in samples])
+    return m, {k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None}
