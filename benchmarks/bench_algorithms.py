@@ -1,21 +1,24 @@
-"""DFlash vs EAGLE-3 on the same feature store and the same minutes: held-out acceptance, draft cost.
+"""Every registered draft algorithm on the same feature store and the same minutes: held-out
+acceptance, acceptance by position, draft cost per round, llama.cpp acceptance and speed where served.
 
-    python benchmarks/bench_algorithms.py [--minutes 10] [--prompts 16] [--max-new-tokens 64] [overrides...]
+    python benchmarks/bench_algorithms.py [--minutes 5] [--prompts 16] [--max-new-tokens 64] [overrides...]
 
 1. The embedded default's feature store (configs/smollm2-135m-cpu.yaml: 300 ShareGPT conversations
    captured by the target, layers [1, 14, 26]), filled once if missing (python -m specforge.capture).
-2. EAGLE-3 (configs/smollm2-135m-cpu.yaml) and DFlash (configs/smollm2-135m-dflash-cpu.yaml, which
-   reads the same three layers from the same store) each trained for ``--minutes`` of wall clock
-   from scratch (python -m specforge.ray_train, placement.mode=offline), one after the other.
-3. One ``python -m specforge.eval`` table of both on the same held-out prompts (no training row
-   shares them): chain 7 for EAGLE-3, one block of 8 (7 drafted tokens) for DFlash; every output
-   checked against plain greedy decoding. Draft ms per round = the draft's cost of one round.
-4. The same drafts served by llama.cpp (``python -m specforge.eval --engine llama.cpp``: llama.cpp's
-   converter, ``llama-server --spec-type draft-eagle3 | draft-dflash``, n_max 7, p_min 0) on the
-   same prompts: tokens per target forward beside ours (the parity target: within 0.05), tokens/s
-   and speedup against the target served alone. ``--no-engine`` skips it.
+2. EAGLE-3, EAGLE-3.1, DFlash, DSpark and P-EAGLE (their ``configs/*smollm2-135m*-cpu.yaml``, all
+   reading the same three layers from that store) each trained for ``--minutes`` of wall clock from
+   scratch (python -m specforge.ray_train, placement.mode=offline), one after the other.
+3. One ``python -m specforge.eval`` table of all of them on the same held-out prompts (no training
+   row shares them): each draft proposes what its algorithm drafts per round, at most 7 tokens
+   (``--chain 7``); every output checked against plain greedy decoding. Draft ms per round = the
+   draft's cost of one round.
+4. The drafts llama.cpp serves (``python -m specforge.eval --engine llama.cpp``: llama.cpp's
+   converter, ``llama-server --spec-type`` the algorithm's, n_max 7, p_min 0) on the same prompts:
+   tokens per target forward beside ours (the parity target: within 0.05), tokens/s and speedup
+   against the target served alone. A draft llama.cpp does not serve gets the one-line reason.
+   ``--no-engine`` skips it.
 ``--reuse`` evaluates the newest checkpoints already under ``--out`` instead of training again.
-Appends the table, naming machine, commit and load, to benchmarks/README.md.
+Writes the table, naming machine, commit and load, into benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -32,7 +35,32 @@ from common import append_section, header_markdown, markdown_table, run  # noqa:
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-EAGLE3, DFLASH = "configs/smollm2-135m-cpu.yaml", "configs/smollm2-135m-dflash-cpu.yaml"
+EAGLE3 = "configs/smollm2-135m-cpu.yaml"
+ALGORITHMS = {  # display name -> the config that trains it on the default's store
+    "EAGLE-3": EAGLE3,
+    "EAGLE-3.1": "configs/eagle31-smollm2-135m-cpu.yaml",
+    "DFlash": "configs/smollm2-135m-dflash-cpu.yaml",
+    "DSpark": "configs/dspark-smollm2-135m-cpu.yaml",
+    "P-EAGLE": "configs/peagle-smollm2-135m-cpu.yaml",
+}
+TITLE = "Draft algorithms (same store, same minutes)"
+
+
+def llamacpp_refusal(draft: str) -> str | None:
+    """Why llama.cpp would not serve ``draft`` (the converter's own pre-checks, run here so that one
+    refused draft does not stop the others' rows), or None."""
+    from specforge.config import load_config
+    from specforge.engines import llamacpp
+    from specforge.models.target import resolve_target_path
+
+    try:
+        target_dir = resolve_target_path(load_config(REPO / EAGLE3).model)
+        draft_config, target_config = llamacpp.check_draft(draft, target_dir)
+        algo = llamacpp._served_algorithm(draft_config)
+        algo.llamacpp_config(draft_config, target_config, None)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def newest(folder: Path) -> str:
@@ -47,7 +75,7 @@ def plot(points: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for p in points:
         served = f", llama.cpp {p['served']:.3f}" if p.get("served") is not None else ""
         axes[0].plot(range(1, len(p["by_position"]) + 1), p["by_position"], "o-",
@@ -60,7 +88,7 @@ def plot(points: list[dict], path: Path) -> None:
     x = list(range(len(points)))
     axes[1].bar(x, [p["draft_ms"] for p in points], 0.5, label="draft")
     axes[1].bar(x, [p["verify_ms"] for p in points], 0.5, bottom=[p["draft_ms"] for p in points], label="verify")
-    axes[1].set_xticks(x, [f"{p['name']}\n{p['setting']}" for p in points])
+    axes[1].set_xticks(x, [f"{p['name']}\n{p['setting']}" for p in points], fontsize=7, rotation=30, ha="right")
     axes[1].set_ylabel("ms per round (our eval)")
     axes[1].legend(fontsize=8)
     axes[1].set_title("cost of one round")
@@ -71,22 +99,25 @@ def plot(points: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="runs/bench-algorithms")
+    ap.add_argument("--only", nargs="*", choices=list(ALGORITHMS), help="a subset (default: all)")
     ap.add_argument("--reuse", action="store_true", help="evaluate the checkpoints under --out, no training")
     ap.add_argument("--no-engine", action="store_true", help="skip the llama.cpp rows")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides for both trainings")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides for every training")
     args = ap.parse_args()
     out = REPO / args.out
     store = REPO / "runs/smollm2-135m-cpu/features"
     if not (store / "index.json").is_file():
         run([PY, "-m", "specforge.capture", "--config", EAGLE3, "--no-progress"])
     common = [f"train.max_minutes={args.minutes}", "checkpoint.resume=false", "tracking.wandb=false", *args.overrides]
-    trained = {}
-    for name, config in (("EAGLE-3", EAGLE3), ("DFlash", DFLASH)):
-        folder = out / name.lower().replace("-", "")
+    trained = {}  # name -> (checkpoint, wall seconds)
+    for name, config in ALGORITHMS.items():
+        if args.only and name not in args.only:
+            continue
+        folder = out / name.lower().replace("-", "").replace(".", "")
         secs = math.nan
         if not args.reuse:
             secs = run([PY, "-m", "specforge.ray_train", "--config", config, f"train.output_dir={folder}",
@@ -94,28 +125,37 @@ def main() -> int:
         trained[name] = (newest(folder), secs)
     load = os.getloadavg()[0]
     report = out / "eval.json"
-    run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--draft", trained["EAGLE-3"][0], "--draft",
-         trained["DFlash"][0], "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
-         "--chain", "7", "--json", str(report)])
-    served = {}
+    drafts = [a for t in trained.values() for a in ("--draft", t[0])]
+    run([PY, "-m", "specforge.eval", "--config", EAGLE3, *drafts, "--num-prompts", str(args.prompts),
+         "--max-new-tokens", str(args.max_new_tokens), "--chain", "7", "--json", str(report)])
+    served, refused = {}, {}
     if not args.no_engine:
-        engine_report = out / "engine.json"
-        run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--engine", "llama.cpp", "--draft",
-             trained["EAGLE-3"][0], "--draft", trained["DFlash"][0], "--num-prompts", str(args.prompts),
-             "--max-new-tokens", str(args.max_new_tokens), "--engine-n-max", "7", "--engine-p-min", "0",
-             "--json", str(engine_report)])
-        served = {r["draft"]: r for r in json.loads(engine_report.read_text())["rows"]}
-    rows, points = [], []
+        refused = {n: why for n, t in trained.items() if (why := llamacpp_refusal(t[0]))}
+        engine_drafts = [a for n, t in trained.items() if n not in refused for a in ("--draft", t[0])]
+        if engine_drafts:
+            engine_report = out / "engine.json"
+            run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--engine", "llama.cpp", *engine_drafts,
+                 "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
+                 "--engine-n-max", "7", "--engine-p-min", "0", "--json", str(engine_report)])
+            served = {r["draft"]: r for r in json.loads(engine_report.read_text())["rows"]}
+    rows, points, engine_done = [], [], set()
     for r in json.loads(report.read_text())["rows"]:
         name = next(n for n, t in trained.items() if t[0] == r["draft"])
         steps = int(Path(r["draft"]).name.split("-")[-1])  # the evaluated checkpoint's step
         row = [name, r["setting"], f"{trained[name][1] / 60:.1f}", steps, f"{r['acceptance_length']:.3f}",
                " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]), f"{r['drafted_per_round']:.2f}",
                f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{r['speedup']:.2f}x"]
-        engine = served.get(r["draft"]) if r["setting"].startswith("chain") else None
-        row += ([f"{engine['tokens_per_forward']:.3f}", f"{engine['tokens_per_forward'] - r['acceptance_length']:+.3f}",
-                 f"{engine['equal_outputs']}/{engine['prompts']}", f"{engine['tokens_per_s']:.1f}",
-                 f"{engine['speedup']:.2f}x"] if engine else ["-"] * 5)
+        engine = None  # the engine's row sits beside the draft's fixed-length setting (llama.cpp's n_max 7)
+        if name not in engine_done and not r["setting"].startswith("dynamic"):
+            engine = served.get(r["draft"])
+            engine_done.add(name)
+        if engine:
+            gap = engine["tokens_per_forward"] - r["acceptance_length"]
+            row += [f"{engine['tokens_per_forward']:.3f}", f"{gap:+.3f}", "yes" if abs(gap) <= 0.05 else "no",
+                    f"{engine['equal_outputs']}/{engine['prompts']}", f"{engine['tokens_per_s']:.1f}",
+                    f"{engine['speedup']:.2f}x"]
+        else:
+            row += ["-"] * 6
         rows.append(row)
         points.append({"name": name, "setting": r["setting"], "acceptance": r["acceptance_length"],
                        "by_position": r["acceptance_by_position"], "draft_ms": r["draft_ms_per_round"],
@@ -123,24 +163,25 @@ def main() -> int:
     alone = next((e for e in served.values() if e["draft"] == "target alone"), None)
     table = markdown_table(["draft", "setting", "train wall min", "steps", "acceptance length",
                             "accepted by position", "drafted/round", "draft ms/round", "verify ms/round", "speedup",
-                            "llama.cpp acceptance (n_max 7)", "llama.cpp - ours", "llama.cpp outputs = target",
-                            "llama.cpp tok/s", "llama.cpp speedup"], rows)
+                            "llama.cpp acceptance (n_max 7)", "llama.cpp - ours", "parity (within 0.05) met",
+                            "llama.cpp outputs = target", "llama.cpp tok/s", "llama.cpp speedup"], rows)
     if alone:
         table += f"\n\nllama.cpp target alone: {alone['tokens_per_s']:.1f} tok/s (f32 GGUF, same prompts)."
+    for name, why in refused.items():
+        table += f"\n\nllama.cpp does not serve {name}: `{why}`"
     flags = " --reuse" if args.reuse else f" --minutes {args.minutes:g}"
-    how = (f"for {args.minutes:g} minutes each" if not args.reuse else
-           f"by an earlier run of this script (checkpoints {trained['EAGLE-3'][0]} and {trained['DFlash'][0]}, "
-           "reused: the train wall minutes are in that run's section)")
-    body = (f"`python benchmarks/bench_algorithms.py{flags}` -- {header_markdown()}; 1-min load "
-            f"average before the eval {load:.1f} (2 cores; the trainings ran one after the other, nothing else heavy)\n\n"
-            f"Both drafts trained from the same feature store (the default's 300 captured conversations, target layers "
+    how = (f"for {args.minutes:g} minutes of wall clock each" if not args.reuse else
+           "by an earlier run of this script (checkpoints reused: the train wall minutes are in that run's section)")
+    body = (f"`python benchmarks/bench_algorithms.py{flags}`\n\n**Current figures**: {header_markdown()} · 1-minute "
+            f"load average before the eval {load:.1f} (2 cores; the trainings ran one after the other, nothing else heavy).\n\n"
+            f"Every draft trained from the same feature store (the default's 300 captured conversations, target layers "
             f"[1, 14, 26]) {how}; {args.prompts} held-out ShareGPT prompts x "
             f"{args.max_new_tokens} new tokens, greedy, every output equal to plain greedy decoding.\n\n" + table)
     png = Path(__file__).resolve().parent / "bench_algorithms.png"
     plot(points, png)
-    body += f"\n\n![DFlash vs EAGLE-3]({png.name})\n"
+    body += f"\n\n![draft algorithms]({png.name})\n"
     print(body)
-    append_section("DFlash vs EAGLE-3 (same store, same minutes)", body)
+    append_section(TITLE, body)
     return 0
 
 
