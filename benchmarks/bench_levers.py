@@ -56,6 +56,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
+    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     overrides, all_tokens = LEVERS[name]
@@ -70,8 +71,8 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
                                for r in rows], target.config.vocab_size, cfg.draft.vocab_size)
     draft = EAGLE3.build_draft(cfg, target, vocab)
     teacher = EAGLE3.train_state(cfg, target, vocab)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), total_steps=2000)
-    judge = DraftTrainer(draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), total_steps=2000)
+    judge = DraftTrainer(get_algorithm(cfg7.draft.algorithm), draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
     held = [store.batch(hold[i : i + 4], 0) for i in range(0, len(hold), 4)]
     marks = [minutes * 60 * (k + 1) / evals for k in range(evals)]
     stop_step = round(epochs * len(train) / batch_size) if epochs else None

@@ -175,6 +175,7 @@ def measure(case: Case, groups=None) -> int:
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy
     from specforge.parallel.parallelize import sum_over_train_ranks
     from specforge.parallel.sp import apply_sp
+    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     g = torch.Generator().manual_seed(0)
@@ -187,7 +188,7 @@ def measure(case: Case, groups=None) -> int:
 
                 apply_sp(draft, get_algorithm(case.algo).sp_cores(draft), groups.ulysses_group, groups.ring_group)
             apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy() if case.mp else None)
-        trainer = DraftTrainer(draft, state, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+        trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, state, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
         first = _batch(case, g, groups)
         trainer.step([first])
         del first

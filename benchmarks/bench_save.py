@@ -109,6 +109,7 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.batch import TrainBatch
     from specforge.train.checkpoint import CheckpointManager, capture_rng, save_or_rescue
+    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
     from tests.test_save_memory import _LargestTensor
 
@@ -122,7 +123,7 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     batch = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"].float(), b["last_hidden_BTH"].float(),
                        b["target_ids_BT"])
     draft = parallelize_draft(draft, ParallelDims(dp=world), groups, cfg)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     trainer.step([batch])
     gc.collect()
     dist.barrier()

@@ -55,6 +55,7 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.batch import TrainBatch
     from specforge.train.slicing import sp_slice_batch
+    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7),
@@ -67,7 +68,7 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     b = make_batch(1, T, draft)
     full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"], b["target_ids_BT"])
     draft = parallelize_draft(draft, dims, groups, cfg)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length + 1)]
     base = _rss_mb()
     times = []

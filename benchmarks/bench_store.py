@@ -124,11 +124,12 @@ def read_rate(read_batch, ids: list[int], lengths: dict, reps: int, seed: int = 
 
 def train_and_eval(cfg, target, vocab, store: FeatureStore, eval_batches, steps: int) -> dict:
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
+    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     torch.manual_seed(cfg.train.seed)
     draft = EAGLE3.build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(draft, EAGLE3.train_state(cfg, target, vocab), cfg, target.device)
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, EAGLE3.train_state(cfg, target, vocab), cfg, target.device)
     pad = pad_id(target.tokenizer)
     t0 = time.perf_counter()
     for step in range(steps):

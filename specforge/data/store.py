@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specforge.train.batch import TrainBatch
+from specforge.models.features import TrainBatch
 
 FORMAT = "specforge-feature-store-v1"
 INDEX = "index.json"

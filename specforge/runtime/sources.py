@@ -26,7 +26,8 @@ import torch
 from specforge.config import Config
 from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
-from specforge.train.batch import TrainBatch, pad_id
+from specforge.models.features import TrainBatch
+from specforge.train.batch import pad_id
 from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
 
 

@@ -34,7 +34,8 @@ from specforge.runtime.actors import DistributedWorker, control
 from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
-from specforge.train.batch import TrainBatch, collate, pad_id
+from specforge.models.features import TrainBatch
+from specforge.train.batch import collate, pad_id
 
 
 class FeaturesLost(RuntimeError):
@@ -174,8 +175,8 @@ class TrainWorker(DistributedWorker):
         vocab = load_draft_vocab(layout.vocab_path)
         algo = get_algorithm(cfg.draft.algorithm)
         draft = parallelize_draft(algo.build_draft(cfg, target, vocab).to(device), ParallelDims.from_config(cfg), groups, cfg)
-        self.trainer = DraftTrainer(draft, algo.train_state(cfg, target, vocab), cfg, device,
-                                    reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps, algorithm=algo)
+        self.trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
+                                    reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)
         self.lost: Optional[str] = None  # set once the train ranks agreed a plan's features were lost
         identity = run_identity(cfg, target, vocab, facts or {}, total_steps)

@@ -1,4 +1,4 @@
-"""Data order, collation, and the one tensor-bearing batch type the train step consumes.
+"""Data order and collation (the batch type itself, ``TrainBatch``, is ``models/features.py``'s).
 
 Data order is a pure function of (seed, epoch, step), so a resumed run, the single-process
 trainer and every distributed placement see the same samples at the same step.
@@ -7,34 +7,9 @@ Legend: B batch, T tokens, H target hidden.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
-
-from specforge.models.target import Features
-
-
-@dataclass
-class TrainBatch:
-    """Everything one TTT step needs. Right-padded; padding has loss_mask 0."""
-
-    input_ids_BT: torch.Tensor
-    loss_mask_BT: torch.Tensor
-    aux_hidden_BTKH: torch.Tensor
-    last_hidden_BTH: torch.Tensor
-    target_ids_BT: torch.Tensor
-
-    @classmethod
-    def from_features(cls, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, feats: Features) -> "TrainBatch":
-        return cls(input_ids_BT, loss_mask_BT, feats.aux_hidden_BTKH, feats.last_hidden_BTH, feats.target_ids_BT)
-
-    def to(self, device: torch.device) -> "TrainBatch":
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids_BT.numel())
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from specforge.parallel.bounds import slice_bounds
-from specforge.train.batch import TrainBatch
+from specforge.models.features import TrainBatch
 
 __all__ = ["SPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
 

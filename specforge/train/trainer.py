@@ -21,7 +21,8 @@ from specforge.config import Config
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.target import TargetModel, capture
-from specforge.train.batch import TrainBatch, collate, pad_id
+from specforge.models.features import TrainBatch
+from specforge.train.batch import collate, pad_id
 from specforge.train.checkpoint import tensor_digest
 from specforge.train.optim import build_optimizer
 
@@ -96,18 +97,17 @@ def run_identity(cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dic
 class DraftTrainer:
     """THE train step, shared by every placement (single process, colocated, disaggregated)."""
 
-    def __init__(self, draft: torch.nn.Module, state, cfg: Config, device: torch.device,
-                 reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x, total_steps: Optional[int] = None,
-                 algorithm=None):
+    def __init__(self, algorithm, draft: torch.nn.Module, state, cfg: Config, device: torch.device,
+                 reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x, total_steps: Optional[int] = None):
+        # algorithm: the draft algorithm's hooks (``specforge.algorithms.get_algorithm``): its loss,
+        # normalizer, counters and metrics are what a step runs; it must be the config's draft.algorithm.
         # state: the algorithm's frozen train state (``algorithm.train_state``; EAGLE-3: the teacher rows).
         # reduce_sum sums a tensor over all train ranks (data and sequence parallel; identity in one
         # process): the loss is normalized by the GLOBAL denominator, so gradients are summed.
         # total_steps: the LR schedule's horizon (default train.max_steps).
-        # algorithm: the draft algorithm's hooks (default: the config's draft.algorithm).
-        if algorithm is None:
-            from specforge.algorithms import get_algorithm
-
-            algorithm = get_algorithm(cfg.draft.algorithm)
+        if algorithm.name != cfg.draft.algorithm:
+            raise ValueError(f"DraftTrainer got algorithm {algorithm.name!r} for a config whose draft.algorithm is "
+                             f"{cfg.draft.algorithm!r}; pass get_algorithm(cfg.draft.algorithm)")
         self.draft, self.cfg, self.device, self.reduce_sum, self.algorithm = draft, cfg, device, reduce_sum, algorithm
         # small (EAGLE-3: N x H) and fp32; autocast casts it down where it runs
         self.state = state.to(device, torch.float32) if hasattr(state, "to") else state
