@@ -51,6 +51,14 @@ class DFlash:
     llamacpp_spec_type = "draft-dflash"
     gguf_architecture = "dflash"
     engines = ("sglang", "vllm", "llama.cpp")
+    title = "DFlash"  # how messages name it
+
+    def _module(self, part: str):
+        """This algorithm's ``export`` / ``propose`` / ... module: a subclass (DSpark) that keeps
+        DFlash's hooks gets its own package's functions through it."""
+        import importlib
+
+        return importlib.import_module(f"specforge.algorithms.{self.name}.{part}")
 
     def config_errors(self, cfg) -> list[str]:
         from specforge.config import aux_layer_errors
@@ -58,7 +66,7 @@ class DFlash:
         errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
         if cfg.draft.vocab_size != DraftConfig.vocab_size:
             errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, not "
-                          "dflash (a DFlash draft predicts the target's whole vocabulary); remove it")
+                          f"{self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
         return errors
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
@@ -86,7 +94,7 @@ class DFlash:
         sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
         if sp > 1:
             raise ValueError(f"config keys 'parallel.sp_ulysses'={cfg.parallel.sp_ulysses} / 'parallel.sp_ring'="
-                             f"{cfg.parallel.sp_ring}: DFlash has no sequence parallelism (each block reads the whole "
+                             f"{cfg.parallel.sp_ring}: {self.title} has no sequence parallelism (each block reads the whole "
                              "context before its anchor); use 1 and data parallelism (train.num_workers)")
         m = cfg.draft.mask_token_id
         if m is not None and m >= target_config.vocab_size:
@@ -105,13 +113,16 @@ class DFlash:
         return DFlashConfig.from_target(target.config, mask_token_id=mask, num_hidden_layers=d.num_layers,
                                         target_layer_ids=list(target.aux_layer_ids), block_size=d.block_size, **shape)
 
-    def build_draft(self, cfg, target, vocab):
+    def _new_draft(self, dcfg):
         from specforge.algorithms.dflash.model import DFlashDraft
 
+        return DFlashDraft(dcfg)
+
+    def build_draft(self, cfg, target, vocab):
         dcfg = self._draft_config(cfg, target, vocab)
         with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone
             torch.manual_seed(cfg.train.seed)
-            draft = DFlashDraft(dcfg)
+            draft = self._new_draft(dcfg)
         return draft.set_target_weights(target.embed_weight_VH, target.lm_head_weight_VH)
 
     def train_state(self, cfg, target, vocab):
@@ -170,9 +181,7 @@ class DFlash:
         return ["draft.num_anchors"]
 
     def hf_config(self, draft) -> dict:
-        from specforge.algorithms.dflash.export import to_hf_config
-
-        return to_hf_config(draft.config)
+        return self._module("export").to_hf_config(draft.config)
 
     def owns_checkpoint(self, hf_config: dict) -> bool:
         return self.architecture in (hf_config.get("architectures") or [])
@@ -181,23 +190,19 @@ class DFlash:
         return arch == self.gguf_architecture
 
     def check_checkpoint(self, path):
-        from specforge.algorithms.dflash.export import check_checkpoint
-
-        return check_checkpoint(path)
+        return self._module("export").check_checkpoint(path)
 
     def load(self, path, target):
-        from specforge.algorithms.dflash.export import load_dflash
-
         self.check_checkpoint(path)  # a truncated or misshapen file is named, as for every checkpoint
-        return load_dflash(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
+        load = getattr(self._module("export"), f"load_{self.name}")
+        return load(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
 
     def tokens_per_round(self, hf_config: dict) -> int:
-        from specforge.algorithms.dflash.export import tokens_per_round
-
-        return tokens_per_round(hf_config)
+        return self._module("export").tokens_per_round(hf_config)
 
     def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
-        """One block a round: the anchor + block_size - 1 masks (llama-server clamps n_max to it)."""
+        """One block a round (llama-server clamps n_max to it): DFlash's anchor + block_size - 1
+        masks, an anchor-first DSpark block's block_size."""
         return self.tokens_per_round(hf_config)
 
     def export(self, engine, draft_dir, out_dir, req) -> str:

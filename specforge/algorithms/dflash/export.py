@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -97,29 +97,40 @@ def tokens_per_round(d: Mapping) -> int:
     return from_hf_config(d).block_size - 1
 
 
-def save_dflash(draft: DFlashDraft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_block_draft(draft: torch.nn.Module, out_dir, hf_config: dict, dtype: torch.dtype) -> Path:
+    """A block draft's served tensors (``export_state_dict``) in ``dtype`` and its ``hf_config``
+    into ``out_dir``; DFlash's and DSpark's folders are written by this one function."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.export_state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(to_hf_config(draft.config, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return out
 
 
-def load_dflash(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optional[torch.Tensor] = None,
-                dtype: torch.dtype = torch.float32) -> DFlashDraft:
-    """Rebuild the draft from a folder; pass the target's embedding and lm_head to make it usable."""
+def load_block_draft(path, build: Callable[[dict], torch.nn.Module], embed_VH: Optional[torch.Tensor] = None,
+                     lm_head_VH: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``build(config.json)`` with the folder's tensors loaded (every one but the target's embedding
+    and lm_head, which ``embed_VH`` / ``lm_head_VH`` set when given)."""
     p = Path(path)
-    cfg = from_hf_config(json.loads((p / "config.json").read_text()))
-    draft = DFlashDraft(cfg).to(dtype)
-    sd = load_file(str(p / "model.safetensors"))
-    missing, unexpected = draft.load_state_dict(sd, strict=False)
+    draft = build(json.loads((p / "config.json").read_text())).to(dtype)
+    missing, unexpected = draft.load_state_dict(load_file(str(p / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
     if missing or unexpected:
         raise ValueError(f"{p / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
     if embed_VH is not None and lm_head_VH is not None:
         draft.set_target_weights(embed_VH, lm_head_VH)
     return draft
+
+
+def save_dflash(draft: DFlashDraft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+    return save_block_draft(draft, out_dir, to_hf_config(draft.config, dtype), dtype)
+
+
+def load_dflash(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optional[torch.Tensor] = None,
+                dtype: torch.dtype = torch.float32) -> DFlashDraft:
+    """Rebuild the draft from a folder; pass the target's embedding and lm_head to make it usable."""
+    return load_block_draft(path, lambda d: DFlashDraft(from_hf_config(d)), embed_VH, lm_head_VH, dtype)
 
 
 def check_checkpoint(draft_dir) -> tuple[dict, None]:

@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, EVAL_STEP, DFlash, DFlashOptions, _generator
-from specforge.config import DraftConfig
 
 
 @dataclass
@@ -45,17 +44,13 @@ class DSpark(DFlash):
     llamacpp_spec_type = "draft-dspark"
     gguf_architecture = "dflash"  # llama.cpp's converter writes DFlash's architecture; owns_gguf tells them apart
     engines = ("llama.cpp",)
+    title = "DSpark"
 
     # ---------------------------------------------------------------- configuration
 
     def config_errors(self, cfg) -> list[str]:
-        from specforge.config import aux_layer_errors
-
         d = cfg.draft
-        errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
-        if d.vocab_size != DraftConfig.vocab_size:
-            errors.append(f"config key 'draft.vocab_size'={d.vocab_size!r} applies to draft.algorithm=eagle3, not "
-                          "dspark (a DSpark draft predicts the target's whole vocabulary); remove it")
+        errors = super().config_errors(cfg)
         if d.kl_weight == 0 and d.ce_weight == 0:
             errors.append("config keys 'draft.kl_weight' and 'draft.ce_weight' are both 0: nothing would train the "
                           "draft's tokens; set one of them > 0 (kl_weight=1 is speculators' DSpark loss)")
@@ -63,14 +58,6 @@ class DSpark(DFlash):
             errors.append("config key 'draft.confidence_weight'=0 with 'draft.confidence_head'=true: the confidence "
                           "head would never train; set draft.confidence_weight > 0 or draft.confidence_head=false")
         return errors
-
-    def check(self, cfg, target_config) -> None:
-        sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
-        if sp > 1:
-            raise ValueError(f"config keys 'parallel.sp_ulysses'={cfg.parallel.sp_ulysses} / 'parallel.sp_ring'="
-                             f"{cfg.parallel.sp_ring}: DSpark has no sequence parallelism (each block reads the whole "
-                             "context before its anchor); use 1 and data parallelism (train.num_workers)")
-        super().check(cfg, target_config)
 
     # ---------------------------------------------------------------- training
 
@@ -83,14 +70,10 @@ class DSpark(DFlash):
                             markov_rank=d.markov_rank, confidence_head=d.confidence_head,
                             sample_from_anchor=d.sample_from_anchor)
 
-    def build_draft(self, cfg, target, vocab):
+    def _new_draft(self, dcfg):
         from specforge.algorithms.dspark.model import DSparkDraft
 
-        dcfg = self._draft_config(cfg, target, vocab)
-        with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone
-            torch.manual_seed(cfg.train.seed)
-            draft = DSparkDraft(dcfg)
-        return draft.set_target_weights(target.embed_weight_VH, target.lm_head_weight_VH)
+        return DSparkDraft(dcfg)
 
     def _targets(self, draft, batch, cfg, step: int):
         from specforge.algorithms.dflash.loss import sample_anchors
@@ -144,34 +127,9 @@ class DSpark(DFlash):
 
     # ---------------------------------------------------------------- a saved draft
 
-    def hf_config(self, draft) -> dict:
-        from specforge.algorithms.dspark.export import to_hf_config
-
-        return to_hf_config(draft.config)
-
     def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
         """llama.cpp's own rule (common/speculative.cpp): a ``dflash`` GGUF with ``markov_w1.weight`` is DSpark."""
         return arch == self.gguf_architecture and "markov_w1.weight" in tensor_names
-
-    def check_checkpoint(self, path):
-        from specforge.algorithms.dspark.export import check_checkpoint
-
-        return check_checkpoint(path)
-
-    def load(self, path, target):
-        from specforge.algorithms.dspark.export import load_dspark
-
-        self.check_checkpoint(path)
-        return load_dspark(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
-
-    def tokens_per_round(self, hf_config: dict) -> int:
-        from specforge.algorithms.dspark.export import tokens_per_round
-
-        return tokens_per_round(hf_config)
-
-    def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
-        """llama-server clamps --spec-draft-n-max to block_size (anchor-first DSpark), else block_size - 1."""
-        return self.tokens_per_round(hf_config)
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
         raise ValueError(f"--engine {engine}: DSparkDraftModel drafts are exported for llama.cpp only "

@@ -21,13 +21,11 @@ the Markov tensors); its ``DSparkDraftModel`` is built from the config by hand (
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from specforge.algorithms.dflash import export as dflash_export
 
@@ -74,26 +72,13 @@ def tokens_per_round(d: Mapping) -> int:
 
 
 def save_dspark(draft: DSparkDraft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.export_state_dict().items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(to_hf_config(draft.config, dtype), indent=2) + "\n")
-    return out
+    return dflash_export.save_block_draft(draft, out_dir, to_hf_config(draft.config, dtype), dtype)
 
 
 def load_dspark(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optional[torch.Tensor] = None,
                 dtype: torch.dtype = torch.float32) -> DSparkDraft:
     """Rebuild the draft from a folder; pass the target's embedding and lm_head to make it usable."""
-    p = Path(path)
-    draft = DSparkDraft(from_hf_config(json.loads((p / "config.json").read_text()))).to(dtype)
-    missing, unexpected = draft.load_state_dict(load_file(str(p / "model.safetensors")), strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
-    if missing or unexpected:
-        raise ValueError(f"{p / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
-    if embed_VH is not None and lm_head_VH is not None:
-        draft.set_target_weights(embed_VH, lm_head_VH)
-    return draft
+    return dflash_export.load_block_draft(path, lambda d: DSparkDraft(from_hf_config(d)), embed_VH, lm_head_VH, dtype)
 
 
 def check_checkpoint(draft_dir) -> tuple[dict, None]:

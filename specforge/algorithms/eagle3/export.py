@@ -21,6 +21,7 @@ tell it), llama.cpp's GGUF by llama.cpp's converter on a staged copy (:func:`lla
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -65,11 +66,18 @@ def config_errors(hf_config: dict) -> list[str]:
     return errors
 
 
-def tensor_errors(hf_config: dict, weights: dict[str, torch.Tensor]) -> list[str]:
-    """Missing / unexpected keys, wrong shapes or dtypes, and an inconsistent vocab mapping."""
-    want = expected_tensors(hf_config)
-    errors = [f"missing {k}" for k in sorted(set(want) - set(weights))]
-    errors += [f"unexpected {k} (SGLang would drop it silently)" for k in sorted(set(weights) - set(want))]
+def tensor_errors(hf_config: dict, weights: dict[str, torch.Tensor],
+                  want: Optional[dict[str, tuple[tuple[int, ...], torch.dtype]]] = None,
+                  unexpected: str = " (SGLang would drop it silently)", why: Optional[dict[str, str]] = None) -> list[str]:
+    """Missing / unexpected keys, wrong shapes or dtypes, and an inconsistent vocab mapping.
+
+    ``want`` (name -> shape, dtype; default EAGLE-3's ``expected_tensors``) lets a variant of the
+    format (EAGLE-3.1's norms, P-EAGLE's mask embedding) check its own set with these rules;
+    ``unexpected`` follows an extra key's name, ``why`` a missing key's (name -> reason)."""
+    want = expected_tensors(hf_config) if want is None else want
+    why = why or {}
+    errors = [f"missing {k}" + (f" ({why[k]})" if k in why else "") for k in sorted(set(want) - set(weights))]
+    errors += [f"unexpected {k}{unexpected}" for k in sorted(set(weights) - set(want))]
     for k in sorted(set(want) & set(weights)):
         shape, dtype = want[k]
         if tuple(weights[k].shape) != shape or weights[k].dtype != dtype:
@@ -142,18 +150,25 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, target_
         if speculative_tokens is not None:
             config.speculators_config.proposal_methods[0].speculative_tokens = int(speculative_tokens)
             config.save_pretrained(str(out))
-    check_converted(weights, out, ids, config)
+    check_converted(weights, out, ids, {"norm_before_residual": False})
     return out
 
 
-def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], config: Any) -> None:
-    """The converter logs, and does not raise on, tensors it could not place: every one of ours must
-    be in the written file, equal (in the written dtype), and the conventions we passed must hold."""
+def read_written(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export folder's safetensors files (one or sharded)."""
     from safetensors.torch import load_file
 
     written = {}
-    for f in sorted(out.glob("*.safetensors")):
+    for f in sorted(Path(out).glob("*.safetensors")):
         written.update(load_file(f))
+    return written
+
+
+def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], flags: dict[str, bool]) -> None:
+    """The converter logs, and does not raise on, tensors it could not place: every one of ours must
+    be in the written files, equal in the written dtype (``midlayer.*`` as ``layers.0.*``), and the
+    written config.json must hold the layer ids and the norm ``flags`` (name -> value) we passed."""
+    written = read_written(out)
     errors = []
     for k, v in ours.items():
         name = "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k
@@ -161,10 +176,10 @@ def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], co
             errors.append(f"{name} missing")
         elif written[name].shape != v.shape or not torch.equal(written[name], v.to(written[name].dtype)):
             errors.append(f"{name} differs from our {k}")
-    if list(config.eagle_aux_hidden_state_layer_ids) != ids:
-        errors.append(f"eagle_aux_hidden_state_layer_ids {config.eagle_aux_hidden_state_layer_ids}, expected {ids}")
-    if config.norm_before_residual is not False:
-        errors.append("norm_before_residual is not false")
+    config = json.loads((Path(out) / "config.json").read_text())
+    if config.get("eagle_aux_hidden_state_layer_ids") != ids:
+        errors.append(f"eagle_aux_hidden_state_layer_ids {config.get('eagle_aux_hidden_state_layer_ids')}, expected {ids}")
+    errors += [f"{k} is {config.get(k)!r}, expected {v}" for k, v in flags.items() if config.get(k) is not v]
     if errors:
         raise ValueError(f"speculators' converter wrote {str(out)!r} wrongly: " + "; ".join(errors))
 

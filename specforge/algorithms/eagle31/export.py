@@ -101,13 +101,9 @@ def check_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     errors = eagle3_export.config_errors(hf_config) + flag_errors(hf_config)
     if not errors:
         extra = extra_tensors(hf_config)
-        errors = eagle3_export.tensor_errors(hf_config, {k: v for k, v in weights.items() if k not in extra})
-        for k, (shape, dtype) in extra.items():
-            if k not in weights:
-                flag = "norm_before_fc" if k.startswith("input_norm.") else "fc_norm"
-                errors.append(f"missing {k} (config.json sets {flag}: true)")
-            elif tuple(weights[k].shape) != shape or weights[k].dtype != dtype:
-                errors.append(f"{k} is {list(weights[k].shape)} {weights[k].dtype}, expected {list(shape)} {dtype}")
+        why = {k: f"config.json sets {'norm_before_fc' if k.startswith('input_norm.') else 'fc_norm'}: true" for k in extra}
+        errors = eagle3_export.tensor_errors(hf_config, weights, want={**eagle3_export.expected_tensors(hf_config), **extra},
+                                             why=why)
     if errors:
         raise ValueError(f"{str(path)!r} is not a valid EAGLE-3.1 {ARCHITECTURE} checkpoint: " + "; ".join(errors)
                          + ". Export a checkpoint written by specforge training (a step-* folder)")
@@ -149,7 +145,7 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
             config.speculators_config.proposal_methods[0].speculative_tokens = int(speculative_tokens)
             config.save_pretrained(str(out))
     add_tensors(out, {k: weights[k] for k in extra_tensors(hf_config)})
-    check_converted(weights, out, ids, flags)
+    eagle3_export.check_converted(weights, out, ids, flags)
     return out
 
 
@@ -176,29 +172,6 @@ def add_tensors(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     dtype = written["fc.weight"].dtype
     written.update({k: v.to(dtype).contiguous() for k, v in tensors.items()})
     save_file(written, str(f), metadata={"format": "pt"})
-
-
-def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], flags: dict[str, bool]) -> None:
-    """Every one of our tensors in the written files, equal in the written dtype (``midlayer.*`` as
-    ``layers.0.*``); the layer ids and all four flags in the written config.json as ours."""
-    from safetensors.torch import load_file
-
-    written = {}
-    for f in sorted(out.glob("*.safetensors")):
-        written.update(load_file(f))
-    errors = []
-    for k, v in ours.items():
-        name = "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k
-        if name not in written:
-            errors.append(f"{name} missing")
-        elif written[name].shape != v.shape or not torch.equal(written[name], v.to(written[name].dtype)):
-            errors.append(f"{name} differs from our {k}")
-    config = json.loads((out / "config.json").read_text())
-    if config.get("eagle_aux_hidden_state_layer_ids") != ids:
-        errors.append(f"eagle_aux_hidden_state_layer_ids {config.get('eagle_aux_hidden_state_layer_ids')}, expected {ids}")
-    errors += [f"{k} is {config.get(k)!r}, expected {v}" for k, v in flags.items() if config.get(k) is not v]
-    if errors:
-        raise ValueError(f"speculators' converter wrote {str(out)!r} wrongly: " + "; ".join(errors))
 
 
 # ---------------------------------------------------------------- the export hook and llama.cpp

@@ -79,15 +79,8 @@ def config_errors(hf_config: dict) -> list[str]:
 
 
 def tensor_errors(hf_config: dict, weights: dict[str, torch.Tensor]) -> list[str]:
-    """Missing / unexpected keys, wrong shapes or dtypes, an inconsistent vocab mapping."""
-    want = expected_tensors(hf_config)
-    errors = [f"missing {k}" for k in sorted(set(want) - set(weights))]
-    errors += [f"unexpected {k}" for k in sorted(set(weights) - set(want))]
-    for k in sorted(set(want) & set(weights)):
-        shape, dtype = want[k]
-        if tuple(weights[k].shape) != shape or weights[k].dtype != dtype:
-            errors.append(f"{k} is {list(weights[k].shape)} {weights[k].dtype}, expected {list(shape)} {dtype}")
-    return errors or eagle3_export.vocab_errors(weights["d2t"], weights["t2d"])
+    """EAGLE-3's tensor checks (missing / unexpected keys, shapes, dtypes, vocab mapping) on P-EAGLE's set."""
+    return eagle3_export.tensor_errors(hf_config, weights, want=expected_tensors(hf_config), unexpected="")
 
 
 def check_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -192,12 +185,9 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
 def check_written(want: dict[str, torch.Tensor], out: Path, hf_config: dict, speculative_tokens: int) -> None:
     """Reread ``out`` with speculators' config class and safetensors: every tensor present and equal,
     no other tensor, and the conventions vLLM reads as written."""
-    from safetensors.torch import load_file
     from speculators.models.peagle import PEagleSpeculatorConfig
 
-    written = {}
-    for f in sorted(out.glob("*.safetensors")):
-        written.update(load_file(f))
+    written = eagle3_export.read_written(out)
     errors = [f"{k} missing" for k in sorted(set(want) - set(written))]
     errors += [f"{k} unexpected" for k in sorted(set(written) - set(want))]
     errors += [f"{k} differs" for k in sorted(set(want) & set(written))
