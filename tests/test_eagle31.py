@@ -228,7 +228,7 @@ def test_engines_take_the_flags_they_read(tmp_path, target_dir, target, capsys):
 def test_training_lowers_the_loss_and_the_checkpoint_round_trips(tmp_path):
     from specforge.config import load_config
     from specforge.data.vocab import DraftVocab
-    from specforge.train.batch import TrainBatch
+    from specforge.models.features import TrainBatch
 
     model = tiny_target(num_layers=6, sharpen=8.0)
     target = TargetModel(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], device=torch.device("cpu"))
@@ -282,7 +282,7 @@ def test_inference_paths_and_the_loss_agree_with_the_training_forward(target, fl
     from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference
     from specforge.algorithms.eagle3.model import ChainDrafter, DraftKVCache
     from specforge.config import load_config
-    from specforge.train.batch import TrainBatch
+    from specforge.models.features import TrainBatch
 
     draft = make_draft(target, **flags)
     ids, aux, last = features(target, T=20)
@@ -444,8 +444,8 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path):
     ~5 min on 2 loaded cores (the capture of 36 conversations is half of it); measured: 1.0947 both."""
     from specforge.capture import capture_store
     from specforge.config import load_config
-    from specforge.engines import llamacpp
     from specforge.data.heldout import eval_prompts, heldout_rows
+    from specforge.engines import llamacpp
     from specforge.eval import TIE_RTOL, _eos_ids, check_lossless, greedy_run, speculative_decode
     from specforge.local import run as train
     from specforge.models.target import load_target, resolve_target_path

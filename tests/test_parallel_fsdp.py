@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from specforge.algorithms import get_algorithm
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict
 from specforge.parallel.launch import run_ranks
@@ -16,7 +17,8 @@ from tests.helpers.ranks import check_close, run_sp, sample_rows, setup_sp, sp_c
 def _reference(path):
     """Single process, the two samples as two micro-batches; losses + params after each step."""
     draft, teacher, batches = setup_sp()
-    trainer = DraftTrainer(draft, teacher, sp_cfg(), torch.device("cpu"))
+    cfg = sp_cfg()
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"))
     out = {"loss": [], "params": []}
     for b in batches:
         out["loss"].append(trainer.step([sample_rows(b, 0), sample_rows(b, 1)])["loss"])
@@ -39,7 +41,7 @@ def _dp_rank(rank, world, ref_path):
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
     assert not isinstance(draft.embed_tokens.weight, DTensor)  # frozen: replicated, never gathered
     assert isinstance(draft.lm_head.weight, DTensor) and isinstance(draft.fc.weight, DTensor)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if groups.dp_rank == 0 else None
     for step, b in enumerate(batches):
         m = trainer.step([sample_rows(b, groups.dp_rank)])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from specforge.algorithms import get_algorithm
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, gather_to_first
 from specforge.parallel.launch import run_ranks
@@ -31,7 +32,7 @@ def _sharded_trainer(rank):
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     return trainer, [sample_rows(b, rank) for b in batches]
 
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from specforge import targets
-from specforge.data.vocab import build_draft_vocab
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
+from specforge.algorithms.eagle3.loss import teacher_weight_from_target, ttt_loss
 from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
+from specforge.data.vocab import build_draft_vocab
+from specforge.models.features import TrainBatch
 from specforge.models.generate import SamplingParams, generate
 from specforge.models.target import capture, text_tower
 from specforge.targets import FAMILIES, IN_PROCESS, tiny
-from specforge.train.batch import TrainBatch
-from specforge.algorithms.eagle3.loss import teacher_weight_from_target, ttt_loss
 from tests.helpers.targets import AUX, NAMES, build_family
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -233,9 +233,9 @@ def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     """EAGLE-3's teacher (its train state + the TTT loss's ``teacher_probs``) = HF's logits on the draft
     vocab rows, renormalized over them: Gemma's final soft-cap included, where the HF class applies it."""
     from specforge.algorithms import get_algorithm
+    from specforge.algorithms.eagle3.loss import teacher_probs, ttt_loss_reference
     from specforge.config import Config
     from specforge.data.vocab import DraftVocab
-    from specforge.algorithms.eagle3.loss import teacher_probs, ttt_loss_reference
 
     target = built(name)
     ids, mask = _ids()

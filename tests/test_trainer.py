@@ -2,13 +2,14 @@
 
 import copy
 
+import pytest
 import torch
 
-from specforge.train.batch import global_batch_ids, split_for_ranks
 from specforge.algorithms import load_draft
-from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
 from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
 from specforge.algorithms.eagle3.loss import ttt_logits
+from specforge.train.batch import global_batch_ids, split_for_ranks
+from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 
@@ -35,6 +36,18 @@ def test_grad_accumulation_equals_one_big_batch():
         assert na == nb
         if pa.requires_grad:
             torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_trainer_runs_the_algorithm_it_is_given_and_refuses_another():
+    """DraftTrainer takes its algorithm; one that is not the config's draft.algorithm is refused
+    (the step would otherwise run one algorithm's loss on another's draft)."""
+    from specforge.algorithms import get_algorithm
+    from specforge.train.trainer import DraftTrainer
+
+    _, _, trainer = setup_trainer()
+    assert trainer.algorithm is EAGLE3  # the one it was given (the control: the config's own is accepted)
+    with pytest.raises(ValueError, match="DraftTrainer got algorithm 'dflash'.*draft.algorithm is 'eagle3'"):
+        DraftTrainer(get_algorithm("dflash"), trainer.draft, trainer.state, trainer.cfg, torch.device("cpu"))
 
 
 def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):

@@ -10,15 +10,16 @@ import math
 
 import torch
 
+from specforge.algorithms import get_algorithm
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.config import Config, TrainConfig
+from specforge.models.features import TrainBatch
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict, grads_full
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-from specforge.train.batch import TrainBatch
 from specforge.train.slicing import sp_slice_batch
 from specforge.train.trainer import DraftTrainer
 
@@ -66,7 +67,8 @@ def setup_sp():
 def sp_reference(setup=setup_sp, cfg=sp_cfg) -> dict:
     """The single process over ``setup()``'s batches: metrics, gradients after every step, final parameters."""
     draft, teacher, batches = setup()
-    trainer = DraftTrainer(draft, teacher, cfg(), torch.device("cpu"))
+    c = cfg()
+    trainer = DraftTrainer(get_algorithm(c.draft.algorithm), draft, teacher, c, torch.device("cpu"))
     out = {"metrics": [], "grads": []}
     for b in batches:
         out["metrics"].append(trainer.step([b]))
@@ -86,11 +88,11 @@ def check_close(name, a, b, atol=2e-5, rtol=1e-4):
 def _check_ulysses_head_plans(groups):
     """Core level, every rank checks its own rows: kv heads repeated (4q/1kv) and query heads
     padded (3q/1kv, 9q/3kv) over 2 Ulysses ranks, 2 TTT steps, forward and backward."""
-    from specforge.parallel.sp import UlyssesAttention
     from specforge.algorithms.eagle3.attention import TTTAttentionCore
+    from specforge.parallel.sp import UlyssesAttention
 
     core = UlyssesAttention(TTTAttentionCore("fast"), groups.ulysses_group)
-    P, r = 2, groups.uly_rank
+    r = groups.uly_rank
     for Hq, Hkv in ((4, 1), (3, 1), (9, 3)):
         g = torch.Generator().manual_seed(Hq)
         full = [torch.randn(2, h, 14, 8, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hkv, Hkv)]
@@ -115,7 +117,7 @@ def sp_rank(rank, world, dims_tuple, ref_path):
     if dims_tuple == (1, 2, 1):
         _check_ulysses_head_plans(groups)
     draft = parallelize_draft(draft, dims, groups, cfg)
-    trainer = DraftTrainer(draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
         if dims.dp > 1:  # each DP rank takes its share of the samples
@@ -168,6 +170,7 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def fp32_step(samples) -> tuple[dict, dict]:
     draft, teacher, batches = setup_sp()
-    trainer = DraftTrainer(draft, teacher, sp_cfg(), torch.device("cpu"))
+    cfg = sp_cfg()
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"))
     m = trainer.step([sample_rows(batches[0], i) for i in samples])
     return m, {k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None}

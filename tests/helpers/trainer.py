@@ -6,8 +6,9 @@ from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.config import Config, TrainConfig
 from specforge.data.vocab import build_draft_vocab
+from specforge.models.features import TrainBatch
 from specforge.models.target import TargetModel, capture
-from specforge.train.batch import TrainBatch, collate
+from specforge.train.batch import collate
 from specforge.train.trainer import DraftTrainer
 from tests.helpers.models import tiny_target
 
@@ -31,7 +32,7 @@ def setup_trainer(seed=0, **train):
     cfg = Config(draft=Eagle3Options(vocab_size=48, ttt_length=3, ttt_warmup_steps=train.pop("ttt_warmup_steps", 0)),
                  train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
     draft = EAGLE3.build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(draft, EAGLE3.train_state(cfg, target, vocab), cfg, torch.device("cpu"))
+    trainer = DraftTrainer(EAGLE3, draft, EAGLE3.train_state(cfg, target, vocab), cfg, torch.device("cpu"))
     return target, rows, trainer
 
 
