@@ -53,10 +53,10 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
               fraction: float = 1.0, epochs: float = 0.0) -> list[dict]:
     """Train lever ``name`` on the first ``fraction`` of the train samples; measure the held-out
     rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given."""
+    from specforge.algorithms import get_algorithm
+    from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
-    from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
-    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     overrides, all_tokens = LEVERS[name]

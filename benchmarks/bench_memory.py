@@ -172,10 +172,10 @@ def _batch(case: Case, g: torch.Generator, groups=None):
 
 def measure(case: Case, groups=None) -> int:
     """The measured peak of the second step, bytes (this rank's)."""
+    from specforge.algorithms import get_algorithm
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy
     from specforge.parallel.parallelize import sum_over_train_ranks
     from specforge.parallel.sp import apply_sp
-    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     g = torch.Generator().manual_seed(0)

@@ -49,13 +49,13 @@ def _rss_mb() -> float:
 
 
 def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
+    from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.batch import TrainBatch
     from specforge.train.slicing import sp_slice_batch
-    from specforge.algorithms import get_algorithm
     from specforge.train.trainer import DraftTrainer
 
     cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7),

@@ -123,8 +123,8 @@ def read_rate(read_batch, ids: list[int], lengths: dict, reps: int, seed: int = 
 
 
 def train_and_eval(cfg, target, vocab, store: FeatureStore, eval_batches, steps: int) -> dict:
-    from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
     from specforge.algorithms import get_algorithm
+    from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
     from specforge.train.trainer import DraftTrainer
 
     torch.manual_seed(cfg.train.seed)

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+
 from specforge.runtime.actors import DistributedWorker, gather, init_communicator, spawn_actors  # noqa: E402
 from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step  # noqa: E402
 from specforge.runtime.dataplane import (  # noqa: E402

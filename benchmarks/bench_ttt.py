@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
-from specforge.device import autocast, autocast_dtype, cpu_fast_bf16  # noqa: E402
-from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference  # noqa: E402
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
+from specforge.device import autocast, autocast_dtype, cpu_fast_bf16  # noqa: E402
 
 TARGET = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152)
 TTT_LENGTH = 7

@@ -9,6 +9,8 @@ bash scripts/install.sh
 # llama.cpp (llama-server + its GGUF converter), built once per version and CPU into ~/.cache/specforge:
 # tests/test_engine_llamacpp.py serves drafts with it (and fails, not skips, without it)
 VENV="$VENV" bash scripts/install_llamacpp.sh
+# lint first (seconds): the ruff configuration in pyproject.toml, clean on the whole tree
+"$VENV/bin/ruff" check --no-cache . || { echo "ruff found the problems above: fix them (ruff check --fix fixes most)" >&2; exit 1; }
 set +e
 "$VENV/bin/python" -m pytest -ra --durations=15 "$@"
 rc=$?

@@ -19,7 +19,13 @@ from typing import Iterator, Sequence
 import torch
 
 from specforge.data.store import (
-    FeatureStoreWriter, StoreMeta, bytes_per_token, check_disk, human_bytes, store_meta, store_root,
+    FeatureStoreWriter,
+    StoreMeta,
+    bytes_per_token,
+    check_disk,
+    human_bytes,
+    store_meta,
+    store_root,
 )
 
 CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from specforge import memory
-from specforge.config import Config, EMBEDDED_TARGET
+from specforge.config import EMBEDDED_TARGET, Config
 from specforge.device import wants_gpu
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
@@ -109,8 +109,7 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     """``(target, draft, train_state)`` on the meta device: the target's class from the family table
     in ``dtype``, the draft and its train state from the run's algorithm, as the workers build them
     (a draft vocab of ``draft.vocab_size`` placeholder ids)."""
-    from specforge.algorithms import get_algorithm
-    from specforge.algorithms import feature_layers
+    from specforge.algorithms import feature_layers, get_algorithm
     from specforge.data.vocab import DraftVocab
     from specforge.models.target import TargetModel
     from specforge.targets import family_of, text_config
@@ -170,8 +169,7 @@ def _gib(n: int) -> str:
 
 def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bool = False) -> DryRun:
     """Check ``cfg`` as a run would (no weights, no data, no Ray), print what it would hold where."""
-    from specforge.algorithms import get_algorithm
-    from specforge.algorithms import feature_layers
+    from specforge.algorithms import feature_layers, get_algorithm
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.contracts import FeatureSpec
     from specforge.runtime.loop import check

@@ -501,8 +501,8 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from specforge.compat import check_target_weights
     from specforge.algorithms import feature_layers
+    from specforge.compat import check_target_weights
     from specforge.config import load_config
     from specforge.device import set_threads
     from specforge.models.target import load_target

@@ -47,7 +47,14 @@ from specforge.config import Config, load_config
 from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
 from specforge.preflight import check_placement, check_ray_address, check_resources, ray_resources
 from specforge.runtime.actors import (
-    ActorDied, ActorGroup, WorkerError, dead_actors, gather, init_communicator, spawn_actors)
+    ActorDied,
+    ActorGroup,
+    WorkerError,
+    dead_actors,
+    gather,
+    init_communicator,
+    spawn_actors,
+)
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.loop import check, not_applied, restore_rows, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps

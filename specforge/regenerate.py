@@ -61,7 +61,11 @@ from specforge.config import Config, load_config
 from specforge.data.heldout import heldout_sources
 from specforge.data.sharegpt import iter_conversations
 from specforge.data.template import (
-    TemplateError, assistant_char_spans, render, resolve_chat_template, span_mask,
+    TemplateError,
+    assistant_char_spans,
+    render,
+    resolve_chat_template,
+    span_mask,
 )
 
 HELD_OUT = "held out for eval"

@@ -450,8 +450,8 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
     import tempfile
 
     import specforge.preflight as pf
-    from specforge.train.checkpoint import load_draft_folder, load_train_state
     from specforge.local import main
+    from specforge.train.checkpoint import load_draft_folder, load_train_state
 
     monkeypatch.setattr(pf, "check_outputs", lambda cfg: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

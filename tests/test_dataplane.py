@@ -17,8 +17,8 @@ from specforge.runtime.contracts import FeatureSpec, SampleRef, StepReport, asse
 from specforge.runtime.dataplane import (
     ObjectStoreTransport,
     P2PTransport,
-    Prefetcher,
     PendingRecv,
+    Prefetcher,
     SendHandle,
     SendWindow,
     packed_layout,

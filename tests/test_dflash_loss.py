@@ -6,8 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge.algorithms.dflash.loss import (block_loss, block_targets, build_block_ids, decay_weights, dflash_loss,
-                                              metrics_from_counts, next_token_labels, sample_anchors)
+from specforge.algorithms.dflash.loss import (
+    block_loss,
+    block_targets,
+    build_block_ids,
+    decay_weights,
+    dflash_loss,
+    metrics_from_counts,
+    next_token_labels,
+    sample_anchors,
+)
 from tests.helpers.dflash import tiny_draft
 
 

@@ -7,7 +7,6 @@ from specforge.algorithms.dflash.loss import build_block_ids, sample_anchors
 from specforge.algorithms.dflash.model import ContextCache, build_block_mask
 from tests.helpers.dflash import tiny_draft
 
-
 # ---------------------------------------------------------------- the mask, element by element
 
 def test_block_mask_literal():

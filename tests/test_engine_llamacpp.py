@@ -15,7 +15,6 @@ tests fail naming that command when it is missing, they are not skipped.
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -231,8 +230,8 @@ def test_draft_of_another_target_is_refused(tmp_path):
     """A valid draft checkpoint made for a target of another width (a tiny Llama) vs SmolLM2."""
     from safetensors.torch import save_file
 
-    from specforge.config import ModelConfig
     from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+    from specforge.config import ModelConfig
     from specforge.models.target import resolve_target_path
 
     target_dir = resolve_target_path(ModelConfig())  # the embedded SmolLM2 (hidden 576)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specforge import eval as ev
+from specforge.algorithms.eagle3.model import ChainDrafter, DraftKVCache, Eagle3Draft, Eagle3DraftConfig
 from specforge.algorithms.eagle3.propose import EagleProposer
 from specforge.eval import (
     GreedyRun,
@@ -17,7 +18,6 @@ from specforge.eval import (
     greedy_run,
     speculative_decode,
 )
-from specforge.algorithms.eagle3.model import ChainDrafter, DraftKVCache, Eagle3Draft, Eagle3DraftConfig
 from specforge.models.target import TargetModel
 from tests.helpers.models import tiny_target
 

@@ -3,7 +3,7 @@ while generating equal a teacher-forced ``capture`` of the finished sequence."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from specforge.models.generate import SamplingParams, generate
 from specforge.models.target import TargetModel, capture

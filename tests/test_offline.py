@@ -49,8 +49,8 @@ def test_store_training_equals_online_training(assets, store, tmp_path):
 
 @pytest.mark.ray
 def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tmp_path):
-    from specforge.ray_train import fit
     from specforge.local import run
+    from specforge.ray_train import fit
 
     # 12 train samples, global batch 2: 2 epochs = 12 steps; the Ray run (2 DP ranks) == one process
     common = ("train.max_steps=null", "train.epochs=2")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
+from specforge.algorithms.eagle3.loss import num_valid_rows, ttt_loss
 from specforge.parallel.sp import _flash_step0, _kv_repeat
 from specforge.train.slicing import slice_bounds, sp_slice_batch
-from specforge.algorithms.eagle3.loss import num_valid_rows, ttt_loss
 from tests.helpers.ranks import H, L, T, run_sp, setup_sp
 
 

@@ -39,7 +39,6 @@ def disaggregated(assets, tmp_path_factory, ray_session):
 
 
 def test_modes_give_the_same_losses(assets, reference, disaggregated, ray_session, tmp_path):
-    import torch
 
     from specforge.ray_train import fit
     from specforge.train.checkpoint import load_draft_folder
@@ -164,7 +163,6 @@ def test_sequence_parallel_colocated_matches_single_process(assets, reference, r
 def test_sequence_parallel_disaggregated_matches_single_process(assets, reference, ray_session, tmp_path):
     """1 rollout worker -> 2 train workers = 1 DP group of ring SP 2, micro-batches of 2 samples:
     each train rank receives only its slice + halo of each sample; same losses and checkpoint."""
-    import torch
 
     from specforge.ray_train import fit
     from specforge.train.checkpoint import load_draft_folder

@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specforge import regenerate as rg
-from specforge.data.heldout import heldout_sources
 from specforge.config import load_config
+from specforge.data.heldout import heldout_sources
 from specforge.data.prepare import prepare_dataset
 from specforge.data.sharegpt import iter_conversations
 from specforge.data.store import FeatureStore

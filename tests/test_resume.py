@@ -26,14 +26,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from specforge.algorithms import load_draft
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.config import Config, TrainConfig
 from specforge.data.vocab import DraftVocab
-from specforge.algorithms import load_draft
 from specforge.train.checkpoint import CheckpointManager, load_train_state
 from specforge.train.trainer import run_identity
-from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 from tests.helpers.ray_run import cfg_overrides, losses
+from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 REPO = Path(__file__).parent.parent
 

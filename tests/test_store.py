@@ -13,8 +13,15 @@ import specforge.models.target as target_mod
 from specforge.capture import iter_features, main, plan_batches, write_store
 from specforge.config import Config, DataConfig
 from specforge.data.store import (
-    FeatureStore, FeatureStoreWriter, bytes_per_token, check_disk, dequantize_rows, quantize_rows, quantize_smooth,
-    store_meta, target_fingerprint,
+    FeatureStore,
+    FeatureStoreWriter,
+    bytes_per_token,
+    check_disk,
+    dequantize_rows,
+    quantize_rows,
+    quantize_smooth,
+    store_meta,
+    target_fingerprint,
 )
 from specforge.models.target import TargetModel
 from specforge.train.batch import collate
@@ -44,7 +51,7 @@ def target():
 def rows():
     g = torch.Generator().manual_seed(1)
     out = []
-    for i in range(14):
+    for _ in range(14):
         n = int(torch.randint(5, 40, (1,), generator=g))
         mask = (torch.arange(n) >= n // 3).long()
         out.append({"input_ids": torch.randint(0, 320, (n,), generator=g).tolist(), "loss_mask": mask.tolist()})

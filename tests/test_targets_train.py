@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from specforge import eval as ev
-from specforge.data import heldout
 from specforge.config import load_config
+from specforge.data import heldout
 from specforge.models.target import TargetModel, forward_aux
 from specforge.targets import FAMILIES, RESTORE, tiny
 from tests.helpers.targets import AUX, NAMES, build_family, overrides, target_folder

@@ -4,7 +4,6 @@ frozen embedding, training progress, metrics, bf16 autocast."""
 import pytest
 import torch
 
-from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.algorithms.eagle3.loss import (
     metrics_from_counts,
     teacher_weight_from_target,
@@ -12,6 +11,7 @@ from specforge.algorithms.eagle3.loss import (
     ttt_loss_reference,
     valid_rows,
 )
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 
 V, N, HT = 300, 100, 48
 

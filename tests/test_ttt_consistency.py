@@ -9,8 +9,8 @@ from specforge.algorithms.eagle3.attention import (
     ttt_attention_fast,
     ttt_attention_sdpa,
 )
-from specforge.algorithms.eagle3.model import DraftKVCache, Eagle3Draft, Eagle3DraftConfig
 from specforge.algorithms.eagle3.loss import ttt_logits
+from specforge.algorithms.eagle3.model import DraftKVCache, Eagle3Draft, Eagle3DraftConfig
 
 V, N = 300, 100
 

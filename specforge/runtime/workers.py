@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from specforge.config import Config
 from specforge.device import bind, pick_device, set_threads, synchronize
+from specforge.models.features import TrainBatch
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.actors import DistributedWorker, control
 from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
-from specforge.models.features import TrainBatch
 from specforge.train.batch import collate, pad_id
 
 
@@ -151,12 +151,11 @@ class TrainWorker(DistributedWorker):
         resume from the newest checkpoint of the same run (``facts``: ``plan.run_facts``, what the
         checkpoints record about the data). Returns the step to start from. Without a process
         group (the single-process placement) this is rank 0 of one."""
+        from specforge.algorithms import feature_layers, get_algorithm
         from specforge.data.vocab import load_draft_vocab
         from specforge.models.target import load_target
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
         from specforge.train.checkpoint import CheckpointManager
-        from specforge.algorithms import get_algorithm
-        from specforge.algorithms import feature_layers
         from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
 
         cfg = self.cfg

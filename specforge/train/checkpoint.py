@@ -325,7 +325,10 @@ class CheckpointManager:
         """Restore ``path`` (default: the latest checkpoint) into the trainer; returns the step to
         continue from (0 when there is nothing to resume)."""
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = path or latest_checkpoint(self.root)
         if path is None:

@@ -24,8 +24,8 @@ from typing import Sequence
 
 import torch
 
-from specforge.parallel.bounds import slice_bounds
 from specforge.models.features import TrainBatch
+from specforge.parallel.bounds import slice_bounds
 
 __all__ = ["SPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
 

@@ -20,8 +20,8 @@ import torch
 from specforge.config import Config
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
-from specforge.models.target import TargetModel, capture
 from specforge.models.features import TrainBatch
+from specforge.models.target import TargetModel, capture
 from specforge.train.batch import collate, pad_id
 from specforge.train.checkpoint import tensor_digest
 from specforge.train.optim import build_optimizer

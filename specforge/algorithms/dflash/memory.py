@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from specforge.memory import StepPrecision, Term, norm_saved
 
-
 # ---------------------------------------------------------------- DFlash: blocks after a context
 
 

@@ -113,8 +113,8 @@ class Eagle3:
     def train_state(self, cfg, target, vocab):
         """The teacher over the draft vocab (a ``TeacherHead``): the target's lm_head rows of the
         draft vocab (N x H) and its family's final logit soft-cap, if its HF class applies one."""
-        from specforge.targets import logit_softcap
         from specforge.algorithms.eagle3.loss import TeacherHead, teacher_weight_from_target
+        from specforge.targets import logit_softcap
 
         return TeacherHead(teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone(),
                            logit_softcap(target.model.config))

@@ -58,9 +58,9 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from specforge.device import loop_chunk
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import apply_rotary
+from specforge.device import loop_chunk
 
 __all__ = [
     "ttt_loss",
