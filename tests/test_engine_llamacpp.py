@@ -220,7 +220,7 @@ def test_server_that_cannot_start_shows_its_log(tmp_path):
 
 def test_unsupported_target_family_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
-    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM.*cannot serve EAGLE-3 or DFlash drafts.*SGLang or vLLM"):
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM.*cannot serve drafts in llama.cpp.*SGLang or vLLM"):
         convert_target(tmp_path, tmp_path / "t.gguf")
     with pytest.raises(ValueError, match="outtype 'q4_1'"):
         convert_target(tmp_path, tmp_path / "t.gguf", outtype="q4_1")

@@ -113,7 +113,7 @@ def _read_config(folder: Path, what: str) -> dict:
 
 
 def check_target_architecture(target_config: dict, where: str = "target") -> str:
-    """The target's family (``specforge.targets``) if llama.cpp serves EAGLE-3 and DFlash drafts for it; a
+    """The target's family (``specforge.targets``) if llama.cpp serves drafts for it (of any algorithm); a
     ValueError naming the family and the ones it serves otherwise (the ``engines`` trait of the table)."""
     from specforge.targets import FAMILIES, LLAMACPP, family_of
 
@@ -122,9 +122,9 @@ def check_target_architecture(target_config: dict, where: str = "target") -> str
         return fam.name
     served = ", ".join(f.name for f in FAMILIES if LLAMACPP in f.engines)
     raise ValueError(f"{where}: the {fam.name} family ({', '.join(target_config.get('architectures') or [])}) cannot "
-                     f"serve EAGLE-3 or DFlash drafts in llama.cpp {VERSION}: its graph exposes the target's layer inputs only "
-                     f"for the families {served}; serve this draft with SGLang or vLLM instead "
-                     "(python -m specforge.export --engine sglang | vllm)")
+                     f"serve drafts in llama.cpp {VERSION}: its graph exposes the target's layer inputs only "
+                     f"for the families {served}; serve this draft with SGLang or vLLM instead, where its algorithm "
+                     "exports for them (python -m specforge.export --engine sglang | vllm)")
 
 
 def _check_outtype(outtype: str) -> None:

@@ -1,6 +1,6 @@
 """Drafts served by llama.cpp: ``python -m specforge.eval --engine llama.cpp --draft CKPT ...``.
 
-The target and every draft (EAGLE-3 or DFlash: ``--spec-type draft-eagle3 | draft-dflash``, from the
+The target and every draft llama.cpp serves (``--spec-type`` its algorithm's: draft-eagle3, draft-dflash, draft-dspark; from the
 draft's architecture) are converted with llama.cpp's converter (``engines/llamacpp.py``),
 ``llama-server`` runs the target alone and the target + each draft at each ``--spec-draft-n-max``
 / ``--spec-draft-p-min`` setting, all on the held-out prompts ``specforge.eval`` uses (the same
