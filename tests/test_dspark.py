@@ -290,35 +290,14 @@ def test_spec_decoding_with_the_proposer_is_lossless(tiny):
 
 # ---------------------------------------------------------------- through the runtime
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' "
-          "+ '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-WORDS = "hello world user assistant system question answer".split()
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny random Llama target with a byte-level BPE ChatML tokenizer, and 14 ShareGPT rows."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tests.helpers.data import write_tiny_assets
 
-    root = tmp_path_factory.mktemp("dspark-assets")
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = CHATML
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=6,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-                     ).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    rows = [{"conversations": [{"from": "human", "value": " ".join(WORDS[(i + j) % 7] for j in range(3 + i % 4))},
-                               {"from": "gpt", "value": " ".join(WORDS[(2 * i + j) % 7] for j in range(6 + i % 5))}]}
-            for i in range(14)]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tiny_assets(root := tmp_path_factory.mktemp("dspark-assets"))
     return root
 
 

@@ -351,29 +351,9 @@ def test_a_run_trains_an_eagle31_draft_and_a_flags_off_one_is_eagle3(tmp_path):
 
 def _assets(root: Path) -> None:
     """A tiny random Llama target + byte-level BPE tokenizer (ChatML) and a tiny ShareGPT JSONL."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tests.helpers.data import write_tiny_assets
 
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(["hello world user assistant system question answer"] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-                         "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                         "{% endif %}")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    words = "hello world user assistant system question answer".split()
-    rows = [{"conversations": [{"from": "human", "value": " ".join(words[(i + j) % 7] for j in range(3 + i % 4))},
-                               {"from": "gpt", "value": " ".join(words[(2 * i + j) % 7] for j in range(6 + i % 5))}]}
-            for i in range(14)]
-    (root / "data.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    write_tiny_assets(root)
 
 
 # ---------------------------------------------------------------- config errors and ownership

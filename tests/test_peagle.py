@@ -28,47 +28,15 @@ pytestmark = [pytest.mark.timeout(300)]
 ALGO = get_algorithm("peagle")
 L, H, K, N = 6, 48, 4, 64
 AUX = [1, 2, 3]  # our layer-output ids (speculators': 2, 3, 4)
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator(["hello world user assistant system question answer"] * 20, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = CHATML
-    return tok
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tiny random Llama target + tokenizer folder (vocab = the tokenizer's) and a tiny ShareGPT file."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A tiny random Llama target + tokenizer folder (vocab = the tokenizer's), its lm_head peaked (a
+    random head's next-token distribution is nearly uniform: a loss that can fall), and a tiny ShareGPT file."""
+    from tests.helpers.data import write_tiny_assets
 
-    root = tmp_path_factory.mktemp("peagle-assets")
-    tok = _tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=H, intermediate_size=96, num_hidden_layers=L,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a peaked next-token distribution (a random head's is nearly uniform): a loss that can fall
-        model.lm_head.weight.mul_(20)
-    model.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    words = "hello world user assistant system question answer".split()
-    rows = [{"conversations": [{"from": "human", "value": " ".join(words[(i + j) % 7] for j in range(3 + i % 4))},
-                               {"from": "gpt", "value": " ".join(words[(2 * i + j) % 7] for j in range(6 + i % 5))}]}
-            for i in range(14)]
-    (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    write_tiny_assets(root := tmp_path_factory.mktemp("peagle-assets"), head_scale=20, hidden_size=H, num_hidden_layers=L)
     return root
 
 

@@ -293,22 +293,10 @@ def test_check_disk_refuses_before_writing(target, rows, meta, tmp_path, monkeyp
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tiny random Llama target + ChatML tokenizer folder and a tiny ShareGPT JSONL."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A tiny random Llama target + ChatML tokenizer folder and a tiny ShareGPT JSONL (12 rows)."""
+    from tests.helpers.data import write_tiny_assets
 
-    from tests.helpers.data import make_tokenizer, rec, write_jsonl
-
-    root = tmp_path_factory.mktemp("assets")
-    tok = make_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    words = "hello world user assistant system question answer".split()
-    convs = [rec(" ".join(words[(i + j) % 7] for j in range(3 + i % 4)),
-                 " ".join(words[(2 * i + j) % 7] for j in range(6 + i % 5))) for i in range(12)]
-    write_jsonl(root / "data.jsonl", convs)
+    write_tiny_assets(root := tmp_path_factory.mktemp("assets"), num_rows=12)
     return root
 
 
