@@ -157,7 +157,7 @@ def _draft(case: Case):
 def _batch(case: Case, g: torch.Generator, groups=None):
     """Random features, every row counting (loss mask 1, argmax in the draft vocab), as the SP rank
     of ``groups`` holds them."""
-    from specforge.train.batch import TrainBatch
+    from specforge.models.features import TrainBatch
     from specforge.train.slicing import sp_slice_batch
 
     B, T, H = case.B, case.T, case.H

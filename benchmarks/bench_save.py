@@ -106,9 +106,9 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
+    from specforge.models.features import TrainBatch
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.batch import TrainBatch
     from specforge.train.checkpoint import CheckpointManager, capture_rng, save_or_rescue
     from specforge.train.trainer import DraftTrainer
     from tests.test_save_memory import _LargestTensor

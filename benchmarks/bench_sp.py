@@ -52,9 +52,9 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
+    from specforge.models.features import TrainBatch
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.batch import TrainBatch
     from specforge.train.slicing import sp_slice_batch
     from specforge.train.trainer import DraftTrainer
 
