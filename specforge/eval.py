@@ -275,6 +275,8 @@ def speculative_decode(
         if costs is not None:
             costs.observe_draft(len(drafted), t2 - t1)
             costs.observe_target(1 + len(drafted), t3 - t2)
+        if any(t in eos for t in new):  # an EOS inside the round ends the answer: no round after it counts
+            break
     # a round may overshoot max_new or run past an EOS: cut where greedy decoding would stop
     for i, tok in enumerate(out):
         if tok in eos:

@@ -102,6 +102,24 @@ def test_speculative_equals_greedy_and_counts_acceptance():
     assert st.drafted == 4 * st.verify_forwards
 
 
+def test_an_eos_inside_a_round_ends_the_decode_there():
+    """Greedy stops at the EOS; so does speculative decoding, also when the EOS is accepted inside a
+    round (not its last token): no later round is run or counted, or acceptance would be measured on
+    tokens the answer does not have. The control: the same rounds as stopping at that length."""
+    target = _target()
+    prompt = torch.randint(0, V, (12,)).tolist()
+    ref, _ = greedy_decode(target, prompt, 40, eos=set())
+    i = next(j for j in range(8, 40) if ref[j] not in ref[:j])  # a token that first appears at j
+    greedy, _ = greedy_decode(target, prompt, 40, eos={ref[i]})
+    assert greedy == ref[: i + 1]
+    out, st = speculative_decode(target, OracleProposer(ref), prompt, 40, chain=4, eos={ref[i]})
+    assert out == greedy
+    _, cut = speculative_decode(target, OracleProposer(ref), prompt, i + 1, chain=4, eos=set())
+    _, full = speculative_decode(target, OracleProposer(ref), prompt, 40, chain=4, eos=set())
+    assert (st.verify_forwards, st.accepted_at) == (cut.verify_forwards, cut.accepted_at)
+    assert st.verify_forwards < full.verify_forwards  # the decode would have gone on to 40 tokens
+
+
 def test_prompt_lookup_output_is_exactly_greedy():
     target = _target()
     prompts = [torch.randint(0, 50, (16,)).tolist() for _ in range(3)]
