@@ -118,8 +118,10 @@ def main() -> int:
         if args.only and name not in args.only:
             continue
         folder = out / name.lower().replace("-", "").replace(".", "")
-        secs = math.nan
-        if not args.reuse:
+        if args.reuse:  # the training loop's own clock (its last metrics.jsonl record; start-up not included)
+            lines = (folder / "metrics.jsonl").read_text().splitlines()
+            secs = json.loads(lines[-1]).get("time_s", math.nan) if lines else math.nan
+        else:
             secs = run([PY, "-m", "specforge.ray_train", "--config", config, f"train.output_dir={folder}",
                         f"store.dir={store}", *common])
         trained[name] = (newest(folder), secs)
@@ -171,7 +173,8 @@ def main() -> int:
         table += f"\n\nllama.cpp does not serve {name}: `{why}`"
     flags = " --reuse" if args.reuse else f" --minutes {args.minutes:g}"
     how = (f"for {args.minutes:g} minutes of wall clock each" if not args.reuse else
-           "by an earlier run of this script (checkpoints reused: the train wall minutes are in that run's section)")
+           "by an earlier run of this script (checkpoints reused; train wall min = the training loop's own clock "
+           "from each run's metrics.jsonl, start-up not included)")
     body = (f"`python benchmarks/bench_algorithms.py{flags}`\n\n**Current figures**: {header_markdown()} · 1-minute "
             f"load average before the eval {load:.1f} (2 cores; the trainings ran one after the other, nothing else heavy).\n\n"
             f"Every draft trained from the same feature store (the default's 300 captured conversations, target layers "
