@@ -8,9 +8,8 @@ the full gradients (gathered from the FSDP shards) after every step, and the fin
 import pytest
 import torch
 
-from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.loss import num_valid_rows, ttt_loss
-from specforge.parallel.sp import _flash_step0, _kv_repeat
+from specforge.parallel.sp import _kv_repeat
 from specforge.train.slicing import slice_bounds, sp_slice_batch
 from tests.helpers.ranks import H, L, T, run_sp, setup_sp
 
@@ -105,12 +104,3 @@ def test_ulysses_head_plans():
     assert _kv_repeat(12, 3, 4) == 4
     assert _kv_repeat(9, 3, 2) is None  # SmolLM2: query heads padded to a multiple of the degree
 
-
-@pytest.mark.gpu
-def test_flash_step0_matches_eager():
-    pytest.importorskip("flash_attn")
-    q = torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 2, 256, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out = _flash_step0(q, k, v, q_offset=128)
-    ref = ttt_attention_eager(q.float(), [k.float()], [v.float()], q_offset=128)
-    assert torch.allclose(out.float(), ref, atol=2e-2)

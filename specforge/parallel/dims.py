@@ -11,7 +11,8 @@ should stay inside a node), ring next, data parallel outermost. An SP group is a
 ``sp_ring * sp_ulysses`` consecutive train ranks; within it a Ulysses group = the ranks with the
 same ``ring_rank``, a ring group = the ranks with the same ``uly_rank``. With this layout the
 Ulysses all-to-all leaves each rank with the contiguous sequence range of its Ulysses group,
-``[ring_rank * U * C, (ring_rank + 1) * U * C)``, which is what the ring all-gather expects.
+``[ring_rank * U * C, (ring_rank + 1) * U * C)``: ring block ``ring_rank``, which is what the ring
+attention (``ring.py``: block r = the r-th contiguous range) expects.
 
 FSDP shards over ALL train ranks (``dp * sp``; SP ranks hold the same weights and their
 gradients are partial sums over their slices, so summing over dp*sp is exactly right):

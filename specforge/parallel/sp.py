@@ -15,18 +15,24 @@ except attention, so only the attention cores the algorithm names (``sp_cores``;
   either (SmolLM2: 9 heads), q/k/v are expanded to MHA and zero heads are padded up to a
   multiple of ``P`` and dropped afterwards (zero queries attend uniformly to zero values: their
   output is 0 and no gradient reaches a real head).
-* :class:`RingAttention` -- context parallel by all-gather: the step-0 keys/values are gathered
-  along the sequence (an exact autograd all-gather whose backward reduce-scatters, i.e. sums, the
-  key gradients of all ranks), the inner core runs with ``q_offset`` = this rank's global start;
-  diagonal keys stay local. Memory: full-length step-0 K/V per rank (``B*Hkv*T*D``), but queries,
-  hidden states, MLP activations and the causal score blocks are ``1/P``. On a GPU with
-  ``flash-attn`` installed the step-0 call (plain causal, bottom-right aligned) goes to
-  ``flash_attn_func`` (lazy import, optional).
+* :class:`RingAttention` -- ring attention (``ring.py``): each ring rank keeps its own block of
+  the step-0 keys/values and passes it around the ring (P2P, one block at a time); the causal
+  step-0 part is computed block by block (later blocks skipped) and merged by log-sum-exp with the
+  diagonal keys of later TTT steps, which stay local; the backward rings dK/dV back to their
+  owners. Per-rank step-0 K/V memory is one block (``1/P`` of the sequence) plus one block in
+  flight. Block kernels: plain torch (CPU, any dtype) or yunchang's flash-attn wrappers (CUDA,
+  fp16/bf16, when flash-attn is installed).
+* :class:`AllGatherRingAttention` -- the former context parallel by all-gather, kept as a reference
+  (tests, benchmarks): the step-0 keys/values are gathered along the sequence (an exact autograd
+  all-gather whose backward reduce-scatters the key gradients) and the inner core runs with
+  ``q_offset`` = this rank's global start: full-length step-0 K/V on every rank.
 * 2D: ``UlyssesAttention(RingAttention(core))`` -- see ``dims.py`` for why the layout (ring
   outermost, ulysses innermost) makes the Ulysses output a contiguous range for the ring.
 
-Each wrapper all-to-alls / gathers every key once per TTT unroll (not once per step): results
-are cached while ``keys[0]`` is the same tensor (a new unroll = a new ``keys[0]``).
+The Ulysses wrapper (and the all-gather reference) move every key once per TTT unroll (not once
+per step): results are cached while ``keys[0]`` is the same tensor (a new unroll = a new
+``keys[0]``). The ring passes the step-0 block around once per TTT step (forward and backward):
+holding the passed blocks for the next step would be the gather it avoids.
 The wrappers take ``q_offset == 0`` (the local slice is aligned with the local keys) and find
 global offsets from their group rank.
 """
@@ -41,9 +47,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specforge.parallel.ring import RingComm, ring_ttt_attention
+
 __all__ = [
     "UlyssesAttention",
     "RingAttention",
+    "AllGatherRingAttention",
     "apply_sp",
     "seq_to_heads",
     "heads_to_seq",
@@ -188,29 +197,32 @@ class UlyssesAttention(nn.Module):
         return out[:, :Hq] if pad else out
 
 
-def _flash_step0(q, k0, v0, q_offset: int):
-    """Plain causal step-0 attention with flash-attn (GPU extra); None when unavailable."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return None
-    T = q.shape[2]
-    k, v = k0[:, :, : q_offset + T], v0[:, :, : q_offset + T]
-    # causal=True aligns the last query with the last key: exactly the q_offset causal mask
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-    return out.transpose(1, 2)
-
-
 class RingAttention(nn.Module):
-    """Context parallel by all-gather of the step-0 keys/values over ``group``."""
+    """Ring attention over ``group`` (``ring.py``); ``inner`` (the TTT core) gives the softmax scale.
+    ``kernel``: ``"auto"`` | ``"torch"`` | ``"flash"`` (``ring.pick_kernel``). ``comm`` counts the
+    bytes this rank receives (tests, benchmarks)."""
 
-    def __init__(self, inner: nn.Module, group, use_flash: bool = True):
+    def __init__(self, inner: nn.Module, group, kernel: str = "auto"):
         super().__init__()
         self.inner = inner
         self.group = group
-        self.use_flash = use_flash
+        self.kernel = kernel
+        self.comm = RingComm(group)
+
+    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
+        if q_offset:
+            raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
+        return ring_ttt_attention(q_BHTD, keys, values, self.comm, getattr(self.inner, "scale", None), self.kernel)
+
+
+class AllGatherRingAttention(nn.Module):
+    """Reference: context parallel by all-gather of the step-0 keys/values over ``group`` (every
+    rank then holds the whole sequence's step-0 K/V; see the module docstring)."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
         self._cache = _PerUnrollCache()
 
     def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
@@ -220,20 +232,18 @@ class RingAttention(nn.Module):
         self._cache.start(keys[0])
         k0 = self._cache.get(keys[0], lambda x: gather_seq(x, self.group))
         v0 = self._cache.get(values[0], lambda x: gather_seq(x, self.group))
-        if len(keys) == 1 and self.use_flash:
-            out = _flash_step0(q_BHTD, k0, v0, offset)
-            if out is not None:
-                return out
         return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset)
 
 
-def apply_sp(draft: nn.Module, cores, ulysses_group=None, ring_group=None) -> nn.Module:
+def apply_sp(draft: nn.Module, cores, ulysses_group=None, ring_group=None, ring_cls=None) -> nn.Module:
     """Wrap each attention core ``(module, attribute)`` of ``cores`` (the algorithm's ``sp_cores``;
-    EAGLE-3: ``draft.midlayer.self_attn.core``) in the SP wrappers (``None`` group = degree 1)."""
+    EAGLE-3: ``draft.midlayer.self_attn.core``) in the SP wrappers (``None`` group = degree 1).
+    ``ring_cls``: the ring wrapper (default :class:`RingAttention`; :class:`AllGatherRingAttention`
+    for reference runs)."""
     for module, name in cores:
         core = getattr(module, name)
         if ring_group is not None:
-            core = RingAttention(core, ring_group)
+            core = (ring_cls or RingAttention)(core, ring_group)
         if ulysses_group is not None:
             core = UlyssesAttention(core, ulysses_group)
         setattr(module, name, core)

@@ -7,8 +7,8 @@ Interface (see docs/ARCHITECTURE.md)::
 * ``q_BHTD``: queries of one TTT step, ``Hq`` heads, ``T`` rows.
 * ``keys[0]`` / ``values[0]`` (``B x Hkv x T0 x D``): the step-0 keys. Causal: the query at
   global position ``q_offset + t`` sees ``keys[0][..., :q_offset + t + 1, :]``. ``T0`` may be
-  longer than ``q_offset + T`` (ring sequence parallelism gathers the whole sequence); keys past
-  the last query are never seen.
+  longer than ``q_offset + T`` (the all-gather ring reference, ``parallel/sp.py``, passes the whole
+  sequence); keys past the last query are never seen.
 * ``keys[j]``, ``j >= 1`` (``B x Hkv x T x D``): the keys of TTT step ``j``, aligned row by row
   with the queries: query ``t`` sees only ``keys[j][..., t, :]`` (the "diagonal").
 * GQA (``Hq`` a multiple of ``Hkv``) is handled inside; head ``h`` uses kv head ``h // (Hq/Hkv)``
