@@ -1,6 +1,7 @@
 """EAGLE-3's terms of the memory model (``specforge.memory``): what one micro-batch's TTT unroll
 keeps, read off ``model.py``, ``attention.py`` and ``loss.py`` (the fast core keeps the causal-block
-probabilities, ``B x Hq x ~T^2/2`` in the compute dtype; the fused loss's chunks)."""
+probabilities, ``B x Hq x ~T^2/2`` in the compute dtype; the fused loss's chunks) and, with ring
+sequence parallelism, ``parallel/ring.py`` (no probabilities kept, one K/V block in flight)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     sp = s.sp > 1
     rows = [s.R if sp else max(s.T - 2 - i, 1) for i in range(L)]  # rows step i computes (ttt._step_rows)
     uly = s.ulysses > 1
-    offset = (s.ring - 1) * s.ulysses * s.R  # the last ring rank's queries start there: the fullest rank
+    ring = s.ring > 1  # parallel/ring.py: step-0 K/V blocks passed around, nothing gathered, no probabilities kept
     saved = dict.fromkeys(("norms (fp32 copies) + RoPE", "layer inputs (16-bit)", "q/k/v", "attention core (q, out, "
                            "diagonal k/v)", "causal-block probabilities", "MLP (gate, up, act, product)",
                            "loss head (rows, logit gradients)"), 0)
@@ -109,17 +110,15 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         else:  # qkv, rotated k of later steps: only the forward's lists hold them
             fwd_only += (d.Fqkv + d.Fk) * c * n
         core = (2 * hq * d.D * c + 4 * hq) * B * qrows  # q (rotated), out, lse (fp32)
-        fused = i == 0 and p.step0_fused and s.ring == 1
+        fused = i == 0 and p.step0_fused and not ring
         if not fused:
             core += 2 * i * hkv * d.D * c * B * qrows  # the stacked diagonal keys and values
-            saved["causal-block probabilities"] += _probs_bytes(B, hq, qrows, offset if s.ring > 1 else 0, c, chunk)
+            if not ring:  # the ring recomputes its blocks' probabilities in backward
+                saved["causal-block probabilities"] += _probs_bytes(B, hq, qrows, 0, c, chunk)
         if uly:
             saved["q/k/v"] += 2 * hkv * d.D * c * B * qrows  # k, v after the all-to-all (cached per unroll)
         saved["attention core (q, out, diagonal k/v)"] += core
-        last = dict(free=mlp + head + norms // 2 + d.H * c * n, n=B * qrows, i=i,
-                    L0=(offset if s.ring > 1 else 0) + qrows)
-    if s.ring > 1:
-        saved["q/k/v"] += 2 * hkv * d.D * c * B * s.ring * s.ulysses * s.R  # step-0 k, v gathered over the ring
+        last = dict(free=mlp + head + norms // 2 + d.H * c * n, n=B * qrows, i=i)
     saved["layer inputs (16-bit)"] += (4 + c) * d.H * B * s.window  # step 0's input_layernorm(embeddings), 16-bit copy
     weights = _weight_copies(d, p, L)
     P = B * ((s.R + L - 1) if sp else (s.T - 1))  # positions whose teacher a counted row reads
@@ -132,8 +131,14 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         Term("loss head chunk (fp32 logits, teacher rows)", loss_chunk)]
     # the backward's peak: inside the last step's attention backward (its MLP and loss head are freed)
     n, Fq, Fk = last["n"], hq * d.D, hkv * d.D
-    common = (2 * c * Fq + c * d.H) * n + 8 * Fk * B * last["L0"] + 4 * hq * n  # dout, dq, dhidden; dk0, dv0 fp32
-    chunks = B * hq * chunk * last["L0"] * (2 + 4 + 2)  # one chunk's dP (16-bit, fp32) and dS
+    common = (2 * c * Fq + c * d.H) * n + 4 * hq * n  # dout, dq, dhidden; delta (fp32)
+    if ring:  # a K/V block is Fk x n: the held and the received K/V (compute dtype); the block's dK/dV, its
+        # stacked copy, the received accumulator and the sum (fp32); dq accumulated over the blocks (fp32)
+        common += (4 * c + 32) * Fk * n + 4 * Fq * n
+        chunks = hq * chunk * n * (4 + 4 + c + 4 + 4 + c)  # one chunk's scores, P, dP, dS (fp32 and 16-bit)
+    else:
+        common += 8 * Fk * n  # dk0, dv0 fp32
+        chunks = hq * chunk * n * (2 + 4 + 2)  # one chunk's dP (16-bit, fp32) and dS
     diag = (12 * Fq + 16 * last["i"] * Fk) * n  # fp32 q, dout, dq; diagonal k, v and their grads in fp32
     backward = acts + weights + [
         Term("freed before the peak: the last step's MLP, loss head, post-attention norm", -last["free"]),
