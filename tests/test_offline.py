@@ -2,7 +2,8 @@
 
 Same samples, same seed: training from a bf16 store gives the per-step losses of online training
 whose target computes the same bf16 features (single process and 2 DP ranks on Ray), several
-epochs run from it, and a store made by another target or max_length is refused by name.
+epochs run from it, ring sequence parallelism over it trains like one process, and a store made
+by another target or max_length is refused by name.
 """
 
 import json
@@ -61,6 +62,21 @@ def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tm
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
+
+
+@pytest.mark.ray
+def test_store_with_ring_sequence_parallelism_equals_one_process(assets, store, ray_session, tmp_path):
+    """Offline x ring SP 2 (2 train ranks = 1 DP group, micro-batches of 2 samples): each rank reads
+    whole samples from the store and keeps its slice + halo, the step-0 K/V pass around the ring;
+    same losses as the single process over the same store."""
+    from specforge.local import run
+    from specforge.ray_train import fit
+    from tests.helpers.ray_run import assert_same_losses
+
+    one, ring = tmp_path / "one", tmp_path / "ring"
+    run(_offline(assets, one, store, "train.grad_accum=2", "train.num_workers=1"))
+    fit(_offline(assets, ring, store, "parallel.sp_ring=2", "train.batch_size=2", "train.grad_accum=1"))
+    assert_same_losses(one, ring)
 
 def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):
     from specforge.local import run
