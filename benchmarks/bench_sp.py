@@ -1,12 +1,16 @@
-"""Ulysses sequence parallelism: peak memory per train rank and step time vs sequence length.
+"""Sequence parallelism: peak memory per train rank and step time vs sequence length.
 
     python benchmarks/bench_sp.py [--seqs 1024,2048,4096,8192] [--sps 1,2,4] [--steps 2] [--no-readme]
+                                  [--mode ulysses|ring|allgather]
 
 One train step = the real ``DraftTrainer.step`` (TTT forward with 7 steps under bf16 autocast,
 backward, FSDP2 gradient reduce-scatter over the SP ranks, AdamW) on the SmolLM2-135M-shaped draft
 of ``bench_ttt.py`` (hidden 576, 9 heads / 3 kv heads, target vocab 49152, draft vocab 8192),
 batch 1, random target features, ~60% assistant tokens. SP ranks are spawned processes on gloo
-(``specforge.parallel.launch.run_ranks``), ``parallelize_draft`` with ``sp_ulysses = SP``.
+(``specforge.parallel.launch.run_ranks``), ``parallelize_draft`` with ``sp_ulysses = SP``
+(``--mode ulysses``), ``sp_ring = SP`` (``--mode ring``: ``parallel/ring.py``, step-0 K/V passed
+around the ring), or ``sp_ring = SP`` with the all-gather reference swapped in (``--mode
+allgather``: ``sp.AllGatherRingAttention``, every rank holds the whole sequence's step-0 K/V).
 9 query heads do not split over 2 or 4 ranks: Ulysses pads to 10 / 12 heads (MHA), so SP 2 and
 4 do 11% / 33% more attention work than SP 1 in total.
 
@@ -48,11 +52,12 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
+def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "ulysses") -> None:
     from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
     from specforge.models.features import TrainBatch
+    from specforge.parallel import sp
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
     from specforge.train.slicing import sp_slice_batch
@@ -60,7 +65,9 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
 
     cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7),
                  train=TrainConfig(precision="bf16", lr=1e-4, warmup_steps=0))
-    dims = ParallelDims(dp=1, sp_ulysses=world)
+    dims = ParallelDims(dp=1, sp_ulysses=world) if mode == "ulysses" else ParallelDims(dp=1, sp_ring=world)
+    if mode == "allgather":  # the reference, swapped in where apply_sp builds the ring wrapper
+        sp.RingAttention = sp.AllGatherRingAttention
     groups = dims.build(list(range(world)), rank, timeout_s=1800)
     torch.manual_seed(0)
     draft = make_draft(DRAFT_VOCAB)
@@ -80,18 +87,18 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_mb": peak, "base_mb": base, "times": times[1:]}))
 
 
-def measure(sp: int, T: int, steps: int, threads: int) -> dict:
+def measure(sp: int, T: int, steps: int, threads: int, mode: str = "ulysses") -> dict:
     from specforge.parallel.launch import run_ranks
 
     with tempfile.TemporaryDirectory() as d:
-        run_ranks(_rank, sp, T, steps, d, workdir=d, timeout_s=3600, threads=threads)
+        run_ranks(_rank, sp, T, steps, d, mode, workdir=d, timeout_s=3600, threads=threads)
         ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(sp)]
     step_s = statistics.median(max(r["times"][i] for r in ranks) for i in range(steps))
-    return {"sp": sp, "T": T, "peak_mb": max(r["peak_mb"] for r in ranks),
+    return {"sp": sp, "mode": mode if sp > 1 else "-", "T": T, "peak_mb": max(r["peak_mb"] for r in ranks),
             "step_peak_mb": max(r["peak_mb"] - r["base_mb"] for r in ranks), "step_s": step_s}
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, mode: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +117,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("Ulysses SP, SmolLM2-shaped draft, 7 TTT steps, bf16 autocast, CPU gloo")
+    fig.suptitle(f"SP ({mode}), SmolLM2-shaped draft, 7 TTT steps, bf16 autocast, CPU gloo")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -121,6 +128,7 @@ def main() -> int:
     ap.add_argument("--sps", default="1,2,4")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--mode", choices=("ulysses", "ring", "allgather"), default="ulysses")
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
     info = machine_info()
@@ -128,7 +136,7 @@ def main() -> int:
     results = []
     for T in [int(s) for s in args.seqs.split(",")]:
         for sp in [int(s) for s in args.sps.split(",")]:
-            r = measure(sp, T, args.steps, args.threads)
+            r = measure(sp, T, args.steps, args.threads, args.mode)
             results.append(r)
             print(json.dumps(r), flush=True)
     info["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -137,16 +145,17 @@ def main() -> int:
     for r in results:
         b = base.get(r["T"])
         ratio = f"{r['step_peak_mb'] / b['step_peak_mb']:.2f}" if b else "-"
-        rows.append([r["T"], r["sp"], f"{r['peak_mb']:.0f}", f"{r['step_peak_mb']:.0f}", ratio, f"{r['step_s']:.2f}"])
-    table = markdown_table(["tokens", "SP (ulysses)", "peak RSS/rank MB", "step peak MB", "step peak vs SP 1", "step s"], rows)
-    png = Path(__file__).with_name("bench_sp.png")
-    plot(results, png)
+        rows.append([r["T"], r["sp"], r["mode"], f"{r['peak_mb']:.0f}", f"{r['step_peak_mb']:.0f}", ratio, f"{r['step_s']:.2f}"])
+    table = markdown_table(["tokens", "SP", "mode", "peak RSS/rank MB", "step peak MB", "step peak vs SP 1", "step s"], rows)
+    png = Path(__file__).with_name("bench_sp.png" if args.mode == "ulysses" else f"bench_sp_{args.mode}.png")
+    plot(results, png, args.mode)
     print(header_markdown(info))
     print(table)
     if not args.no_readme:
         body = (f"{header_markdown(info)}\n\n`python benchmarks/bench_sp.py --seqs {args.seqs} --sps {args.sps} "
-                f"--steps {args.steps} --threads {args.threads}`: see the script docstring for what is measured.\n\n{table}\n\n![]({png.name})\n")
-        append_section("Sequence parallel (Ulysses) memory and step time", body)
+                f"--steps {args.steps} --threads {args.threads} --mode {args.mode}`: see the script docstring for what is measured.\n\n{table}\n\n![]({png.name})\n")
+        title = {"ulysses": "Ulysses", "ring": "ring", "allgather": "all-gather ring reference"}[args.mode]
+        append_section(f"Sequence parallel ({title}) memory and step time", body)
     return 0
 
 
