@@ -14,8 +14,9 @@ ring-flash-attention): at step ``s`` the rank holds block ``(r - s) mod P``; it 
 that passes the held block to rank ``r + 1`` and receives block ``(r - s - 1) mod P`` from rank
 ``r - 1`` (one ``batch_isend_irecv``), attends to the held block if it is visible (a block
 ``out``, ``lse``; fp32 statistics), merges by log-sum-exp, and only then waits. The diagonal
-part is merged the same way. A rank holds its own block and at most one received block at a time:
-the step-0 K/V memory is ``2 x B x Hkv x C x D`` whatever the ring size.
+part is merged the same way. Besides its own block, a rank holds the block it attends to (a copy
+of its own at step 0) and the one it is receiving: three blocks of ``2 x B x Hkv x C x D``
+whatever the ring size, and the backward adds the fp32 dK/dV accumulator it passes on.
 
 Backward: the gradient of any part of a softmax over a union of keys depends only on the final
 ``out`` and ``lse`` (``dS = P * (dP - rowsum(dO * O))``, ``P = exp(S - lse)``), so no gradient

@@ -19,8 +19,8 @@ except attention, so only the attention cores the algorithm names (``sp_cores``;
   the step-0 keys/values and passes it around the ring (P2P, one block at a time); the causal
   step-0 part is computed block by block (later blocks skipped) and merged by log-sum-exp with the
   diagonal keys of later TTT steps, which stay local; the backward rings dK/dV back to their
-  owners. Per-rank step-0 K/V memory is one block (``1/P`` of the sequence) plus one block in
-  flight. Block kernels: plain torch (CPU, any dtype) or yunchang's flash-attn wrappers (CUDA,
+  owners. Per-rank step-0 K/V memory is a few blocks of ``1/P`` of the sequence (its own, the
+  held one, the one in flight), never the whole sequence. Block kernels: plain torch (CPU, any dtype) or yunchang's flash-attn wrappers (CUDA,
   fp16/bf16, when flash-attn is installed).
 * :class:`AllGatherRingAttention` -- the former context parallel by all-gather, kept as a reference
   (tests, benchmarks): the step-0 keys/values are gathered along the sequence (an exact autograd

@@ -1,7 +1,7 @@
 """EAGLE-3's terms of the memory model (``specforge.memory``): what one micro-batch's TTT unroll
 keeps, read off ``model.py``, ``attention.py`` and ``loss.py`` (the fast core keeps the causal-block
 probabilities, ``B x Hq x ~T^2/2`` in the compute dtype; the fused loss's chunks) and, with ring
-sequence parallelism, ``parallel/ring.py`` (no probabilities kept, one K/V block in flight)."""
+sequence parallelism, ``parallel/ring.py`` (no probabilities kept, K/V blocks in flight)."""
 
 from __future__ import annotations
 
