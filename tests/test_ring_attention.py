@@ -14,7 +14,9 @@ Each multi-rank test spawns the ranks once and checks, on every rank:
 * the draft: one ``DraftTrainer`` step through ``parallelize_draft`` (FSDP2 x SP) gives the
   single process's loss and gradients within 1e-5 (fp32, before any optimizer step);
 * negative controls (ring 2): a skipped earlier block, or the own block without its causal mask,
-  makes the same comparison fail by far more than its tolerance.
+  makes the same comparison fail by far more than its tolerance;
+* sliding windows (3, 5, 9 rows, fp32) against the windowed eager reference, bands inside one block
+  and across block edges, earlier blocks skipped; the ring ignoring the window fails.
 
 The measured max abs errors are written per rank and printed (``pytest -s``).
 """
@@ -51,12 +53,14 @@ def _unroll(core, x, rows=slice(None)):
     return outs, leaves
 
 
-def _max_err(core, groups, x, P):
+def _max_err(core, groups, x, P, window=None):
     """Max abs difference of this rank's outputs and gradients from the eager reference's rows."""
+    import functools
+
     from specforge.algorithms.eagle3.attention import ttt_attention_eager
 
     rows = slice(groups.sp_rank * C, (groups.sp_rank + 1) * C)
-    want, ref = _unroll(ttt_attention_eager, x)
+    want, ref = _unroll(functools.partial(ttt_attention_eager, window=window), x)
     got, mine = _unroll(core, x, rows)
     err = max((a - b[:, :, rows]).abs().max().item() for a, b in zip(got, want))
     for k in ("q", "k", "v"):
@@ -64,11 +68,11 @@ def _max_err(core, groups, x, P):
     return err
 
 
-def _core(groups, ring_cls=None, kernel=None):
+def _core(groups, ring_cls=None, kernel=None, window=None):
     from specforge.algorithms.eagle3.attention import TTTAttentionCore
     from specforge.parallel.sp import RingAttention, UlyssesAttention
 
-    core = (ring_cls or RingAttention)(TTTAttentionCore("fast"), groups.ring_group)
+    core = (ring_cls or RingAttention)(TTTAttentionCore("fast", window=window), groups.ring_group)
     if kernel is not None:
         core.kernel = kernel
     if groups.ulysses_group is not None:
@@ -100,6 +104,31 @@ def _check_core(groups, P, report):
                 name = f"core {str(dtype)[6:]} {Hq}q/{Hkv}kv chunk {'4' if kernel else 'default'}"
                 report[name] = err
                 assert err < tol, (name, err)
+
+
+def _check_window(groups, P, report):
+    """Sliding windows (3: at step 2 a query sees its own step-0 key only, so every earlier block is
+    skipped; 5 and 9: bands that cross one or two block edges) against the windowed eager reference,
+    fp32; negative control: the ring ignoring the window fails the same comparison."""
+    from specforge.parallel import ring
+    from specforge.parallel.ring import TorchKernel
+
+    for W in (3, 5, 9):
+        for Hq, Hkv in ((4, 2), (9, 3)):
+            for kernel in (None, TorchKernel(chunk=4)):
+                x = _inputs(Hq, Hkv, P * C, torch.float32, W)
+                err = _all_max(_max_err(_core(groups, kernel=kernel, window=W), groups, x, P, window=W))
+                name = f"window {W} {Hq}q/{Hkv}kv chunk {'4' if kernel else 'default'}"
+                report[name] = err
+                assert err < 1e-5, (name, err)
+    good = ring._left
+    ring._left = lambda window, kd: None  # the ring attends every earlier key: full attention
+    try:
+        err = _all_max(_max_err(_core(groups, window=5), groups, _inputs(4, 2, P * C, torch.float32, 5), P, window=5))
+    finally:
+        ring._left = good
+    report["negative control: window ignored by the ring"] = err
+    assert err > 1e-2, err
 
 
 def _check_never_gathered(groups, P, report):
@@ -202,6 +231,7 @@ def _rank(rank, world, dims_tuple, ref_path, out_dir):
     groups = dims.build(list(range(world)), rank, timeout_s=90)
     P, report = dims.sp, {}
     _check_core(groups, P, report)
+    _check_window(groups, P, report)
     _check_never_gathered(groups, P, report)
     if dims.sp_ulysses == 1:
         _check_negative_controls(groups, P, report)

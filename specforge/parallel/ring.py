@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from specforge.device import loop_chunk
 
-__all__ = ["RingComm", "ring_ttt_attention", "TorchKernel", "FlashKernel", "pick_kernel"]
+__all__ = ["RingComm", "ring_ttt_attention", "TorchKernel", "FlashKernel", "pick_kernel", "block_band"]
 
 # Query rows per iteration of the torch block kernel (as the fast TTT core: CPU / GPU).
 CHUNK_CPU, CHUNK_GPU = 128, 512
@@ -121,7 +121,11 @@ def _chunks(T: int, chunk: int):
 
 class TorchKernel:
     """One block of attention in plain torch: ``q`` (B,Hkv,G,C,D) against ``k``/``v``
-    (B,Hkv,Ck,D); ``causal`` only for the rank's own block (``C == Ck``, row t sees keys <= t)."""
+    (B,Hkv,Ck,D); ``causal`` only for the rank's own block (``C == Ck``, row t sees keys <= t).
+    ``band = (d, left)`` (a sliding window; overrides ``causal``): key ``a`` is visible to row ``t``
+    iff ``d - left <= a - t <= d`` (``d``: how many rows the query block starts after the key
+    block; ``left``: the keys a row sees before its own position). Each chunk of rows computes
+    only the keys its band reaches."""
 
     name = "torch"
 
@@ -132,15 +136,28 @@ class TorchKernel:
         return self.chunk or loop_chunk(q.device, CHUNK_CPU, CHUNK_GPU)
 
     @staticmethod
-    def _scores(qc, k, L, n, causal, scale, f32):
-        B, Hkv, G = qc.shape[:3]
-        s = torch.matmul(qc.reshape(B, Hkv, G * n, -1), k[:, :, :L].transpose(-1, -2)).view(B, Hkv, G, n, L)
+    def _span(c0, c1, Ck, causal, band) -> tuple[int, int]:
+        """``[lo, hi)``: the keys rows ``c0 .. c1 - 1`` may see."""
+        if band is None:
+            return 0, (c1 if causal else Ck)
+        d, left = band
+        return max(0, c0 + d - left), min(Ck, c1 + d)
+
+    @staticmethod
+    def _scores(qc, k, c0, lo, hi, causal, band, scale, f32):
+        B, Hkv, G, n = qc.shape[:4]
+        L = hi - lo
+        s = torch.matmul(qc.reshape(B, Hkv, G * n, -1), k[:, :, lo:hi].transpose(-1, -2)).view(B, Hkv, G, n, L)
         s = s.to(f32) * scale
-        if causal:  # the chunk's last n keys: key L-n+a visible to chunk row a' iff a <= a'
+        if band is not None:
+            d, left = band
+            rel = (lo + torch.arange(L, device=s.device))[None, :] - (c0 + torch.arange(n, device=s.device))[:, None]
+            s.masked_fill_((rel > d) | (rel < d - left), float("-inf"))
+        elif causal:  # the chunk's last n keys: key L-n+a visible to chunk row a' iff a <= a'
             s[..., L - n:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
         return s
 
-    def forward(self, q, k, v, causal: bool, scale: float):
+    def forward(self, q, k, v, causal: bool, scale: float, band=None):
         """-> ``out`` (fp32, normalized over this block), ``lse`` (fp32, B,Hkv,G,C)."""
         B, Hkv, G, C, D = q.shape
         f32 = torch.promote_types(q.dtype, torch.float32)
@@ -148,17 +165,22 @@ class TorchKernel:
         lse = torch.empty(q.shape[:4], dtype=f32, device=q.device)
         for c0, c1 in _chunks(C, self._chunk(q)):
             n = c1 - c0
-            L = c1 if causal else k.shape[2]
-            s = self._scores(q[:, :, :, c0:c1], k, L, n, causal, scale, f32)
+            lo, hi = self._span(c0, c1, k.shape[2], causal, band)
+            if hi <= lo:  # (a band) no row of the chunk sees a key of this block: an empty part
+                out[:, :, :, c0:c1], lse[:, :, :, c0:c1] = 0.0, float("-inf")
+                continue
+            s = self._scores(q[:, :, :, c0:c1], k, c0, lo, hi, causal, band, scale, f32)
             m = s.amax(dim=-1)
+            if band is not None:  # rows that see no key here: p = 0, l = 0, out 0, lse -inf
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = torch.exp(s - m.unsqueeze(-1))
             l = p.sum(dim=-1)
-            o = torch.matmul(p.to(v.dtype).view(B, Hkv, G * n, L), v[:, :, :L]).view(B, Hkv, G, n, D).to(f32)
-            out[:, :, :, c0:c1] = o / l.unsqueeze(-1)
+            o = torch.matmul(p.to(v.dtype).view(B, Hkv, G * n, hi - lo), v[:, :, lo:hi]).view(B, Hkv, G, n, D).to(f32)
+            out[:, :, :, c0:c1] = o / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
             lse[:, :, :, c0:c1] = m + torch.log(l)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None):
         """Gradients of this block's keys given the FINAL ``lse`` and ``delta = rowsum(dout * out)``
         (fp32): -> ``dq`` (B,Hkv,G,C,D), ``dk``, ``dv`` (B,Hkv,Ck,D), all fp32."""
         B, Hkv, G, C, D = q.shape
@@ -168,15 +190,20 @@ class TorchKernel:
         dv = torch.zeros(v.shape, dtype=f32, device=q.device)
         for c0, c1 in _chunks(C, self._chunk(q)):
             n = c1 - c0
-            L = c1 if causal else k.shape[2]
+            lo, hi = self._span(c0, c1, k.shape[2], causal, band)
+            if hi <= lo:
+                dq[:, :, :, c0:c1] = 0.0
+                continue
+            L = hi - lo
             qc = q[:, :, :, c0:c1]
             doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * n, D)
-            p = torch.exp(self._scores(qc, k, L, n, causal, scale, f32) - lse[:, :, :, c0:c1].unsqueeze(-1))
-            dv[:, :, :L] += torch.matmul(p.to(q.dtype).view(B, Hkv, G * n, L).transpose(-1, -2), doc).to(f32)
-            dp = torch.matmul(doc, v[:, :, :L].transpose(-1, -2)).view(B, Hkv, G, n, L).to(f32)
+            s = self._scores(qc, k, c0, lo, hi, causal, band, scale, f32)
+            p = torch.exp(s - lse[:, :, :, c0:c1].unsqueeze(-1))  # a row with no key here (a band): all 0
+            dv[:, :, lo:hi] += torch.matmul(p.to(q.dtype).view(B, Hkv, G * n, L).transpose(-1, -2), doc).to(f32)
+            dp = torch.matmul(doc, v[:, :, lo:hi].transpose(-1, -2)).view(B, Hkv, G, n, L).to(f32)
             ds = (p * (dp - delta[:, :, :, c0:c1].unsqueeze(-1)) * scale).to(q.dtype).view(B, Hkv, G * n, L)
-            dq[:, :, :, c0:c1] = torch.matmul(ds, k[:, :, :L]).view(B, Hkv, G, n, D).to(f32)
-            dk[:, :, :L] += torch.matmul(ds.transpose(-1, -2), qc.reshape(B, Hkv, G * n, D)).to(f32)
+            dq[:, :, :, c0:c1] = torch.matmul(ds, k[:, :, lo:hi]).view(B, Hkv, G, n, D).to(f32)
+            dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), qc.reshape(B, Hkv, G * n, D)).to(f32)
         return dq, dk, dv
 
 
@@ -206,16 +233,18 @@ class FlashKernel:
         B, Hkv, G, C, D = shape
         return x.view(B, C, Hkv, G, D).permute(0, 2, 3, 1, 4)
 
-    def forward(self, q, k, v, causal: bool, scale: float):
+    def forward(self, q, k, v, causal: bool, scale: float, band=None):
         from yunchang.kernels.attention import flash_attn_forward
 
+        _no_band(band)
         out, lse = flash_attn_forward(self._q(q), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
                                       0.0, scale, causal, (-1, -1), 0.0, None, False)
         return self._unq(out, q.shape).float(), lse.float().view(q.shape[:4])
 
-    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None):
         from yunchang.kernels.attention import flash_attn_backward
 
+        _no_band(band)
         qf, kf, vf = self._q(q), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
         B, Hkv, G, C, _ = q.shape
@@ -224,13 +253,23 @@ class FlashKernel:
         return self._unq(dq, q.shape).float(), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
 
 
-def pick_kernel(kernel, q: torch.Tensor):
-    """``"auto"`` | ``"torch"`` | ``"flash"`` (or a kernel object, used as is) for queries ``q``."""
+def _no_band(band) -> None:
+    if band is not None:
+        raise ValueError("the flash block kernel takes no sliding window here (flash-attn's window cannot mask "
+                         "a block that starts a whole window back); ring attention with a window uses kernel 'torch'")
+
+
+def pick_kernel(kernel, q: torch.Tensor, window: Optional[int] = None):
+    """``"auto"`` | ``"torch"`` | ``"flash"`` (or a kernel object, used as is) for queries ``q``.
+    A sliding ``window`` runs the torch kernel (on any device): flash-attn's ``window_size`` is
+    relative to the block's own diagonal and cannot express a band that starts beyond a whole
+    block; a flash path for windows would split such blocks."""
     if not isinstance(kernel, str):
         return kernel
     if kernel == "auto":
-        kernel = "flash" if FlashKernel.available(q) else "torch"
+        kernel = "flash" if FlashKernel.available(q) and window is None else "torch"
     if kernel == "flash":
+        _no_band(None if window is None else (0, window))
         return FlashKernel()
     if kernel == "torch":
         return TorchKernel()
@@ -248,6 +287,14 @@ def block_role(src: int, rank: int) -> Optional[str]:
     return "full" if src < rank else None
 
 
+def block_band(src: int, rank: int, C: int, left: Optional[int]) -> Optional[tuple[int, int]]:
+    """With a sliding window (``left``: step-0 keys a query sees before its own position), the band
+    of key block ``src`` for the queries of block ``rank`` (``TorchKernel``'s ``(d, left)``), or None
+    when no query of the block reaches a key of it (the block is skipped)."""
+    d = (rank - src) * C
+    return (d, left) if d - left <= C - 1 else None
+
+
 def _merge(out, lse, o, l):
     """Two normalized parts of one softmax -> their union (fp32; both lse finite)."""
     new = torch.logaddexp(lse, l)
@@ -259,15 +306,16 @@ class _RingTTTAttention(torch.autograd.Function):
     (B,Hkv,n,C,D) the diagonal keys or None. Returns ``out`` (B,Hkv,G,C,D) in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, comm: RingComm, kernel, scale: float):
+    def forward(ctx, q, k0, v0, kd, vd, comm: RingComm, kernel, scale: float, window: Optional[int] = None):
         P, r = comm.size, comm.rank
+        left = _left(window, kd)
         kv = torch.stack((k0, v0))
         out = lse = None
         for s in range(P):
             pending = comm.start(kv) if s + 1 < P else None  # pass the held block on, receive the next
-            role = block_role((r - s) % P, r)
+            role, band = _role((r - s) % P, r, q.shape[3], left)
             if role is not None:
-                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale)
+                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band)
                 out, lse = (o, l) if out is None else _merge(out, lse, o, l)
             if pending is not None:
                 kv = pending.wait()
@@ -281,13 +329,13 @@ class _RingTTTAttention(torch.autograd.Function):
             out, lse = _merge(out, lse, od, ld)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
-        ctx.comm, ctx.kernel, ctx.scale = comm, kernel, scale
+        ctx.comm, ctx.kernel, ctx.scale, ctx.left = comm, kernel, scale, left
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
-        comm, kernel, scale = ctx.comm, ctx.kernel, ctx.scale
+        comm, kernel, scale, left = ctx.comm, ctx.kernel, ctx.scale, ctx.left
         P, r = comm.size, comm.rank
         f32 = lse.dtype
         dout = dout.to(q.dtype).contiguous()
@@ -305,10 +353,10 @@ class _RingTTTAttention(torch.autograd.Function):
         acc_pending = None
         for s in range(P):
             kv_pending = comm.start(kv) if s + 1 < P else None
-            role = block_role((r - s) % P, r)
+            role, band = _role((r - s) % P, r, q.shape[3], left)
             block = None
             if role is not None:
-                dq_b, dk_b, dv_b = kernel.backward(dout, q, kv[0], kv[1], out, lse, delta, role == "causal", scale)
+                dq_b, dk_b, dv_b = kernel.backward(dout, q, kv[0], kv[1], out, lse, delta, role == "causal", scale, band)
                 dq += dq_b
                 block = torch.stack((dk_b, dv_b))
             if s == 0:  # the own block's accumulator starts here
@@ -322,7 +370,27 @@ class _RingTTTAttention(torch.autograd.Function):
                 kv = kv_pending.wait()
         # after P steps: this rank's own block, every rank's share summed
         dkv = acc_pending.wait() if acc_pending is not None else acc
-        return dq.to(q.dtype), dkv[0].to(k0.dtype), dkv[1].to(v0.dtype), dkd, dvd, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k0.dtype), dkv[1].to(v0.dtype), dkd, dvd, None, None, None, None
+
+
+def _left(window: Optional[int], kd: Optional[torch.Tensor]) -> Optional[int]:
+    """Step-0 keys a query sees before its own position under ``window`` at this TTT step (its query
+    sits ``n`` = diagonal keys positions later: ``attention.py``'s rule), None without a window."""
+    if window is None:
+        return None
+    n = 0 if kd is None else kd.shape[2]
+    if window <= n:
+        raise ValueError(f"sliding window {window} must exceed the TTT steps' diagonal keys ({n})")
+    return window - 1 - n
+
+
+def _role(src: int, rank: int, C: int, left: Optional[int]) -> tuple[Optional[str], Optional[tuple[int, int]]]:
+    """``block_role``, and with a window the block's band (a block the band misses: skipped)."""
+    role = block_role(src, rank)
+    if role is None or left is None:
+        return role, None
+    band = block_band(src, rank, C, left)
+    return (role, band) if band is not None else (None, None)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -337,10 +405,13 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                       comm: RingComm, scale: Optional[float] = None, kernel: str = "auto") -> torch.Tensor:
+                       comm: RingComm, scale: Optional[float] = None, kernel: str = "auto",
+                       window: Optional[int] = None) -> torch.Tensor:
     """The TTT core's attention (``algorithms/eagle3/attention.py`` interface, ``q_offset`` implied by
     the ring rank) over ``comm``'s ring: ``keys[0]``/``values[0]`` this rank's step-0 block (as many
-    rows as ``q``), ``keys[j >= 1]`` the diagonal keys, row-aligned with ``q``. GQA inside."""
+    rows as ``q``), ``keys[j >= 1]`` the diagonal keys, row-aligned with ``q``. GQA inside.
+    ``window``: the core's sliding window (blocks wholly outside every row's band are not computed;
+    they still pass through the ring)."""
     B, Hq, C, D = q_BHCD.shape
     Hkv = keys[0].shape[1]
     if Hq % Hkv:
@@ -357,5 +428,5 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
         kd = torch.stack([k.to(dt) for k in keys[1:]], dim=2)
         vd = torch.stack([v.to(dt) for v in values[1:]], dim=2)
     with torch.autocast(q.device.type, enabled=False):
-        out = _RingTTTAttention.apply(q, k0, v0, kd, vd, comm, pick_kernel(kernel, q), scale)
+        out = _RingTTTAttention.apply(q, k0, v0, kd, vd, comm, pick_kernel(kernel, q, window), scale, window)
     return out.reshape(B, Hq, C, D)

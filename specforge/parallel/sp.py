@@ -212,7 +212,8 @@ class RingAttention(nn.Module):
     def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
-        return ring_ttt_attention(q_BHTD, keys, values, self.comm, getattr(self.inner, "scale", None), self.kernel)
+        return ring_ttt_attention(q_BHTD, keys, values, self.comm, getattr(self.inner, "scale", None), self.kernel,
+                                  getattr(self.inner, "window", None))
 
 
 class AllGatherRingAttention(nn.Module):

@@ -44,13 +44,19 @@ def sglang_load(names):
 # ---------------------------------------------------------------- vLLM (speculators)
 
 
-def load_speculators(path: Path):
+def load_speculators(path: Path, window=None):
+    """speculators' Eagle3 model of an export; ``window`` (an int, or "full") overrides the sliding
+    window its config names."""
     from loguru import logger
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     logger.disable("speculators")  # its INFO lines go to the stderr pytest captured when loguru was imported
 
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(path))
+    if window == "full":
+        cfg.transformer_layer_config.layer_types = ["full_attention"]
+    elif window is not None:
+        cfg.transformer_layer_config.sliding_window = int(window)
     # Dense float masks instead of flex attention's block masks (which want 128-multiple lengths): same math.
     cfg.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(str(path), config=cfg)

@@ -29,6 +29,9 @@ class Eagle3Options(DraftConfig):
     # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
     ttt_warmup_steps: int = field(default=0, metadata={"at_least": 0})
     attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
+    # sliding-window attention (tokens; None = full): a draft query at position p sees the keys at
+    # positions > p - sliding_window, in training and drafting (attention.py); served by vLLM
+    sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
 
 
 AUX_LAYERS = 3  # target layer outputs an EAGLE-3 draft fuses (SGLang's eagle_aux_hidden_state_layer_ids)
@@ -61,7 +64,17 @@ class Eagle3:
 
     def config_errors(self, cfg) -> list[str]:
         ids = cfg.model.aux_layer_ids
-        return [] if ids is None else aux_layer_errors(ids, count=AUX_LAYERS, who="an EAGLE-3 draft")
+        errors = [] if ids is None else aux_layer_errors(ids, count=AUX_LAYERS, who="an EAGLE-3 draft")
+        w = cfg.draft.sliding_window
+        if w is not None and w <= self.diagonal_keys(cfg):
+            errors.append(f"config key 'draft.sliding_window'={w} must exceed {self.diagonal_keys(cfg)} (a drafted "
+                          f"token must see the {self.diagonal_keys(cfg)} drafted before it); choose at least "
+                          f"{self.diagonal_keys(cfg) + 1}, typically 1024 or more")
+        return errors
+
+    def diagonal_keys(self, cfg) -> int:
+        """The most draft-token keys one query attends besides the step-0 ones (TTT steps - 1)."""
+        return cfg.draft.ttt_length - 1
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
         return aux_layer_ids(cfg.model, num_layers)
@@ -75,6 +88,8 @@ class Eagle3:
         out = {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
                if f.name not in _NOT_IDENTITY}
         out["train.ttt_warmup_steps"] = out.pop("draft.ttt_warmup_steps")
+        if out["draft.sliding_window"] is None:  # full attention: as checkpoints written before the key
+            del out["draft.sliding_window"]
         return out
 
     def sp_halo(self, cfg) -> int:
@@ -152,12 +167,13 @@ class Eagle3:
 
         d = Eagle3Dims.of(draft.config)
         # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities
-        precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash"))
+        precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash")
+                                        and cfg.draft.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
-        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows)
+        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, cfg.draft.sliding_window)
 
     def memory_keys(self, cfg) -> list[str]:
-        return ["parallel.sp_ulysses / parallel.sp_ring (split T)"]
+        return ["parallel.sp_ulysses / parallel.sp_ring (split T)", "draft.sliding_window (bounds the keys a row scores)"]
 
     def hf_config(self, draft) -> dict:
         return draft.config.to_hf_config()

@@ -13,6 +13,13 @@ Interface (see docs/ARCHITECTURE.md)::
   with the queries: query ``t`` sees only ``keys[j][..., t, :]`` (the "diagonal").
 * GQA (``Hq`` a multiple of ``Hkv``) is handled inside; head ``h`` uses kv head ``h // (Hq/Hkv)``
   (the HF ``repeat_kv`` convention).
+* ``window`` (``W``, None = full attention): sliding-window attention by RoPE position, the rule
+  engines apply at inference (a query at position ``p`` sees keys at positions ``> p - W``). The
+  queries of TTT step ``n = len(keys) - 1`` sit at position ``q_offset + t + n`` (the model shifts
+  their RoPE by the step), so row ``t`` sees step-0 keys ``q_offset + t + n - W < j <= q_offset + t``;
+  its diagonal keys (positions ``t + 1 .. t + n``) stay inside the window as long as ``W > n``
+  (the config requires ``W > ttt_length``). speculators' trainer windows by row, ignoring the step
+  shift: the two differ at the window's edge by at most ``n`` keys, and ours is what is served.
 
 Implementations (all exact up to rounding, all differentiable on CPU):
 
@@ -50,6 +57,7 @@ __all__ = [
     "ttt_attention_fast",
     "ttt_attention_sdpa",
     "build_ttt_mask",
+    "window_start",
     "IMPLS",
 ]
 
@@ -69,10 +77,26 @@ def _check(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch
     return B, Hq, Hkv, T, D
 
 
-def build_ttt_mask(T: int, T0: int, num_diag: int, q_offset: int = 0, device=None) -> torch.Tensor:
-    """The full boolean TTT mask ``T x (T0 + num_diag * T)``: causal block, then diagonals."""
+def window_start(row: int, num_diag: int, window: Optional[int]) -> int:
+    """The first step-0 key the query of global row ``row`` sees at TTT step ``num_diag`` (0 without a window)."""
+    return 0 if window is None else max(0, row + num_diag - window + 1)
+
+
+def check_window(window: Optional[int], num_diag: int) -> None:
+    if window is not None and window <= num_diag:
+        raise ValueError(f"sliding window {window} must exceed the TTT steps' diagonal keys ({num_diag}): "
+                         "a query would lose its own draft tokens")
+
+
+def build_ttt_mask(T: int, T0: int, num_diag: int, q_offset: int = 0, device=None,
+                   window: Optional[int] = None) -> torch.Tensor:
+    """The full boolean TTT mask ``T x (T0 + num_diag * T)``: causal block (banded by ``window``),
+    then diagonals."""
     t = torch.arange(T, device=device)
-    causal = torch.arange(T0, device=device)[None, :] <= (q_offset + t)[:, None]
+    j = torch.arange(T0, device=device)[None, :]
+    causal = j <= (q_offset + t)[:, None]
+    if window is not None:
+        causal &= j > (q_offset + t + num_diag - window)[:, None]
     eye = torch.eye(T, dtype=torch.bool, device=device)
     return torch.cat([causal] + [eye] * num_diag, dim=1)
 
@@ -86,14 +110,16 @@ def ttt_attention_eager(
     values: Sequence[torch.Tensor],
     q_offset: int = 0,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Reference: concatenated keys + materialized full mask, softmax in fp32."""
     B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
+    check_window(window, len(keys) - 1)
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     K = torch.cat(list(keys), dim=2).repeat_interleave(G, dim=1)
     V = torch.cat(list(values), dim=2).repeat_interleave(G, dim=1)
-    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device)
+    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device, window)
     f32 = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q, K.transpose(-1, -2)).to(f32) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -137,9 +163,10 @@ class _TTTAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, q_offset: int, scale: float, chunk: int):
+    def forward(ctx, q, k0, v0, kd, vd, q_offset: int, scale: float, chunk: int, window: Optional[int] = None):
         B, Hkv, G, T, D = q.shape
         f32 = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64 (gradcheck)
+        n = 0 if kd is None else kd.shape[2]
         # diagonal scores (B,Hkv,G,T,n) in fp32
         if kd is not None:
             sd = torch.einsum("bkgtd,bkntd->bkgtn", q.to(f32), kd.to(f32)) * scale
@@ -148,13 +175,11 @@ class _TTTAttentionFn(torch.autograd.Function):
         probs = []  # normalized causal-block probabilities per chunk, saved for backward
         for c0, c1 in _chunks(T, chunk):
             C = c1 - c0
-            L = q_offset + c1  # keys visible to this chunk
+            lo, L = _span(q_offset, c0, c1, n, window)  # step-0 keys this chunk may see
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
-            s = torch.matmul(qc, k0[:, :, :L].transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
+            s = torch.matmul(qc, k0[:, :, lo:L].transpose(-1, -2)).view(B, Hkv, G, C, L - lo).to(f32)
             s.mul_(scale)
-            # causal inside the chunk's last C keys: key q_offset+c0+a visible to row c0+r iff a <= r
-            tail = s[..., L - C :]
-            tail.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+            _mask_span(s, q_offset, c0, lo, n, window)
             m = s.amax(dim=-1)
             if kd is not None:
                 sdc = sd[:, :, :, c0:c1]
@@ -165,22 +190,23 @@ class _TTTAttentionFn(torch.autograd.Function):
                 pd = torch.exp(sdc - m.unsqueeze(-1))
                 l = l + pd.sum(dim=-1)
             s.div_(l.unsqueeze(-1))
-            p_lo = s.to(v0.dtype).view(B, Hkv, G * C, L)
+            p_lo = s.to(v0.dtype).view(B, Hkv, G * C, L - lo)
             probs.append(p_lo)
-            o = torch.matmul(p_lo, v0[:, :, :L]).view(B, Hkv, G, C, D).to(f32)
+            o = torch.matmul(p_lo, v0[:, :, lo:L]).view(B, Hkv, G, C, D).to(f32)
             if kd is not None:
                 o = o + torch.einsum("bkgtn,bkntd->bkgtd", pd / l.unsqueeze(-1), vd[:, :, :, c0:c1].to(f32))
             out[:, :, :, c0:c1] = o.to(out.dtype)
             lse[:, :, :, c0:c1] = m + torch.log(l)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse, *probs)
-        ctx.q_offset, ctx.scale, ctx.chunk = q_offset, scale, chunk
+        ctx.q_offset, ctx.scale, ctx.chunk, ctx.window = q_offset, scale, chunk, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse, *probs = ctx.saved_tensors
-        q_offset, scale, chunk = ctx.q_offset, ctx.scale, ctx.chunk
+        q_offset, scale, chunk, window = ctx.q_offset, ctx.scale, ctx.chunk, ctx.window
         B, Hkv, G, T, D = q.shape
+        n = 0 if kd is None else kd.shape[2]
         f32 = torch.promote_types(q.dtype, torch.float32)
         dout = dout.to(q.dtype)
         delta = (dout.to(f32) * out.to(f32)).sum(dim=-1)  # (B,Hkv,G,T)
@@ -189,17 +215,18 @@ class _TTTAttentionFn(torch.autograd.Function):
         dv0 = torch.zeros(v0.shape, dtype=f32, device=q.device)
         for ci, (c0, c1) in enumerate(_chunks(T, chunk)):
             C = c1 - c0
-            L = q_offset + c1
+            lo, L = _span(q_offset, c0, c1, n, window)
+            W = L - lo
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
             doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
-            k0c, v0c = k0[:, :, :L], v0[:, :, :L]
-            p_lo = probs[ci]  # (B,Hkv,G*C,L), masked entries are exact zeros
-            dv0[:, :, :L] += torch.matmul(p_lo.transpose(-1, -2), doc).to(f32)
-            dp = torch.matmul(doc, v0c.transpose(-1, -2)).view(B, Hkv, G, C, L).to(f32)
-            dp.sub_(delta[:, :, :, c0:c1].unsqueeze(-1)).mul_(p_lo.view(B, Hkv, G, C, L)).mul_(scale)  # dS
-            ds = dp.to(q.dtype).view(B, Hkv, G * C, L)
+            k0c, v0c = k0[:, :, lo:L], v0[:, :, lo:L]
+            p_lo = probs[ci]  # (B,Hkv,G*C,W), masked entries are exact zeros
+            dv0[:, :, lo:L] += torch.matmul(p_lo.transpose(-1, -2), doc).to(f32)
+            dp = torch.matmul(doc, v0c.transpose(-1, -2)).view(B, Hkv, G, C, W).to(f32)
+            dp.sub_(delta[:, :, :, c0:c1].unsqueeze(-1)).mul_(p_lo.view(B, Hkv, G, C, W)).mul_(scale)  # dS
+            ds = dp.to(q.dtype).view(B, Hkv, G * C, W)
             dq[:, :, :, c0:c1] = torch.matmul(ds, k0c).view(B, Hkv, G, C, D).to(dq.dtype)
-            dk0[:, :, :L] += torch.matmul(ds.transpose(-1, -2), qc).to(f32)
+            dk0[:, :, lo:L] += torch.matmul(ds.transpose(-1, -2), qc).to(f32)
         dkd = dvd = None
         if kd is not None:
             qf, dof = q.to(f32), dout.to(f32)
@@ -210,7 +237,24 @@ class _TTTAttentionFn(torch.autograd.Function):
             dq = (dq.to(f32) + torch.einsum("bkgtn,bkntd->bkgtd", dsd, kd.to(f32))).to(q.dtype)
             dkd = torch.einsum("bkgtn,bkgtd->bkntd", dsd, qf).to(kd.dtype)
             dvd = torch.einsum("bkgtn,bkgtd->bkntd", pd, dof).to(vd.dtype)
-        return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None
+        return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None
+
+
+def _span(q_offset: int, c0: int, c1: int, n: int, window: Optional[int]) -> tuple[int, int]:
+    """``[lo, L)``: the step-0 keys rows ``c0 .. c1 - 1`` (after ``q_offset``) may see at step ``n``."""
+    return window_start(q_offset + c0, n, window), q_offset + c1
+
+
+def _mask_span(s: torch.Tensor, q_offset: int, c0: int, lo: int, n: int, window: Optional[int]) -> None:
+    """-inf where a row of the chunk (``s``: ``... x C x (L - lo)`` scores of keys ``lo..L-1``) must
+    not look: past its own position, or (with a window) before the window's start."""
+    C, S = s.shape[-2:]
+    if window is None:  # causal inside the chunk's last C keys: key L-C+a visible to row r iff a <= r
+        s[..., S - C :].masked_fill_(torch.ones(C, C, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+        return
+    row = (q_offset + c0 + torch.arange(C, device=s.device))[:, None]
+    key = (lo + torch.arange(S, device=s.device))[None, :]
+    s.masked_fill_((key > row) | (key <= row + n - window), float("-inf"))
 
 
 def ttt_attention_fast(
@@ -220,10 +264,14 @@ def ttt_attention_fast(
     q_offset: int = 0,
     scale: Optional[float] = None,
     chunk: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """TTT attention without materialized masks (see module docstring). ``chunk``: query rows per
-    iteration, by default ``CHUNK_CPU`` on the CPU and ``CHUNK_GPU`` on a GPU (``device.loop_chunk``)."""
+    iteration, by default ``CHUNK_CPU`` on the CPU and ``CHUNK_GPU`` on a GPU (``device.loop_chunk``).
+    With a ``window`` each chunk computes only the keys its band reaches (``T x (W + chunk)``, not
+    ``T^2 / 2``, scores and saved probabilities)."""
     B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
+    check_window(window, len(keys) - 1)
     chunk = chunk or loop_chunk(q.device, CHUNK_CPU, CHUNK_GPU)
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -236,7 +284,8 @@ def ttt_attention_fast(
     else:
         kd = vd = None
     with torch.autocast(q.device.type, enabled=False):
-        out = _TTTAttentionFn.apply(qg, k0, v0, kd, vd, int(q_offset), float(scale), int(chunk))
+        out = _TTTAttentionFn.apply(qg, k0, v0, kd, vd, int(q_offset), float(scale), int(chunk),
+                                    None if window is None else int(window))
     return out.reshape(B, Hq, T, D)
 
 
@@ -246,15 +295,16 @@ def ttt_attention_sdpa(
     values: Sequence[torch.Tensor],
     q_offset: int = 0,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Fused SDPA for plain causal attention (step 0, no offset); the fast path otherwise."""
-    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2]:
+    """Fused SDPA for plain causal attention (step 0, no offset, no window); the fast path otherwise."""
+    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2] and window is None:
         dt = _compute_dtype(q, keys[0], values[0])
         return F.scaled_dot_product_attention(
             q.to(dt), keys[0].to(dt), values[0].to(dt), is_causal=True, scale=scale,
             enable_gqa=q.shape[1] != keys[0].shape[1],
         )
-    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale)
+    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale, window=window)
 
 
 IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_attention_sdpa}
@@ -266,12 +316,14 @@ class TTTAttentionCore(nn.Module):
     ``auto`` = ``fast`` on CPU (measured faster than the fused CPU SDPA kernel even for plain
     causal attention, see benchmarks/README.md) and ``sdpa`` on GPUs (fused kernel for step 0).
     Sequence parallel wrappers replace this module or call it from outside; it holds no state.
+    ``window``: sliding-window attention (module docstring); the ring wrapper reads it from here.
     """
 
-    def __init__(self, impl: str = "auto", scale: Optional[float] = None):
+    def __init__(self, impl: str = "auto", scale: Optional[float] = None, window: Optional[int] = None):
         super().__init__()
         self.impl = impl
         self.scale = scale
+        self.window = window
 
     @property
     def impl(self) -> str:
@@ -290,7 +342,7 @@ class TTTAttentionCore(nn.Module):
         if impl == "auto":
             impl = "fast" if q_BHTD.device.type == "cpu" else "sdpa"
         fn = IMPLS[impl]
-        return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale)
+        return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale, window=self.window)
 
     def extra_repr(self) -> str:
-        return f"impl={self._impl!r}"
+        return f"impl={self._impl!r}" + ("" if self.window is None else f", window={self.window}")

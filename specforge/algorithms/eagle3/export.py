@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig, window_of
 from specforge.engines.vllm import quiet_speculators
 from specforge.train.checkpoint import load_draft_folder
 
@@ -136,7 +136,6 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, target_
     ``verifier.name_or_path``; the converter reads its config.json), ``target_config`` its
     transformers config (that it is the draft's target: ``specforge.compat``, checked by the CLI)."""
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens is {speculative_tokens}, expected at least 1")
@@ -146,12 +145,41 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, target_
     with quiet_speculators():
         Eagle3Converter().convert(draft_dir, out, base_model=str(target), validate=False,
                                   norm_before_residual=False, eagle_aux_hidden_state_layer_ids=ids)
-        config = Eagle3SpeculatorConfig.from_pretrained(str(out))
-        if speculative_tokens is not None:
-            config.speculators_config.proposal_methods[0].speculative_tokens = int(speculative_tokens)
-            config.save_pretrained(str(out))
-    check_converted(weights, out, ids, {"norm_before_residual": False})
+        finish_config(out, speculative_tokens, window_of(hf_config))
+    check_converted(weights, out, ids, {"norm_before_residual": False}, window_of(hf_config))
     return out
+
+
+def finish_config(out: Path, speculative_tokens: Optional[int], window: Optional[int]) -> None:
+    """What the converter does not take, set on its written config (speculators' own class saves it):
+    the tokens per round, and the sliding window where the transformer layer's config carries it
+    (``sliding_window`` + ``layer_types`` ["sliding_attention"]: what speculators' Eagle3 model and
+    vLLM's Llama layers read; the converter drops it)."""
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    if speculative_tokens is None and window is None:
+        return
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    if speculative_tokens is not None:
+        config.speculators_config.proposal_methods[0].speculative_tokens = int(speculative_tokens)
+    if window is not None:
+        tl = config.transformer_layer_config
+        tl.sliding_window, tl.layer_types, tl.use_sliding_window = int(window), ["sliding_attention"], True
+    config.save_pretrained(str(out))
+
+
+def refuse_window(engine: str, hf_config: dict, where: str = "") -> None:
+    """One ValueError where ``engine`` would serve a sliding-window draft with full attention."""
+    w = window_of(hf_config)
+    if w is not None and engine in WINDOW_DROPPED:
+        raise ValueError(f"--engine {engine}: the draft{f' {where}' if where else ''} was trained with "
+                         f"draft.sliding_window={w}, which {engine}'s {WINDOW_DROPPED[engine]} does not read (it would "
+                         "attend the whole context, silently computing other logits); export it for vllm, or train "
+                         "it without draft.sliding_window")
+
+
+# engines whose EAGLE-3 layer has no sliding window (read: SGLang's llama_eagle3.py, llama.cpp's eagle3.cpp)
+WINDOW_DROPPED = {"sglang": "LlamaForCausalLMEagle3", "llama.cpp": "eagle3 graph"}
 
 
 def read_written(out: Path) -> dict[str, torch.Tensor]:
@@ -164,10 +192,12 @@ def read_written(out: Path) -> dict[str, torch.Tensor]:
     return written
 
 
-def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], flags: dict[str, bool]) -> None:
+def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], flags: dict[str, bool],
+                    window: Optional[int] = None) -> None:
     """The converter logs, and does not raise on, tensors it could not place: every one of ours must
     be in the written files, equal in the written dtype (``midlayer.*`` as ``layers.0.*``), and the
-    written config.json must hold the layer ids and the norm ``flags`` (name -> value) we passed."""
+    written config.json must hold the layer ids, the norm ``flags`` (name -> value) we passed and the
+    sliding ``window`` (in ``transformer_layer_config``)."""
     written = read_written(out)
     errors = []
     for k, v in ours.items():
@@ -180,6 +210,9 @@ def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], fl
     if config.get("eagle_aux_hidden_state_layer_ids") != ids:
         errors.append(f"eagle_aux_hidden_state_layer_ids {config.get('eagle_aux_hidden_state_layer_ids')}, expected {ids}")
     errors += [f"{k} is {config.get(k)!r}, expected {v}" for k, v in flags.items() if config.get(k) is not v]
+    got = window_of(config.get("transformer_layer_config") or {})
+    if got != window:
+        errors.append(f"transformer_layer_config's sliding window is {got}, expected {window}")
     if errors:
         raise ValueError(f"speculators' converter wrote {str(out)!r} wrongly: " + "; ".join(errors))
 
@@ -189,6 +222,7 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     serve command. ``req``: the ``ExportRequest`` (``specforge.algorithms.base``)."""
     from specforge.engines import sglang
 
+    refuse_window(engine, json.loads((Path(draft_dir) / "config.json").read_text()), repr(str(draft_dir)))
     if engine == "sglang":
         sglang.copy_served(draft_dir, out_dir)
         return (f"python -m sglang.launch_server --model-path {req.target or '<target>'} --speculative-algorithm "
@@ -214,6 +248,7 @@ def draft_layer_ids(draft_config: dict, num_target_layers: int) -> list[int]:
 def llamacpp_config(draft_config: dict, target_config: dict, layer_ids: Optional[Sequence[int]] = None) -> dict:
     """The config.json llama.cpp's converter reads: a TOP-LEVEL ``eagle_aux_hidden_state_layer_ids``
     naming the layer INPUTS it captures (ours + 1); ``layer_ids`` (ours) overrides the checkpoint's."""
+    refuse_window("llama.cpp", draft_config)
     L = int(target_config.get("num_hidden_layers") or target_config["text_config"]["num_hidden_layers"])
     ids = list(layer_ids) if layer_ids is not None else draft_layer_ids(draft_config, L)
     return {**draft_config, "eagle_aux_hidden_state_layer_ids": llamacpp_layer_ids(ids)}

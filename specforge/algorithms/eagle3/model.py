@@ -99,6 +99,9 @@ class Eagle3DraftConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Any] = None
     attention: str = "auto"  # TTT attention core impl (not saved)
+    # sliding-window attention (tokens, None = full): a query at position p sees keys at positions > p - W
+    # (config.json: sliding_window + layer_types ["sliding_attention"], the HF / vLLM convention)
+    sliding_window: Optional[int] = None
 
     def __post_init__(self):
         if self.target_hidden_size is None:
@@ -145,6 +148,8 @@ class Eagle3DraftConfig:
         }
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
+        if self.sliding_window is not None:
+            d.update(sliding_window=self.sliding_window, use_sliding_window=True, layer_types=["sliding_attention"])
         return d
 
     @classmethod
@@ -170,7 +175,17 @@ class Eagle3DraftConfig:
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            sliding_window=window_of(d),
         )
+
+
+def window_of(hf_config: Mapping) -> Optional[int]:
+    """A config.json's sliding window: ``sliding_window`` where its one layer is a sliding one
+    (``layer_types`` ["sliding_attention"], or no ``layer_types`` and ``use_sliding_window``)."""
+    w = hf_config.get("sliding_window")
+    types = hf_config.get("layer_types")
+    sliding = types == ["sliding_attention"] if types is not None else bool(hf_config.get("use_sliding_window"))
+    return int(w) if w is not None and sliding else None
 
 
 def draft_config_from_target(target_hf_config: Any, draft_cfg: Any, aux_layer_ids: list[int]) -> Eagle3DraftConfig:
@@ -219,6 +234,7 @@ def draft_config_from_target(target_hf_config: Any, draft_cfg: Any, aux_layer_id
         bos_token_id=_cfg_get(t, "bos_token_id"),
         eos_token_id=_cfg_get(t, "eos_token_id"),
         attention=getattr(draft_cfg, "attention", "auto"),
+        sliding_window=getattr(draft_cfg, "sliding_window", None),
     )
 
 
@@ -234,7 +250,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
-        self.core = TTTAttentionCore(cfg.attention)
+        self.core = TTTAttentionCore(cfg.attention, window=cfg.sliding_window)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -554,7 +570,7 @@ class Eagle3Draft(nn.Module):
         q, k, v = self.layer_qkv(e, hidden, position_ids_BT, w_hid)
         offset = len(cache)
         K, V = cache.append(k.detach(), v.detach())
-        attn = ttt_attention_fast(q, [K], [V], q_offset=offset)
+        attn = ttt_attention_fast(q, [K], [V], q_offset=offset, window=self.config.sliding_window)
         out = self.layer_finish(attn, hidden)
         return out, self.logits(out)
 
@@ -587,6 +603,7 @@ class ChainDrafter:
         self.embed_N = w(draft.embed_tokens.weight[draft.draft_to_target_ids()])
         self.heads = (a.num_heads, a.num_kv_heads, a.head_dim)
         self.inv_freq = draft.inv_freq
+        self.window = draft.config.sliding_window
         self.cache = DraftKVCache(capacity)
         self._rope_table(capacity)
 
@@ -614,6 +631,15 @@ class ChainDrafter:
         weight, eps = self.norms[i]
         return F.rms_norm(x, weight.shape, weight, eps)
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Append the rows' keys to the cache; their attention over it (Hq x T x D)."""
+        K, V = self.cache.append(k[None], v[None])
+        if q.shape[1] == 1:  # the newest row sees every cached key (the last W with a window): no mask
+            if self.window is not None:
+                K, V = K[:, :, -self.window:], V[:, :, -self.window:]
+            return F.scaled_dot_product_attention(q[None], K, V, enable_gqa=q.shape[0] != K.shape[1])[0]
+        return ttt_attention_fast(q[None], [K], [V], q_offset=start, window=self.window)[0]
+
     def _layer(self, e_TH: torch.Tensor, h_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         Hq, Hk, D = self.heads
         T, start = e_TH.shape[0], len(self.cache)
@@ -623,11 +649,7 @@ class ChainDrafter:
         qk, v = qkv.view(T, Hq + 2 * Hk, D).transpose(0, 1).split([Hq + Hk, Hk])
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]
         q, k = (qk * cos + rotate_half(qk) * sin).split([Hq, Hk])
-        K, V = self.cache.append(k[None], v[None])
-        if T == 1:  # the newest row sees every cached key: no mask
-            attn = F.scaled_dot_product_attention(q[None], K, V, enable_gqa=Hq != Hk)[0]
-        else:
-            attn = ttt_attention_fast(q[None], [K], [V], q_offset=start)[0]
+        attn = self._attend(q, k, v, start)
         h = h_TH + F.linear(attn.transpose(0, 1).reshape(T, Hq * D), self.w_o)
         gate, up = F.linear(self._norm(2, h), self.w_gate_up).chunk(2, dim=-1)
         h = h + F.linear(F.silu(gate) * up, self.w_down)

@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 import torch
 
 from specforge.algorithms.eagle3 import export as eagle3_export
+from specforge.algorithms.eagle3.model import window_of
 from specforge.algorithms.eagle31.model import FLAGS, Eagle31Draft, Eagle31DraftConfig, flag_conflict
 from specforge.engines.vllm import quiet_speculators
 from specforge.train.checkpoint import load_draft_folder
@@ -129,7 +130,6 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
     """EAGLE-3's vLLM export (speculators' converter, our layer ids renumbered) told all four flags,
     then the fc-side norms it drops added to the written safetensors, then everything checked."""
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens is {speculative_tokens}, expected at least 1")
@@ -137,15 +137,13 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
     flags = flags_of(hf_config)
     ids = eagle3_export.speculators_layer_ids(hf_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     out = Path(out_dir)
+    window = window_of(hf_config)
     with quiet_speculators():
         Eagle3Converter().convert(draft_dir, out, base_model=str(target), validate=False,
                                   eagle_aux_hidden_state_layer_ids=ids, **flags)
-        config = Eagle3SpeculatorConfig.from_pretrained(str(out))
-        if speculative_tokens is not None:
-            config.speculators_config.proposal_methods[0].speculative_tokens = int(speculative_tokens)
-            config.save_pretrained(str(out))
+        eagle3_export.finish_config(out, speculative_tokens, window)
     add_tensors(out, {k: weights[k] for k in extra_tensors(hf_config)})
-    eagle3_export.check_converted(weights, out, ids, flags)
+    eagle3_export.check_converted(weights, out, ids, flags, window)
     return out
 
 

@@ -37,7 +37,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specforge.algorithms.eagle3.attention import ttt_attention_fast
 from specforge.algorithms.eagle3.model import ChainDrafter, Eagle3Draft, Eagle3DraftConfig
 from specforge.models.layers import RMSNorm, rotate_half
 
@@ -184,11 +183,7 @@ class Eagle31ChainDrafter(ChainDrafter):
         qk, v = qkv.view(T, Hq + 2 * Hk, D).transpose(0, 1).split([Hq + Hk, Hk])
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]
         q, k = (qk * cos + rotate_half(qk) * sin).split([Hq, Hk])
-        K, V = self.cache.append(k[None], v[None])
-        if T == 1:
-            attn = F.scaled_dot_product_attention(q[None], K, V, enable_gqa=Hq != Hk)[0]
-        else:
-            attn = ttt_attention_fast(q[None], [K], [V], q_offset=start)[0]
+        attn = self._attend(q, k, v, start)
         h = (h_normed if self.residual_normed else h_TH) + F.linear(attn.transpose(0, 1).reshape(T, Hq * D), self.w_o)
         gate, up = F.linear(self._norm(2, h), self.w_gate_up).chunk(2, dim=-1)
         h = h + F.linear(F.silu(gate) * up, self.w_down)

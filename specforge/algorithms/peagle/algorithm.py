@@ -65,7 +65,8 @@ class PEagle(Eagle3):
     def config_errors(self, cfg) -> list[str]:
         errors = super().config_errors(cfg)
         for key, fix in (("ttt_length", "draft.parallel_tokens sets the depths it trains"),
-                         ("ttt_warmup_steps", "it has no chain to warm up")):
+                         ("ttt_warmup_steps", "it has no chain to warm up"),
+                         ("sliding_window", "a P-EAGLE draft attends the whole context here")):
             if getattr(cfg.draft, key) != getattr(Eagle3Options, key):
                 errors.append(f"config key 'draft.{key}'={getattr(cfg.draft, key)!r} applies to draft.algorithm=eagle3, "
                               f"not peagle ({fix}); remove it")
