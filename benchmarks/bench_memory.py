@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch._C._profiler import _EventType
@@ -67,6 +68,7 @@ class Case:
     layers: int = 2  # DFlash
     block: int = 8
     anchors: int = 40
+    window: Optional[int] = None  # EAGLE-3's draft.sliding_window
     extra: dict = field(default_factory=dict)
 
     @property
@@ -81,6 +83,8 @@ CASES = [
     Case("EAGLE-3, FSDP2 x2 bf16 mp, SDPA step 0, B=2 T=512", T=512, dp=2, mp=True, attention="sdpa"),
     Case("EAGLE-3, Ulysses SP 2 (FSDP2 x2 bf16 mp), B=2 T=1024", T=1024, ulysses=2, mp=True, attention="sdpa"),
     Case("EAGLE-3, ring SP 2 (FSDP2 x2), B=1 T=1024", B=1, T=1024, ring=2),
+    Case("EAGLE-3, 1 process, sliding window 256, B=1 T=2048", B=1, T=2048, window=256),
+    Case("EAGLE-3, ring SP 2 (FSDP2 x2), sliding window 256, B=1 T=2048", B=1, T=2048, ring=2, window=256),
     Case("DFlash, 1 process, B=2 T=512, 40 anchors x 8", algo="dflash", T=512),
     Case("DFlash, 1 process, B=1 T=1024, 16 anchors x 16", algo="dflash", B=1, T=1024, anchors=16, block=16),
 ]
@@ -132,7 +136,7 @@ def _config(case: Case):
     from specforge.config import Config, TrainConfig
 
     if case.algo == "eagle3":
-        draft = Eagle3Options(ttt_length=case.ttt, attention=case.attention)
+        draft = Eagle3Options(ttt_length=case.ttt, attention=case.attention, sliding_window=case.window)
     else:
         draft = DFlashOptions(algorithm="dflash", num_layers=case.layers, block_size=case.block, num_anchors=case.anchors)
     return Config(draft=draft, train=TrainConfig(precision=case.precision, warmup_steps=0, num_workers=case.world))
@@ -145,7 +149,7 @@ def _draft(case: Case):
         return Eagle3Draft(Eagle3DraftConfig(hidden_size=case.H, intermediate_size=case.I,
                                              num_attention_heads=case.Hq, num_key_value_heads=case.Hkv,
                                              head_dim=case.D, vocab_size=case.V, draft_vocab_size=case.N,
-                                             attention=case.attention))
+                                             attention=case.attention, sliding_window=case.window))
     from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft
 
     return DFlashDraft(DFlashConfig(hidden_size=case.H, num_hidden_layers=case.layers, num_attention_heads=case.Hq,
@@ -210,7 +214,7 @@ def predict(case: Case) -> memory.DeviceMemory:
         from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
 
         step = eagle3_step(Eagle3Dims.of(draft.config), s, p, attention_chunk(False),
-                                  loss_chunk(torch.device("cpu"), case.N))
+                           loss_chunk(torch.device("cpu"), case.N), case.window)
         state = 4 * case.N * case.H
     else:
         from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
@@ -254,6 +258,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two small single-process cases")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--only", default=None, help="the cases whose name contains this text")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -264,6 +269,8 @@ def main(argv=None) -> int:
     print("|---|---:|---|---:|---:|")
     worst = 0.0
     for case in QUICK if args.quick else CASES:
+        if args.only and args.only not in case.name:
+            continue
         t0 = time.time()
         got = measure_case(case, args.threads)
         want, phase = predicted_peak(predict(case))

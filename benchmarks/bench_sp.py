@@ -19,7 +19,10 @@ ru_maxrss``: the high-water mark of the whole process, so every (SP, T) point is
 processes). It includes the Python + torch baseline and the replicated frozen embedding
 (49152 x 576 fp32 = 113 MB); the table also shows the peak minus the RSS measured just before the
 first step ("step peak"), which is what sequence parallelism divides. The reported value is the
-maximum over ranks. Time = median over the measured steps of the slowest rank. Every rank runs
+maximum over ranks; "memory model" is ``specforge/memory.py``'s peak for the same rank and step
+(``bench_memory.predict``: tensors the step holds at its fullest phase, no interpreter baseline, so
+compare it with the step peak plus the draft's weights; ``--predict-only`` lists it for lengths not
+run here). ``--window W``: the draft's sliding window. Time = median over the measured steps of the slowest rank. Every rank runs
 ``--threads`` torch threads (default 1: two-thread OpenMP regions on this shared, loaded 2-core
 machine measured ~3x slower than one thread), so SP 2 uses both cores and SP 4 oversubscribes
 them 2x: time is only indicative; memory is the measurement.
@@ -52,7 +55,20 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "ulysses") -> None:
+def predicted_mb(sp: int, T: int, mode: str, window) -> float:
+    """The memory model's peak for this rank (``bench_memory.predict``: held + the largest phase of a
+    step; tensors only, no interpreter baseline), for the same draft, batch and precision."""
+    from benchmarks.bench_memory import Case, predict, predicted_peak
+    from benchmarks.bench_ttt import TARGET
+
+    u, r = (sp, 1) if mode == "ulysses" else (1, sp)
+    case = Case("bench_sp", B=1, T=T, H=TARGET["hidden"], I=TARGET["intermediate"], Hq=TARGET["heads"],
+                Hkv=TARGET["kv_heads"], D=TARGET["head_dim"], V=TARGET["vocab"], N=DRAFT_VOCAB, ttt=7,
+                ulysses=u, ring=r, window=window)
+    return predicted_peak(predict(case))[0] / 2**20
+
+
+def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "ulysses", window=None) -> None:
     from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
@@ -63,7 +79,7 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     from specforge.train.slicing import sp_slice_batch
     from specforge.train.trainer import DraftTrainer
 
-    cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7),
+    cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7, sliding_window=window),
                  train=TrainConfig(precision="bf16", lr=1e-4, warmup_steps=0))
     dims = ParallelDims(dp=1, sp_ulysses=world) if mode == "ulysses" else ParallelDims(dp=1, sp_ring=world)
     if mode == "allgather":  # the reference, swapped in where apply_sp builds the ring wrapper
@@ -71,6 +87,7 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     groups = dims.build(list(range(world)), rank, timeout_s=1800)
     torch.manual_seed(0)
     draft = make_draft(DRAFT_VOCAB)
+    draft.midlayer.self_attn.core.window = window
     teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
     b = make_batch(1, T, draft)
     full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"], b["target_ids_BT"])
@@ -87,15 +104,16 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_mb": peak, "base_mb": base, "times": times[1:]}))
 
 
-def measure(sp: int, T: int, steps: int, threads: int, mode: str = "ulysses") -> dict:
+def measure(sp: int, T: int, steps: int, threads: int, mode: str = "ulysses", window=None) -> dict:
     from specforge.parallel.launch import run_ranks
 
     with tempfile.TemporaryDirectory() as d:
-        run_ranks(_rank, sp, T, steps, d, mode, workdir=d, timeout_s=3600, threads=threads)
+        run_ranks(_rank, sp, T, steps, d, mode, window, workdir=d, timeout_s=3600, threads=threads)
         ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(sp)]
     step_s = statistics.median(max(r["times"][i] for r in ranks) for i in range(steps))
     return {"sp": sp, "mode": mode if sp > 1 else "-", "T": T, "peak_mb": max(r["peak_mb"] for r in ranks),
-            "step_peak_mb": max(r["peak_mb"] - r["base_mb"] for r in ranks), "step_s": step_s}
+            "step_peak_mb": max(r["peak_mb"] - r["base_mb"] for r in ranks), "step_s": step_s, "window": window,
+            "model_mb": predicted_mb(sp, T, mode, window)}
 
 
 def plot(results: list[dict], path: Path, mode: str) -> None:
@@ -129,6 +147,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--mode", choices=("ulysses", "ring", "allgather"), default="ulysses")
+    ap.add_argument("--window", type=int, default=None, help="the draft's sliding window (draft.sliding_window)")
+    ap.add_argument("--predict-only", default="", help="tokens (comma list) to list the memory model's peak for, "
+                    "unmeasured (lengths whose step would not fit or finish here)")
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
     info = machine_info()
@@ -136,7 +157,7 @@ def main() -> int:
     results = []
     for T in [int(s) for s in args.seqs.split(",")]:
         for sp in [int(s) for s in args.sps.split(",")]:
-            r = measure(sp, T, args.steps, args.threads, args.mode)
+            r = measure(sp, T, args.steps, args.threads, args.mode, args.window)
             results.append(r)
             print(json.dumps(r), flush=True)
     info["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -145,16 +166,28 @@ def main() -> int:
     for r in results:
         b = base.get(r["T"])
         ratio = f"{r['step_peak_mb'] / b['step_peak_mb']:.2f}" if b else "-"
-        rows.append([r["T"], r["sp"], r["mode"], f"{r['peak_mb']:.0f}", f"{r['step_peak_mb']:.0f}", ratio, f"{r['step_s']:.2f}"])
-    table = markdown_table(["tokens", "SP", "mode", "peak RSS/rank MB", "step peak MB", "step peak vs SP 1", "step s"], rows)
-    png = Path(__file__).with_name("bench_sp.png" if args.mode == "ulysses" else f"bench_sp_{args.mode}.png")
+        rows.append([r["T"], r["sp"], r["mode"], f"{r['peak_mb']:.0f}", f"{r['step_peak_mb']:.0f}", ratio,
+                     f"{r['model_mb']:.0f}", f"{r['step_s']:.2f}"])
+    for T in [int(x) for x in args.predict_only.split(",") if x]:
+        for sp in [int(x) for x in args.sps.split(",")]:
+            rows.append([T, sp, args.mode if sp > 1 else "-", "not run", "-", "-",
+                         f"{predicted_mb(sp, T, args.mode, args.window):.0f}", "-"])
+    table = markdown_table(["tokens", "SP", "mode", "peak RSS/rank MB", "step peak MB", "step peak vs SP 1",
+                            "memory model MB", "step s"], rows)
+    tag = "" if args.mode == "ulysses" else f"_{args.mode}"
+    png = Path(__file__).with_name(f"bench_sp{tag}{'' if args.window is None else f'_w{args.window}'}.png")
     plot(results, png, args.mode)
     print(header_markdown(info))
     print(table)
     if not args.no_readme:
+        flags = (f" --window {args.window}" if args.window else "") + (f" --predict-only {args.predict_only}"
+                                                                          if args.predict_only else "")
         body = (f"{header_markdown(info)}\n\n`python benchmarks/bench_sp.py --seqs {args.seqs} --sps {args.sps} "
-                f"--steps {args.steps} --threads {args.threads} --mode {args.mode}`: see the script docstring for what is measured.\n\n{table}\n\n![]({png.name})\n")
+                f"--steps {args.steps} --threads {args.threads} --mode {args.mode}{flags}`: see the script docstring for "
+                f"what is measured.\n\n{table}\n\n![]({png.name})\n")
         title = {"ulysses": "Ulysses", "ring": "ring", "allgather": "all-gather ring reference"}[args.mode]
+        if args.window:
+            title += f", sliding window {args.window}"
         append_section(f"Sequence parallel ({title}) memory and step time", body)
     return 0
 

@@ -6,6 +6,7 @@ sequence parallelism, ``parallel/ring.py`` (no probabilities kept, K/V blocks in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from specforge.memory import SeqShape, StepPrecision, Term, norm_saved
 
@@ -17,13 +18,17 @@ def attention_chunk(gpu: bool) -> int:
     return int(attention.CHUNK_GPU if gpu else attention.CHUNK_CPU)
 
 
-def _probs_bytes(B: int, heads: int, rows: int, q_offset: int, c: int, chunk: int) -> int:
+def _probs_bytes(B: int, heads: int, rows: int, q_offset: int, c: int, chunk: int,
+                 window: Optional[int] = None, step: int = 0) -> int:
     """The fast core's saved causal-block probabilities: chunk [c0, c1) of the queries keeps
-    ``B x heads x (c1 - c0) x (q_offset + c1)`` values in the compute dtype (algorithms/eagle3/attention.py)."""
+    ``B x heads x (c1 - c0) x (q_offset + c1 - lo)`` values in the compute dtype, ``lo`` the first key
+    its band reaches at TTT step ``step`` (0 without a sliding ``window``; algorithms/eagle3/attention.py)."""
+    from specforge.algorithms.eagle3.attention import window_start
+
     total, c0 = 0, 0
     while c0 < rows:
         c1 = min(rows, c0 + chunk)
-        total += (c1 - c0) * (q_offset + c1)
+        total += (c1 - c0) * (q_offset + c1 - window_start(q_offset + c0, step, window))
         c0 = c1
     return B * heads * total * c
 
@@ -76,13 +81,14 @@ def _core_heads(d: Eagle3Dims, u: int) -> tuple[int, int]:
 
 
 def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
-                loss_rows: int = 64) -> dict[str, list[Term]]:
+                loss_rows: int = 64, window: Optional[int] = None) -> dict[str, list[Term]]:
     """One EAGLE-3 micro-batch (the TTT unroll of ``algorithms/eagle3/loss.py`` through ``Eagle3Draft.forward``):
     ``{"forward": ..., "backward": ...}``, the transient terms at the forward's end (everything autograd
     saved for the L steps, the teacher distribution, what only the forward still holds) and at the
     backward's peak (the last step's attention backward: the saved tensors less that step's MLP and
     loss head, plus the core's fp32 working set). Worst case: every row counts. ``chunk``: the fast
-    core's query rows per iteration; ``loss_rows``: the fused loss's rows per chunk."""
+    core's query rows per iteration; ``loss_rows``: the fused loss's rows per chunk; ``window``: the
+    draft's sliding window (its chunks keep and compute only the keys their band reaches)."""
     c, B, L = p.compute, s.B, s.ttt
     hq, hkv = _core_heads(d, s.ulysses)
     sp = s.sp > 1
@@ -114,7 +120,7 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         if not fused:
             core += 2 * i * hkv * d.D * c * B * qrows  # the stacked diagonal keys and values
             if not ring:  # the ring recomputes its blocks' probabilities in backward
-                saved["causal-block probabilities"] += _probs_bytes(B, hq, qrows, 0, c, chunk)
+                saved["causal-block probabilities"] += _probs_bytes(B, hq, qrows, 0, c, chunk, window, i)
         if uly:
             saved["q/k/v"] += 2 * hkv * d.D * c * B * qrows  # k, v after the all-to-all (cached per unroll)
         saved["attention core (q, out, diagonal k/v)"] += core
@@ -131,14 +137,15 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         Term("loss head chunk (fp32 logits, teacher rows)", loss_chunk)]
     # the backward's peak: inside the last step's attention backward (its MLP and loss head are freed)
     n, Fq, Fk = last["n"], hq * d.D, hkv * d.D
+    keys = n if window is None else min(n, B * (window + chunk))  # keys one chunk of rows scores
     common = (2 * c * Fq + c * d.H) * n + 4 * hq * n  # dout, dq, dhidden; delta (fp32)
     if ring:  # a K/V block is Fk x n: the held and the received K/V (compute dtype); the block's dK/dV, its
         # stacked copy, the received accumulator and the sum (fp32); dq accumulated over the blocks (fp32)
         common += (4 * c + 32) * Fk * n + 4 * Fq * n
-        chunks = hq * chunk * n * (4 + 4 + c + 4 + 4 + c)  # one chunk's scores, P, dP, dS (fp32 and 16-bit)
+        chunks = hq * chunk * keys * (4 + 4 + c + 4 + 4 + c)  # one chunk's scores, P, dP, dS (fp32 and 16-bit)
     else:
         common += 8 * Fk * n  # dk0, dv0 fp32
-        chunks = hq * chunk * n * (2 + 4 + 2)  # one chunk's dP (16-bit, fp32) and dS
+        chunks = hq * chunk * keys * (2 + 4 + 2)  # one chunk's dP (16-bit, fp32) and dS
     diag = (12 * Fq + 16 * last["i"] * Fk) * n  # fp32 q, dout, dq; diagonal k, v and their grads in fp32
     backward = acts + weights + [
         Term("freed before the peak: the last step's MLP, loss head, post-attention norm", -last["free"]),
