@@ -405,6 +405,33 @@ def check_fits(devices: Sequence[DeviceMemory], available: Optional[int], where:
                 "ray.gpu_memory_gib if the GPUs have more (python -m specforge.ray_train --dry-run prints every term)")
 
 
+def host_available_bytes() -> Optional[int]:
+    """This machine's available memory (``MemAvailable`` of /proc/meminfo), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], cfg) -> None:
+    """A CPU run: ValueError (one line) when its processes' predicted peaks together exceed this
+    machine's available memory, naming the largest process and the keys that shrink it."""
+    if available is None or not devices:
+        return
+    total = sum(dev.peak * dev.count for dev in devices)
+    if total > available:
+        big = max(devices, key=lambda d: d.peak)
+        parts = ", ".join(f"{d.count} x {d.device} {d.peak / GiB:.1f} GiB" for d in devices)
+        raise ValueError(
+            f"predicted peak {total / GiB:.1f} GiB in all ({parts}) exceeds the {available / GiB:.1f} GiB this "
+            f"machine has available; lower {_keys_for(big, cfg)} (python -m specforge.ray_train --dry-run "
+            "prints every term)")
+
+
 def _keys_for(dev: DeviceMemory, cfg) -> str:
     if dev.device.startswith("rollout"):
         return ("rollout batch (train.batch_size, train.grad_accum; more rollout.num_workers), data.max_length, "

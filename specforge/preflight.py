@@ -35,14 +35,20 @@ def check_placement(cfg: Config) -> None:
 def check_memory(cfg: Config) -> None:
     """Each device's predicted peak (``specforge/memory.py``: the terms ``--dry-run`` prints) against
     one GPU's memory (``ray.gpu_memory_gib``, else this machine's GPU when the run uses GPUs): a
-    ValueError naming the device, both figures and the keys that shrink it. Nothing to hold it
-    against (a CPU run; a driver off the GPU nodes without the key): no check."""
+    ValueError naming the device, both figures and the keys that shrink it. A CPU run on this
+    machine: every process's peak together against its available memory (a sample too long for it
+    fails here, not in step 1). A driver off the GPU nodes without the key: no check."""
     from specforge import memory
     from specforge.dryrun import memory_plan
 
     available, where = memory.available_bytes(cfg)
     if available is not None:
         memory.check_fits(memory_plan(cfg), available, where, cfg)
+        return
+    from specforge.device import wants_gpu
+
+    if not wants_gpu(cfg.model.device) and not cfg.ray.address:  # every process on this machine's memory
+        memory.check_host_fits(memory_plan(cfg), memory.host_available_bytes(), cfg)
 
 
 def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]]:

@@ -77,6 +77,24 @@ def test_the_check_passes_a_gpu_that_holds_it_and_names_the_device_that_does_not
         check_memory(load_config(None, ["ray.gpu_memory_gib=0"]))
 
 
+def test_a_cpu_run_is_held_against_this_machines_memory(monkeypatch):
+    """No GPU: every process's peak together against MemAvailable (here set to a figure between the
+    default's peak and a 64k-token sample's), one line naming the keys, before any worker starts."""
+    from specforge.dryrun import memory_plan
+    from specforge.preflight import check_memory
+
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", [])
+    long = load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["data.max_length=65536"])
+    small, big = (sum(d.peak * d.count for d in memory_plan(c)) for c in (cfg, long))
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: (small + big) // 2)
+    check_memory(cfg)
+    with pytest.raises(ValueError, match=r"in all \(1 x train process .*\) exceeds the .* GiB this machine has "
+                                         r"available; lower train.batch_size, data.max_length, .*draft.sliding_window"):
+        check_memory(long)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # unknown: no check
+    check_memory(long)
+
+
 def test_sequence_parallelism_divides_the_activations():
     """Ulysses over 2 ranks halves the rows each rank computes: the causal-block probabilities (T^2)
     halve too (heads split), the peak drops; the refusal names parallel.sp for EAGLE-3."""
