@@ -50,6 +50,18 @@ class DataConfig:
     max_samples: Optional[int] = None  # first N usable conversations (None = all)
     num_eval: int = 64  # held-out conversations (taken from the end, never trained on)
     num_proc: int = 1
+    # Long-context runs: keep only conversations of at least this many tokens (after truncation at
+    # max_length); shorter ones are skipped like unusable rows, held-out split included. 0 = all.
+    min_length: int = 0
+    # Join the consecutive parts of one chat (ShareGPT V3 ids <chat>_<n>) into one conversation.
+    join_parts: bool = False
+
+    def __post_init__(self):
+        if self.min_length < 0:
+            raise ValueError(f"config key 'data.min_length'={self.min_length!r} must be >= 0 (0 keeps every length)")
+        if self.min_length > self.max_length:
+            raise ValueError(f"config key 'data.min_length'={self.min_length!r} exceeds data.max_length={self.max_length} "
+                             "(rows are cut at max_length, none could be kept); lower data.min_length or raise data.max_length")
 
 
 @dataclass

@@ -2,12 +2,21 @@
 
     python -m specforge.eval --config cfg.yaml --draft runs/x/checkpoints/step-000400 \
         [--draft prompt-lookup ...] [--num-prompts 16] [--max-new-tokens 64] [--chain 7] [--json out.json]
+        [--buckets 1024,4096,8192] [--long] [--min-prompt-tokens N]
     python -m specforge.eval ... --engine llama.cpp [--engine-n-max 1,2,3] [--engine-p-min 0,0.5]
         (the same drafts and prompts served by llama-server: specforge/engines/serve_eval.py)
 
 Both models keep KV caches. Each round the draft proposes up to ``chain`` tokens one at a time, the
 target verifies them in ONE forward, the longest agreeing prefix is kept plus the target's own next
 token (the bonus). Acceptance length = tokens produced per target verify forward.
+
+The same figure is also reported per context-length bucket of the prompt (``--buckets``, default
+edges 1024,4096,8192: under 1k, 1k-4k, 4k-8k and 8k or more tokens): tokens produced / verify
+forwards over the prompts of that bucket only. A bucket without a prompt has no figure (blank in
+the table, null in the JSON), never 0. Prompts are the held-out conversations cut before their first
+reply; ``--long`` takes the longest multi-turn contexts of the same held-out conversations instead,
+up to the target's context (``max_position_embeddings`` minus ``--max-new-tokens``; the default
+target, SmolLM2-135M, has 8192 positions, so its 8k-or-more bucket stays empty, and the run says so).
 
 One table row per draft and setting: "chain 7 fixed" drafts the whole chain every round (the
 acceptance figure comparable with upstream); "dynamic" (EAGLE drafts) stops drafting once the
@@ -29,6 +38,7 @@ import argparse
 import json
 import sys
 import time
+from bisect import bisect_right
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
@@ -307,6 +317,63 @@ def check_lossless(got: list[int], ref: GreedyRun, rtol: float, where: str = "")
     )
 
 
+# ---------------------------------------------------------------- context-length buckets
+
+DEFAULT_BUCKETS = (1024, 4096, 8192)  # prompt tokens: <1k, 1k-4k, 4k-8k, >=8k
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """``[<1k, 1k-4k, 4k-8k, >=8k]`` for the default edges: bucket b holds prompts of
+    ``edges[b-1] <= tokens < edges[b]``."""
+    inner = [f"{_k(lo)}-{_k(hi)}" for lo, hi in zip(edges, edges[1:])]
+    return [f"<{_k(edges[0])}", *inner, f">={_k(edges[-1])}"]
+
+
+def bucket_of(prompt_tokens: int, edges: Sequence[int]) -> int:
+    return bisect_right(list(edges), prompt_tokens)
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """``--buckets`` edges: strictly increasing token counts >= 1, or one error naming the flag."""
+    try:
+        edges = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        edges = ()
+    if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"--buckets {text}: expected strictly increasing comma-separated prompt token counts >= 1, "
+                         "e.g. --buckets 1024,4096,8192")
+    return edges
+
+
+def bucket_rows(edges: Sequence[int], prompt_lengths: Sequence[int], tokens: Sequence[int],
+                forwards: Sequence[int]) -> list[dict]:
+    """Per bucket: prompts, tokens produced after the prefill's first one, verify forwards, and the
+    acceptance length ``tokens / forwards`` (None for a bucket without a prompt). ``tokens`` and
+    ``forwards`` are per prompt, in the order of ``prompt_lengths``."""
+    labels = bucket_labels(edges)
+    lows, highs = (0, *edges), (*edges, None)
+    rows = [{"bucket": labels[b], "min_tokens": lows[b], "max_tokens": highs[b], "prompts": 0, "tokens": 0,
+             "verify_forwards": 0, "acceptance_length": None} for b in range(len(labels))]
+    for n, t, f in zip(prompt_lengths, tokens, forwards):
+        row = rows[bucket_of(n, edges)]
+        row["prompts"] += 1
+        row["tokens"] += t
+        row["verify_forwards"] += f
+    for row in rows:
+        if row["prompts"]:
+            row["acceptance_length"] = row["tokens"] / max(row["verify_forwards"], 1)
+    return rows
+
+
+def unreachable_buckets(edges: Sequence[int], max_prompt_tokens: int) -> list[str]:
+    """Buckets no prompt of at most ``max_prompt_tokens`` tokens can fall into."""
+    return [label for label, lo in zip(bucket_labels(edges), (0, *edges)) if lo > max_prompt_tokens]
+
+
 # ---------------------------------------------------------------- evaluation
 
 
@@ -340,19 +407,21 @@ class EvalReport:
     drafted_per_round: float = 0.0
     draft_ms_per_round: float = 0.0
     verify_ms_per_round: float = 0.0
+    buckets: list[dict] = field(default_factory=list)  # bucket_rows: acceptance per prompt-length bucket
 
 
 def evaluate(
     target: TargetModel, proposer, prompts: Sequence[Sequence[int]], max_new: int, chain: int,
-    progress: bool = True, dynamic: bool = False,
+    progress: bool = True, dynamic: bool = False, buckets: Sequence[int] = DEFAULT_BUCKETS,
 ) -> EvalReport:
     """Speculative vs plain greedy on every prompt; raises if an output differs beyond a tie."""
-    return evaluate_settings(target, [Setting("draft", proposer, dynamic)], prompts, max_new, chain, progress)[0]
+    return evaluate_settings(target, [Setting("draft", proposer, dynamic)], prompts, max_new, chain, progress,
+                             buckets)[0]
 
 
 def evaluate_settings(
     target: TargetModel, settings: Sequence[Setting], prompts: Sequence[Sequence[int]], max_new: int, chain: int,
-    progress: bool = True,
+    progress: bool = True, buckets: Sequence[int] = DEFAULT_BUCKETS,
 ) -> list[EvalReport]:
     """Every setting against ONE greedy reference per prompt, run alternately prompt by prompt."""
     from tqdm import tqdm
@@ -362,6 +431,7 @@ def evaluate_settings(
     _warm_up(target, settings, prompts[0], chain, eos)
     costs = [RoundCosts() if s.dynamic else None for s in settings]
     totals = [DecodeStats(accepted_at=[0] * chain) for _ in settings]
+    per_prompt: list[list[DecodeStats]] = [[] for _ in settings]  # for the buckets
     ties = [0] * len(settings)
     base_tokens, base_s = 0, 0.0
     for i, prompt in enumerate(tqdm(prompts, desc="spec-decode", disable=not progress)):
@@ -373,8 +443,14 @@ def evaluate_settings(
             got, st = speculative_decode(s.target or target, s.proposer, prompt, max_new, chain, eos, costs[j])
             ties[j] += check_lossless(got, ref, rtol, where=f"{s.draft} ({s.name(chain)}), prompt {i}: ")
             _add(totals[j], st)
+            per_prompt[j].append(st)
     base_tps = base_tokens / max(base_s, 1e-9)
-    return [_report(s, t, n, len(prompts), chain, base_tps) for s, t, n in zip(settings, totals, ties)]
+    lengths = [len(p) for p in prompts]
+    # The first token of each prompt comes from the prefill forward, not from a verify round.
+    return [replace(_report(s, t, n, len(prompts), chain, base_tps),
+                    buckets=bucket_rows(buckets, lengths, [st.new_tokens - 1 for st in runs],
+                                        [st.verify_forwards for st in runs]))
+            for s, t, n, runs in zip(settings, totals, ties, per_prompt)]
 
 
 def _warm_up(target: TargetModel, settings: Sequence[Setting], prompt: Sequence[int], chain: int, eos: set[int]) -> None:
@@ -441,6 +517,52 @@ def format_report(rep: EvalReport, label: Optional[str] = None) -> str:
     )
 
 
+def format_buckets(reports: Sequence, labels: Sequence[str], value: str = "acceptance_length") -> str:
+    """The acceptance per prompt-length bucket, one row per draft and setting (``reports``: rows with
+    ``draft``, ``setting`` and ``buckets``); the header counts each bucket's prompts, a bucket
+    without a prompt is a blank cell."""
+    counts = [b["prompts"] for b in reports[0].buckets] if reports else [0] * len(labels)
+    lines = ["| draft | setting | " + " | ".join(f"{lab} ({n})" for lab, n in zip(labels, counts)) + " |",
+             "|---|---|" + "---|" * len(labels)]
+    for r in reports:
+        cells = ["" if b[value] is None else f"{b[value]:.3f}" for b in r.buckets]
+        lines.append(f"| {r.draft} | {r.setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pick_prompts(cfg, tokenizer, args, max_positions: Optional[int]) -> tuple[list[list[int]], int]:
+    """The held-out prompts (``--long``: the longest multi-turn contexts) and the most tokens a prompt
+    may have: ``--max-prompt-tokens`` (default 384, or the target's room under ``--long``), never more
+    than the target's ``max_positions`` minus ``--max-new-tokens``."""
+    from specforge.data.heldout import eval_prompts, heldout_rows, long_prompts
+
+    room = max_positions - args.max_new_tokens if max_positions else None
+    if room is not None and room < 2:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
+                         f"{max_positions} positions; lower --max-new-tokens")
+    asked = args.max_prompt_tokens or (None if args.long and room else 384)
+    cap = min(x for x in (asked, room) if x is not None)
+    if args.long:
+        prompts = long_prompts(cfg, tokenizer, args.num_prompts, cap, args.min_prompt_tokens)
+    else:
+        prompts = eval_prompts(heldout_rows(cfg, tokenizer), args.num_prompts, cap, args.min_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"no held-out prompt of {args.min_prompt_tokens}-{cap} tokens; lower --min-prompt-tokens, "
+                         "raise --max-prompt-tokens or data.num_eval" + ("" if args.long else ", or use --long"))
+    return prompts, cap
+
+
+def prompt_note(edges: Sequence[int], cap: int, max_positions: Optional[int], args) -> Optional[str]:
+    """Which buckets no prompt can fill, and why (the target's context or the prompt limit)."""
+    out = unreachable_buckets(edges, cap)
+    if not out:
+        return None
+    why = (f"the target has {max_positions} positions and {args.max_new_tokens} are left for new tokens"
+           if max_positions and cap == max_positions - args.max_new_tokens else
+           "--max-prompt-tokens" + ("" if args.long else "; --long takes the longest held-out contexts"))
+    return f"prompt-length buckets {', '.join(out)} stay empty: prompts are at most {cap} tokens ({why})"
+
+
 def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Optional[torch.dtype],
                    aux_ids: Optional[dict[str, Optional[list[int]]]] = None) -> list[Setting]:
     """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
@@ -463,6 +585,13 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
     return settings
 
 
+def prompt_meta(prompts: Sequence[Sequence[int]], cap: int, args, note: Optional[str]) -> dict:
+    """What the JSON says about the prompts behind the buckets."""
+    return {"bucket_edges": list(args.bucket_edges), "long_prompts": bool(args.long), "max_prompt_tokens": cap,
+            "prompt_tokens": [len(p) for p in prompts], "unreachable_buckets": unreachable_buckets(args.bucket_edges, cap),
+            "bucket_note": note}
+
+
 def _draft_dtype(choice: str, precision: str, device: torch.device) -> torch.dtype:
     """auto = the dtype the draft's matmuls ran in during training (train.precision's autocast)."""
     from specforge.device import autocast_dtype, torch_dtype
@@ -480,7 +609,14 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--target", default=None, help="target path/hub id (overrides model.target_path)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="longest prompt (default 384; with --long the target's context minus --max-new-tokens)")
+    ap.add_argument("--min-prompt-tokens", type=int, default=2, help="shortest prompt: drop held-out prompts below it")
+    ap.add_argument("--long", action="store_true",
+                    help="prompts = the longest held-out multi-turn contexts (cut before their last reply that fits), "
+                         "not the first turn: fills the long prompt-length buckets")
+    ap.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
+                    help="prompt-length bucket edges in tokens: acceptance is also reported per bucket")
     ap.add_argument("--chain", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -496,9 +632,13 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     engine_settings(args)  # every --engine-* value, before a server (or anything else) starts
     for flag, value, low in (("--chain", args.chain, 1), ("--num-prompts", args.num_prompts, 1),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2),
-                             ("--threads", args.threads, 1)):
+                             ("--threads", args.threads, 1), ("--min-prompt-tokens", args.min_prompt_tokens, 2)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.max_prompt_tokens is not None and args.min_prompt_tokens > args.max_prompt_tokens:
+        raise ValueError(f"--min-prompt-tokens {args.min_prompt_tokens} exceeds --max-prompt-tokens "
+                         f"{args.max_prompt_tokens}; no prompt could be kept")
+    args.bucket_edges = parse_buckets(args.buckets)
     return args
 
 
@@ -517,19 +657,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return serve_eval.main(args, cfg)
     from specforge.compat import check_drafts
-    from specforge.data.heldout import eval_prompts, heldout_rows
 
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
     target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
     for name in aux_ids:
         if note := check_target_weights(name, target.model, args.allow_mismatch):
             print(note, file=sys.stderr)
-    prompts = eval_prompts(heldout_rows(cfg, target.tokenizer), args.num_prompts, args.max_prompt_tokens)
-    if not prompts:
-        raise ValueError("no held-out prompt fits; raise --max-prompt-tokens or data.num_eval")
+    max_positions = getattr(target.model.config, "max_position_embeddings", None)
+    prompts, cap = pick_prompts(cfg, target.tokenizer, args, max_positions)
     draft_dtype = _draft_dtype(args.draft_dtype, cfg.train.precision, target.device)
     settings = build_settings(args.draft, target, draft_dtype, aux_ids)
-    reports = evaluate_settings(target, settings, prompts, args.max_new_tokens, args.chain)
+    reports = evaluate_settings(target, settings, prompts, args.max_new_tokens, args.chain, buckets=args.bucket_edges)
     target_dtype = str(target.lm_head_weight_VH.dtype).replace("torch.", "")
     print(f"target {cfg.model.target_path} in {target_dtype} on {target.device.type}, draft in "
           f"{str(draft_dtype).replace('torch.', '')}, {torch.get_num_threads()} threads, {len(prompts)} held-out "
@@ -537,10 +675,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(REPORT_HEADER)
     for rep in reports:
         print(format_report(rep))
+    note = prompt_note(args.bucket_edges, cap, max_positions, args)
+    print(f"\nacceptance length by prompt length in tokens ({'--long: longest held-out contexts' if args.long else 'first turns'}; "
+          "header: prompts per bucket; blank: no prompt there)" + (f"\n{note}" if note else ""))
+    print(format_buckets(reports, bucket_labels(args.bucket_edges)))
     if args.json:
         rows = [asdict(r) for r in reports]
         # the first row also at the top level, for callers that read one report per run
-        meta = {"target_dtype": target_dtype, "draft_dtype": str(draft_dtype), "threads": torch.get_num_threads()}
+        meta = {"target_dtype": target_dtype, "draft_dtype": str(draft_dtype), "threads": torch.get_num_threads(),
+                **prompt_meta(prompts, cap, args, note)}
         Path(args.json).write_text(json.dumps({**rows[0], **meta, "rows": rows}, indent=2))
     return 0
 

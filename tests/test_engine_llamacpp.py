@@ -115,12 +115,14 @@ def _probe(served, gguf_draft):
 
 
 def test_served_acceptance_equals_our_eval(served, tmp_path):
-    from specforge.eval import TIE_RTOL, _eos_ids, check_lossless, greedy_run, speculative_decode
+    from specforge.engines.serve_eval import Setting, summarize
+    from specforge.eval import TIE_RTOL, _eos_ids, bucket_rows, check_lossless, greedy_run, speculative_decode
 
     cfg, target, ckpt, gguf, prompts = served
     draft_gguf = convert_draft(ckpt, llamacpp_target_dir(cfg), tmp_path / "draft.gguf")
     proposer, eos = _ours(target, ckpt), _eos_ids(target)
     tokens = forwards = same = 0
+    per_prompt = []  # (tokens after the prefill's, verify forwards) of our decode, for the buckets
     with LlamaServer(gguf, draft_gguf, n_max=CHAIN, threads=1) as srv:
         runs = [srv.complete(p, MAX_NEW) for p in prompts]
     for p, r in zip(prompts, runs):  # specforge.eval's loop, prompt by prompt (evaluate_settings)
@@ -128,6 +130,7 @@ def test_served_acceptance_equals_our_eval(served, tmp_path):
         got, st = speculative_decode(target, proposer, p, MAX_NEW, CHAIN, eos)
         check_lossless(got, ref, TIE_RTOL[torch.float32])
         tokens, forwards = tokens + st.new_tokens - 1, forwards + st.verify_forwards
+        per_prompt.append((st.new_tokens - 1, st.verify_forwards))
         same += r.tokens == ref.tokens
     ours = tokens / forwards  # = EvalReport.acceptance_length
     # Our eval's acceptance length counts tokens per target forward, every forward after the
@@ -149,6 +152,18 @@ def test_served_acceptance_equals_our_eval(served, tmp_path):
     assert abs(served_acc - ours) <= 0.02, (served_acc, ours)
     assert served_acc > 1.05  # the trained draft is not a no-op, else parity would prove little
     assert server_mean_len >= served_acc  # per verify round >= per forward (a forward may verify nothing)
+    # per prompt-length bucket (an edge at the median prompt length: both halves hold prompts), the
+    # served rows' figure (serve_eval.summarize) against ours (eval.bucket_rows), same tolerance per
+    # flipped token (~half the forwards per bucket: twice the overall's)
+    lengths = [len(p) for p in prompts]
+    edges = (sorted(lengths)[len(lengths) // 2],)
+    mine = bucket_rows(edges, lengths, [t for t, _ in per_prompt], [f for _, f in per_prompt])
+    theirs = summarize(Setting("d", None, n_max=CHAIN), runs, runs, 1.0, lengths, edges).buckets
+    print("by bucket:", [(m["bucket"], m["prompts"], round(m["acceptance_length"], 4), round(t["acceptance_length"], 4))
+                         for m, t in zip(mine, theirs)])
+    assert [m["prompts"] for m in mine] == [t["prompts"] for t in theirs] and all(m["prompts"] for m in mine)
+    for m, t in zip(mine, theirs):
+        assert abs(m["acceptance_length"] - t["acceptance_length"]) <= 0.04, (m, t)
 
 
 def test_aux_ids_reach_llamacpp_and_a_shifted_export_is_caught(served, tmp_path):

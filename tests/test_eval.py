@@ -286,7 +286,8 @@ def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
              "--chain", "3", "--threads", str(torch.get_num_threads()), "--draft-dtype", "float32",
              "--json", str(out_json)])
     assert len(loads) == 1  # the target is loaded once for every draft
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    main_table = capsys.readouterr().out.split("\n\n")[0]  # the per-bucket table follows a blank line
+    table = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[:2] for line in table[1:]] == [
         [f"| {ckpt}", "chain 3 fixed"], [f"| {ckpt}", "dynamic <=3"], ["| prompt-lookup", "chain 3 fixed"]]
     report = json.loads(out_json.read_text())

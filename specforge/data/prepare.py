@@ -13,11 +13,13 @@ file: the embedded ShareGPT file is 125 MB and hashes in ~0.3 s, negligible next
 tokenizing it; a multi-GB dataset would pay a few seconds, still cheaper than any risk of a
 stale cache from an edited-in-place file with a preserved mtime), the tokenizer (its full
 serialized ``tokenizer.json`` incl. added tokens, plus its class name), the chat template text,
-``max_length`` and ``max_samples`` (and ``num_eval``, which decides the split). A different
+``max_length`` and ``max_samples`` (and ``num_eval``, which decides the split), and ``min_length`` /
+``join_parts`` when set (left out at their defaults, so older caches keep their keys). A different
 tokenizer or template therefore never reuses a stale cache.
 
 Rows: ``max_samples`` keeps the first N usable conversations (usable = normalized and at least
-one loss token after truncation). The eval split is the LAST ``num_eval`` of the kept rows
+one loss token after truncation, and at least ``min_length`` tokens; with ``join_parts`` a
+conversation is every consecutive part of one chat, see ``data/sharegpt.py``). The eval split is the LAST ``num_eval`` of the kept rows
 (deterministic, never trained on); train is everything before it. Order is the source order;
 shuffling is the sampler's job (a pure function of seed, epoch, step).
 """
@@ -43,6 +45,7 @@ from specforge.data.template import TemplateError, resolve_chat_template, tokeni
 PIPELINE_VERSION = "specforge-data-v1"
 NO_LOSS_TOKENS = "no loss tokens after truncation"
 TEMPLATE_FAILED = "chat template failed"
+TOO_SHORT = "shorter than data.min_length"
 MAX_EXAMPLES = 8  # first skip examples kept in the stats
 
 
@@ -145,6 +148,8 @@ def cache_key(data_cfg: DataConfig, tokenizer, chat_template: str) -> str:
     h.update(f"\0tok:{tokenizer_fingerprint(tokenizer)}".encode())
     h.update(b"\0template:" + chat_template.encode())
     h.update(f"\0max_length={data_cfg.max_length};max_samples={data_cfg.max_samples};num_eval={data_cfg.num_eval}".encode())
+    if data_cfg.min_length or data_cfg.join_parts:
+        h.update(f";min_length={data_cfg.min_length};join_parts={data_cfg.join_parts}".encode())
     return h.hexdigest()[:24]
 
 
@@ -155,16 +160,16 @@ _WORKER_TOK = None
 _WORKER_ARGS: tuple = ()
 
 
-def _worker_init(tokenizer, max_length, chat_template):
+def _worker_init(tokenizer, max_length, chat_template, min_length=0):
     global _WORKER_TOK, _WORKER_ARGS
-    _WORKER_TOK, _WORKER_ARGS = tokenizer, (max_length, chat_template)
+    _WORKER_TOK, _WORKER_ARGS = tokenizer, (max_length, chat_template, min_length)
 
 
 def _tokenize_one(conv: Conversation):
     return _tokenize(_WORKER_TOK, conv, *_WORKER_ARGS)
 
 
-def _tokenize(tokenizer, conv: Conversation, max_length: int, chat_template: str):
+def _tokenize(tokenizer, conv: Conversation, max_length: int, chat_template: str, min_length: int = 0):
     """-> (conv, ids int32 array | None, mask int8 array | None, truncated, reason, detail)."""
     if not conv.ok:
         return conv, None, None, False, conv.reason, conv.detail
@@ -174,6 +179,8 @@ def _tokenize(tokenizer, conv: Conversation, max_length: int, chat_template: str
         return conv, None, None, False, TEMPLATE_FAILED, str(e)[:200]
     if not any(mask):
         return conv, None, None, truncated, NO_LOSS_TOKENS, f"{len(ids)} tokens"
+    if len(ids) < min_length:
+        return conv, None, None, truncated, TOO_SHORT, f"{len(ids)} < {min_length} tokens"
     return conv, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), truncated, None, ""
 
 
@@ -194,16 +201,17 @@ def _to_dataset(ids_list: list, mask_list: list):
     return datasets.Dataset(table)
 
 
-def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, chat_template: str, num_proc: int):
+def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, chat_template: str, num_proc: int,
+                    min_length: int = 0):
     if num_proc <= 1:
         for conv in convs:
-            yield _tokenize(tokenizer, conv, max_length, chat_template)
+            yield _tokenize(tokenizer, conv, max_length, chat_template, min_length)
         return
     import multiprocessing as mp
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = mp.get_context("fork")
-    with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tokenizer, max_length, chat_template)) as pool:
+    with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tokenizer, max_length, chat_template, min_length)) as pool:
         # imap keeps source order; the pool is terminated on exit if we stop early (max_samples)
         yield from pool.imap(_tokenize_one, convs, chunksize=32)
 
@@ -218,7 +226,8 @@ def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) 
     bar = tqdm(total=limit, desc="tokenizing conversations", unit="conv", disable=not progress, mininterval=1.0)
     try:
         for conv, ids, mask, truncated, reason, detail in _iter_tokenized(
-            iter_conversations(data_cfg.path), tokenizer, data_cfg.max_length, chat_template, data_cfg.num_proc
+            iter_conversations(data_cfg.path, data_cfg.join_parts), tokenizer, data_cfg.max_length, chat_template,
+            data_cfg.num_proc, data_cfg.min_length,
         ):
             stats.rows_read += 1
             if reason is not None:
@@ -296,6 +305,7 @@ def prepare_dataset(
         (tmp / "meta.json").write_text(json.dumps({
             "pipeline_version": PIPELINE_VERSION, "data_path": str(data_cfg.path), "max_length": data_cfg.max_length,
             "max_samples": data_cfg.max_samples, "num_eval": data_cfg.num_eval, "chat_template": template,
+            "min_length": data_cfg.min_length, "join_parts": data_cfg.join_parts,
         }, indent=1))
         (tmp / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1))  # written last: marks complete
         try:

@@ -30,6 +30,15 @@ Normalization choices (documented, tested):
 
 :func:`iter_conversations` yields one :class:`Conversation` per source row, usable or not, so
 callers count skips by reason and keep the first examples.
+
+Joined parts (``join_parts=True``, config ``data.join_parts``): ShareGPT V3 cut long chats into
+parts stored as consecutive records whose ``id`` is ``<chat>_<n>``. Consecutive records with the
+same ``<chat>`` are joined into ONE conversation (their raw turn lists concatenated in file order,
+then normalized as one record: a part that starts with an assistant turn continues the previous
+part's answer, so nothing in the middle is dropped). The joined :class:`Conversation` takes the
+first part's ``index`` and names every source row in ``parts``; records without a string ``id``
+are never joined. Each source row belongs to exactly one conversation, so a row held out for
+evaluation never shares a row with training.
 """
 
 from __future__ import annotations
@@ -85,10 +94,16 @@ class Conversation:
     reason: Optional[str] = None
     detail: str = ""
     source: str = ""  # file[:line]
+    parts: tuple[int, ...] = ()  # every source row joined into this one (join_parts); () = just ``index``
 
     @property
     def ok(self) -> bool:
         return self.reason is None
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The source rows this conversation was made of."""
+        return self.parts or (self.index,)
 
 
 def embedded_data_path() -> Path:
@@ -218,21 +233,62 @@ def _iter_file(path: Path) -> Iterator[tuple[object, Optional[MalformedRow], str
         yield from _iter_json_lines(path)
 
 
-def iter_conversations(path: Union[str, Path]) -> Iterator[Conversation]:
-    """One :class:`Conversation` per source row (usable or with a skip reason), in order."""
+_PART = re.compile(r"^(.+)_\d+$")
+
+
+def _chat_id(obj) -> Optional[str]:
+    """The chat a ShareGPT V3 part belongs to (``abc_3`` -> ``abc``), or None (never joined)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+        return None
+    turns = obj.get("conversations", obj.get("messages"))
+    if not isinstance(turns, list):
+        return None
+    m = _PART.match(obj["id"])
+    return m.group(1) if m else obj["id"]
+
+
+def _joined(group: list[tuple[int, object, str]]) -> tuple[int, object, None, str, tuple[int, ...]]:
+    """One record from consecutive parts of a chat (their turns in order), as ``_iter_records`` yields it."""
+    index, first, source = group[0]
+    if len(group) == 1:
+        return index, first, None, source, ()
+    turns = [t for _, obj, _ in group for t in obj.get("conversations", obj.get("messages"))]
+    return index, {"id": first["id"], "conversations": turns}, None, source, tuple(i for i, _, _ in group)
+
+
+def _iter_records(path: Union[str, Path], join_parts: bool) -> Iterator[tuple[int, object, Optional[MalformedRow], str, tuple]]:
+    """(index, record, error, source, parts) per source row, or per joined chat with ``join_parts``."""
     index = 0
+    group: list[tuple[int, object, str]] = []
     for file in resolve_data_files(path):
         for obj, err, source in _iter_file(file):
-            if err is None:
-                try:
-                    messages = normalize_record(obj)
-                except MalformedRow as e:
-                    err = e
-            if err is not None:
-                yield Conversation(index, None, err.reason, err.detail, source)
+            chat = _chat_id(obj) if join_parts and err is None else None
+            if group and (chat is None or chat != _chat_id(group[0][1])):
+                yield _joined(group)
+                group = []
+            if chat is not None:
+                group.append((index, obj, source))
             else:
-                yield Conversation(index, messages, None, "", source)
+                yield index, obj, err, source, ()
             index += 1
+        if group:  # a chat never continues into the next file
+            yield _joined(group)
+            group = []
+
+
+def iter_conversations(path: Union[str, Path], join_parts: bool = False) -> Iterator[Conversation]:
+    """One :class:`Conversation` per source row (usable or with a skip reason), in order; with
+    ``join_parts`` one per chat whose consecutive parts were joined (see the module docstring)."""
+    for index, obj, err, source, parts in _iter_records(path, join_parts):
+        if err is None:
+            try:
+                messages = normalize_record(obj)
+            except MalformedRow as e:
+                err = e
+        if err is not None:
+            yield Conversation(index, None, err.reason, err.detail, source, parts)
+        else:
+            yield Conversation(index, messages, None, "", source, parts)
 
 
 def load_conversations(path: Union[str, Path]) -> list[list[dict]]:

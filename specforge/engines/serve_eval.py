@@ -12,6 +12,11 @@ Per row: acceptance = tokens per verify round, bonus included (the server's own 
 request), tokens/s of the decode phase (``timings.predicted_*``), speedup against the target
 alone, and how many outputs equal the target alone's. The best setting per draft is the fastest
 one whose outputs all match; the table says which.
+
+Per prompt-length bucket (``--buckets``, as ``specforge.eval``): tokens per target forward over the
+prompts of that bucket, the same figure as the eval's per-bucket acceptance length. ``--long`` /
+``--min-prompt-tokens`` pick the prompts as the eval does; each server gets a context
+(``-c``) that holds the longest prompt plus ``--max-new-tokens``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -47,6 +52,11 @@ class EngineRow:
     new_tokens: int = 0
     drafted_per_round: float = 0.0
     best: bool = False
+    buckets: list[dict] = field(default_factory=list)  # specforge.eval.bucket_rows: tokens/target forward per bucket
+
+    @property
+    def setting(self) -> str:
+        return f"n_max {self.n_max}, p_min {self.p_min:g}" if self.n_max else "-"
 
 
 @dataclass
@@ -58,31 +68,45 @@ class Setting:
     synth_len: Optional[float] = None  # llama.cpp's synthetic acceptance (a break-even line), else None
 
 
-def summarize(s: Setting, runs: Sequence[Completion], reference: Sequence[Completion], base_tps: float) -> EngineRow:
-    """One table row from a setting's completions (``reference``: the target alone's, same prompts)."""
+def forwards_of(r: Completion) -> int:
+    """Target decode forwards of one completion after the prefill: each produces one token more
+    than the draft tokens it accepted (the eval's count; the prefill made the first token)."""
+    return r.predicted_n - 1 - r.draft_n_accepted
+
+
+def summarize(s: Setting, runs: Sequence[Completion], reference: Sequence[Completion], base_tps: float,
+              prompt_lengths: Sequence[int] = (), edges: Sequence[int] = ()) -> EngineRow:
+    """One table row from a setting's completions (``reference``: the target alone's, same prompts),
+    with its per-bucket figures when ``prompt_lengths`` (per completion) and ``edges`` are given."""
+    from specforge.eval import bucket_rows
+
     accepted = sum(r.draft_n_accepted for r in runs)
     rounds = sum(r.verify_rounds for r in runs)
     tps = 1e3 * sum(r.predicted_n for r in runs) / max(sum(r.predicted_ms for r in runs), 1e-9)
     return EngineRow(
         draft=s.draft, n_max=s.n_max, p_min=s.p_min, prompts=len(runs),
         acceptance=1.0 + accepted / rounds if rounds else 1.0, tokens_per_s=tps,
-        tokens_per_forward=sum(r.predicted_n - 1 for r in runs) / max(sum(r.predicted_n - 1 - r.draft_n_accepted for r in runs), 1),
+        tokens_per_forward=sum(r.predicted_n - 1 for r in runs) / max(sum(forwards_of(r) for r in runs), 1),
         speedup=tps / base_tps if base_tps else 0.0,
         equal_outputs=sum(r.tokens == ref.tokens for r, ref in zip(runs, reference)),
         new_tokens=sum(r.predicted_n for r in runs),
         drafted_per_round=sum(r.draft_n for r in runs) / rounds if rounds else 0.0,
+        buckets=bucket_rows(edges, prompt_lengths, [r.predicted_n - 1 for r in runs], [forwards_of(r) for r in runs])
+        if edges else [],
     )
 
 
 def run_settings(target_gguf: Path, settings: Sequence[Setting], prompts: Sequence[Sequence[int]], max_new: int,
-                 threads: Optional[int] = None, progress: bool = True) -> list[EngineRow]:
+                 threads: Optional[int] = None, progress: bool = True,
+                 buckets: Sequence[int] = ()) -> list[EngineRow]:
     """Target alone + every setting, alternately prompt by prompt; rows in the settings' order."""
     from tqdm import tqdm
 
+    ctx = context_size(prompts, max_new)
     with contextlib.ExitStack() as stack:
-        base = stack.enter_context(LlamaServer(target_gguf, threads=threads))
+        base = stack.enter_context(LlamaServer(target_gguf, threads=threads, ctx_size=ctx))
         servers = [stack.enter_context(LlamaServer(target_gguf, s.gguf, n_max=s.n_max, p_min=s.p_min,
-                                                   synth_len=s.synth_len, threads=threads))
+                                                   synth_len=s.synth_len, threads=threads, ctx_size=ctx))
                    for s in settings]
         base.complete(prompts[0], 4)  # untimed warm-up: first calls pay for allocations
         for srv in servers:
@@ -94,11 +118,17 @@ def run_settings(target_gguf: Path, settings: Sequence[Setting], prompts: Sequen
             for runs, srv in zip(got, servers):
                 runs.append(srv.complete(prompt, max_new))
     base_tps = 1e3 * sum(r.predicted_n for r in ref) / max(sum(r.predicted_ms for r in ref), 1e-9)
+    lengths = [len(p) for p in prompts]
     rows = [EngineRow("target alone", prompts=len(ref), tokens_per_s=base_tps, equal_outputs=len(ref),
                       new_tokens=sum(r.predicted_n for r in ref))]
-    rows += [summarize(s, runs, ref, base_tps) for s, runs in zip(settings, got)]
+    rows += [summarize(s, runs, ref, base_tps, lengths, buckets) for s, runs in zip(settings, got)]
     mark_best(rows)
     return rows
+
+
+def context_size(prompts: Sequence[Sequence[int]], max_new: int) -> int:
+    """llama-server's ``-c``: the longest prompt + the new tokens + a round's draft tokens (LlamaServer's 4096 at least)."""
+    return max(4096, max((len(p) for p in prompts), default=0) + max_new + 64)
 
 
 def mark_best(rows: list[EngineRow]) -> None:
@@ -125,7 +155,7 @@ def format_row(r: EngineRow) -> str:
 def evaluate_engine(target_dir: str | Path, drafts: Sequence[str | Path], prompts: Sequence[Sequence[int]],
                     max_new: int, n_max: Sequence[int] = (1, 2, 3), p_min: Sequence[float] = (0.0,),
                     target_outtype: str = "f32", draft_outtype: str = "f32", threads: Optional[int] = None,
-                    progress: bool = True) -> list[EngineRow]:
+                    progress: bool = True, buckets: Sequence[int] = ()) -> list[EngineRow]:
     """Convert (target cached, drafts into a temporary folder), serve, measure: the table rows."""
     find_server()
     find_converter()
@@ -135,7 +165,7 @@ def evaluate_engine(target_dir: str | Path, drafts: Sequence[str | Path], prompt
         for i, d in enumerate(dict.fromkeys(str(d) for d in drafts)):
             gguf = convert_draft(d, target_dir, Path(tmp) / f"draft-{i}.gguf", draft_outtype)
             settings += [Setting(d, gguf, n, p) for n in _n_max_for(d, n_max) for p in p_min]
-        return run_settings(target_gguf, settings, prompts, max_new, threads, progress)
+        return run_settings(target_gguf, settings, prompts, max_new, threads, progress, buckets)
 
 
 def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
@@ -180,8 +210,8 @@ def engine_settings(args) -> tuple[list[int], list[float]]:
 def main(args, cfg) -> int:
     """The ``--engine llama.cpp`` branch of ``specforge.eval``: ``args`` are eval's parsed arguments."""
     from specforge.compat import check_drafts, check_target_weights
-    from specforge.data.heldout import eval_prompts, heldout_rows
-    from specforge.models.target import load_tokenizer, resolve_target_path
+    from specforge.eval import bucket_labels, format_buckets, pick_prompts, prompt_meta, prompt_note
+    from specforge.models.target import load_target_config, load_tokenizer, resolve_target_path
 
     n_max, p_min = engine_settings(args)  # every --engine-* value before a server starts
     find_server()  # the install command before anything slow happens
@@ -204,12 +234,11 @@ def main(args, cfg) -> int:
             if note := check_target_weights(name, target.model, args.allow_mismatch):
                 print(note, file=sys.stderr)
         del target
-    prompts = eval_prompts(heldout_rows(cfg, load_tokenizer(cfg.model)), args.num_prompts, args.max_prompt_tokens)
-    if not prompts:
-        raise ValueError("no held-out prompt fits; raise --max-prompt-tokens or data.num_eval")
+    max_positions = getattr(load_target_config(cfg.model), "max_position_embeddings", None)
+    prompts, cap = pick_prompts(cfg, load_tokenizer(cfg.model), args, max_positions)
     threads = args.threads or cfg.train.num_threads
     rows = evaluate_engine(target_dir, drafts, prompts, args.max_new_tokens, n_max, p_min,
-                           args.engine_target_type, args.engine_draft_type, threads)
+                           args.engine_target_type, args.engine_draft_type, threads, buckets=args.bucket_edges)
     print(f"llama.cpp llama-server (specforge.engines.llamacpp), target {cfg.model.target_path} as "
           f"{args.engine_target_type} GGUF, drafts {args.engine_draft_type}, {threads or 'all'} threads, "
           f"{len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy")
@@ -220,11 +249,16 @@ def main(args, cfg) -> int:
         best = [r for r in rows if r.draft == name and r.best]
         print(f"best for {name}: " + (f"--spec-draft-n-max {best[0].n_max} --spec-draft-p-min {best[0].p_min:g} "
                                       f"({best[0].speedup:.2f}x)" if best else "none: no setting matched the target alone's outputs"))
+    note = prompt_note(args.bucket_edges, cap, max_positions, args)
+    print("\ntokens per target forward by prompt length in tokens (header: prompts per bucket; blank: no prompt there)"
+          + (f"\n{note}" if note else ""))
+    print(format_buckets([r for r in rows if r.n_max], bucket_labels(args.bucket_edges)))
     if args.json:
         import json
         from dataclasses import asdict
 
-        Path(args.json).write_text(json.dumps({"engine": "llama.cpp", "rows": [asdict(r) for r in rows]}, indent=2))
+        meta = prompt_meta(prompts, cap, args, note)
+        Path(args.json).write_text(json.dumps({"engine": "llama.cpp", **meta, "rows": [asdict(r) for r in rows]}, indent=2))
     return 0
 
 
