@@ -109,7 +109,7 @@ def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, pattern", [
-    (["parallel.sp_ulysses=2"], r"DFlash has no sequence parallelism"),
+    (["parallel.sp_ulysses=2"], r"DFlash has no Ulysses sequence parallelism, only ring \(parallel\.sp_ring\)"),
     (["draft.mask_token_id=5000"], r"'draft\.mask_token_id'=5000 is not a token of the target"),
 ])
 def test_what_dflash_cannot_run_is_refused_before_anything_loads(assets, tmp_path, overrides, pattern):

@@ -146,14 +146,19 @@ class DFlashAttention(nn.Module):
         v = self._heads(self.v_proj(x_BTH), self.num_kv_heads).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x_BQH, ctx_kv, cos_BQD, sin_BQD, mask=None):
+    def forward(self, x_BQH, ctx_kv, cos_BQD, sin_BQD, mask=None, attend=None):
+        """``attend(q, k_blk, v_blk, ctx_kv)``, if given, replaces the masked SDPA over
+        [context ; block rows] (sequence parallelism: ``sp.RingBlocks.attention``)."""
         B, Q, _ = x_BQH.shape
         q = self.q_norm(self._heads(self.q_proj(x_BQH), self.num_heads)).transpose(1, 2)
         q = apply_rotary(q, cos_BQD, sin_BQD)
         k_blk, v_blk = self.keys_values(x_BQH, cos_BQD, sin_BQD)
-        k = torch.cat([ctx_kv[0], k_blk], dim=2)
-        v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if attend is not None:
+            out = attend(q, k_blk, v_blk, ctx_kv)
+        else:
+            k = torch.cat([ctx_kv[0], k_blk], dim=2)
+            v = torch.cat([ctx_kv[1], v_blk], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
@@ -165,8 +170,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_BQH, ctx_kv, cos, sin, mask=None):
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_kv, cos, sin, mask)
+    def forward(self, x_BQH, ctx_kv, cos, sin, mask=None, attend=None):
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_kv, cos, sin, mask, attend)
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
@@ -191,6 +196,12 @@ class ContextCache:
         return self
 
 
+class SPSlot(nn.Module):
+    """Where sequence parallelism is applied (``DFlash.sp_cores`` names it): ``parallelize_draft``
+    wraps it in its ring wrapper, whose ring (``RingComm``) the SP path reads (``sp.ring_comm``).
+    Never called; no parameters, so no checkpoint key."""
+
+
 class DFlashDraft(nn.Module):
     """Trainable: fc, hidden_norm, layers, norm. Frozen, from the target, never saved: embed_tokens, lm_head."""
 
@@ -205,6 +216,7 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).requires_grad_(False)
+        self.sp_attention = SPSlot()
 
     def set_target_weights(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> "DFlashDraft":
         """Copy the target's token embedding and output head (frozen)."""
@@ -229,30 +241,39 @@ class DFlashDraft(nn.Module):
         cos, sin = self.rope(position_ids_BT, c.dtype)
         return [layer.self_attn.keys_values(c, cos, sin) for layer in self.layers]
 
-    def run_blocks(self, block_ids_BQ, block_pos_BQ, ctx_kv, mask=None) -> torch.Tensor:
+    def run_blocks(self, block_ids_BQ, block_pos_BQ, ctx_kv, mask=None, attend=None) -> torch.Tensor:
         assert len(ctx_kv) == len(self.layers)
         x = self.embed_tokens(block_ids_BQ)
         cos, sin = self.rope(block_pos_BQ, x.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, kv, cos, sin, mask)
+            x = layer(x, kv, cos, sin, mask, attend)
         return self.norm(x)
 
     def forward(self, ctx_BTF: torch.Tensor, block_ids_BNK: torch.Tensor, anchors_BN: torch.Tensor,
                 keep_BN: Optional[torch.Tensor] = None, position_ids_BT: Optional[torch.Tensor] = None,
-                document_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids_BT: Optional[torch.Tensor] = None, ring=None) -> torch.Tensor:
         """Training: all blocks of a batch in one pass -> hidden ``[B, N, K, H]`` (after ``norm``).
 
         ``block_ids_BNK`` is ``[anchor token, mask, ...]`` per block (``loss.build_block_ids``);
-        block n sits at RoPE positions ``position_ids[anchor] + k``.
+        block n sits at RoPE positions ``position_ids[anchor] + k``. ``ring`` (``sp.RingBlocks``):
+        this is one ring rank's share (its context rows at ``position_ids_BT``, the blocks anchored
+        in them); the context attention runs over the ring.
         """
         B, T, _ = ctx_BTF.shape
         _, N, K = block_ids_BNK.shape
         if position_ids_BT is None:
             position_ids_BT = torch.arange(T, device=ctx_BTF.device).expand(B, T)
         block_pos = position_ids_BT.gather(1, anchors_BN).unsqueeze(-1) + torch.arange(K, device=ctx_BTF.device)
-        mask = build_block_mask(anchors_BN, keep_BN, T, K, document_ids_BT)
+        mask = attend = None
+        if ring is None:
+            mask = build_block_mask(anchors_BN, keep_BN, T, K, document_ids_BT)
+        else:
+            if document_ids_BT is not None:
+                raise ValueError("DFlash ring attention takes no document ids (packed samples)")
+            keep = torch.ones_like(anchors_BN, dtype=torch.bool) if keep_BN is None else keep_BN
+            attend = ring.attention(anchors_BN, keep, K)
         ctx_kv = self.context_kv(ctx_BTF, position_ids_BT)
-        hidden = self.run_blocks(block_ids_BNK.reshape(B, N * K), block_pos.reshape(B, N * K), ctx_kv, mask)
+        hidden = self.run_blocks(block_ids_BNK.reshape(B, N * K), block_pos.reshape(B, N * K), ctx_kv, mask, attend)
         return hidden.view(B, N, K, -1)
 
     def forward_block(self, cache: ContextCache, block_ids_BK: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ class DSpark(DFlash):
     gguf_architecture = "dflash"  # llama.cpp's converter writes DFlash's architecture; owns_gguf tells them apart
     engines = ("llama.cpp",)
     title = "DSpark"
+    ring_sp = False  # its loss (the Markov and confidence heads) has no sequence-parallel path
 
     # ---------------------------------------------------------------- configuration
 
