@@ -9,8 +9,11 @@ and some ranks anchor nothing in a row) checks, on every rank:
   every rank; the kernel's row chunks hold two blocks) give the single process's hidden states, and
   the gradients of a weighted sum (the context features' rows of this rank, every parameter summed
   over the ranks) equal the single process's, in fp64 (1e-10);
-* negative controls: a rank that skips one ring hop, or a context mask that also shows the anchor
-  itself, fails the same comparison by far more than its tolerance;
+* the same with a sliding window of 9 (``draft.sliding_window``): blocks see part of an earlier
+  rank's context, or none of it;
+* negative controls: a rank that skips one ring hop, a context mask that also shows the anchor
+  itself, or a ring forward without the reference's window, fails the same comparison by far more
+  than its tolerance;
 * the train step: ``parallelize_draft`` (ring SP + FSDP2) and ``DraftTrainer`` over ``sp_slice_batch``
   slices (halo ``block_size - 1``, a micro-batch length that is not a multiple of the ring) give the
   single process's metrics and gradients at every step (1e-6) and its parameters after 3 AdamW
@@ -67,14 +70,15 @@ def _setup():
 # ------------------------------------------------------------------------------ the forward, fp64
 
 
-def _forward_err(groups, comm, skip_hop=-1, wrong_mask=False):
-    """Max abs difference of this rank's hidden states and gradients from the single process."""
+def _forward_err(groups, comm, skip_hop=-1, wrong_mask=False, window=None, ref_window=None):
+    """Max abs difference of this rank's hidden states and gradients from the single process
+    (``window``: the draft's sliding window; ``ref_window``: the reference's, if another)."""
     import torch.distributed as dist
 
     from specforge.algorithms.dflash import sp
     from specforge.algorithms.dflash.loss import build_block_ids, local_anchors, sample_anchors
 
-    draft = tiny_draft(torch.float64)
+    draft = tiny_draft(torch.float64, sliding_window=ref_window if ref_window is not None else window)
     batch = _batches(draft.config.context_width, torch.float64)[0]
     anchors, keep = sample_anchors(batch.loss_mask_BT, 6, torch.Generator().manual_seed(1))
     ids = build_block_ids(batch.input_ids_BT, anchors, K, 96)
@@ -84,6 +88,7 @@ def _forward_err(groups, comm, skip_hop=-1, wrong_mask=False):
     (ref * w).sum().backward()
     ref_grads = {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad()
+    draft.config.sliding_window = window
 
     P, r = comm.size, comm.rank
     C = -(-T // P)
@@ -103,7 +108,7 @@ def _forward_err(groups, comm, skip_hop=-1, wrong_mask=False):
     visible, chunk = sp.visible_context, sp.CHUNK_CPU
     sp.CHUNK_CPU = 2 * K  # the kernel's row-chunk loop: two blocks at a time
     if wrong_mask:  # the anchor itself visible too: the mask the training forward must not have
-        sp.visible_context = lambda a, k, lo, hi, win=None: visible(a + 1, k, lo, hi, win)
+        sp.visible_context = lambda a, k, lo, hi, K, win=None: visible(a + 1, k, lo, hi, K, win)
     try:
         got = draft(rows, lids, la, lk, pos, ring=sp.RingBlocks(comm, start, skip_hop=skip_hop))
         (got * pick(w)).sum().backward()
@@ -167,7 +172,10 @@ def _rank(rank, world, ref_path, out_dir):
     apply_sp(d, get_algorithm(_cfg().draft.algorithm).sp_cores(d), None, groups.ring_group)  # as parallelize_draft
     comm = ring_comm(d)
     report = {"forward": _forward_err(groups, comm), "skip_hop": _forward_err(groups, comm, skip_hop=1),
-              "wrong_mask": _forward_err(groups, comm, wrong_mask=True)}
+              "wrong_mask": _forward_err(groups, comm, wrong_mask=True),
+              # a window of 9 cuts blocks off from part of an earlier rank's context (and from all of it)
+              "window": _forward_err(groups, comm, window=9),
+              "window_ignored": _forward_err(groups, comm, window=None, ref_window=9)}
     report["train_grads"], report["train_metrics"], report["train_params"] = _train_err(groups, dims, ref_path)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
@@ -184,8 +192,9 @@ def test_ring_equals_the_single_process_with_negative_controls(tmp_path, ring):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ring)]
     print(f"dflash ring {ring}, max abs errors:", reports)
     for rep in reports:
-        assert rep["forward"] < 1e-10, rep
-        assert rep["skip_hop"] > 1e-3 and rep["wrong_mask"] > 1e-3, rep  # the negative controls fail by far
+        assert rep["forward"] < 1e-10 and rep["window"] < 1e-10, rep
+        for control in ("skip_hop", "wrong_mask", "window_ignored"):  # the negative controls fail by far
+            assert rep[control] > 1e-3, rep
         assert rep["train_grads"] < 1e-6 and rep["train_params"] < 2e-5, rep
 
 

@@ -39,13 +39,16 @@ def _generator(batch, cfg, step: int, input_ids_BT: Optional[torch.Tensor] = Non
 class DFlashOptions(DraftConfig):
     """``draft.*`` keys of a DFlash draft: decoder layers, block = anchor + block_size - 1 drafted
     tokens, anchors per sequence and step, the block loss's position decay exp(-(k-1)/loss_gamma),
-    and the mask token (None = the highest target id the training data never use as an assistant token)."""
+    the mask token (None = the highest target id the training data never use as an assistant token)
+    and the sliding window (None = full attention over the context)."""
 
     num_layers: int = field(default=3, metadata={"at_least": 1})
     block_size: int = field(default=16, metadata={"at_least": 2})
     num_anchors: int = field(default=64, metadata={"at_least": 1})
     loss_gamma: float = field(default=7.0, metadata={"positive": True})
     mask_token_id: Optional[int] = field(default=None, metadata={"at_least": 0})
+    # tokens back from a block row's own position it sees of the context (model.py); None = all of it
+    sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
 
 
 class DFlash:
@@ -70,6 +73,10 @@ class DFlash:
         from specforge.config import aux_layer_errors
 
         errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
+        w = getattr(cfg.draft, "sliding_window", None)
+        if w is not None and w < cfg.draft.block_size:
+            errors.append(f"config key 'draft.sliding_window'={w} is below 'draft.block_size'={cfg.draft.block_size}: "
+                          "a block's rows must see each other; use at least the block size, or null (full attention)")
         if cfg.draft.vocab_size != DraftConfig.vocab_size:
             errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, not "
                           f"{self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
@@ -122,7 +129,8 @@ class DFlash:
         shape = {k: getattr(d, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
                                             "head_dim", "rope_theta", "rms_norm_eps") if getattr(d, k) is not None}
         return DFlashConfig.from_target(target.config, mask_token_id=mask, num_hidden_layers=d.num_layers,
-                                        target_layer_ids=list(target.aux_layer_ids), block_size=d.block_size, **shape)
+                                        target_layer_ids=list(target.aux_layer_ids), block_size=d.block_size,
+                                        sliding_window=d.sliding_window, **shape)
 
     def _new_draft(self, dcfg):
         from specforge.algorithms.dflash.model import DFlashDraft
@@ -157,7 +165,7 @@ class DFlash:
             mask = gather_rows(batch.loss_mask_BT[:, :C], comm).cpu()
             anchors, keep = sample_anchors(mask, cfg.draft.num_anchors, _generator(batch, cfg, step, ids))
             anchors, keep = local_anchors(anchors, keep, batch.start, batch.start + C)
-            ring = RingBlocks(comm, batch.start, getattr(cfg.draft, "sliding_window", None))
+            ring = RingBlocks(comm, batch.start)
         dev = batch.input_ids_BT.device
         return anchors.to(dev), keep.to(dev), ring
 

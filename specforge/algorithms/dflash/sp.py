@@ -9,13 +9,14 @@ The anchors are drawn over the whole micro-batch exactly as one process draws th
 all-gather the token ids and the loss mask, a few ints per token, never a feature) and each rank
 keeps those in its rows (``loss.local_anchors``): a block is computed on the rank of its anchor.
 
-Attention of the rows of a block anchored at ``a`` (``model.py``): the context ``p < a`` and the
-block's own rows. Per layer, the own-block part is local (plain autograd); the context part runs
-over the ring (``_RingContext``): at step ``s`` the rank holds the K/V block of rank
-``(r - s) mod P``, posts the exchange that passes it on (``ring.RingComm``: one
-``batch_isend_irecv``), attends to it under the anchors' mask (blocks of later ranks are never
-visible and are skipped; a block row that sees none of a held block gets ``lse = -inf`` and adds
-nothing), merges by log-sum-exp, then waits. The two parts are merged by log-sum-exp too.
+Attention of the rows of a block anchored at ``a`` (``model.py``): the context ``p < a`` (with a
+sliding window W, row k also ``p > a + k - W``) and the block's own rows. Per layer, the own-block
+part is local (plain autograd); the context part runs over the ring (``_RingContext``): at step
+``s`` the rank holds the K/V block of rank ``(r - s) mod P``, posts the exchange that passes it on
+(``ring.RingComm``: one ``batch_isend_irecv``), attends to it under the anchors' mask (blocks of
+later ranks are never visible and are skipped, so is a block no row sees through its window; a
+block row that sees none of a held block gets ``lse = -inf`` and adds nothing), merges by
+log-sum-exp, then waits. The two parts are merged by log-sum-exp too.
 
 Backward: as ``specforge/parallel/ring.py``: the K/V blocks travel again and each rank's dK/dV
 share of the held block rides an fp32 accumulator one step behind it back to the block's owner.
@@ -61,15 +62,17 @@ def gather_rows(x_BC: torch.Tensor, comm: RingComm) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def visible_context(anchors_BN: torch.Tensor, keep_BN: torch.Tensor, lo: int, hi: int,
+def visible_context(anchors_BN: torch.Tensor, keep_BN: torch.Tensor, lo: int, hi: int, K: int,
                     window: Optional[int] = None) -> torch.Tensor:
-    """``[B, N, hi - lo]``: which context positions ``[lo, hi)`` each block sees (``p < a``, and
-    ``p >= a - window`` with a window); a dropped block sees none."""
+    """``[B, N*K, hi - lo]``: which context positions ``[lo, hi)`` each block row sees: ``p < a``, and
+    with a window ``(a + k) - p < window`` (row k sits at position a + k; ``model.build_block_mask``);
+    a dropped block sees none."""
     p = torch.arange(lo, hi, device=anchors_BN.device)
-    a = anchors_BN.unsqueeze(-1)
-    vis = (p < a) & keep_BN.unsqueeze(-1)
+    a = anchors_BN.repeat_interleave(K, dim=1).unsqueeze(-1)  # [B, N*K, 1]
+    vis = (p < a) & keep_BN.repeat_interleave(K, dim=1).unsqueeze(-1)
     if window is not None:
-        vis &= p >= a - window
+        k = torch.arange(anchors_BN.shape[1] * K, device=p.device) % K
+        vis &= p > a + k.unsqueeze(-1) - window
     return vis
 
 
@@ -89,18 +92,17 @@ def _row_chunks(Q: int, K: int, device) -> list[tuple[int, int]]:
     return [(q0, min(Q, q0 + step)) for q0 in range(0, Q, step)]
 
 
-def _scores(q, k, vis_BNC, K, q0, q1, scale):
+def _scores(q, k, vis_BQC, q0, q1, scale):
     """Masked scores ``[B, Hkv, G, q1-q0, C]`` (fp32 or wider) of block rows ``[q0, q1)``."""
     B, Hkv, G, _, D = q.shape
     n = q1 - q0
     f32 = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q[:, :, :, q0:q1].reshape(B, Hkv, G * n, D), k.transpose(-1, -2))
     s = s.view(B, Hkv, G, n, -1).to(f32) * scale
-    rows = vis_BNC[:, q0 // K : q1 // K].repeat_interleave(K, dim=1)  # [B, n, C]
-    return s.masked_fill(~rows[:, None, None], float("-inf"))
+    return s.masked_fill(~vis_BQC[:, None, None, q0:q1], float("-inf"))
 
 
-def _part_forward(q, k, v, vis_BNC, K, scale):
+def _part_forward(q, k, v, vis_BQC, K, scale):
     """One held context block: ``out`` (normalized over it, 0 where nothing is visible) and ``lse``
     (-inf there), fp32."""
     B, Hkv, G, Q, D = q.shape
@@ -108,7 +110,7 @@ def _part_forward(q, k, v, vis_BNC, K, scale):
     out = torch.zeros(q.shape, dtype=f32, device=q.device)
     lse = torch.full(q.shape[:4], float("-inf"), dtype=f32, device=q.device)
     for q0, q1 in _row_chunks(Q, K, q.device):
-        s = _scores(q, k, vis_BNC, K, q0, q1, scale)
+        s = _scores(q, k, vis_BQC, q0, q1, scale)
         m = s.amax(dim=-1)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m.unsqueeze(-1))
@@ -119,7 +121,7 @@ def _part_forward(q, k, v, vis_BNC, K, scale):
     return out, lse
 
 
-def _part_backward(q, k, v, vis_BNC, K, scale, dout, lse_b, delta):
+def _part_backward(q, k, v, vis_BQC, K, scale, dout, lse_b, delta):
     """Gradients of one held block given the context part's final ``lse`` (+inf where it saw
     nothing) and ``delta = rowsum(dout * out) - dlse``: ``dq`` (like q), ``dk``, ``dv`` (fp32)."""
     B, Hkv, G, Q, D = q.shape
@@ -129,7 +131,7 @@ def _part_backward(q, k, v, vis_BNC, K, scale, dout, lse_b, delta):
     dv = torch.zeros(v.shape, dtype=f32, device=q.device)
     for q0, q1 in _row_chunks(Q, K, q.device):
         n = q1 - q0
-        p = torch.exp(_scores(q, k, vis_BNC, K, q0, q1, scale) - lse_b[:, :, :, q0:q1].unsqueeze(-1))
+        p = torch.exp(_scores(q, k, vis_BQC, q0, q1, scale) - lse_b[:, :, :, q0:q1].unsqueeze(-1))
         do = dout[:, :, :, q0:q1].to(q.dtype).reshape(B, Hkv, G * n, D)
         pf = p.to(q.dtype).view(B, Hkv, G * n, -1)
         dv += torch.matmul(pf.transpose(-1, -2), do).to(f32)
@@ -155,8 +157,8 @@ class _RingContext(torch.autograd.Function):
             pending = comm.start(kv) if s + 1 < P else None  # pass the held block on, receive the next
             src = (r - s) % P
             if src <= r and s != skip_hop:  # later ranks' context is after every anchor here
-                vis = visible_context(anchors_BN, keep_BN, src * C, (src + 1) * C, window)
-                if bool(vis.any()):
+                vis = visible_context(anchors_BN, keep_BN, src * C, (src + 1) * C, K, window)
+                if bool(vis.any()):  # (a window may hide a whole earlier block)
                     out, lse = merge_parts(out, lse, *_part_forward(q, kv[0], kv[1], vis, K, scale))
             if pending is not None:
                 kv = pending.wait()
@@ -180,7 +182,7 @@ class _RingContext(torch.autograd.Function):
             src = (r - s) % P
             block = None
             if src <= r and s != ctx.skip_hop:
-                vis = visible_context(anchors_BN, keep_BN, src * C, (src + 1) * C, window)
+                vis = visible_context(anchors_BN, keep_BN, src * C, (src + 1) * C, K, window)
                 if bool(vis.any()):
                     dq_b, dk_b, dv_b = _part_backward(q, kv[0], kv[1], vis, K, scale, dout, lse_b, delta)
                     dq += dq_b
@@ -215,16 +217,15 @@ def _own_block(q, kb, vb, K, scale):
 @dataclass
 class RingBlocks:
     """What the draft's forward needs to run its blocks over the ring: the ring, this rank's first
-    context position, the sliding window (None: full context) and, for negative controls only, a
-    ring step whose held block is ignored."""
+    context position and, for negative controls only, a ring step whose held block is ignored."""
 
     comm: RingComm
     start: int
-    window: Optional[int] = None
     skip_hop: int = -1
 
-    def attention(self, anchors_BN: torch.Tensor, keep_BN: torch.Tensor, K: int):
-        """``attend(q_BHQD, k_blk, v_blk, ctx_kv)`` for ``DFlashAttention`` (anchors local to this rank)."""
+    def attention(self, anchors_BN: torch.Tensor, keep_BN: torch.Tensor, K: int, window: Optional[int] = None):
+        """``attend(q_BHQD, k_blk, v_blk, ctx_kv)`` for ``DFlashAttention`` (anchors local to this rank;
+        ``window``: the draft's sliding window, None = the whole context before the anchor)."""
         anchors = anchors_BN + self.start
 
         def attend(q_BHQD, k_blk, v_blk, ctx_kv):
@@ -236,7 +237,7 @@ class RingBlocks:
             with torch.autocast(q.device.type, enabled=False):  # matmuls in dt, statistics in fp32
                 o, lse = _own_block(q, k_blk.to(dt), v_blk.to(dt), K, scale)
                 oc, lc = _RingContext.apply(q, ctx_kv[0].to(dt), ctx_kv[1].to(dt), anchors, keep_BN, self.comm, K,
-                                            self.window, scale, self.skip_hop)
+                                            window, scale, self.skip_hop)
                 out, _ = merge_parts(o, lse, oc, lc)
             return out.to(q_BHQD.dtype).reshape(B, Hq, Q, D)
 
