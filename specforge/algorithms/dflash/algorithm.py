@@ -216,7 +216,11 @@ class DFlash:
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
         from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
 
-        return dflash_step(DFlashDims.of(draft.config), shape.B, shape.T, min(cfg.draft.num_anchors, shape.T - 1),
+        # ring SP: a rank holds R = T / ring context rows, and in the worst case every block of the
+        # micro-batch is anchored in its rows; the ring kernel's held/received K/V blocks, per-row
+        # visibility and score chunks are counted as the single process's SDPA terms over R rows
+        rows = shape.R if shape.sp > 1 else shape.T
+        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, min(cfg.draft.num_anchors, shape.T - 1),
                            precision)
 
     def memory_keys(self, cfg) -> list[str]:
