@@ -68,12 +68,17 @@ def test_training_lowers_the_block_loss(assets, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_two_dp_ranks_equal_the_single_process(assets, single, ray_session, tmp_path, mode):
+@pytest.mark.parametrize("mode, extra", [
+    ("colocated", ()), ("disaggregated", ()),
+    # ring SP 2 (one DP group, both micro-batches of the global batch on it): each rank its context share
+    ("colocated", ("parallel.sp_ring=2", "train.grad_accum=2")),
+    ("disaggregated", ("parallel.sp_ring=2", "train.grad_accum=2")),
+], ids=["colocated-dp2", "disaggregated-dp2", "colocated-ring2", "disaggregated-ring2"])
+def test_two_ranks_equal_the_single_process(assets, single, ray_session, tmp_path, mode, extra):
     from specforge.ray_train import fit
 
     ref_out, ref_ckpt = single
-    got_ckpt = Path(fit(dflash_cfg(assets, tmp_path, f"placement.mode={mode}", "train.eval_every=2")))
+    got_ckpt = Path(fit(dflash_cfg(assets, tmp_path, f"placement.mode={mode}", "train.eval_every=2", *extra)))
     want, got = _losses(ref_out), _losses(tmp_path)
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for a, b in zip(want, got):
@@ -83,7 +88,10 @@ def test_two_dp_ranks_equal_the_single_process(assets, single, ray_session, tmp_
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     from specforge.train.checkpoint import load_draft_folder
 
-    assert_same_weights(ref_ckpt, got_ckpt, load_draft_folder(got_ckpt)[1], load_draft_folder(ref_ckpt)[1])
+    # ring attention sums each softmax in another order: gradients differ by ~1e-7 (test_dflash_sp.py), which
+    # AdamW turns into up to 2.3e-5 (measured) on the few weights whose gradient is near 0, over 4 steps at lr 1e-2
+    atol = 1e-4 if extra else 1e-5
+    assert_same_weights(ref_ckpt, got_ckpt, load_draft_folder(got_ckpt)[1], load_draft_folder(ref_ckpt)[1], atol)
 
 
 def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):
@@ -109,7 +117,7 @@ def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, pattern", [
-    (["parallel.sp_ulysses=2"], r"DFlash has no sequence parallelism"),
+    (["parallel.sp_ulysses=2"], r"DFlash has no Ulysses sequence parallelism, only ring \(parallel\.sp_ring\)"),
     (["draft.mask_token_id=5000"], r"'draft\.mask_token_id'=5000 is not a token of the target"),
 ])
 def test_what_dflash_cannot_run_is_refused_before_anything_loads(assets, tmp_path, overrides, pattern):

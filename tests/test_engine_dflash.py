@@ -14,6 +14,9 @@ it is missing, like tests/test_engine_llamacpp.py.
   it drafts depends on the context features: with plain random init the block's own embeddings
   dominate and a shifted export still agreed at 197 of 201 positions (no control at all).
 * The GGUF records the converter's numbering (ours + 1: layer inputs), the mask token and block size.
+* A windowed draft (``draft.sliding_window`` = 8): the GGUF records the window, every layer sliding,
+  non-causal; llama-server drafts what our windowed draft does, and not what the same weights with
+  full attention draft (the control).
 * Export CLI: ``--engine llama.cpp`` writes the GGUF and names ``--spec-type draft-dflash``
   (SGLang and vLLM: tests/test_dflash_serving_formats.py).
 """
@@ -68,8 +71,9 @@ def dflash(tmp_path_factory):
 
 
 @torch.inference_mode()
-def _probe(dflash, draft_gguf) -> tuple[int, int, int]:
-    """(positions agreeing, positions compared, rounds) between llama-server's drafts and ours."""
+def _probe(dflash, draft_gguf, control=None) -> tuple[int, int, int]:
+    """(positions agreeing, positions compared, rounds) between llama-server's drafts and ours; with
+    ``control`` (another draft), also the positions where the server agrees with that one."""
     from specforge.algorithms.dflash.model import ContextCache
     from specforge.algorithms.dflash.propose import context_features, propose_block
 
@@ -77,7 +81,7 @@ def _probe(dflash, draft_gguf) -> tuple[int, int, int]:
     with LlamaServer(gguf, draft_gguf, n_max=N_MAX, log_drafts=True, threads=1) as srv:
         assert srv.spec_type == "draft-dflash" and "draft-dflash" in srv.args
         runs = [srv.complete(p, MAX_NEW) for p in prompts]
-    agree = total = rounds = 0
+    agree = total = rounds = agree_control = 0
     for p, r in zip(prompts, runs):
         assert r.draft_blocks, "no draft candidates in the server's debug log"
         feats = context_features(model(torch.tensor([p + r.tokens]), output_hidden_states=True).hidden_states,
@@ -90,12 +94,16 @@ def _probe(dflash, draft_gguf) -> tuple[int, int, int]:
             cache = ContextCache().extend(ours, feats[:, : len(p) + a])  # every token before the anchor
             mine = propose_block(ours, cache, torch.tensor([r.tokens[a]]), N_MAX + 1)[0].tolist()
             agree += sum(x == y for x, y in zip(mine, block))
+            if control is not None:
+                cache = ContextCache().extend(control, feats[:, : len(p) + a])
+                other = propose_block(control, cache, torch.tensor([r.tokens[a]]), N_MAX + 1)[0].tolist()
+                agree_control += sum(x == y for x, y in zip(other, block))
             total, rounds = total + len(block), rounds + 1
             m = 0  # the server's drafts it accepted: the prefix that equals its (greedy) output
             while m < len(block) and a + 1 + m < len(r.tokens) and block[m] == r.tokens[a + 1 + m]:
                 m += 1
             a += m + 1
-    return agree, total, rounds
+    return (agree, total, rounds) if control is None else (agree, total, rounds, agree_control)
 
 
 def test_dflash_blocks_match_ours_and_a_shifted_export_is_caught(dflash, tmp_path):
@@ -154,3 +162,37 @@ def test_a_broken_dflash_checkpoint_is_refused(dflash, tmp_path):
     with pytest.raises(ValueError, match="mask_token_id is missing"):
         convert_draft(bad, target_dir, tmp_path / "d.gguf")
     assert not (tmp_path / "d.gguf").exists()
+
+
+def test_a_windowed_dflash_draft_is_served_with_its_window(dflash, tmp_path):
+    """``draft.sliding_window`` = 8 (one block): llama.cpp's converter writes the window, every layer
+    sliding and non-causal, and llama-server drafts what our windowed draft drafts; our full-attention
+    draft with the same weights (the control) drafts otherwise from the same server's contexts."""
+    from specforge.algorithms.dflash.export import from_hf_config, load_dflash, to_hf_config
+
+    target_dir, model, ours, folder, gguf, prompts = dflash
+    c = from_hf_config(json.loads((folder / "config.json").read_text()))
+    c.sliding_window = 8
+    win = tmp_path / "win"
+    win.mkdir()
+    (win / "config.json").write_text(json.dumps(to_hf_config(c, torch.float32)))
+    (win / "model.safetensors").symlink_to(folder / "model.safetensors")
+    out = convert_draft(win, target_dir, tmp_path / "win.gguf")
+    sys.path.insert(0, str(llamacpp.llamacpp_dir() / "src" / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(out)).fields
+        values = lambda name: [fields[name].parts[i][0].item() for i in fields[name].data]  # noqa: E731
+    finally:
+        sys.path.pop(0)
+    assert values("dflash.attention.sliding_window") == [8]
+    assert values("dflash.attention.sliding_window_pattern") == [True, True]
+    assert values("dflash.attention.causal") == [False]
+    windowed = load_dflash(win, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    right, n, rounds, full = _probe((target_dir, model, windowed, win, gguf, prompts), out, control=ours)
+    print(f"drafted positions agreeing: windowed draft {right}/{n}, full-attention draft {full}/{n} ({rounds} rounds)")
+    assert n >= 150
+    assert right >= 0.97 * n, (right, n)
+    # measured: windowed 200/201, full attention 4/201
+    assert full <= 0.5 * n, (full, n)

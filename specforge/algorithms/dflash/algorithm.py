@@ -6,7 +6,9 @@ what greedy verification accepts; the data are not always the target's own answe
 hidden state travels but is not used. Anchors are random (``loss.sample_anchors``) but a function of
 (train.seed, step, the micro-batch's tokens): a rank and the single process draw the same anchors
 for the same samples, and the normalizer pass and the loss pass agree without keeping state.
-Sequence parallelism is refused (a block reads the whole context before its anchor).
+Sequence parallelism: ring (``parallel.sp_ring``; ``sp.py``): each ring rank holds a contiguous
+share of the context and computes the blocks anchored in it (the same global anchors as one
+process); the context's keys/values travel the ring. Ulysses is refused.
 """
 
 from __future__ import annotations
@@ -23,24 +25,30 @@ CHUNK_BLOCKS = 16  # blocks whose full-vocab logits exist at once (recomputed in
 EVAL_STEP = -1  # held-out metrics draw the same anchors at every periodic eval
 
 
-def _generator(batch, cfg, step: int) -> torch.Generator:
-    ids = batch.input_ids_BT.detach().to("cpu", torch.int64)
+def _generator(batch, cfg, step: int, input_ids_BT: Optional[torch.Tensor] = None) -> torch.Generator:
+    """The anchors' random stream: a function of (train.seed, step, the tokens, the batch size), not of
+    the padded length (zeros past it add nothing), so a sequence-parallel rank that gathered the ids
+    of its padded micro-batch (``input_ids_BT``) seeds it as the single process does."""
+    ids = (batch.input_ids_BT if input_ids_BT is None else input_ids_BT).detach().to("cpu", torch.int64)
     weights = torch.arange(1, ids.shape[-1] + 1, dtype=torch.int64)
     content = int((ids * weights).sum()) % (2**31)
-    return torch.Generator().manual_seed(hash((cfg.train.seed, step, content, tuple(ids.shape))) % (2**63))
+    return torch.Generator().manual_seed(hash((cfg.train.seed, step, content, ids.shape[0])) % (2**63))
 
 
 @dataclass
 class DFlashOptions(DraftConfig):
     """``draft.*`` keys of a DFlash draft: decoder layers, block = anchor + block_size - 1 drafted
     tokens, anchors per sequence and step, the block loss's position decay exp(-(k-1)/loss_gamma),
-    and the mask token (None = the highest target id the training data never use as an assistant token)."""
+    the mask token (None = the highest target id the training data never use as an assistant token)
+    and the sliding window (None = full attention over the context)."""
 
     num_layers: int = field(default=3, metadata={"at_least": 1})
     block_size: int = field(default=16, metadata={"at_least": 2})
     num_anchors: int = field(default=64, metadata={"at_least": 1})
     loss_gamma: float = field(default=7.0, metadata={"positive": True})
     mask_token_id: Optional[int] = field(default=None, metadata={"at_least": 0})
+    # tokens back from a block row's own position it sees of the context (model.py); None = all of it
+    sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
 
 
 class DFlash:
@@ -52,6 +60,7 @@ class DFlash:
     gguf_architecture = "dflash"
     engines = ("sglang", "vllm", "llama.cpp")
     title = "DFlash"  # how messages name it
+    ring_sp = True  # ring sequence parallelism (sp.py); a subclass whose loss does not take it says False
 
     def _module(self, part: str):
         """This algorithm's ``export`` / ``propose`` / ... module: a subclass (DSpark) that keeps
@@ -64,6 +73,10 @@ class DFlash:
         from specforge.config import aux_layer_errors
 
         errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
+        w = getattr(cfg.draft, "sliding_window", None)
+        if w is not None and w < cfg.draft.block_size:
+            errors.append(f"config key 'draft.sliding_window'={w} is below 'draft.block_size'={cfg.draft.block_size}: "
+                          "a block's rows must see each other; use at least the block size, or null (full attention)")
         if cfg.draft.vocab_size != DraftConfig.vocab_size:
             errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, not "
                           f"{self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
@@ -85,17 +98,22 @@ class DFlash:
                 if f.name != "vocab_size"}
 
     def sp_halo(self, cfg) -> int:
-        return 0  # sequence parallelism is refused (check)
+        # a block anchored at a ring rank's last row reads labels and loss mask up to block_size - 1 rows past it
+        return cfg.draft.block_size - 1 if self.ring_sp else 0
 
     def sp_cores(self, draft) -> list:
-        return []
+        # the slot the ring wrapper goes on; the SP path reads its ring (sp.ring_comm), never calls it
+        return [(draft, "sp_attention")] if self.ring_sp else []
 
     def check(self, cfg, target_config) -> None:
-        sp = cfg.parallel.sp_ulysses * cfg.parallel.sp_ring
-        if sp > 1:
-            raise ValueError(f"config keys 'parallel.sp_ulysses'={cfg.parallel.sp_ulysses} / 'parallel.sp_ring'="
-                             f"{cfg.parallel.sp_ring}: {self.title} has no sequence parallelism (each block reads the whole "
-                             "context before its anchor); use 1 and data parallelism (train.num_workers)")
+        p = cfg.parallel
+        keys = f"config keys 'parallel.sp_ulysses'={p.sp_ulysses} / 'parallel.sp_ring'={p.sp_ring}"
+        if p.sp_ring > 1 and not self.ring_sp:
+            raise ValueError(f"{keys}: {self.title} has no sequence parallelism; use 1 and data parallelism "
+                             "(train.num_workers)")
+        if p.sp_ulysses > 1:
+            raise ValueError(f"{keys}: {self.title} has no Ulysses sequence parallelism" +
+                             (", only ring (parallel.sp_ring)" if self.ring_sp else "") + "; use parallel.sp_ulysses=1")
         m = cfg.draft.mask_token_id
         if m is not None and m >= target_config.vocab_size:
             raise ValueError(f"config key 'draft.mask_token_id'={m} is not a token of the target "
@@ -111,7 +129,8 @@ class DFlash:
         shape = {k: getattr(d, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
                                             "head_dim", "rope_theta", "rms_norm_eps") if getattr(d, k) is not None}
         return DFlashConfig.from_target(target.config, mask_token_id=mask, num_hidden_layers=d.num_layers,
-                                        target_layer_ids=list(target.aux_layer_ids), block_size=d.block_size, **shape)
+                                        target_layer_ids=list(target.aux_layer_ids), block_size=d.block_size,
+                                        sliding_window=d.sliding_window, **shape)
 
     def _new_draft(self, dcfg):
         from specforge.algorithms.dflash.model import DFlashDraft
@@ -128,30 +147,53 @@ class DFlash:
     def train_state(self, cfg, target, vocab):
         return None
 
+    def _anchors(self, draft, batch, cfg, step: int):
+        """``(anchors, keep, ring)``: the micro-batch's anchors, as indices into this rank's rows; ``ring``
+        (``sp.RingBlocks``) on a ring rank (the anchors drawn over the whole micro-batch, whose ids and
+        loss mask the ranks all-gather, then those in its rows kept), else None."""
+        from specforge.algorithms.dflash.loss import local_anchors, sample_anchors
+        from specforge.algorithms.dflash.sp import RingBlocks, gather_rows, ring_comm
+
+        step = step if torch.is_grad_enabled() else EVAL_STEP
+        comm = ring_comm(draft) if hasattr(batch, "num_rows") else None
+        if comm is None:
+            anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, _generator(batch, cfg, step))
+            ring = None
+        else:
+            C = batch.num_rows
+            ids = gather_rows(batch.input_ids_BT[:, :C], comm).cpu()
+            mask = gather_rows(batch.loss_mask_BT[:, :C], comm).cpu()
+            anchors, keep = sample_anchors(mask, cfg.draft.num_anchors, _generator(batch, cfg, step, ids))
+            anchors, keep = local_anchors(anchors, keep, batch.start, batch.start + C)
+            ring = RingBlocks(comm, batch.start)
+        dev = batch.input_ids_BT.device
+        return anchors.to(dev), keep.to(dev), ring
+
     def _blocks(self, draft, batch, cfg, step: int):
-        from specforge.algorithms.dflash.loss import block_targets, next_token_labels, sample_anchors
+        from specforge.algorithms.dflash.loss import block_targets, next_token_labels
 
         c = draft.config
-        gen = _generator(batch, cfg, step if torch.is_grad_enabled() else EVAL_STEP)
-        anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, gen)
-        anchors, keep = anchors.to(batch.input_ids_BT.device), keep.to(batch.input_ids_BT.device)
+        anchors, keep, ring = self._anchors(draft, batch, cfg, step)
         labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
         labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size)
-        return anchors, keep, labels_BNK, valid
+        return anchors, keep, labels_BNK, valid, ring
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
         from specforge.algorithms.dflash.loss import decay_weights
 
-        _, _, _, valid = self._blocks(draft, batch, cfg, step)
+        valid = self._blocks(draft, batch, cfg, step)[3]
         return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma)).sum())
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
         from specforge.algorithms.dflash.loss import block_loss, build_block_ids
 
         c = draft.config
-        anchors, keep, labels, valid = self._blocks(draft, batch, cfg, step)
+        anchors, keep, labels, valid, ring = self._blocks(draft, batch, cfg, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
-        hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep)
+        if ring is None:
+            hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep)
+        else:
+            hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, batch.position_ids_BT, ring=ring)
         norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
         return block_loss(draft.logits, hidden, labels, valid, cfg.draft.loss_gamma, norm, CHUNK_BLOCKS)
 
@@ -174,7 +216,11 @@ class DFlash:
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
         from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
 
-        return dflash_step(DFlashDims.of(draft.config), shape.B, shape.T, min(cfg.draft.num_anchors, shape.T - 1),
+        # ring SP: a rank holds R = T / ring context rows, and in the worst case every block of the
+        # micro-batch is anchored in its rows; the ring kernel's held/received K/V blocks, per-row
+        # visibility and score chunks are counted as the single process's SDPA terms over R rows
+        rows = shape.R if shape.sp > 1 else shape.T
+        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, min(cfg.draft.num_anchors, shape.T - 1),
                            precision)
 
     def memory_keys(self, cfg) -> list[str]:

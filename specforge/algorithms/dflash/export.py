@@ -14,6 +14,17 @@ llama.cpp's converter (``conversion/qwen.py`` ``DFlashModel``, with ``--target-m
   input_layernorm, post_attention_layernorm}.weight``. No embedding, no ``lm_head``: both come
   from the target at load time.
 
+Sliding window (``draft.sliding_window`` = W): every engine that reads one
+counts it from the query's position (row at position q sees keys p with q - p < W: vLLM
+``qwen3_dflash._resolve_layer_attention`` -> per-layer sliding window, llama.cpp
+``LLAMA_SWA_TYPE_STANDARD`` via the converter's ``use_sliding_window`` + ``sliding_window`` +
+``layer_types``, z-lab's ``_attention_mask``), as our training mask does. The config says it as
+``layer_types`` all ``sliding_attention``, ``sliding_window`` W, ``use_sliding_window`` true and
+``is_causal`` false: a sliding layer is causal by default in vLLM and z-lab's model unless
+``is_causal`` says otherwise, and llama.cpp's converter writes ``is_causal`` into the GGUF. SGLang
+(``sglang/srt/models/dflash.py``) makes every ``sliding_attention`` layer causal DECODER attention and
+never reads ``is_causal``: it would serve another model, so its export is refused.
+
 No draft vocabulary: the format has no ``d2t`` (llama.cpp reads one only for its DSpark family),
 so the draft's logits are the target's full vocabulary.
 """
@@ -35,10 +46,21 @@ __all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dflash", "loa
 ARCHITECTURE = "DFlashDraftModel"
 
 
+def _window_keys(cfg: DFlashConfig) -> dict:
+    """The sliding window as the engines read it (the module docstring): every layer a
+    ``sliding_attention`` layer of ``sliding_window`` tokens, made non-causal by ``is_causal``."""
+    n, w = cfg.num_hidden_layers, cfg.sliding_window
+    if w is None:
+        return {"layer_types": ["full_attention"] * n, "max_window_layers": n, "sliding_window": None,
+                "use_sliding_window": False}
+    return {"layer_types": ["sliding_attention"] * n, "max_window_layers": 0, "sliding_window": w,
+            "use_sliding_window": True, "is_causal": False}
+
+
 def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     n = cfg.num_hidden_layers
     dtype_name = str(dtype).removeprefix("torch.")
-    return {
+    return {**{
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "attention_bias": False,
@@ -52,9 +74,7 @@ def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict
         "hidden_size": cfg.hidden_size,
         "initializer_range": 0.02,
         "intermediate_size": cfg.intermediate_size,
-        "layer_types": ["full_attention"] * n,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "max_window_layers": n,
         "num_attention_heads": cfg.num_attention_heads,
         "num_hidden_layers": n,
         "num_key_value_heads": cfg.num_key_value_heads,
@@ -62,12 +82,10 @@ def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_scaling": None,
         "rope_theta": cfg.rope_theta,
-        "sliding_window": None,
         "tie_word_embeddings": False,
         "use_cache": True,
-        "use_sliding_window": False,
         "vocab_size": cfg.vocab_size,
-    }
+    }, **_window_keys(cfg)}
 
 
 def from_hf_config(d: Mapping) -> DFlashConfig:
@@ -76,9 +94,15 @@ def from_hf_config(d: Mapping) -> DFlashConfig:
     extra = d.get("dflash_config") or {}
     unsupported = [k for k in ("use_swa", "causal", "conv_kernel_size", "output_multiplier",
                                "final_logit_softcapping", "input_embedding_scale") if extra.get(k)]
-    if d.get("use_sliding_window") or d.get("is_causal") or d.get("rope_scaling") or unsupported:
+    if d.get("is_causal") or d.get("rope_scaling") or unsupported:
         raise ValueError(f"DFlash config uses features this draft does not implement: "
-                         f"{unsupported or 'sliding window / causal / rope_scaling'}")
+                         f"{unsupported or 'causal / rope_scaling'}")
+    window = None
+    if d.get("use_sliding_window"):  # ours (_window_keys): every layer sliding, explicitly non-causal
+        if set(d.get("layer_types") or ()) != {"sliding_attention"} or d.get("is_causal") is not False:
+            raise ValueError("DFlash config uses features this draft does not implement: a sliding window other than "
+                             "every layer 'sliding_attention' with is_causal false (mixed or causal sliding layers)")
+        window = d["sliding_window"]
     theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta")
     heads = d["num_attention_heads"]
     return DFlashConfig(
@@ -89,7 +113,7 @@ def from_hf_config(d: Mapping) -> DFlashConfig:
         vocab_size=d["vocab_size"], num_target_layers=d["num_target_layers"],
         target_layer_ids=list(extra.get("target_layer_ids") or d.get("target_layer_ids") or []),
         block_size=extra.get("block_size") or d.get("block_size") or 16,
-        mask_token_id=extra.get("mask_token_id", d.get("mask_token_id")))
+        mask_token_id=extra.get("mask_token_id", d.get("mask_token_id")), sliding_window=window)
 
 
 def tokens_per_round(d: Mapping) -> int:
@@ -170,9 +194,15 @@ def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algor
 
 def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     """SGLang (``--speculative-algorithm DFLASH``) and vLLM (``"method": "dflash"``) both serve z-lab's
-    folder as it is: config.json and model.safetensors, copied (checked by :func:`check_checkpoint`)."""
+    folder as it is: config.json and model.safetensors, copied (checked by :func:`check_checkpoint`).
+    A draft with a sliding window is refused for SGLang (the module docstring)."""
     from specforge.engines import sglang
 
+    w = json.loads((Path(draft_dir) / "config.json").read_text()).get("sliding_window")
+    if engine == "sglang" and w is not None:
+        raise ValueError(f"draft.sliding_window={w}: SGLang serves a DFlash draft's sliding_attention layers as causal "
+                         "attention (AttentionType.DECODER, is_causal ignored), not the bidirectional block this draft "
+                         "was trained with; export it for vllm or llama.cpp, or train with draft.sliding_window=null")
     sglang.copy_served(draft_dir, out_dir)
     if engine == "sglang":
         return (f"python -m sglang.launch_server --model-path {req.target or '<target>'} --speculative-algorithm "

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["COUNTERS", "sample_anchors", "build_block_ids", "next_token_labels", "block_targets",
+__all__ = ["COUNTERS", "sample_anchors", "local_anchors", "build_block_ids", "next_token_labels", "block_targets",
            "decay_weights", "block_loss", "dflash_loss", "metrics_from_counts"]
 
 COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
@@ -43,7 +43,8 @@ COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
 def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
                    document_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``; N = the most any row has
-    (at least 1: a batch without two consecutive assistant tokens gets one dropped anchor per row)."""
+    (at least 1: a batch without two consecutive assistant tokens gets one dropped anchor per row).
+    Right padding (positions with loss mask 0 past the end) changes nothing."""
     m = loss_mask_BT.bool()
     valid = m[:, :-1] & m[:, 1:]
     if document_ids_BT is not None:
@@ -52,7 +53,9 @@ def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Opti
     # at least one (dropped) anchor: a micro-batch with nothing to train still runs the forward,
     # so every FSDP rank runs the same collectives
     width = max(1, min(int(num_anchors), int(counts.max()) if counts.numel() else 0))
-    r = torch.rand(valid.shape, generator=generator, device=valid.device)
+    # drawn position-major: position t of row b takes draw t*B + b of the stream, whatever T is, so
+    # right padding (a sequence-parallel batch padded to a multiple of its ranks) moves no anchor
+    r = torch.rand(valid.shape[::-1], generator=generator, device=valid.device).T
     r = r.masked_fill(~valid, 2.0)
     picked = r.argsort(dim=1)[:, :width]
     keep = torch.arange(width, device=valid.device) < counts.clamp(max=width).unsqueeze(1)
@@ -60,6 +63,19 @@ def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Opti
     anchors = torch.where(keep, picked, sentinel).sort(dim=1).values
     keep = anchors < sentinel
     return torch.where(keep, anchors, 0), keep
+
+
+def local_anchors(anchors_BN: torch.Tensor, keep_BN: torch.Tensor, start: int,
+                  end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The anchors of ``sample_anchors`` that lie in ``[start, end)`` (a sequence-parallel rank's
+    context rows), as indices into that range: ``[B, N']`` sorted, 0 where dropped, and ``keep``;
+    N' = the most any row keeps (at least 1, as ``sample_anchors``)."""
+    mine = keep_BN & (anchors_BN >= start) & (anchors_BN < end)
+    width = max(1, int(mine.sum(1).max()) if mine.numel() else 0)
+    sentinel = end - start
+    local = torch.where(mine, anchors_BN - start, sentinel).sort(dim=1).values[:, :width]
+    keep = local < sentinel
+    return torch.where(keep, local, 0), keep
 
 
 def build_block_ids(input_ids_BT: torch.Tensor, anchors_BN: torch.Tensor, block_size: int,

@@ -16,11 +16,15 @@ Layout (z-lab's ``DFlashDraftModel``, the format SGLang, vLLM and llama.cpp load
 
 Attention of block row k of a block anchored at position a: the context at positions < a (the
 target has not run the anchor yet), and every row of its own block (bidirectional); never
-another block. RoPE positions: context p at p, block row k at a + k.
+another block. RoPE positions: context p at p, block row k at a + k. With a sliding window W
+(``sliding_window``, at least the block size), row k sees only the context ``p > a + k - W``: its
+own position minus the key's below W, what SGLang's, vLLM's and llama.cpp's sliding windows (and
+z-lab's reference) mean by the same number.
 
 Two forwards over the same weights: :meth:`DFlashDraft.forward` trains many blocks of a batch at
 once (one SDPA over [context ; all blocks] with :func:`build_block_mask`); :meth:`forward_block`
-drafts one block after the context held in a :class:`ContextCache` (no mask: it sees all of it).
+drafts one block after the context held in a :class:`ContextCache` (no mask without a window: it
+sees all of it).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class DFlashConfig:
     target_layer_ids: list[int] = field(default_factory=list)  # empty: the reference default
     block_size: int = 16
     mask_token_id: Optional[int] = None  # a target token id never seen in the data; required
+    sliding_window: Optional[int] = None  # None: a block row sees the whole context before its anchor
 
     def __post_init__(self):
         if not self.target_layer_ids:
@@ -73,6 +78,10 @@ class DFlashConfig:
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size}: a block is the anchor plus at least one draft token")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < self.block_size):
+            raise ValueError(f"sliding_window={w!r}: expected an integer >= block_size={self.block_size} (the rows of "
+                             "a block see each other) or None")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
@@ -100,11 +109,13 @@ class DFlashConfig:
 
 
 def build_block_mask(anchors_BN: torch.Tensor, keep_BN: Optional[torch.Tensor], T: int, K: int,
-                     document_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     document_ids_BT: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Boolean SDPA mask ``[B, 1, N*K, T + N*K]`` (True = may attend) for blocks packed after a context.
 
     Row ``n*K + k`` (block n, anchored at ``a = anchors[b, n]``) sees context keys ``p < a`` (of the
-    anchor's document, if ``document_ids_BT`` is given) and the K keys of block n. A dropped block
+    anchor's document, if ``document_ids_BT`` is given; with a ``window``, only ``(a + k) - p <
+    window``: the row's own position minus the key's, as every engine's sliding window counts it)
+    and the K keys of block n. A dropped block
     (``keep`` False) sees only its own block: never a fully masked row (SDPA would give NaN);
     the loss gives it weight 0.
     """
@@ -114,6 +125,8 @@ def build_block_mask(anchors_BN: torch.Tensor, keep_BN: Optional[torch.Tensor], 
     anchor_BQ = anchors_BN.repeat_interleave(K, dim=1)
     p = torch.arange(T, device=dev)
     ctx_BQT = p.view(1, 1, T) < anchor_BQ.unsqueeze(-1)
+    if window is not None:
+        ctx_BQT = ctx_BQT & (p.view(1, 1, T) > (anchor_BQ + q % K - window).unsqueeze(-1))
     if document_ids_BT is not None:
         anchor_doc_BQ = document_ids_BT.gather(1, anchor_BQ)
         ctx_BQT = ctx_BQT & (document_ids_BT.unsqueeze(1) == anchor_doc_BQ.unsqueeze(-1))
@@ -146,14 +159,19 @@ class DFlashAttention(nn.Module):
         v = self._heads(self.v_proj(x_BTH), self.num_kv_heads).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x_BQH, ctx_kv, cos_BQD, sin_BQD, mask=None):
+    def forward(self, x_BQH, ctx_kv, cos_BQD, sin_BQD, mask=None, attend=None):
+        """``attend(q, k_blk, v_blk, ctx_kv)``, if given, replaces the masked SDPA over
+        [context ; block rows] (sequence parallelism: ``sp.RingBlocks.attention``)."""
         B, Q, _ = x_BQH.shape
         q = self.q_norm(self._heads(self.q_proj(x_BQH), self.num_heads)).transpose(1, 2)
         q = apply_rotary(q, cos_BQD, sin_BQD)
         k_blk, v_blk = self.keys_values(x_BQH, cos_BQD, sin_BQD)
-        k = torch.cat([ctx_kv[0], k_blk], dim=2)
-        v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if attend is not None:
+            out = attend(q, k_blk, v_blk, ctx_kv)
+        else:
+            k = torch.cat([ctx_kv[0], k_blk], dim=2)
+            v = torch.cat([ctx_kv[1], v_blk], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
@@ -165,8 +183,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_BQH, ctx_kv, cos, sin, mask=None):
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_kv, cos, sin, mask)
+    def forward(self, x_BQH, ctx_kv, cos, sin, mask=None, attend=None):
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_kv, cos, sin, mask, attend)
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
@@ -191,6 +209,12 @@ class ContextCache:
         return self
 
 
+class SPSlot(nn.Module):
+    """Where sequence parallelism is applied (``DFlash.sp_cores`` names it): ``parallelize_draft``
+    wraps it in its ring wrapper, whose ring (``RingComm``) the SP path reads (``sp.ring_comm``).
+    Never called; no parameters, so no checkpoint key."""
+
+
 class DFlashDraft(nn.Module):
     """Trainable: fc, hidden_norm, layers, norm. Frozen, from the target, never saved: embed_tokens, lm_head."""
 
@@ -205,6 +229,7 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).requires_grad_(False)
+        self.sp_attention = SPSlot()
 
     def set_target_weights(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> "DFlashDraft":
         """Copy the target's token embedding and output head (frozen)."""
@@ -229,42 +254,61 @@ class DFlashDraft(nn.Module):
         cos, sin = self.rope(position_ids_BT, c.dtype)
         return [layer.self_attn.keys_values(c, cos, sin) for layer in self.layers]
 
-    def run_blocks(self, block_ids_BQ, block_pos_BQ, ctx_kv, mask=None) -> torch.Tensor:
+    def run_blocks(self, block_ids_BQ, block_pos_BQ, ctx_kv, mask=None, attend=None) -> torch.Tensor:
         assert len(ctx_kv) == len(self.layers)
         x = self.embed_tokens(block_ids_BQ)
         cos, sin = self.rope(block_pos_BQ, x.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, kv, cos, sin, mask)
+            x = layer(x, kv, cos, sin, mask, attend)
         return self.norm(x)
 
     def forward(self, ctx_BTF: torch.Tensor, block_ids_BNK: torch.Tensor, anchors_BN: torch.Tensor,
                 keep_BN: Optional[torch.Tensor] = None, position_ids_BT: Optional[torch.Tensor] = None,
-                document_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids_BT: Optional[torch.Tensor] = None, ring=None) -> torch.Tensor:
         """Training: all blocks of a batch in one pass -> hidden ``[B, N, K, H]`` (after ``norm``).
 
         ``block_ids_BNK`` is ``[anchor token, mask, ...]`` per block (``loss.build_block_ids``);
-        block n sits at RoPE positions ``position_ids[anchor] + k``.
+        block n sits at RoPE positions ``position_ids[anchor] + k``. ``ring`` (``sp.RingBlocks``):
+        this is one ring rank's share (its context rows at ``position_ids_BT``, the blocks anchored
+        in them); the context attention runs over the ring.
         """
         B, T, _ = ctx_BTF.shape
         _, N, K = block_ids_BNK.shape
         if position_ids_BT is None:
             position_ids_BT = torch.arange(T, device=ctx_BTF.device).expand(B, T)
         block_pos = position_ids_BT.gather(1, anchors_BN).unsqueeze(-1) + torch.arange(K, device=ctx_BTF.device)
-        mask = build_block_mask(anchors_BN, keep_BN, T, K, document_ids_BT)
+        mask = attend = None
+        window = self.config.sliding_window
+        if ring is None:
+            mask = build_block_mask(anchors_BN, keep_BN, T, K, document_ids_BT, window)
+        else:
+            if document_ids_BT is not None:
+                raise ValueError("DFlash ring attention takes no document ids (packed samples)")
+            keep = torch.ones_like(anchors_BN, dtype=torch.bool) if keep_BN is None else keep_BN
+            attend = ring.attention(anchors_BN, keep, K, window)
         ctx_kv = self.context_kv(ctx_BTF, position_ids_BT)
-        hidden = self.run_blocks(block_ids_BNK.reshape(B, N * K), block_pos.reshape(B, N * K), ctx_kv, mask)
+        hidden = self.run_blocks(block_ids_BNK.reshape(B, N * K), block_pos.reshape(B, N * K), ctx_kv, mask, attend)
         return hidden.view(B, N, K, -1)
 
     def forward_block(self, cache: ContextCache, block_ids_BK: torch.Tensor) -> torch.Tensor:
-        """Inference: one block right after the cached context -> hidden ``[B, K, H]`` (after ``norm``)."""
+        """Inference: one block right after the cached context -> hidden ``[B, K, H]`` (after ``norm``).
+        With a sliding window W, row k (position L + k, L = the cached length) sees the cached
+        positions p > L + k - W only, as in training."""
         B, K = block_ids_BK.shape
-        pos = torch.arange(cache.length, cache.length + K, device=block_ids_BK.device).expand(B, K)
-        kv = cache.kv
+        L, W, dev = cache.length, self.config.sliding_window, block_ids_BK.device
+        pos = torch.arange(L, L + K, device=dev).expand(B, K)
+        kv, mask = cache.kv, None
+        if kv and W is not None:
+            first = max(0, L - W + 1)  # no row sees further back
+            kv = [(k[:, :, first:], v[:, :, first:]) for k, v in kv]
+            p = torch.arange(first, L, device=dev)
+            ctx = p.view(1, -1) > (L + torch.arange(K, device=dev) - W).view(-1, 1)  # [K, L - first]
+            mask = torch.cat([ctx, ctx.new_ones(K, K)], dim=1).view(1, 1, K, -1)
         if not kv:  # no context yet: the block sees only itself
             c = self.config
             empty = self.fc.weight.new_zeros(B, c.num_key_value_heads, 0, c.head_dim)
             kv = [(empty, empty)] * len(self.layers)
-        return self.run_blocks(block_ids_BK, pos, kv)
+        return self.run_blocks(block_ids_BK, pos, kv, mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

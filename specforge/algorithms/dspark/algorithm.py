@@ -45,12 +45,16 @@ class DSpark(DFlash):
     gguf_architecture = "dflash"  # llama.cpp's converter writes DFlash's architecture; owns_gguf tells them apart
     engines = ("llama.cpp",)
     title = "DSpark"
+    ring_sp = False  # its loss (the Markov and confidence heads) has no sequence-parallel path
 
     # ---------------------------------------------------------------- configuration
 
     def config_errors(self, cfg) -> list[str]:
         d = cfg.draft
         errors = super().config_errors(cfg)
+        if d.sliding_window is not None:  # DFlash's key; the DSpark forward and export have no window
+            errors.append(f"config key 'draft.sliding_window'={d.sliding_window} applies to draft.algorithm=dflash, "
+                          f"not {self.name}; remove it")
         if d.kl_weight == 0 and d.ce_weight == 0:
             errors.append("config keys 'draft.kl_weight' and 'draft.ce_weight' are both 0: nothing would train the "
                           "draft's tokens; set one of them > 0 (kl_weight=1 is speculators' DSpark loss)")
