@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from specforge.device import loop_chunk
 
-__all__ = ["RingComm", "ring_ttt_attention", "TorchKernel", "FlashKernel", "pick_kernel", "block_band"]
+__all__ = ["RingComm", "ring_ttt_attention", "ring_grad_pass", "TorchKernel", "FlashKernel", "pick_kernel", "block_band"]
 
 # Query rows per iteration of the torch block kernel (as the fast TTT core: CPU / GPU).
 CHUNK_CPU, CHUNK_GPU = 128, 512
@@ -336,7 +336,7 @@ class _RingTTTAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
         comm, kernel, scale, left = ctx.comm, ctx.kernel, ctx.scale, ctx.left
-        P, r = comm.size, comm.rank
+        r = comm.rank
         f32 = lse.dtype
         dout = dout.to(q.dtype).contiguous()
         delta = (dout.to(f32) * out.to(f32)).sum(dim=-1)
@@ -349,28 +349,43 @@ class _RingTTTAttention(torch.autograd.Function):
             dq += torch.einsum("bkgtn,bkntd->bkgtd", dsd, kd.to(f32))
             dkd = torch.einsum("bkgtn,bkgtd->bkntd", dsd, qf).to(kd.dtype)
             dvd = torch.einsum("bkgtn,bkgtd->bkntd", pd, dof).to(vd.dtype)
-        kv = torch.stack((k0, v0))
-        acc_pending = None
-        for s in range(P):
-            kv_pending = comm.start(kv) if s + 1 < P else None
-            role, band = _role((r - s) % P, r, q.shape[3], left)
-            block = None
-            if role is not None:
-                dq_b, dk_b, dv_b = kernel.backward(dout, q, kv[0], kv[1], out, lse, delta, role == "causal", scale, band)
-                dq += dq_b
-                block = torch.stack((dk_b, dv_b))
-            if s == 0:  # the own block's accumulator starts here
-                acc = block if block is not None else torch.zeros((2, *k0.shape), dtype=f32, device=q.device)
-            else:  # the accumulator of the held block, one step behind it
-                acc = acc_pending.wait()
-                if block is not None:
-                    acc = acc + block
-            acc_pending = comm.start(acc) if P > 1 else None
-            if kv_pending is not None:
-                kv = kv_pending.wait()
-        # after P steps: this rank's own block, every rank's share summed
-        dkv = acc_pending.wait() if acc_pending is not None else acc
-        return dq.to(q.dtype), dkv[0].to(k0.dtype), dkv[1].to(v0.dtype), dkd, dvd, None, None, None, None
+
+        def block_grads(s, src, k, v):
+            role, band = _role(src, r, q.shape[3], left)
+            if role is None:
+                return None
+            dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, delta, role == "causal", scale, band)
+            dq.add_(dq_b)
+            return dk_b, dv_b
+
+        dk0, dv0 = ring_grad_pass(comm, k0, v0, block_grads, f32)
+        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None
+
+
+def ring_grad_pass(comm: RingComm, k: torch.Tensor, v: torch.Tensor, block_grads, f32: torch.dtype):
+    """The backward's ring (ring-flash-attention's scheme): this rank's K/V block travels the ring
+    again; at step ``s`` the rank holds rank ``src``'s block and ``block_grads(s, src, k, v)`` returns
+    its queries' ``(dk, dv)`` of it (fp32) or None; an fp32 accumulator of the held block's dK/dV
+    travels one step behind the block and, after ``P`` steps, is back at its owner: returns this
+    rank's own block's ``dk``, ``dv``, every rank's share summed."""
+    P, r = comm.size, comm.rank
+    kv = torch.stack((k, v))
+    acc_pending = None
+    for s in range(P):
+        kv_pending = comm.start(kv) if s + 1 < P else None
+        grads = block_grads(s, (r - s) % P, kv[0], kv[1])
+        block = None if grads is None else torch.stack(grads)
+        if s == 0:  # the own block's accumulator starts here
+            acc = block if block is not None else torch.zeros((2, *k.shape), dtype=f32, device=k.device)
+        else:  # the accumulator of the held block, one step behind it
+            acc = acc_pending.wait()
+            if block is not None:
+                acc = acc + block
+        acc_pending = comm.start(acc) if P > 1 else None
+        if kv_pending is not None:
+            kv = kv_pending.wait()
+    dkv = acc_pending.wait() if acc_pending is not None else acc
+    return dkv[0], dkv[1]
 
 
 def _left(window: Optional[int], kd: Optional[torch.Tensor]) -> Optional[int]:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from specforge.device import loop_chunk
-from specforge.parallel.ring import RingComm, _compute_dtype
+from specforge.parallel.ring import RingComm, _compute_dtype, ring_grad_pass
 
 __all__ = ["RingBlocks", "ring_comm", "gather_rows", "visible_context", "merge_parts"]
 
@@ -170,34 +170,24 @@ class _RingContext(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, anchors_BN, keep_BN, out, lse = ctx.saved_tensors
         comm, K, window, scale = ctx.comm, ctx.K, ctx.window, ctx.scale
-        P, r, C = comm.size, comm.rank, k.shape[2]
+        r, C = comm.rank, k.shape[2]
         f32 = lse.dtype
         delta = (dout.to(f32) * out).sum(dim=-1) - dlse.to(f32)
         lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # p = 0 there
         dq = torch.zeros(q.shape, dtype=f32, device=q.device)
-        kv = torch.stack((k, v))
-        acc_pending = None
-        for s in range(P):
-            kv_pending = comm.start(kv) if s + 1 < P else None
-            src = (r - s) % P
-            block = None
-            if src <= r and s != ctx.skip_hop:
-                vis = visible_context(anchors_BN, keep_BN, src * C, (src + 1) * C, K, window)
-                if bool(vis.any()):
-                    dq_b, dk_b, dv_b = _part_backward(q, kv[0], kv[1], vis, K, scale, dout, lse_b, delta)
-                    dq += dq_b
-                    block = torch.stack((dk_b, dv_b))
-            if s == 0:  # the own block's accumulator starts here
-                acc = block if block is not None else torch.zeros((2, *k.shape), dtype=f32, device=q.device)
-            else:  # the accumulator of the held block, one step behind it
-                acc = acc_pending.wait()
-                if block is not None:
-                    acc = acc + block
-            acc_pending = comm.start(acc) if P > 1 else None
-            if kv_pending is not None:
-                kv = kv_pending.wait()
-        dkv = acc_pending.wait() if acc_pending is not None else acc  # every rank's share of my block
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+        def block_grads(s, src, kb, vb):
+            if src > r or s == ctx.skip_hop:
+                return None
+            vis = visible_context(anchors_BN, keep_BN, src * C, (src + 1) * C, K, window)
+            if not bool(vis.any()):
+                return None
+            dq_b, dk_b, dv_b = _part_backward(q, kb, vb, vis, K, scale, dout, lse_b, delta)
+            dq.add_(dq_b)
+            return dk_b, dv_b
+
+        dk, dv = ring_grad_pass(comm, k, v, block_grads, f32)  # every rank's share of my block
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------ the attention of a layer
