@@ -167,7 +167,7 @@ class TargetDims:
         import torch
 
         from specforge.models.target import capture_attention
-        from specforge.targets import family_of
+        from specforge.targets import family_of, target_head_dim
 
         heads = int(text.num_attention_heads)
         experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
@@ -176,7 +176,7 @@ class TargetDims:
         if impl == "default":
             impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
         return cls(int(text.hidden_size), int(text.intermediate_size), heads, int(text.num_key_value_heads or heads),
-                   int(getattr(text, "head_dim", None) or text.hidden_size // heads), int(text.vocab_size), dtype_bytes,
+                   int(target_head_dim(text) or text.hidden_size // heads), int(text.vocab_size), dtype_bytes,
                    impl == "eager", bool(getattr(text, "sliding_window", None)), experts,
                    int(getattr(text, "num_experts_per_tok", None) or 0), moe_I)
 

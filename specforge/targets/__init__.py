@@ -255,6 +255,22 @@ def draft_attention(config: Any) -> tuple[int, int, int]:
     return heads, kv, head_dim
 
 
+def target_head_dim(config: Any) -> Optional[int]:
+    """The widest attention head of the target's text tower, or None when it states none. Gemma 4
+    states it per layer (``per_layer_config``; its full-attention layers are wider) and transformers
+    refuses to read a global ``head_dim`` there."""
+    cfg = text_config(config)
+    per_layer = _get(cfg, "per_layer_config")
+    if isinstance(per_layer, Mapping):  # config.json: only the layers that differ, by index
+        dims = [_get(cfg, "head_dim")] + [v.get("head_dim") for v in per_layer.values()]
+    elif per_layer:
+        dims = [_get(layer, "head_dim") for layer in per_layer]
+    else:
+        dims = [_get(cfg, "head_dim")]
+    dims = [int(d) for d in dims if d]
+    return max(dims) if dims else None
+
+
 def check_aux_layers(config: Any, aux_ids: list[int]) -> None:
     """Aux ids that name a linear-attention layer's output, for a family whose engines cannot capture there."""
     fam = family_of(config)
