@@ -179,6 +179,27 @@ def loop_chunk(device: torch.device, cpu: int, gpu: int) -> int:
     return gpu if device.type == "cuda" else cpu
 
 
+def row_chunks(T: int, chunk: int):
+    """``(start, end)`` of consecutive ``chunk``-row pieces of ``T`` rows (the last may be shorter)."""
+    start = 0
+    while start < T:
+        end = min(T, start + chunk)
+        yield start, end
+        start = end
+
+
+def matmul_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Matmul dtype of a hand-written attention kernel: the autocast dtype when autocast is on for
+    the tensors' device, else their common dtype."""
+    dev = tensors[0].device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
 def stream_semantics(backend: str) -> bool:
     """Whether transfers on ``backend`` complete the way NCCL's do: ``Work.wait()`` only orders the
     CUDA stream and returns at once, completion shows only through ``is_completed()`` or a sync, and

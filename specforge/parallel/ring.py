@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from specforge.device import loop_chunk
+from specforge.device import loop_chunk, matmul_dtype, row_chunks
 
 __all__ = ["RingComm", "ring_ttt_attention", "ring_grad_pass", "TorchKernel", "FlashKernel", "pick_kernel", "block_band"]
 
@@ -111,14 +111,6 @@ class _Pending:
 # ------------------------------------------------------------------------------ block kernels
 
 
-def _chunks(T: int, chunk: int):
-    start = 0
-    while start < T:
-        end = min(T, start + chunk)
-        yield start, end
-        start = end
-
-
 class TorchKernel:
     """One block of attention in plain torch: ``q`` (B,Hkv,G,C,D) against ``k``/``v``
     (B,Hkv,Ck,D); ``causal`` only for the rank's own block (``C == Ck``, row t sees keys <= t).
@@ -163,7 +155,7 @@ class TorchKernel:
         f32 = torch.promote_types(q.dtype, torch.float32)
         out = torch.empty(q.shape, dtype=f32, device=q.device)
         lse = torch.empty(q.shape[:4], dtype=f32, device=q.device)
-        for c0, c1 in _chunks(C, self._chunk(q)):
+        for c0, c1 in row_chunks(C, self._chunk(q)):
             n = c1 - c0
             lo, hi = self._span(c0, c1, k.shape[2], causal, band)
             if hi <= lo:  # (a band) no row of the chunk sees a key of this block: an empty part
@@ -188,7 +180,7 @@ class TorchKernel:
         dq = torch.empty(q.shape, dtype=f32, device=q.device)
         dk = torch.zeros(k.shape, dtype=f32, device=q.device)
         dv = torch.zeros(v.shape, dtype=f32, device=q.device)
-        for c0, c1 in _chunks(C, self._chunk(q)):
+        for c0, c1 in row_chunks(C, self._chunk(q)):
             n = c1 - c0
             lo, hi = self._span(c0, c1, k.shape[2], causal, band)
             if hi <= lo:
@@ -408,17 +400,6 @@ def _role(src: int, rank: int, C: int, left: Optional[int]) -> tuple[Optional[st
     return (role, band) if band is not None else (None, None)
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Matmul dtype: the autocast dtype when autocast is on, else the common input dtype."""
-    dev = tensors[0].device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    dt = tensors[0].dtype
-    for t in tensors[1:]:
-        dt = torch.promote_types(dt, t.dtype)
-    return dt
-
-
 def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                        comm: RingComm, scale: Optional[float] = None, kernel: str = "auto",
                        window: Optional[int] = None) -> torch.Tensor:
@@ -435,7 +416,7 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
         if k.shape[2] != C:
             raise ValueError(f"ring attention: keys[{j}] has {k.shape[2]} rows, expected this rank's block of {C}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    dt = _compute_dtype(q_BHCD, keys[0], values[0])
+    dt = matmul_dtype(q_BHCD, keys[0], values[0])
     q = q_BHCD.to(dt).reshape(B, Hkv, Hq // Hkv, C, D)
     k0, v0 = keys[0].to(dt), values[0].to(dt)
     kd = vd = None

@@ -36,8 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from specforge.device import loop_chunk
-from specforge.parallel.ring import RingComm, _compute_dtype, ring_grad_pass
+from specforge.device import loop_chunk, matmul_dtype
+from specforge.parallel.ring import RingComm, ring_grad_pass
 
 __all__ = ["RingBlocks", "ring_comm", "gather_rows", "visible_context", "merge_parts"]
 
@@ -222,7 +222,7 @@ class RingBlocks:
             B, Hq, Q, D = q_BHQD.shape
             Hkv = k_blk.shape[1]
             scale = 1.0 / math.sqrt(D)
-            dt = _compute_dtype(q_BHQD, k_blk, ctx_kv[0])
+            dt = matmul_dtype(q_BHQD, k_blk, ctx_kv[0])
             q = q_BHQD.to(dt).reshape(B, Hkv, Hq // Hkv, Q, D)
             with torch.autocast(q.device.type, enabled=False):  # matmuls in dt, statistics in fp32
                 o, lse = _own_block(q, k_blk.to(dt), v_blk.to(dt), K, scale)

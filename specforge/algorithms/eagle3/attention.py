@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specforge.device import loop_chunk
+from specforge.device import loop_chunk, matmul_dtype, row_chunks
 
 __all__ = [
     "TTTAttentionCore",
@@ -136,25 +136,6 @@ def ttt_attention_eager(
 CHUNK_CPU, CHUNK_GPU = 128, 512
 
 
-def _chunks(T: int, chunk: int):
-    start = 0
-    while start < T:
-        end = min(T, start + chunk)
-        yield start, end
-        start = end
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Matmul dtype: the autocast dtype when autocast is on, else the common input dtype."""
-    dev = tensors[0].device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    dt = tensors[0].dtype
-    for t in tensors[1:]:
-        dt = torch.promote_types(dt, t.dtype)
-    return dt
-
-
 class _TTTAttentionFn(torch.autograd.Function):
     """Exact TTT attention with recomputation in backward.
 
@@ -173,7 +154,7 @@ class _TTTAttentionFn(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(B, Hkv, G, T, dtype=f32, device=q.device)
         probs = []  # normalized causal-block probabilities per chunk, saved for backward
-        for c0, c1 in _chunks(T, chunk):
+        for c0, c1 in row_chunks(T, chunk):
             C = c1 - c0
             lo, L = _span(q_offset, c0, c1, n, window)  # step-0 keys this chunk may see
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
@@ -213,7 +194,7 @@ class _TTTAttentionFn(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk0 = torch.zeros(k0.shape, dtype=f32, device=q.device)
         dv0 = torch.zeros(v0.shape, dtype=f32, device=q.device)
-        for ci, (c0, c1) in enumerate(_chunks(T, chunk)):
+        for ci, (c0, c1) in enumerate(row_chunks(T, chunk)):
             C = c1 - c0
             lo, L = _span(q_offset, c0, c1, n, window)
             W = L - lo
@@ -275,7 +256,7 @@ def ttt_attention_fast(
     chunk = chunk or loop_chunk(q.device, CHUNK_CPU, CHUNK_GPU)
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    dt = _compute_dtype(q, keys[0], values[0])
+    dt = matmul_dtype(q, keys[0], values[0])
     qg = q.to(dt).reshape(B, Hkv, G, T, D)
     k0, v0 = keys[0].to(dt), values[0].to(dt)
     if len(keys) > 1:
@@ -299,7 +280,7 @@ def ttt_attention_sdpa(
 ) -> torch.Tensor:
     """Fused SDPA for plain causal attention (step 0, no offset, no window); the fast path otherwise."""
     if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2] and window is None:
-        dt = _compute_dtype(q, keys[0], values[0])
+        dt = matmul_dtype(q, keys[0], values[0])
         return F.scaled_dot_product_attention(
             q.to(dt), keys[0].to(dt), values[0].to(dt), is_causal=True, scale=scale,
             enable_gqa=q.shape[1] != keys[0].shape[1],
