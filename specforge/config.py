@@ -210,6 +210,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class AdaptConfig:
+    """``python -m specforge.adapt``: rounds that fine-tune the live draft on served traffic."""
+
+    dir: Optional[str] = None  # None = <train.output_dir>/adapt (state, traffic, store, rounds, metrics)
+    draft: Optional[str] = None  # the live draft at the start (None = <checkpoint.dir>/latest of this config's run)
+    traffic: Optional[str] = None  # JSONL of served traffic to read; None = the logging proxy's own log
+    serve: bool = True  # run llama-server with the live draft behind the logging proxy (swapped on a passed gate)
+    host: str = "127.0.0.1"
+    port: int = 8090  # the proxy clients talk to (0: a free port, printed)
+    rounds: Optional[int] = None  # stop after this many rounds (None: until interrupted; without serve: till the traffic runs dry)
+    min_rows: int = 32  # new training rows that start a round
+    holdout_share: float = 0.2  # share of traffic rows (by content hash) kept for the gate, never trained on
+    steps: int = 60  # fine-tune steps per round (train.max_minutes also bounds it)
+    lr: float = 5e-5
+    replay_share: float = 0.25  # share of each step from the reference store (store.replay_share)
+    reference_store: Optional[str] = None  # None = this config's store (store.dir or <train.output_dir>/features)
+    gate_prompts: int = 16  # most recent held-out traffic prompts the gate decodes
+    general_prompts: int = 16  # held-out general prompts (data.path's eval split)
+    gate_margin: float = 0.02  # general acceptance may fall at most this much
+    min_gain: float = 0.0  # domain acceptance must rise by more than this
+    max_new_tokens: int = 64  # per gate prompt
+    chain: int = 7  # draft tokens per round in the gate's decode
+    n_max: int = 3  # llama-server --spec-draft-n-max
+    threads: Optional[int] = None  # llama-server threads (None: all cores)
+    drain_timeout_s: float = 120.0  # a swap waits at most this long for the old server's requests
+    server_restarts: int = 3  # live servers that died and were restarted, per adapt run, before it stops
+    poll_s: float = 1.0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -223,6 +253,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,518 @@
+"""Adaptation rounds: served traffic -> store -> bounded fine-tune -> gate -> swap.
+
+One round, its phase written to ``<adapt.dir>/state.json`` before each step so a killed process
+resumes the round where it was:
+
+1. ``capture``: the training rows of the ledger (``traffic.Ledger``) into the domain store,
+   appended (the store's writer skips the samples it has: a rerun captures only the rest).
+2. ``train``: ``python -m specforge.train`` in a child process on the domain store, a share of the
+   reference store replayed beside it (``store.replay_dir``), starting from the live draft
+   (``draft.init_from``), for ``adapt.steps`` steps; its checkpoints make a killed round resume
+   exactly (the same command picks up its newest checkpoint).
+3. ``gate``: live and candidate decode the same prompts against one greedy reference
+   (``specforge.eval``): the newest held-out traffic prompts (acceptance must rise by more than
+   ``adapt.min_gain``) and the general held-out prompts (may fall at most ``adapt.gate_margin``).
+4. ``swap`` (passed): the candidate is copied to ``drafts/round-N``, a server starts with it, the
+   proxy sends new requests there and the old server stops once its requests are answered. A
+   failed gate moves the candidate to ``rejected/round-N`` and changes nothing else.
+
+A live server that dies ends the round in progress (the live draft stays; the server is started
+again with it, at most ``adapt.server_restarts`` times per run). Every round is one row of
+``<adapt.dir>/metrics.jsonl`` (and of wandb / tensorboard, numbers only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from specforge.adapt.traffic import Ledger
+from specforge.config import Config
+
+STATE = "state.json"
+PHASES = ("idle", "capture", "train", "gate", "swap")
+STORE_SOURCE = "adapt-traffic"  # the domain store's meta source: the same for every round's appended rows
+
+
+def adapt_root(cfg: Config) -> Path:
+    return Path(cfg.adapt.dir or Path(cfg.train.output_dir) / "adapt").expanduser()
+
+
+def start_draft(cfg: Config) -> Path:
+    from specforge.train.trainer import checkpoint_root
+
+    return Path(cfg.adapt.draft).expanduser() if cfg.adapt.draft else checkpoint_root(cfg) / "latest"
+
+
+def reference_store(cfg: Config) -> Path:
+    from specforge.data.store import store_root
+
+    return Path(cfg.adapt.reference_store).expanduser() if cfg.adapt.reference_store else store_root(cfg)
+
+
+@dataclass
+class State:
+    round: int = 0  # the round in progress, or the last one finished
+    phase: str = "idle"
+    live: str = ""  # the live draft's folder
+    offset: int = 0  # bytes of the traffic file read
+    trained_rows: int = 0  # training rows when the last round started
+    gate: Optional[dict] = None  # the gate's result in the round in progress
+    restarts: int = 0  # live servers restarted after dying
+    skipped: dict = field(default_factory=dict)  # malformed traffic rows by reason, over the whole run
+    duplicates: int = 0
+
+    @classmethod
+    def load(cls, root: Path) -> "State":
+        path = root / STATE
+        if not path.is_file():
+            return cls()
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"adapt state {path} is not valid JSON ({e}); restore it or point adapt.dir elsewhere") from None
+        return cls(**{k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+    def save(self, root: Path) -> None:
+        tmp = root / (STATE + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        os.replace(tmp, root / STATE)
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+def config_errors(cfg: Config) -> list[str]:
+    """The adapt keys alone, before anything loads."""
+    a, out = cfg.adapt, []
+    for key, value, ok, want in (
+        ("min_rows", a.min_rows, a.min_rows >= 1, ">= 1"),
+        ("holdout_share", a.holdout_share, 0 < a.holdout_share < 1, "in (0, 1)"),
+        ("steps", a.steps, a.steps >= 1, ">= 1"),
+        ("lr", a.lr, a.lr > 0, "> 0"),
+        ("replay_share", a.replay_share, 0 <= a.replay_share < 1, "in [0, 1)"),
+        ("gate_prompts", a.gate_prompts, a.gate_prompts >= 1, ">= 1"),
+        ("general_prompts", a.general_prompts, a.general_prompts >= 1, ">= 1"),
+        ("gate_margin", a.gate_margin, a.gate_margin >= 0, ">= 0"),
+        ("max_new_tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+        ("chain", a.chain, a.chain >= 1, ">= 1"),
+        ("n_max", a.n_max, a.n_max >= 1, ">= 1"),
+        ("drain_timeout_s", a.drain_timeout_s, a.drain_timeout_s > 0, "> 0"),
+        ("poll_s", a.poll_s, a.poll_s > 0, "> 0"),
+        ("port", a.port, 0 <= a.port < 65536, "in [0, 65535]"),
+    ):
+        if not ok:
+            out.append(f"adapt.{key}={value!r}: must be {want}")
+    if a.rounds is not None and a.rounds < 1:
+        out.append(f"adapt.rounds={a.rounds!r}: must be >= 1 (or null: until interrupted)")
+    if not a.serve and not a.traffic:
+        out.append("adapt.traffic is not set and adapt.serve=false: name the traffic JSONL to adapt on, "
+                   "or set adapt.serve=true to record it through the proxy")
+    return out
+
+
+def check(cfg: Config) -> None:
+    """Everything that can be checked before a model loads or a server starts: one error naming the key."""
+    from specforge.algorithms import get_algorithm
+    from specforge.compat import check_drafts
+
+    if errs := config_errors(cfg):
+        raise ValueError("; ".join(errs))
+    a = cfg.adapt
+    if a.traffic and not a.serve and not Path(a.traffic).expanduser().is_file():
+        raise ValueError(f"adapt.traffic={a.traffic!r}: no such file; name the JSONL of served traffic")
+    root = adapt_root(cfg)
+    state = State.load(root)
+    live = Path(state.live) if state.live else start_draft(cfg)
+    if not (live / "config.json").is_file():
+        raise ValueError(f"adapt.draft: no draft checkpoint at {str(live)!r} (no config.json); train one first "
+                         "(bash scripts/train_eagle3.sh) or set adapt.draft to a draft folder")
+    check_drafts([str(live)], cfg, False)
+    if a.replay_share > 0 and not (reference_store(cfg) / "index.json").is_file():
+        raise ValueError(f"adapt.reference_store: no feature store at {str(reference_store(cfg))!r}; fill one "
+                         "(python -m specforge.capture with this config) or set adapt.replay_share=0")
+    if a.serve:
+        from specforge.engines.llamacpp import find_converter, find_server
+
+        if get_algorithm(cfg.draft.algorithm).llamacpp_spec_type is None:
+            raise ValueError(f"adapt.serve=true: llama.cpp cannot serve draft.algorithm={cfg.draft.algorithm}; "
+                             "set adapt.serve=false and name adapt.traffic")
+        find_server()
+        find_converter()
+
+
+# ---------------------------------------------------------------- the live server
+
+
+class LlamaServers:
+    """Starts llama-server for a draft folder (converted to GGUF once, into ``<adapt.dir>/gguf``)."""
+
+    def __init__(self, cfg: Config, root: Path):
+        from specforge.engines.llamacpp import cached_target_gguf
+        from specforge.models.target import resolve_target_path
+
+        self.cfg, self.root = cfg, root
+        self.target_dir = resolve_target_path(cfg.model)
+        self.target_gguf = cached_target_gguf(self.target_dir)
+
+    def start(self, draft: Path):
+        from specforge.engines.llamacpp import LlamaServer, convert_draft
+
+        gguf = self.root / "gguf" / f"{draft.name}.gguf"
+        if not gguf.is_file():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            convert_draft(draft, self.target_dir, gguf)
+        server = LlamaServer(self.target_gguf, gguf, n_max=self.cfg.adapt.n_max, threads=self.cfg.adapt.threads)
+        return server.__enter__()
+
+
+def alive(server) -> bool:
+    return server is None or server.proc.poll() is None
+
+
+# ---------------------------------------------------------------- one adapt run
+
+
+class Adapter:
+    """The rounds of one ``adapt.dir``. ``servers``: what starts a server for a draft folder
+    (``.start(path)`` -> an object with ``url``, ``proc`` and ``stop()``); None: llama-server."""
+
+    def __init__(self, cfg: Config, servers=None, log: Callable[[str], None] = print):
+        self.cfg, self.a, self.log = cfg, cfg.adapt, log
+        self.root = adapt_root(cfg)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.state = State.load(self.root)
+        self.ledger = Ledger(self.root, self.a.holdout_share)
+        self.servers = servers
+        self.server = self.proxy = None
+        self._target = None
+        self.traffic = Path(self.a.traffic).expanduser() if self.a.traffic else self.root / "traffic.jsonl"
+        self.rounds_done = 0
+        self._tracker = None
+
+    # -- lifecycle
+
+    def __enter__(self) -> "Adapter":
+        if not self.state.live:  # the first start: a copy of the draft, so nothing outside adapt.dir moves it
+            src = start_draft(self.cfg).resolve()
+            dst = self.root / "drafts" / "start"
+            _copy_draft(src, dst)
+            self.state.live = str(dst)
+            self.state.save(self.root)
+            self.log(f"adapt: live draft {dst} (copied from {src})")
+        if self.a.serve:
+            from specforge.adapt.proxy import TrafficProxy
+
+            if self.servers is None:
+                self.servers = LlamaServers(self.cfg, self.root)
+            self.server = self.servers.start(Path(self.state.live))
+            self.proxy = TrafficProxy(self.server.url, self.traffic, self.a.host, self.a.port).__enter__()
+            self.log(f"adapt: serving {self.state.live} behind {self.proxy.url} (OpenAI API; traffic -> {self.traffic})")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.server is not None:
+            self.server.stop()
+        if self._tracker is not None:
+            self._tracker.close()
+
+    def run(self) -> int:
+        """Rounds until ``adapt.rounds`` are done, or (no server) the traffic has too few new rows."""
+        while self.a.rounds is None or self.rounds_done < self.a.rounds:
+            if self.state.phase == "idle":
+                got = self.ledger.ingest(self.traffic, self.state.offset)
+                self._count(got)
+                if self.ledger.counts["train"] - self.state.trained_rows < self.a.min_rows:
+                    if not self.a.serve:
+                        self.log(f"adapt: {self.ledger.counts['train'] - self.state.trained_rows} new training rows in "
+                                 f"{self.traffic}, fewer than adapt.min_rows={self.a.min_rows}; stopping")
+                        break
+                    self._keep_serving()
+                    time.sleep(self.a.poll_s)
+                    continue
+                self.state.round += 1
+                self.state.trained_rows = self.ledger.counts["train"]
+                self.state.phase, self.state.gate = "capture", None
+                self.state.save(self.root)
+            self.round()
+            self.rounds_done += 1
+        return self.rounds_done
+
+    def _count(self, got) -> None:
+        self.state.offset = got.offset
+        for why, n in got.skipped.items():
+            self.state.skipped[why] = self.state.skipped.get(why, 0) + n
+        self.state.duplicates += got.duplicates
+        if got.train or got.gate or got.skipped:
+            self.log(f"adapt: traffic: {got.summary()}")
+        self.state.save(self.root)
+
+    def _keep_serving(self) -> None:
+        """A live server that died is started again with the live draft (bounded)."""
+        if alive(self.server):
+            return
+        if self.state.restarts >= self.a.server_restarts:
+            raise RuntimeError(f"adapt: the live server died {self.state.restarts + 1} times "
+                               f"(adapt.server_restarts={self.a.server_restarts}); its log:\n{_log_tail(self.server)}")
+        self.state.restarts += 1
+        self.state.save(self.root)
+        self.log(f"adapt: the live server died (code {self.server.proc.returncode}); starting it again with {self.state.live}")
+        self.server.stop()
+        self.server = self.servers.start(Path(self.state.live))
+        self.proxy.switch(self.server.url)
+
+    # -- one round
+
+    def round(self) -> dict:
+        n, t0 = self.state.round, time.time()
+        rdir = self.root / "rounds" / f"round-{n:04d}"
+        row = {"round": n, "live_before": self.state.live, "train_rows": self.ledger.counts["train"],
+               "gate_rows": self.ledger.counts["gate"], "skipped_rows": sum(self.state.skipped.values()),
+               "duplicate_rows": self.state.duplicates, "replay_share": self.a.replay_share}
+        self.log(f"adapt: round {n} ({self.state.phase}): {row['train_rows']} training rows, {row['gate_rows']} held out")
+        try:
+            if self.state.phase == "capture":
+                self._server_check()
+                self.capture()
+                self._set_phase("train")
+            if self.state.phase == "train":
+                self._server_check()
+                self.train(rdir)
+                self._set_phase("gate")
+            candidate = _newest(rdir)
+            if self.state.phase == "gate":
+                self._server_check()
+                self.state.gate = self.gate(Path(self.state.live), candidate)
+                self._set_phase("swap")
+            gate = self.state.gate
+            row.update(gate)
+            if gate["passed"]:
+                row.update(self.swap(candidate, n))
+                row["status"] = "swapped"
+            else:
+                aside = self.root / "rejected" / f"round-{n:04d}"
+                _copy_draft(candidate, aside)
+                row.update(status="rejected", candidate=str(aside))
+                self.log(f"adapt: round {n}: gate failed ({gate['why']}); the live draft stays {self.state.live}, "
+                         f"the candidate is kept at {aside}")
+        except ServerDied as e:
+            row.update(status="server died", why=str(e))
+            self.log(f"adapt: round {n} ended: {e}; the live draft stays {self.state.live}")
+            self._keep_serving()
+        row.update(live=self.state.live, steps=_steps(rdir), minutes=round((time.time() - t0) / 60, 2))
+        self.state.phase, self.state.gate = "idle", None
+        self.state.save(self.root)
+        self._record(row)
+        return row
+
+    def _set_phase(self, phase: str) -> None:
+        self.state.phase = phase
+        self.state.save(self.root)
+
+    def _server_check(self) -> None:
+        if not alive(self.server):
+            raise ServerDied(f"the live server exited (code {self.server.proc.returncode})")
+
+    def target(self):
+        if self._target is None:
+            from specforge.algorithms import feature_layers
+            from specforge.device import set_threads
+            from specforge.models.target import load_target
+
+            set_threads(self.cfg.train.num_threads)
+            self._target = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n))
+        return self._target
+
+    def capture(self) -> None:
+        from specforge.capture import write_store
+        from specforge.data.prepare import prepare_dataset
+        from specforge.data.store import store_meta
+
+        target = self.target()
+        data = prepare_dataset(dataclasses.replace(self.cfg.data, path=str(self.ledger.train_path), num_eval=0,
+                                                   max_samples=None, join_parts=False),
+                               target.tokenizer, chat_template=self.cfg.model.chat_template,
+                               cache_dir=self.cfg.model.cache_dir, progress=False)
+        meta = store_meta(self.cfg, target, source=STORE_SOURCE)
+        write_store(target, data.train, self.root / "store", meta, self.cfg.store.dtype, self.cfg.store.shard_mb,
+                    self.cfg.train.batch_size, self.cfg.model.argmax_chunk_tokens, progress=False)
+
+    def round_config(self, rdir: Path) -> dict:
+        a, cfg = self.a, self.cfg.to_dict()
+        cfg["draft"]["init_from"] = self.state.live
+        cfg["placement"]["mode"] = "offline"
+        cfg["store"].update(dir=str(self.root / "store"))
+        if a.replay_share > 0:
+            cfg["store"].update(replay_dir=str(reference_store(self.cfg)), replay_share=a.replay_share)
+        cfg["train"].update(output_dir=str(rdir), max_steps=a.steps, epochs=None, lr=a.lr, eval_every=0,
+                            warmup_steps=min(self.cfg.train.warmup_steps, a.steps // 10))
+        cfg["checkpoint"].update(dir=None, resume=True, every_steps=max(1, min(self.cfg.checkpoint.every_steps or a.steps,
+                                                                                  a.steps // 4 or 1)))
+        run = self.cfg.tracking.run_name or "adapt"
+        cfg["tracking"]["run_name"] = f"{run}-round-{self.state.round}"
+        return cfg
+
+    def train(self, rdir: Path) -> None:
+        rdir.mkdir(parents=True, exist_ok=True)
+        path = rdir / "config.yaml"
+        path.write_text(yaml.safe_dump(self.round_config(rdir), sort_keys=False))
+        log = rdir / "train.log"
+        self.log(f"adapt: round {self.state.round}: fine-tuning {self.a.steps} steps from {self.state.live} (log: {log})")
+        with open(log, "ab") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "specforge.train", "--config", str(path)],
+                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                while proc.poll() is None:
+                    if not alive(self.server):
+                        proc.terminate()
+                        proc.wait(timeout=60)
+                        raise ServerDied(f"the live server exited (code {self.server.proc.returncode}) while the "
+                                         f"round trained; its checkpoints stay in {rdir}")
+                    time.sleep(min(self.a.poll_s, 1.0))
+            except BaseException:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=60)
+                raise
+        if proc.returncode != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"adapt: round {self.state.round}'s fine-tune failed (exit {proc.returncode}); "
+                               f"its log {log}:\n{tail}")
+
+    def gate(self, live: Path, candidate: Path) -> dict:
+        """Acceptance of the live draft and the candidate on the same prompts and greedy references."""
+        from specforge.algorithms import algorithm_of, load_draft
+        from specforge.compat import read_draft_config
+        from specforge.data.heldout import eval_prompts, heldout_rows
+        from specforge.data.template import resolve_chat_template, tokenize_conversation
+        from specforge.device import autocast_dtype
+        from specforge.eval import Setting, evaluate_settings
+
+        target, a = self.target(), self.a
+        cap = 384
+        template = resolve_chat_template(target.tokenizer, self.cfg.model.chat_template)
+        recent = self.ledger.gate_rows()
+        rows = []
+        for messages in reversed(recent):  # the newest first
+            ids, mask, _ = tokenize_conversation(target.tokenizer, messages, self.cfg.data.max_length, template)
+            rows.append({"input_ids": ids, "loss_mask": mask})
+        domain = eval_prompts(rows, a.gate_prompts, cap)
+        general = eval_prompts(heldout_rows(self.cfg, target.tokenizer), a.general_prompts, cap)
+        if not domain:
+            raise RuntimeError(f"adapt: no held-out traffic prompt of at most {cap} tokens to gate on "
+                               f"({len(recent)} held-out rows); raise adapt.holdout_share or send more traffic")
+        dtype = autocast_dtype(self.cfg.train.precision, target.device) or None
+        settings = []
+        for path in (live, candidate):
+            draft = load_draft(str(path), target).to(target.device)
+            settings.append(Setting(str(path), algorithm_of(read_draft_config(str(path))).proposer(draft, dtype)))
+        out = {}
+        for name, prompts in (("domain", domain), ("general", general)):
+            reps = evaluate_settings(target, settings, prompts, a.max_new_tokens, a.chain, progress=False)
+            out[f"{name}_live"] = round(reps[0].acceptance_length, 4)
+            out[f"{name}_candidate"] = round(reps[1].acceptance_length, 4)
+            out[f"{name}_prompts"] = len(prompts)
+        rise = out["domain_candidate"] - out["domain_live"]
+        fall = out["general_live"] - out["general_candidate"]
+        why = []
+        if rise <= a.min_gain:
+            why.append(f"domain acceptance {out['domain_live']:.3f} -> {out['domain_candidate']:.3f} did not rise by "
+                       f"more than adapt.min_gain={a.min_gain:g}")
+        if fall > a.gate_margin:
+            why.append(f"general acceptance fell {out['general_live']:.3f} -> {out['general_candidate']:.3f}, more "
+                       f"than adapt.gate_margin={a.gate_margin:g}")
+        out.update(passed=not why, why="; ".join(why))
+        self.log(f"adapt: round {self.state.round} gate: domain {out['domain_live']:.3f} -> {out['domain_candidate']:.3f} "
+                 f"({len(domain)} prompts), general {out['general_live']:.3f} -> {out['general_candidate']:.3f} "
+                 f"({len(general)} prompts): {'passed' if not why else 'failed'}")
+        return out
+
+    def swap(self, candidate: Path, n: int) -> dict:
+        """The candidate becomes the live draft; with a server, requests move to a new one, none dropped."""
+        new = self.root / "drafts" / f"round-{n:04d}"
+        if Path(self.state.live).resolve() != new.resolve():
+            _copy_draft(candidate, new)
+        out = {"candidate": str(new)}
+        if self.server is not None:
+            t0 = time.time()
+            try:
+                server = self.servers.start(new)
+            except (ValueError, OSError) as e:  # the candidate's server would not start: nothing swapped
+                aside = self.root / "rejected" / f"round-{n:04d}"
+                shutil.rmtree(aside, ignore_errors=True)
+                shutil.move(str(new), aside)
+                raise ServerDied(f"the candidate's server did not start ({str(e).splitlines()[0]}); "
+                                 f"the candidate is kept at {aside}") from None
+            old = self.server
+            self.proxy.switch(server.url)
+            self.server = server
+            out["in_flight_at_switch"] = self.proxy.in_flight(old.url)
+            try:
+                out["drain_s"] = round(self.proxy.drain(old.url, self.a.drain_timeout_s), 3)
+            except TimeoutError as e:
+                self.log(f"adapt: {e}; stopping the old server anyway")
+            old.stop()
+            out["swap_s"] = round(time.time() - t0, 3)
+        self.state.live = str(new)
+        self.state.save(self.root)
+        self.log(f"adapt: round {n}: live draft is now {new}" + (f" (served behind {self.proxy.url})" if self.proxy else ""))
+        return out
+
+    def _record(self, row: dict) -> None:
+        with open(self.root / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+        if self._tracker is None:
+            from specforge.tracking import MetricsLogger
+
+            tracking = dataclasses.replace(self.cfg.tracking, jsonl=False,
+                                           run_name=self.cfg.tracking.run_name or "adapt")
+            self._tracker = MetricsLogger(tracking, self.root, self.cfg.to_dict())
+        nums = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+        nums["passed"] = float(row.get("status") == "swapped")
+        self._tracker.log(row["round"], nums, kind="adapt")
+
+
+def _copy_draft(src: Path, dst: Path) -> None:
+    """A draft folder's files (links followed) into ``dst``, written aside and renamed into place."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(Path(src).resolve(), tmp, symlinks=False)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dst)
+
+
+def _newest(rdir: Path) -> Path:
+    from specforge.train.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(rdir / "checkpoints")
+    if path is None:
+        raise RuntimeError(f"adapt: the round's fine-tune left no checkpoint in {rdir / 'checkpoints'}")
+    return path
+
+
+def _steps(rdir: Path) -> int:
+    """The newest checkpoint's step (its folder is ``step-N``); 0 without one."""
+    from specforge.train.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(rdir / "checkpoints")
+    digits = "".join(c for c in path.name if c.isdigit()) if path else ""
+    return int(digits) if digits else 0
+
+
+def _log_tail(server) -> str:
+    return server.log_tail() if hasattr(server, "log_tail") else ""
