@@ -78,7 +78,7 @@ class LocalCluster:
 
         self.layout = Layout(cfg.placement.mode, (), (0,), data.vocab_path)
         self.worker = TrainWorker(cfg)
-        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths)), run_facts(cfg, data))
+        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths), data.num_replay), run_facts(cfg, data))
 
     def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool):
         w = self.worker
