@@ -152,8 +152,11 @@ def test_single_process_run_with_replay_trains_and_says_what_it_replays(assets, 
     out = capsys.readouterr().out
     assert f"of {stores / 'ref'} as 0.25 of each step" in out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if r["kind"] == "train"]
-    assert losses and all(math.isfinite(v) and v > 0 for v in losses)
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in train)
+    # global batch 2 at share 0.25: one replayed sample every other step, own samples in the epochs
+    assert [r["replay_share"] for r in train] == [0.0, 0.25, 1 / 6]
+    assert train[2]["epoch"] == pytest.approx((3 * 2 - 1) / 12)
 
 
 @pytest.mark.ray

@@ -22,7 +22,7 @@ from typing import Optional
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step
-from specforge.train.batch import global_batch_ids, replay_batch_ids, split_for_ranks
+from specforge.train.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,15 @@ class Planner:
             return global_batch_ids(n, self.global_batch, seed, step)
         r = self.data.num_replay
         return replay_batch_ids(n - r, r, self.cfg.store.replay_share, self.global_batch, seed, step)
+
+    def epochs_done(self, steps: int) -> float:
+        """Passes over the run's own train samples in the first ``steps`` steps (replayed ones not counted)."""
+        replayed = replayed_before(self.cfg.store.replay_share, self.global_batch, steps) if self.data.num_replay else 0
+        return (steps * self.global_batch - replayed) / (len(self.data.lengths) - self.data.num_replay)
+
+    def replayed_share(self, steps: int) -> float:
+        """The share of the first ``steps`` steps' samples that were replayed (the metrics row's replay_share)."""
+        return replayed_before(self.cfg.store.replay_share, self.global_batch, steps) / (steps * self.global_batch)
 
     def _plan(self, step: int, ids: list[int], split: str = "train") -> StepPlan:
         lengths = self.data.lengths if split == "train" else self.data.eval_lengths
