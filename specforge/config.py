@@ -143,6 +143,11 @@ class StoreConfig:
     # regenerate = the target writes the answers and its features are kept while it generates;
     # capture = the target reads the dataset's own answers (one forward per sample).
     fill: Literal["regenerate", "capture"] = "capture"
+    # Replay (offline only): a reference store (same target, tokenizer, aux layers, max_length) whose
+    # training samples make up ``replay_share`` of every step's samples, so a fine-tune on new data
+    # keeps what the draft knew. Its last samples (what a run on it holds out) are never replayed.
+    replay_dir: Optional[str] = None
+    replay_share: float = 0.25  # in [0, 1): over any K steps floor(share * global_batch * K) samples are replayed
 
 
 @dataclass
@@ -504,12 +509,28 @@ def validate(cfg: Config) -> None:
     from specforge.algorithms import get_algorithm
 
     errors += get_algorithm(cfg.draft.algorithm).config_errors(cfg)
+    errors += replay_errors(cfg)
     endpoint = cfg.regenerate.endpoint
     if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
         errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
                       f"'http://{endpoint.split('://')[-1].lstrip('/') or '127.0.0.1:30000'}/v1'")
     if errors:
         raise ValueError(errors[0])
+
+
+def replay_errors(cfg: Config) -> list[str]:
+    """``store.replay_*``: the share in [0, 1), and a reference store only where the run reads a store
+    (offline); the folder itself is checked by ``preflight.check_replay``."""
+    out = []
+    share = cfg.store.replay_share
+    if not 0 <= share < 1:
+        out.append(f"config key 'store.replay_share'={share!r} must be in [0, 1) (the share of each step's samples "
+                   "drawn from store.replay_dir; 0.25 replays one sample in four)")
+    if cfg.store.replay_dir is not None and cfg.placement.mode != "offline":
+        out.append(f"config key 'store.replay_dir'={cfg.store.replay_dir!r} needs placement.mode=offline (replayed "
+                   f"samples are read from a feature store), this run has placement.mode={cfg.placement.mode}; set "
+                   "placement.mode=offline or unset store.replay_dir")
+    return out
 
 
 def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Optional[int] = None,

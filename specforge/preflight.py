@@ -136,6 +136,7 @@ def check_store(cfg: Config, layers: list[int], target) -> None:
     from specforge.data.store import INDEX, FeatureStore, store_root
 
     root = store_root(cfg)
+    check_replay(cfg)
     if not (root / INDEX).is_file():
         return  # prepare_offline names the missing store and how to fill it
     meta = FeatureStore(root).meta
@@ -146,6 +147,30 @@ def check_store(cfg: Config, layers: list[int], target) -> None:
             raise ValueError(f"feature store {root} was captured with {key}={got}, this run has {want}; "
                              f"recapture (python -m specforge.capture) or set {key.split(' ')[0]} to match")
     check_store_eval(cfg, FeatureStore(root))
+
+
+def check_replay(cfg: Config) -> None:
+    """``store.replay_dir``: a complete feature store, not the run's own, with samples to replay and
+    the meta of the run's store (every field but the samples' source)."""
+    from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_root
+    from specforge.runtime.plan import replayable_ids
+
+    if cfg.store.replay_dir is None:
+        return
+    key, ref = f"config key 'store.replay_dir'={cfg.store.replay_dir!r}", Path(cfg.store.replay_dir).expanduser()
+    if not (ref / INDEX).is_file():
+        raise ValueError(f"{key} is not a feature store ({INDEX} missing there); name a folder that "
+                         "python -m specforge.capture (or regenerate) wrote, or unset the key")
+    own = store_root(cfg)
+    if ref.resolve() == own.resolve():
+        raise ValueError(f"{key} is the run's own store (store.dir / train.output_dir/features); replay another "
+                         "store (the one the draft was trained on before) or unset the key")
+    ref_store = FeatureStore(ref)
+    if cfg.store.replay_share > 0 and not replayable_ids(ref_store):
+        raise ValueError(f"{key} holds {len(ref_store.ids)} samples, none of which may be replayed (its last "
+                         "min(8, a tenth) are held out); fill it or set store.replay_share=0")
+    if (own / INDEX).is_file():
+        check_replay_meta(FeatureStore(own, allow_partial=True), ref_store)
 
 
 def check_store_eval(cfg: Config, store) -> None:

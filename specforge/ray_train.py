@@ -197,7 +197,7 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
         actors, labels = rollout.actors + train.actors, rollout.labels + train.labels
         init_communicator(actors, labels, cfg.parallel.backend, timeout)
         # new_group is collective over the world: every rank sets up at once.
-        horizon, facts = total_steps(cfg, len(data.lengths)), run_facts(cfg, data)
+        horizon, facts = total_steps(cfg, len(data.lengths), data.num_replay), run_facts(cfg, data)
         refs = [a.setup.remote(layout) for a in rollout.actors] + \
                [a.setup.remote(layout, horizon, facts) for a in train.actors]
         starts = collect(refs, labels, setup_timeout, "setup")  # model and checkpoint loading

@@ -17,7 +17,8 @@ A store folder::
 Only complete shards are in the index: a shard is written to ``*.tmp`` and renamed, then the
 index is rewritten the same way, so an interrupted capture leaves a valid store of the samples
 done so far; a rerun skips them (``done()``) and writes new shards only. Files the index does not
-name are stale and get overwritten.
+name are stale and get overwritten. ``append_samples`` adds new samples to a complete store
+(duplicates skipped) and rewrites the index only at its end.
 
 int8 (SmoothQuant-style): x[t, c] = q[t, c] * row[t, layer] * col[c]. ``col`` (one per shard) =
 the shard's column absmax ** alpha takes out the few massive-activation channels (SmolLM2: a channel
@@ -37,7 +38,7 @@ import shutil
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -123,6 +124,17 @@ def check_meta(found: StoreMeta, expected: StoreMeta, root) -> None:
             f"feature store {root} was captured for a different setup: {'; '.join(diffs)}; "
             f"point store.dir elsewhere or recapture with python -m specforge.capture"
         )
+
+
+def check_replay_meta(own, ref) -> None:
+    """A reference store replayed beside a run's own store must hold features of the same kind:
+    every meta field but ``source`` (what the samples are) equal, else a ValueError naming each."""
+    diffs = [f"{f.name} ({own.root}: {getattr(own.meta, f.name)!r}, {ref.root}: {getattr(ref.meta, f.name)!r})"
+             for f in fields(StoreMeta) if f.name != "source" and getattr(own.meta, f.name) != getattr(ref.meta, f.name)]
+    if diffs:
+        raise ValueError(f"config key 'store.replay_dir'={str(ref.root)!r} holds features of another setup than the "
+                         f"run's store: {'; '.join(diffs)}; replay a store captured with the same target, tokenizer, "
+                         "aux layers and data.max_length")
 
 
 # ---------------------------------------------------------------- sizes and disk
@@ -231,7 +243,8 @@ class FeatureStoreWriter:
     so a rerun produces the same shards as an uninterrupted run.
     """
 
-    def __init__(self, root, meta: StoreMeta, dtype: str = "bfloat16", shard_mb: float = 256.0):
+    def __init__(self, root, meta: StoreMeta, dtype: str = "bfloat16", shard_mb: float = 256.0,
+                 index_at_close: bool = False):
         bytes_per_token(meta.hidden_size, dtype)  # validates dtype
         if shard_mb <= 0:
             raise ValueError(f"store.shard_mb must be > 0, got {shard_mb}")
@@ -244,6 +257,7 @@ class FeatureStoreWriter:
         self._buf: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._buf_bytes = 0
         self._closed = False
+        self._index_at_close = index_at_close  # True: the old index stands until close (append_samples)
 
     def _resume(self) -> list[dict]:
         """The intact shards of an existing store at root (none for a new store)."""
@@ -329,7 +343,8 @@ class FeatureStoreWriter:
         self._done.update(s["id"] for s in samples)
         self._next += 1
         self._buf, self._buf_bytes = [], 0
-        self._write_index(complete=False)
+        if not self._index_at_close:
+            self._write_index(complete=False)
 
     def _write_index(self, complete: bool) -> None:
         idx = {"format": FORMAT, "meta": asdict(self.meta), "dtype": self.dtype, "complete": complete,
@@ -343,6 +358,30 @@ class FeatureStoreWriter:
         self._flush()
         self._write_index(complete=True)
         self._closed = True
+
+
+def append_samples(root, samples: Iterable[tuple[int, dict[str, torch.Tensor]]],
+                   shard_mb: float = 256.0) -> tuple[int, int]:
+    """Add samples to the complete store at ``root``; returns (added, skipped). ``samples`` yields
+    ``(sample_id, features)``, features named as ``FeatureStore.read`` returns them (input_ids,
+    loss_mask, aux_hidden, last_hidden, target_ids): a sample id already in the store (or earlier
+    in ``samples``) is skipped and counted. New samples go into new shards; the index is rewritten
+    once, at the end, so an append that fails or is killed leaves the old store as it was."""
+    idx = _load_index(Path(root).expanduser())
+    if not idx["complete"]:
+        raise ValueError(f"feature store {root} is incomplete; finish it (rerun its python -m specforge.capture) "
+                         "before appending")
+    added = skipped = 0
+    with FeatureStoreWriter(root, idx["meta"], idx["dtype"], shard_mb, index_at_close=True) as w:
+        seen = w.done()
+        for sample_id, f in samples:
+            if int(sample_id) in seen:
+                skipped += 1
+                continue
+            w.add(sample_id, f["input_ids"], f["loss_mask"], f["aux_hidden"], f["last_hidden"], f["target_ids"])
+            seen.add(int(sample_id))
+            added += 1
+    return added, skipped
 
 
 # ---------------------------------------------------------------- reading

@@ -78,7 +78,7 @@ class LocalCluster:
 
         self.layout = Layout(cfg.placement.mode, (), (0,), data.vocab_path)
         self.worker = TrainWorker(cfg)
-        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths)), run_facts(cfg, data))
+        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths), data.num_replay), run_facts(cfg, data))
 
     def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool):
         w = self.worker
@@ -214,7 +214,9 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
             now = time.perf_counter()
             m = step_metrics(rollout, train, now - t_last, f.nbytes + sum(x.nbytes for x in inflight))
             t_last, done = now, f.plan.step + 1
-            m["epoch"] = done * plan.global_batch / len(plan.data.lengths)  # passes over the data: plots mark epochs
+            m["epoch"] = plan.epochs_done(done)  # passes over the run's own data: plots mark epochs
+            if plan.data.num_replay:
+                m["replay_share"] = plan.replayed_share(done)
             recent.append(m)
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tau=f"{m.get('tau', 0):.2f}")

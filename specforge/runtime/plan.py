@@ -22,7 +22,7 @@ from typing import Optional
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step
-from specforge.train.batch import global_batch_ids, split_for_ranks
+from specforge.train.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class RunData:
     wire_dtype: str  # dtype of the hidden-state features on the data plane
     data_key: str = ""  # identifies the samples (token cache key / feature store digest): checkpoints keep it
     num_aux_layers: int = 3  # target layers the draft algorithm reads (the aux feature is that many x H wide)
+    num_replay: int = 0  # the last this many of ``lengths`` are a reference store's (store.replay_dir)
 
 
 def run_facts(cfg: Config, data: RunData) -> dict:
@@ -79,37 +80,102 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 def store_split(store, cfg: Config) -> dict[str, list[int]]:
     """Store sample ids by split: with periodic eval on, the last few are held out for it (a tenth
     at most). The prompts ``specforge.eval`` measures are never in a store (regenerate and capture
-    take the train split only)."""
+    take the train split only). A ``ReplayStores`` adds the replayed ids to the train split."""
+    if isinstance(store, ReplayStores):
+        return store.split(cfg)
     n = min(cfg.data.num_eval, EVAL_SAMPLES, len(store.ids) // 10) if cfg.train.eval_every else 0
     return {"train": store.ids[: len(store.ids) - n], "eval": store.ids[len(store.ids) - n :]}
 
 
-def prepare_offline(cfg: Config) -> RunData:
-    """The feature store's samples: lengths by split, and the draft vocab of its loss tokens."""
-    import hashlib
+def replayable_ids(store) -> list[int]:
+    """A reference store's samples that may be replayed: all but the last min(8, a tenth), the most
+    any run on it holds out (``store_split``), whatever this run's eval settings."""
+    return store.ids[: len(store.ids) - min(EVAL_SAMPLES, len(store.ids) // 10)]
 
+
+class ReplayStores:
+    """The run's store and a reference store behind the one interface ``StoreSource`` reads
+    (``read``, ``ids``, ``lengths``, ``meta``): own sample ids as they are, replayed sample j as
+    ``offset + j`` (offset = 1 + the largest own id), after the own train ids in the train split."""
+
+    def __init__(self, own, ref):
+        import torch
+
+        from specforge.data.store import check_replay_meta
+
+        check_replay_meta(own, ref)
+        self.own, self.ref, self.meta, self.dtype, self.root = own, ref, own.meta, own.dtype, own.root
+        self.replayed = replayable_ids(ref)
+        self.offset = 1 + max(own.ids, default=-1)
+        extra = range(self.offset, self.offset + len(self.replayed))
+        self.ids = [*own.ids, *extra]
+        self.lengths = {**own.lengths, **{i: ref.lengths[r] for i, r in zip(extra, self.replayed)}}
+        self._out_dtype = torch.float32 if own.dtype == "int8" else torch.bfloat16  # what own.read gives
+
+    @property
+    def num_tokens(self) -> int:
+        return self.own.num_tokens
+
+    def split(self, cfg: Config) -> dict[str, list[int]]:
+        own = store_split(self.own, cfg)
+        return {"train": own["train"] + self.ids[len(self.own.ids):], "eval": own["eval"]}
+
+    def read(self, sample_id: int, start: int = 0, stop: Optional[int] = None) -> dict:
+        if sample_id < self.offset:
+            return self.own.read(sample_id, start, stop)
+        out = self.ref.read(self.replayed[sample_id - self.offset], start, stop)
+        for name in ("aux_hidden", "last_hidden"):  # an int8 reference beside a bf16 store, or back
+            out[name] = out[name].to(self._out_dtype)
+        return out
+
+
+def open_offline_store(cfg: Config, expect=None):
+    """The run's feature store (``store_root``), with the reference store beside it when
+    ``store.replay_dir`` is set; ``expect`` (a ``StoreMeta``) is checked against the run's."""
+    from specforge.data.store import FeatureStore, store_root
+
+    store = FeatureStore(store_root(cfg), expect=expect)
+    return ReplayStores(store, FeatureStore(cfg.store.replay_dir)) if cfg.store.replay_dir else store
+
+
+def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Path:
+    """THE draft vocab of an offline run: the most frequent loss tokens of every sample it trains
+    on (replayed ones too, so the vocab covers both stores), written once per (data, size)."""
     import torch
 
-    from specforge.data.store import FeatureStore, store_root
     from specforge.data.vocab import build_draft_vocab, save_draft_vocab
     from specforge.train.trainer import draft_vocab_size
 
-    store = FeatureStore(store_root(cfg))
-    split = store_split(store, cfg)
-    if not split["train"]:
-        raise ValueError(f"feature store {store.root} holds no samples; fill it (store.fill={cfg.store.fill})")
-    key = hashlib.sha256(repr((store.meta, store.ids)).encode()).hexdigest()[:16]
-    n = draft_vocab_size(cfg, store.meta.vocab_size)
+    V = store.meta.vocab_size
+    n = draft_vocab_size(cfg, V)
     path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{n}.safetensors"
     if not path.is_file():
-        counts = torch.zeros(store.meta.vocab_size, dtype=torch.long)
-        for i in split["train"]:
+        counts = torch.zeros(V, dtype=torch.long)
+        for i in train_ids:
             s = store.read(i)
-            counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=store.meta.vocab_size)
+            counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=V)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_draft_vocab(build_draft_vocab(counts.numpy(), store.meta.vocab_size, n), path)
-    print(f"feature store {store.root}: {len(split['train'])} train + {len(split['eval'])} held-out samples, "
-          f"{store.num_tokens} tokens ({store.dtype})")
+        save_draft_vocab(build_draft_vocab(counts.numpy(), V, n), path)
+    return path
+
+
+def prepare_offline(cfg: Config) -> RunData:
+    """The feature store's samples (+ the replayed ones): lengths by split, and the draft vocab."""
+    import hashlib
+
+    store = open_offline_store(cfg)
+    split = store_split(store, cfg)
+    own = store.own if isinstance(store, ReplayStores) else store
+    if len(split["train"]) == (num_replay := len(store.ids) - len(own.ids)):
+        raise ValueError(f"feature store {store.root} holds no samples; fill it (store.fill={cfg.store.fill})")
+    ident = (own.meta, own.ids) if not num_replay else (own.meta, own.ids, store.ref.meta, store.replayed,
+                                                          cfg.store.replay_share)
+    key = hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
+    path = build_store_vocab(cfg, store, split["train"], key)
+    replay = (f"; replaying {num_replay} samples of {store.ref.root} as {cfg.store.replay_share:g} of each step"
+              if num_replay else "")
+    print(f"feature store {store.root}: {len(split['train']) - num_replay} train + {len(split['eval'])} held-out "
+          f"samples, {store.num_tokens} tokens ({store.dtype}){replay}")
     return RunData(
         lengths=tuple(store.lengths[i] for i in split["train"]),
         eval_lengths=tuple(store.lengths[i] for i in split["eval"]),
@@ -118,6 +184,7 @@ def prepare_offline(cfg: Config) -> RunData:
         wire_dtype=store.dtype if store.dtype != "int8" else "float32",
         data_key=f"store-{key}",
         num_aux_layers=len(store.meta.aux_layer_ids),
+        num_replay=num_replay,
     )
 
 
@@ -132,10 +199,13 @@ def wire_dtype(model_dtype: str, use_gpu: bool) -> str:
 EVAL_SAMPLES = 8  # held-out samples per periodic eval (the first of the split, a multiple of the DP groups)
 
 
-def total_steps(cfg: Config, num_samples: int) -> int:
+def total_steps(cfg: Config, num_samples: int, num_replay: int = 0) -> int:
     """The optimizer steps a run trains: the first of ``train.max_steps`` and ``train.epochs``
-    passes over ``num_samples`` (``train.max_minutes`` may stop it earlier)."""
+    passes over ``num_samples`` (``train.max_minutes`` may stop it earlier). With ``num_replay``
+    of them replayed, an epoch is a pass over the run's own samples, (1 - share) of each step."""
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * ParallelDims.from_config(cfg).dp
+    if num_replay:
+        num_samples, global_batch = num_samples - num_replay, global_batch * (1 - cfg.store.replay_share)
     by_epochs = math.inf if cfg.train.epochs is None else math.ceil(cfg.train.epochs * num_samples / global_batch)
     return int(min(math.inf if cfg.train.max_steps is None else cfg.train.max_steps, by_epochs))
 
@@ -147,7 +217,7 @@ class Planner:
         self.cfg, self.data, self.layout = cfg, data, layout
         self.dp = ParallelDims.from_config(cfg).dp
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
-        self.total_steps = total_steps(cfg, len(data.lengths))
+        self.total_steps = total_steps(cfg, len(data.lengths), data.num_replay)
         self.spec = FeatureSpec.hidden_states(data.hidden_size, data.wire_dtype, data.num_aux_layers)
         from specforge.algorithms import get_algorithm
 
@@ -178,9 +248,26 @@ class Planner:
     def __call__(self, step: int) -> StepPlan:
         if step not in self._cache:
             self._cache = {s: p for s, p in self._cache.items() if s >= step - 1}
-            ids = global_batch_ids(len(self.data.lengths), self.global_batch, self.cfg.train.seed, step)
+            ids = self.batch_ids(step)
             self._cache[step] = self._plan(step, ids)
         return self._cache[step]
+
+    def batch_ids(self, step: int) -> list[int]:
+        """The train indices of step ``step`` (own samples, then replayed ones: ``RunData.num_replay``)."""
+        n, seed = len(self.data.lengths), self.cfg.train.seed
+        if not self.data.num_replay:
+            return global_batch_ids(n, self.global_batch, seed, step)
+        r = self.data.num_replay
+        return replay_batch_ids(n - r, r, self.cfg.store.replay_share, self.global_batch, seed, step)
+
+    def epochs_done(self, steps: int) -> float:
+        """Passes over the run's own train samples in the first ``steps`` steps (replayed ones not counted)."""
+        replayed = replayed_before(self.cfg.store.replay_share, self.global_batch, steps) if self.data.num_replay else 0
+        return (steps * self.global_batch - replayed) / (len(self.data.lengths) - self.data.num_replay)
+
+    def replayed_share(self, steps: int) -> float:
+        """The share of the first ``steps`` steps' samples that were replayed (the metrics row's replay_share)."""
+        return replayed_before(self.cfg.store.replay_share, self.global_batch, steps) / (steps * self.global_batch)
 
     def _plan(self, step: int, ids: list[int], split: str = "train") -> StepPlan:
         lengths = self.data.lengths if split == "train" else self.data.eval_lengths

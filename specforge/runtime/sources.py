@@ -67,13 +67,13 @@ def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
 
 
 def open_store(cfg: Config, target):
-    """The feature store, refused (naming the field) if it was made by another target, tokenizer,
-    aux layers or max_length than this run's."""
+    """The feature store (with ``store.replay_dir``'s beside it), refused (naming the field) if it
+    was made by another target, tokenizer, aux layers or max_length than this run's."""
     from specforge.data.store import FeatureStore, store_meta, store_root
+    from specforge.runtime.plan import open_offline_store
 
-    store = FeatureStore(store_root(cfg))
-    FeatureStore(store_root(cfg), expect=store_meta(cfg, target, source=store.meta.source))
-    return store
+    source = FeatureStore(store_root(cfg)).meta.source
+    return open_offline_store(cfg, expect=store_meta(cfg, target, source=source))
 
 
 class StoreSource:

@@ -7,6 +7,7 @@ Legend: B batch, T tokens, H target hidden.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -19,7 +20,12 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
 
 
 def global_batch_ids(num_samples: int, global_batch: int, seed: int, step: int) -> list[int]:
-    """Sample ids of optimizer-step ``step`` (all DP ranks and micro-batches together).
+    """Sample ids of optimizer-step ``step`` (all DP ranks and micro-batches together)."""
+    return stream_ids(num_samples, seed, step * global_batch, global_batch)
+
+
+def stream_ids(num_samples: int, seed: int, start: int, count: int) -> list[int]:
+    """Positions ``[start, start + count)`` of the endless stream of epochs (each ``epoch_order``).
 
     Epochs follow each other without a partial last batch (it rolls over into the next epoch).
     A batch that rolls over holds no sample twice while the data allows it (a plan needs distinct
@@ -27,16 +33,39 @@ def global_batch_ids(num_samples: int, global_batch: int, seed: int, step: int) 
     """
     if num_samples < 1:
         raise ValueError("no training samples")
-    start = step * global_batch
     ids: list[int] = []
     epoch, offset = divmod(start, num_samples)
-    while len(ids) < global_batch:
+    while len(ids) < count:
         order = epoch_order(num_samples, seed, epoch)[offset:]
         taken = set(ids)
         order = [i for i in order if i not in taken] + [i for i in order if i in taken]
-        ids.extend(order[: global_batch - len(ids)])
+        ids.extend(order[: count - len(ids)])
         epoch, offset = epoch + 1, 0
     return ids
+
+
+def replayed_before(share: float, global_batch: int, step: int) -> int:
+    """Replayed samples in the steps before ``step``: floor(share * global_batch * step), so any K
+    consecutive steps replay share * global_batch * K samples, within one."""
+    return math.floor(share * global_batch * step)
+
+
+def replay_batch_ids(num_own: int, num_replay: int, share: float, global_batch: int, seed: int,
+                     step: int) -> list[int]:
+    """``global_batch_ids`` of a run that replays a reference store: indices ``< num_own`` are the
+    run's own samples, ``num_own + j`` the j-th replayed one. Each side is its own endless stream of
+    epochs (the reference's with another seed) and step ``step`` takes the next
+    ``replayed_before(step + 1) - replayed_before(step)`` replayed samples, spread evenly through
+    the batch (every DP group gets its part): a pure function of (seed, step)."""
+    r0, r1 = (replayed_before(share, global_batch, s) for s in (step, step + 1))
+    ref = [num_own + j for j in stream_ids(num_replay, seed + _REPLAY_SEED, r0, r1 - r0)] if r1 > r0 else []
+    own = stream_ids(num_own, seed, step * global_batch - r0, global_batch - len(ref))
+    slots = {(k * global_batch) // len(ref) + global_batch // (2 * len(ref)) for k in range(len(ref))} if ref else set()
+    own_it, ref_it = iter(own), iter(ref)
+    return [next(ref_it) if k in slots else next(own_it) for k in range(global_batch)]
+
+
+_REPLAY_SEED = 7_919  # the replayed stream's seed offset (its order is independent of the run's own)
 
 
 def split_for_ranks(ids: Sequence[int], dp_size: int, grad_accum: int) -> list[list[list[int]]]:
