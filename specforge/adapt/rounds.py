@@ -361,6 +361,9 @@ class Adapter:
                             warmup_steps=min(self.cfg.train.warmup_steps, a.steps // 10))
         cfg["checkpoint"].update(dir=None, resume=True, every_steps=max(1, min(self.cfg.checkpoint.every_steps or a.steps,
                                                                                   a.steps // 4 or 1)))
+        for key in cfg["draft"]:  # a from-scratch warmup (e.g. TTT step 0 alone first) is not redone on a trained draft
+            if key.endswith("warmup_steps"):
+                cfg["draft"][key] = 0
         run = self.cfg.tracking.run_name or "adapt"
         cfg["tracking"]["run_name"] = f"{run}-round-{self.state.round}"
         return cfg
@@ -371,9 +374,12 @@ class Adapter:
         path.write_text(yaml.safe_dump(self.round_config(rdir), sort_keys=False))
         log = rdir / "train.log"
         self.log(f"adapt: round {self.state.round}: fine-tuning {self.a.steps} steps from {self.state.live} (log: {log})")
-        with open(log, "ab") as f:
+        from specforge.engines.llamacpp import die_with_parent
+
+        with open(log, "ab") as f:  # the child goes when adapt does (a killed adapt resumes the round itself)
             proc = subprocess.Popen([sys.executable, "-m", "specforge.train", "--config", str(path)],
-                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=die_with_parent)
             try:
                 while proc.poll() is None:
                     if not alive(self.server):

@@ -283,7 +283,7 @@ class Completion:
         return 1e3 * self.predicted_n / max(self.predicted_ms, 1e-9)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM when the process that started it dies, so a killed
     eval or test never leaves a server running (``__exit__`` does not run on SIGKILL)."""
     try:
@@ -419,7 +419,7 @@ class LlamaServer:
         self._logdir = tempfile.TemporaryDirectory(prefix="specforge-llama-server-")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         try:
             self._wait_healthy()
         except BaseException:
