@@ -1,0 +1,144 @@
+"""``draft.init_from``: a fresh run's draft starts from a published draft folder, then trains as usual.
+
+The folder may be a checkpoint of ours (``checkpoints/step-N`` or ``checkpoints/latest``, any
+algorithm), SGLang's EAGLE-3 format (ours, or upstream SpecForge's small variants), a speculators /
+vLLM export (``python -m specforge.export --engine vllm``) or z-lab's DFlash folder. Which algorithm
+reads it is the registry's question (``owns_published``); the reading (names mapped to ours) is the
+algorithm's ``read_published`` hook. This file only checks and places, in three moments:
+
+    check_init_from   config-level facts (folder, config.json, a draft, the run's algorithm), from
+                      ``preflight.check_run``, before anything loads
+    init_vocab_path   the run's vocab file IS the folder's mapping (d2t/t2d), cached by its content
+                      hash, from ``plan.prepare`` / ``prepare_offline``: every placement reads it
+                      through ``RunData.vocab_path`` (the lm_head rows are the folder's)
+    apply_init_from   the folder's weights copied into the freshly built draft, strictly, before
+                      FSDP2 and the optimizer (``TrainWorker.setup``, every placement)
+
+Resuming: a run that resumes its own checkpoint (``checkpoint.resume`` with a checkpoint there) takes
+that checkpoint, weights and vocab mapping alike, and never reads ``init_from``. So ``init_from`` is
+not part of the run identity (a resume with the key removed or changed still resumes); what it
+brought that changes the math, the vocab mapping, is (its hash). The run's config, and so the key,
+is recorded with its metrics (``tracking.MetricsLogger``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specforge.algorithms import get_algorithm, published_algorithm_name
+from specforge.config import Config
+from specforge.data.vocab import DraftVocab, save_draft_vocab
+from specforge.train.checkpoint import latest_checkpoint
+from specforge.train.trainer import checkpoint_root, draft_vocab_size
+
+FIX_SHAPES = ("start from a draft of the same target with the same draft.* sizes as its config.json "
+              "(draft.vocab_size, draft.hidden_size, draft.intermediate_size, draft.num_attention_heads, "
+              "draft.num_key_value_heads, draft.head_dim, ...), or drop draft.init_from to start from scratch")
+
+
+def where(cfg: Config) -> str:
+    return f"draft.init_from: {cfg.draft.init_from}"
+
+
+def check_init_from(cfg: Config) -> None:
+    """The config-level facts, before anything loads: one ValueError naming the key, the file and the fix."""
+    path = cfg.draft.init_from
+    if path is None:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"config key 'draft.init_from'={path!r}: no such folder; give a published draft folder (a "
+                         "checkpoints/step-N or checkpoints/latest of ours, an SGLang, speculators/vLLM or z-lab DFlash "
+                         "folder), or drop the key")
+    f = folder / "config.json"
+    if not f.is_file():
+        raise ValueError(f"config key 'draft.init_from'={path!r} has no config.json: not a draft folder; give the folder "
+                         "that holds the draft's config.json and safetensors")
+    try:
+        hf_config = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config key 'draft.init_from': {str(f)!r} is not valid JSON ({e}): a truncated or "
+                         "hand-edited draft folder") from None
+    name = published_algorithm_name(hf_config, f"config key 'draft.init_from'={path!r}")
+    if name != cfg.draft.algorithm:
+        raise ValueError(f"config key 'draft.init_from'={path!r} holds a {name} draft, but draft.algorithm is "
+                         f"{cfg.draft.algorithm!r}: set draft.algorithm={name} (and its draft.* sizes), or start from "
+                         f"a {cfg.draft.algorithm} draft")
+
+
+def read_published(cfg: Config) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as ours, weights named as the draft's saved keys) of the run's ``init_from``."""
+    check_init_from(cfg)
+    return get_algorithm(cfg.draft.algorithm).read_published(Path(cfg.draft.init_from).expanduser())
+
+
+def resumed_checkpoint(cfg: Config) -> Optional[Path]:
+    """The checkpoint the run resumes (None: a fresh start, where ``init_from`` applies)."""
+    return latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
+
+
+def published_vocab(cfg: Config, weights: dict[str, torch.Tensor], target_vocab_size: int,
+                    what: str) -> Optional[DraftVocab]:
+    """The mapping (d2t, t2d) of ``weights`` checked against the run; None: the draft has none (DFlash
+    predicts the target's whole vocabulary)."""
+    if "d2t" not in weights or "t2d" not in weights:
+        return None
+    vocab = DraftVocab(weights["d2t"].to(torch.int64), weights["t2d"].to(torch.bool))
+    n, want = vocab.draft_vocab_size, draft_vocab_size(cfg, target_vocab_size)
+    if vocab.target_vocab_size != target_vocab_size:
+        raise ValueError(f"{what}: its vocab mapping is over a target vocabulary of {vocab.target_vocab_size} tokens, "
+                         f"the target has {target_vocab_size}: start from a draft of this target (model.target_path)")
+    if n != want:
+        raise ValueError(f"{what}: its draft vocab has {n} tokens, draft.vocab_size is {want}: set draft.vocab_size={n}")
+    ids = vocab.target_ids
+    if n and (int(ids.min()) < 0 or int(ids.max()) >= target_vocab_size or ids.unique().numel() != n):
+        raise ValueError(f"{what}: its d2t maps draft ids outside the target vocabulary 0..{target_vocab_size - 1} "
+                         "(or two onto one): a corrupt mapping or a draft of another target; start from a draft of "
+                         "this target")
+    return vocab
+
+
+def init_vocab_path(cfg: Config, target_vocab_size: int) -> Optional[Path]:
+    """The run's vocab file when ``draft.init_from`` is set: the folder's mapping (or, resuming, the
+    resumed checkpoint's), written under ``model.cache_dir``/vocab keyed by its content hash. None: the
+    run builds its own (no ``init_from``, or a draft without a mapping)."""
+    if cfg.draft.init_from is None:
+        return None
+    resumed = resumed_checkpoint(cfg)
+    if resumed is not None:
+        weights = get_algorithm(cfg.draft.algorithm).read_published(resumed)[1]
+        vocab = published_vocab(cfg, weights, target_vocab_size, f"checkpoint {str(resumed)!r}")
+    else:
+        vocab = published_vocab(cfg, read_published(cfg)[1], target_vocab_size, where(cfg))
+    if vocab is None:
+        return None
+    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"init-{vocab.content_hash()[:16]}-n{vocab.draft_vocab_size}.safetensors"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(vocab, path)
+    return path
+
+
+def apply_init_from(cfg: Config, draft: torch.nn.Module) -> None:
+    """Copy the folder's weights into ``draft`` (freshly built, before FSDP2 and the optimizer): every
+    saved tensor of the draft (``export_state_dict``) from the folder, nothing left over; otherwise one
+    ValueError naming what is missing, what is extra and which shapes differ, and the fix."""
+    _, weights = read_published(cfg)
+    want = draft.export_state_dict()
+    problems = [f"missing {k}" for k in sorted(set(want) - set(weights))]
+    problems += [f"extra {k}" for k in sorted(set(weights) - set(want))]
+    problems += [f"{k} is {list(weights[k].shape)}, the draft needs {list(want[k].shape)}"
+                 for k in sorted(set(want) & set(weights)) if weights[k].shape != want[k].shape]
+    if problems:
+        raise ValueError(f"{where(cfg)}: " + "; ".join(problems) + f". {FIX_SHAPES[0].upper()}{FIX_SHAPES[1:]}")
+    for k in ("d2t", "t2d"):  # the run's vocab file is the folder's mapping (init_vocab_path)
+        if k in want and not torch.equal(want[k].cpu(), weights[k].to(want[k].dtype)):
+            raise ValueError(f"{where(cfg)}: its {k} differs from the run's vocab file: prepare the run with "
+                             "specforge's entry points (plan.prepare writes the folder's mapping as the vocab file)")
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(weights[k].to(v.dtype))
