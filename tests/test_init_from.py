@@ -243,3 +243,47 @@ def test_init_from_is_a_draft_key_outside_the_run_identity(tmp_path):
         cfg = run_cfg(tmp_path, seed=1, algorithm=algorithm, init_from="/somewhere")
         assert not any("init_from" in k for k in get_algorithm(algorithm).identity(cfg))
         assert "init_from" in {f.name for f in dataclasses.fields(cfg.draft)}
+
+
+@pytest.mark.parametrize("algorithm, draft", [
+    ("eagle31", {"vocab_size": N, "ttt_length": 2}),
+    ("peagle", {"vocab_size": N, "parallel_tokens": 3, "mask_token_id": V - 1}),
+    ("dspark", {"num_layers": 1, "block_size": 4, "mask_token_id": V - 1, "markov_rank": 8}),
+])
+def test_our_other_algorithms_start_from_their_checkpoints(tmp_path, target, algorithm, draft):
+    """EAGLE-3.1, P-EAGLE and DSpark folders are our checkpoints: the same path, every saved tensor equal."""
+    algo = get_algorithm(algorithm)
+
+    def cfg(seed, init_from=None):
+        options = algo.options(algorithm=algorithm, init_from=None if init_from is None else str(init_from), **draft)
+        return Config(draft=options, train=TrainConfig(seed=seed, precision="fp32"),
+                      model=ModelConfig(cache_dir=str(tmp_path / "cache")))
+
+    vocab = own_vocab()
+    src = algo.build_draft(cfg(1), target, vocab)
+    hf_config = {**algo.hf_config(src), "torch_dtype": "float32"}
+    folder = save_checkpoint(tmp_path / "ckpts", 1, hf_config, src.export_state_dict(), train_state={"step": 1})
+    fresh = trainer_path(cfg(2, folder), target, own_vocab(seed=9)).export_state_dict()
+    want = src.export_state_dict()
+    assert fresh.keys() == want.keys() and all(torch.equal(fresh[k], want[k]) for k in want)
+    other = trainer_path(cfg(2), target, vocab).export_state_dict()
+    assert not all(torch.equal(other[k], want[k]) for k in want)
+
+
+def test_an_eagle31_draft_starts_from_its_speculators_export(tmp_path, target, target_dir, capsys):
+    algo = get_algorithm("eagle31")
+
+    def cfg(seed, init_from=None):
+        options = algo.options(algorithm="eagle31", vocab_size=N, ttt_length=2, init_from=None if init_from is None else str(init_from))
+        return Config(draft=options, train=TrainConfig(seed=seed, precision="fp32"),
+                      model=ModelConfig(cache_dir=str(tmp_path / "cache")))
+
+    src = algo.build_draft(cfg(1), target, own_vocab())
+    folder = save_checkpoint(tmp_path / "ckpts", 1, {**algo.hf_config(src), "torch_dtype": "float32"},
+                             src.export_state_dict(), train_state={"step": 1})
+    assert export.main(["--draft", str(folder), "--engine", "vllm", "--out", str(tmp_path / "vllm"),
+                        "--target", str(target_dir)]) == 0
+    capsys.readouterr()
+    fresh = trainer_path(cfg(2, tmp_path / "vllm"), target, own_vocab(seed=9)).export_state_dict()
+    want = src.export_state_dict()
+    assert fresh.keys() == want.keys() and all(torch.equal(fresh[k], want[k]) for k in want)
