@@ -186,6 +186,21 @@ def test_another_algorithm_a_non_draft_and_a_vocab_size_are_refused(tmp_path, ta
         init_vocab_path(run_cfg(tmp_path, seed=2, init_from=bad), V)
 
 
+def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
+    """Same tensors, other math: the mask token of a DFlash folder, the layers an EAGLE-3 draft fuses."""
+    cfg = run_cfg(tmp_path, seed=1, algorithm="dflash")
+    folder = DFLASH._module("export").save_dflash(DFLASH.build_draft(cfg, target, own_vocab()), tmp_path / "zlab")
+    with pytest.raises(ValueError, match=rf"its dflash_config.mask_token_id is {V - 1}, the run's draft has {V - 2} "
+                                         rf"\(set draft.mask_token_id={V - 1}\)"):
+        trainer_path(run_cfg(tmp_path, seed=2, algorithm="dflash", init_from=folder, mask_token_id=V - 2), target,
+                     own_vocab())
+    _, folder = source_eagle3(tmp_path, target)
+    other = TargetModel(model=target.model, tokenizer=None, aux_layer_ids=[1, 2, 4], device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is \[1, 2, 3\], the run's draft has "
+                                         r"\[1, 2, 4\] \(set model.aux_layer_ids=\[1, 2, 3\]\)"):
+        trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), other, None)
+
+
 def test_the_cli_gives_one_error_line_before_any_model_loads(assets, tmp_path, capsys, monkeypatch):
     from specforge import local
     from specforge.models import target as target_module

@@ -40,6 +40,38 @@ FIX_SHAPES = ("start from a draft of the same target with the same draft.* sizes
               "draft.num_key_value_heads, draft.head_dim, ...), or drop draft.init_from to start from scratch")
 
 
+# config.json facts (any format, read as ours) that change what a draft computes without changing a
+# tensor's shape, each with the run's key that sets it: a folder and a run that differ in one would
+# load "fine" and draft wrongly. Compared where both configs name the fact.
+SAME_CONFIG = {
+    "eagle_config.eagle_aux_hidden_state_layer_ids": "model.aux_layer_ids",
+    "dflash_config.target_layer_ids": "model.aux_layer_ids",
+    "dflash_config.mask_token_id": "draft.mask_token_id",
+    "block_size": "draft.block_size",
+    "rope_theta": "draft.rope_theta",
+    "rms_norm_eps": "draft.rms_norm_eps",
+    "sliding_window": "draft.sliding_window",
+    **{flag: f"draft.{flag}" for flag in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")},
+}
+
+
+def fact(hf_config: dict, dotted: str):
+    head, _, rest = dotted.partition(".")
+    value = hf_config.get(head)
+    return fact(value, rest) if rest and isinstance(value, dict) else (None if rest else value)
+
+
+def config_differences(published: dict, ours: dict) -> list[str]:
+    """``SAME_CONFIG`` facts the folder's config.json and the run's draft disagree on, with the key to set."""
+    out = []
+    for dotted, key in SAME_CONFIG.items():
+        theirs, mine = fact(published, dotted), fact(ours, dotted)
+        if theirs is not None and mine is not None and theirs != mine:
+            a, b = json.dumps(theirs), json.dumps(mine)  # as a YAML value / a dotted override reads it
+            out.append(f"its {dotted} is {a}, the run's draft has {b} (set {key}={a})")
+    return out
+
+
 def where(cfg: Config) -> str:
     return f"draft.init_from: {cfg.draft.init_from}"
 
@@ -126,8 +158,9 @@ def init_vocab_path(cfg: Config, target_vocab_size: int) -> Optional[Path]:
 def apply_init_from(cfg: Config, draft: torch.nn.Module) -> None:
     """Copy the folder's weights into ``draft`` (freshly built, before FSDP2 and the optimizer): every
     saved tensor of the draft (``export_state_dict``) from the folder, nothing left over; otherwise one
-    ValueError naming what is missing, what is extra and which shapes differ, and the fix."""
-    _, weights = read_published(cfg)
+    ValueError naming what is missing, what is extra and which shapes differ, and the fix. Then the
+    configs must agree on what changes the math without a shape (``SAME_CONFIG``)."""
+    hf_config, weights = read_published(cfg)
     want = draft.export_state_dict()
     problems = [f"missing {k}" for k in sorted(set(want) - set(weights))]
     problems += [f"extra {k}" for k in sorted(set(weights) - set(want))]
@@ -139,6 +172,9 @@ def apply_init_from(cfg: Config, draft: torch.nn.Module) -> None:
         if k in want and not torch.equal(want[k].cpu(), weights[k].to(want[k].dtype)):
             raise ValueError(f"{where(cfg)}: its {k} differs from the run's vocab file: prepare the run with "
                              "specforge's entry points (plan.prepare writes the folder's mapping as the vocab file)")
+    if differences := config_differences(hf_config, get_algorithm(cfg.draft.algorithm).hf_config(draft)):
+        raise ValueError(f"{where(cfg)}: " + "; ".join(differences) + ": the draft would load and compute "
+                         "otherwise than it was trained to")
     with torch.no_grad():
         for k, v in want.items():
             v.copy_(weights[k].to(v.dtype))

@@ -54,7 +54,9 @@ def from_speculators(path: Path) -> dict:
     ids = [int(k) - 1 for k in (spec.eagle_aux_hidden_state_layer_ids or [])]
     out = {"architectures": [ARCHITECTURE], "hidden_size": layer.hidden_size, "vocab_size": layer.vocab_size,
            "draft_vocab_size": spec.draft_vocab_size, "target_hidden_size": spec.target_hidden_size,
-           "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+           "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+           "rms_norm_eps": layer.rms_norm_eps,
+           "rope_theta": (getattr(layer, "rope_parameters", None) or {}).get("rope_theta")}
     return {**out, **{f: bool(getattr(spec, f, False)) for f in FLAGS}}
 
 
