@@ -253,6 +253,29 @@ def test_a_run_trains_from_init_from_and_a_resume_takes_its_own_checkpoint(asset
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_every_placement_reads_the_folders_vocab(assets, tmp_path):
+    """plan.prepare (single process, colocated, disaggregated) and prepare_offline (a feature store)
+    point RunData.vocab_path at the folder's mapping, not at one built from the data."""
+    from specforge.capture import capture_store
+    from specforge.local import run
+    from specforge.runtime.plan import prepare
+
+    folder = run(make_cfg(assets, tmp_path / "a", "train.num_workers=1", "train.max_steps=1"))
+    mapping = load_file(folder / "model.safetensors")
+    store = f"store.dir={tmp_path / 'features'}"
+    capture_store(make_cfg(assets, tmp_path / "c", "train.num_workers=1", store), progress=False)
+    other = "draft.vocab_size=32"  # the data's own vocab would differ from the folder's (64)
+    for mode in ("colocated", "disaggregated", "offline"):
+        with pytest.raises(ValueError, match="its draft vocab has 64 tokens, draft.vocab_size is 32"):
+            prepare(make_cfg(assets, tmp_path / mode, f"placement.mode={mode}", store, other,
+                             f"draft.init_from={folder}"), use_gpu=False)
+        data = prepare(make_cfg(assets, tmp_path / mode, f"placement.mode={mode}", store, f"draft.init_from={folder}"),
+                       use_gpu=False)
+        vocab = load_draft_vocab(data.vocab_path)
+        assert Path(data.vocab_path).name.startswith("init-"), mode
+        assert torch.equal(vocab.d2t, mapping["d2t"]) and torch.equal(vocab.t2d, mapping["t2d"]), mode
+
+
 def test_init_from_is_a_draft_key_outside_the_run_identity(tmp_path):
     for algorithm in ("eagle3", "dflash"):
         cfg = run_cfg(tmp_path, seed=1, algorithm=algorithm, init_from="/somewhere")
