@@ -308,11 +308,16 @@ def test_our_other_algorithms_start_from_their_checkpoints(tmp_path, target, alg
     assert not all(torch.equal(other[k], want[k]) for k in want)
 
 
-def test_an_eagle31_draft_starts_from_its_speculators_export(tmp_path, target, target_dir, capsys):
-    algo = get_algorithm("eagle31")
+@pytest.mark.parametrize("algorithm, draft", [
+    ("eagle31", {"vocab_size": N, "ttt_length": 2}),
+    ("peagle", {"vocab_size": N, "parallel_tokens": 3, "mask_token_id": V - 1}),
+])
+def test_eagle31_and_peagle_drafts_start_from_their_speculators_exports(tmp_path, target, target_dir, capsys,
+                                                                         algorithm, draft):
+    algo = get_algorithm(algorithm)
 
     def cfg(seed, init_from=None):
-        options = algo.options(algorithm="eagle31", vocab_size=N, ttt_length=2, init_from=None if init_from is None else str(init_from))
+        options = algo.options(algorithm=algorithm, init_from=None if init_from is None else str(init_from), **draft)
         return Config(draft=options, train=TrainConfig(seed=seed, precision="fp32"),
                       model=ModelConfig(cache_dir=str(tmp_path / "cache")))
 

@@ -47,6 +47,7 @@ SAME_CONFIG = {
     "eagle_config.eagle_aux_hidden_state_layer_ids": "model.aux_layer_ids",
     "dflash_config.target_layer_ids": "model.aux_layer_ids",
     "dflash_config.mask_token_id": "draft.mask_token_id",
+    "peagle_config.mask_token_id": "draft.mask_token_id",
     "block_size": "draft.block_size",
     "rope_theta": "draft.rope_theta",
     "rms_norm_eps": "draft.rms_norm_eps",
@@ -167,7 +168,7 @@ def apply_init_from(cfg: Config, draft: torch.nn.Module) -> None:
     problems += [f"{k} is {list(weights[k].shape)}, the draft needs {list(want[k].shape)}"
                  for k in sorted(set(want) & set(weights)) if weights[k].shape != want[k].shape]
     if problems:
-        raise ValueError(f"{where(cfg)}: " + "; ".join(problems) + f". {FIX_SHAPES[0].upper()}{FIX_SHAPES[1:]}")
+        raise ValueError(f"{where(cfg)}: " + "; ".join(problems) + f". To fix: {FIX_SHAPES}")
     for k in ("d2t", "t2d"):  # the run's vocab file is the folder's mapping (init_vocab_path)
         if k in want and not torch.equal(want[k].cpu(), weights[k].to(want[k].dtype)):
             raise ValueError(f"{where(cfg)}: its {k} differs from the run's vocab file: prepare the run with "
