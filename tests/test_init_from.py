@@ -199,6 +199,11 @@ def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is \[1, 2, 3\], the run's draft has "
                                          r"\[1, 2, 4\] \(set model.aux_layer_ids=\[1, 2, 3\]\)"):
         trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), other, None)
+    windowed = run_cfg(tmp_path, seed=1, sliding_window=4)
+    draft = EAGLE3.build_draft(windowed, target, own_vocab())
+    folder = save_checkpoint(tmp_path / "windowed", 1, EAGLE3.hf_config(draft), draft.export_state_dict())
+    with pytest.raises(ValueError, match=r"its sliding window is 4, the run's draft has null \(set draft.sliding_window=4\)"):
+        trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), target, None)
 
 
 def test_the_cli_gives_one_error_line_before_any_model_loads(assets, tmp_path, capsys, monkeypatch):

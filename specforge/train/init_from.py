@@ -51,7 +51,6 @@ SAME_CONFIG = {
     "block_size": "draft.block_size",
     "rope_theta": "draft.rope_theta",
     "rms_norm_eps": "draft.rms_norm_eps",
-    "sliding_window": "draft.sliding_window",
     **{flag: f"draft.{flag}" for flag in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")},
 }
 
@@ -62,12 +61,22 @@ def fact(hf_config: dict, dotted: str):
     return fact(value, rest) if rest and isinstance(value, dict) else (None if rest else value)
 
 
+def window(hf_config: dict) -> Optional[int]:
+    """The sliding window a config.json's layers use (None: full attention), absent key or not: a
+    window is on where ``layer_types`` are sliding or, without them, ``use_sliding_window`` says so."""
+    types = hf_config.get("layer_types")
+    on = "sliding_attention" in types if types else bool(hf_config.get("use_sliding_window"))
+    return hf_config.get("sliding_window") if on else None
+
+
 def config_differences(published: dict, ours: dict) -> list[str]:
-    """``SAME_CONFIG`` facts the folder's config.json and the run's draft disagree on, with the key to set."""
+    """``SAME_CONFIG`` facts (where both name one) and the sliding window (always) that the folder's
+    config.json and the run's draft disagree on, with the key to set."""
+    pairs = [(dotted, key, fact(published, dotted), fact(ours, dotted)) for dotted, key in SAME_CONFIG.items()]
+    pairs.append(("sliding window", "draft.sliding_window", window(published), window(ours)))
     out = []
-    for dotted, key in SAME_CONFIG.items():
-        theirs, mine = fact(published, dotted), fact(ours, dotted)
-        if theirs is not None and mine is not None and theirs != mine:
+    for dotted, key, theirs, mine in pairs:
+        if theirs != mine and (dotted == "sliding window" or (theirs is not None and mine is not None)):
             a, b = json.dumps(theirs), json.dumps(mine)  # as a YAML value / a dotted override reads it
             out.append(f"its {dotted} is {a}, the run's draft has {b} (set {key}={a})")
     return out

@@ -56,8 +56,14 @@ def from_speculators(path: Path) -> dict:
            "draft_vocab_size": spec.draft_vocab_size, "target_hidden_size": spec.target_hidden_size,
            "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
            "rms_norm_eps": layer.rms_norm_eps,
-           "rope_theta": (getattr(layer, "rope_parameters", None) or {}).get("rope_theta")}
+           "rope_theta": (getattr(layer, "rope_parameters", None) or {}).get("rope_theta"),
+           **window_keys(layer)}
     return {**out, **{f: bool(getattr(spec, f, False)) for f in FLAGS}}
+
+
+def window_keys(layer) -> dict:
+    """The sliding-window keys of speculators' transformer layer config (what its export sets)."""
+    return {k: getattr(layer, k, None) for k in ("sliding_window", "layer_types", "use_sliding_window")}
 
 
 def frozen_embedding_dropped(hf_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 
 from specforge.algorithms.eagle3 import published as eagle3_published
 from specforge.algorithms.eagle3.export import read_written
+from specforge.algorithms.eagle3.published import window_keys
 from specforge.algorithms.peagle.model import ARCHITECTURE
 
 
@@ -38,7 +39,8 @@ def read_published(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                  "draft_vocab_size": spec.draft_vocab_size, "num_hidden_layers": 1,
                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(k) - 1 for k in spec.eagle_aux_hidden_state_layer_ids]},
                  "peagle_config": {"mask_token_id": M}, "rms_norm_eps": layer.rms_norm_eps,
-                 "rope_theta": (getattr(layer, "rope_parameters", None) or {}).get("rope_theta")}
+                 "rope_theta": (getattr(layer, "rope_parameters", None) or {}).get("rope_theta"),
+                 **window_keys(layer)}
     weights = read_written(path)
     out = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in weights.items()
            if k not in ("embed_tokens.weight", "mask_hidden")}
