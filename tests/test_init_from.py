@@ -335,3 +335,21 @@ def test_eagle31_and_peagle_drafts_start_from_their_speculators_exports(tmp_path
     fresh = trainer_path(cfg(2, tmp_path / "vllm"), target, own_vocab(seed=9)).export_state_dict()
     want = src.export_state_dict()
     assert fresh.keys() == want.keys() and all(torch.equal(fresh[k], want[k]) for k in want)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_colocated_ray_run_from_init_from_matches_the_single_process(assets, reference, ray_session, tmp_path):
+    """The Ray train workers (FSDP2 over 2 ranks) start from the folder as the single process does."""
+    from specforge.local import run
+    from specforge.ray_train import fit
+    from tests.helpers.ray_run import losses
+
+    init = f"draft.init_from={reference / 'checkpoints' / 'latest'}"
+    run(make_cfg(assets, tmp_path / "single", "train.grad_accum=2", "train.num_workers=1", init))
+    fit(make_cfg(assets, tmp_path / "colocated", "placement.mode=colocated", init))
+    want, got = losses(tmp_path / "single"), losses(tmp_path / "colocated")
+    assert [r["step"] for r in got] == [r["step"] for r in want] and want
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+    assert want[0]["loss"] != losses(reference)[0]["loss"]  # it started from the folder, not from scratch
