@@ -80,6 +80,9 @@ class DraftConfig:
     head_dim: Optional[int] = None
     rope_theta: Optional[float] = None
     rms_norm_eps: Optional[float] = None
+    # start a fresh run's draft from a published draft folder of the same target and algorithm (ours,
+    # SGLang's EAGLE-3, a speculators/vLLM export, z-lab's DFlash): ``specforge/train/init_from.py``
+    init_from: Optional[str] = None
 
 
 def draft_options(algorithm: str) -> type:

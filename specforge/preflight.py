@@ -66,10 +66,14 @@ def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]
 
 
 def check_run(cfg: Config) -> None:
-    """The config against the target (config.json only) and, offline, the store's meta."""
+    """The config against the target (config.json only) and, offline, the store's meta; the
+    ``draft.init_from`` folder's config-level facts first."""
     from specforge.algorithms import get_algorithm
     from specforge.models.target import load_target_config, resolve_target_path
     from specforge.targets import check_target, read_config_json, text_config
+    from specforge.train.init_from import check_init_from
+
+    check_init_from(cfg)
 
     full = load_target_config(cfg.model)
     target = text_config(full)  # an image-text target: its language model

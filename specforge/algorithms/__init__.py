@@ -17,7 +17,7 @@ from typing import Optional
 from specforge.algorithms.base import DraftAlgorithm, ExportRequest
 
 __all__ = ["NAMES", "DraftAlgorithm", "ExportRequest", "get_algorithm", "algorithm_of", "algorithm_name",
-           "feature_layers", "load_draft", "by_gguf", "default_feature_layers"]
+           "feature_layers", "load_draft", "by_gguf", "default_feature_layers", "published_algorithm_name"]
 
 # the registry: each name is a package specforge/algorithms/<name>/ exposing ALGORITHM
 NAMES = ("eagle3", "dflash", "dspark", "eagle31", "peagle")
@@ -38,6 +38,17 @@ def algorithm_name(hf_config: dict, where: str = "draft") -> str:
     known = sorted({get_algorithm(n).architecture for n in NAMES})
     raise ValueError(f"{where}: config.json architectures {hf_config.get('architectures') or []} is none of "
                      f"{', '.join(known)}; not a draft checkpoint this project wrote")
+
+
+def published_algorithm_name(hf_config: dict, where: str) -> str:
+    """The algorithm of a published draft folder (``draft.init_from``): ours or an engine's format
+    (``owns_published``, asked last registered first); a ValueError naming ``where`` if none reads it."""
+    for name in reversed(NAMES):
+        if get_algorithm(name).owns_published(hf_config):
+            return name
+    kind = hf_config.get("speculators_model_type") or hf_config.get("architectures") or []
+    raise ValueError(f"{where}: config.json ({kind}) is not a draft folder any algorithm here reads ({', '.join(NAMES)}: "
+                     "ours, SGLang's EAGLE-3, a speculators/vLLM EAGLE-3 export or z-lab's DFlash)")
 
 
 def algorithm_of(hf_config: dict, where: str = "draft") -> DraftAlgorithm:

@@ -106,6 +106,16 @@ class DraftAlgorithm(Protocol):
     def load(self, path, target) -> torch.nn.Module:
         """A saved draft folder, with the frozen parts taken from ``target``."""
 
+    def owns_published(self, hf_config: dict) -> bool:
+        """Whether a published draft folder's config.json (ours, or an engine's format this algorithm
+        reads: SGLang, speculators/vLLM, z-lab's DFlash) is this algorithm's (``draft.init_from``;
+        asked last registered first, as ``owns_checkpoint``)."""
+
+    def read_published(self, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+        """``(config.json in our saved format, weights named as the draft's export_state_dict)`` of a
+        published folder this algorithm owns; only the names are mapped, nothing is checked against a
+        run (``specforge/train/init_from.py`` loads them strictly into a fresh draft)."""
+
     def proposer(self, draft, dtype: Optional[torch.dtype]):
         """The eval's proposer: ``start(ids, aux_TH)``, ``propose(k, costs=None)``, ``accept(new, aux_TH)``."""
 

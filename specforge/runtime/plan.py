@@ -56,6 +56,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
     from specforge.algorithms import feature_layers
     from specforge.data.prepare import prepare_dataset
     from specforge.models.target import load_tokenizer, resolve_target_path
+    from specforge.train.init_from import init_vocab_path
     from specforge.train.trainer import build_vocab, vocab_path
 
     tokenizer = load_tokenizer(cfg.model)
@@ -65,11 +66,14 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 
     target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),  # an image-text target's text tower
                                                         trust_remote_code=cfg.model.trust_remote_code))
-    build_vocab(cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
+    path = init_vocab_path(cfg, target_cfg.vocab_size)  # draft.init_from: the folder's mapping
+    if path is None:
+        build_vocab(cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
+        path = vocab_path(cfg, data.cache_key)
     return RunData(
         lengths=tuple(int(n) for n in data.train.data.column("length").to_pylist()),
         eval_lengths=tuple(int(n) for n in data.eval.data.column("length").to_pylist()),
-        vocab_path=str(vocab_path(cfg, data.cache_key)),
+        vocab_path=str(path),
         hidden_size=int(target_cfg.hidden_size),
         wire_dtype=wire_dtype(cfg.model.dtype, use_gpu),
         data_key=data.cache_key,
@@ -144,11 +148,13 @@ def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Pat
     import torch
 
     from specforge.data.vocab import build_draft_vocab, save_draft_vocab
+    from specforge.train.init_from import init_vocab_path
     from specforge.train.trainer import draft_vocab_size
 
     V = store.meta.vocab_size
     n = draft_vocab_size(cfg, V)
     path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{n}.safetensors"
+    path = init_vocab_path(cfg, store.meta.vocab_size) or path  # draft.init_from: the folder's mapping
     if not path.is_file():
         counts = torch.zeros(V, dtype=torch.long)
         for i in train_ids:

@@ -156,6 +156,7 @@ class TrainWorker(DistributedWorker):
         from specforge.models.target import load_target
         from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
         from specforge.train.checkpoint import CheckpointManager
+        from specforge.train.init_from import apply_init_from, resumed_checkpoint
         from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
 
         cfg = self.cfg
@@ -173,7 +174,10 @@ class TrainWorker(DistributedWorker):
                              on_host=not colocated)
         vocab = load_draft_vocab(layout.vocab_path)
         algo = get_algorithm(cfg.draft.algorithm)
-        draft = parallelize_draft(algo.build_draft(cfg, target, vocab).to(device), ParallelDims.from_config(cfg), groups, cfg)
+        draft = algo.build_draft(cfg, target, vocab)
+        if cfg.draft.init_from is not None and resumed_checkpoint(cfg) is None:  # a resume takes its checkpoint
+            apply_init_from(cfg, draft)
+        draft = parallelize_draft(draft.to(device), ParallelDims.from_config(cfg), groups, cfg)
         self.trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
                                     reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -93,9 +94,10 @@ class DFlash:
         return min(cfg.draft.vocab_size, target_vocab_size - 1)
 
     def identity(self, cfg) -> dict:
-        """Every draft.* key but vocab_size (refused unless the default, config_errors)."""
+        """Every draft.* key but vocab_size (refused unless the default, config_errors) and init_from
+        (where a fresh run's weights came from, not what a step computes)."""
         return {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
-                if f.name != "vocab_size"}
+                if f.name not in ("vocab_size", "init_from")}
 
     def sp_halo(self, cfg) -> int:
         # a block anchored at a ring rank's last row reads labels and loss mask up to block_size - 1 rows past it
@@ -242,6 +244,20 @@ class DFlash:
         self.check_checkpoint(path)  # a truncated or misshapen file is named, as for every checkpoint
         load = getattr(self._module("export"), f"load_{self.name}")
         return load(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
+
+    def owns_published(self, hf_config: dict) -> bool:
+        return self.owns_checkpoint(hf_config)  # our folder IS z-lab's format
+
+    def read_published(self, path):
+        """config.json and every safetensors file; the target's embedding and lm_head, which a z-lab
+        folder may carry, are the run's target's (frozen), not loaded."""
+        import json
+
+        from safetensors.torch import load_file
+
+        weights = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+        return (json.loads((Path(path) / "config.json").read_text()),
+                {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))})
 
     def tokens_per_round(self, hf_config: dict) -> int:
         return self._module("export").tokens_per_round(hf_config)

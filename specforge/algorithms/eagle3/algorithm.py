@@ -35,8 +35,9 @@ class Eagle3Options(DraftConfig):
 
 
 AUX_LAYERS = 3  # target layer outputs an EAGLE-3 draft fuses (SGLang's eagle_aux_hidden_state_layer_ids)
-# keys that do not change what a step computes, left out of a checkpoint's identity
-_NOT_IDENTITY = ("algorithm", "attention")
+# keys that do not change what a step computes, left out of a checkpoint's identity (init_from: where a
+# fresh run's weights came from; the vocab mapping it brings is in the identity through its hash)
+_NOT_IDENTITY = ("algorithm", "attention", "init_from")
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -193,6 +194,18 @@ class Eagle3:
         from specforge.algorithms.eagle3.export import load_eagle3
 
         return load_eagle3(path, target)
+
+    def owns_published(self, hf_config: dict) -> bool:
+        """Its own folders (SGLang's format), and a speculators EAGLE-3 export whose flags make it
+        this algorithm's (``owns_checkpoint`` of those fields named as ours)."""
+        from specforge.algorithms.eagle3.published import as_ours, is_speculators
+
+        return self.owns_checkpoint(hf_config) or (is_speculators(hf_config) and self.owns_checkpoint(as_ours(hf_config)))
+
+    def read_published(self, path):
+        from specforge.algorithms.eagle3.published import read_published
+
+        return read_published(path)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
         from specforge.algorithms.eagle3.propose import EagleProposer

@@ -133,6 +133,17 @@ class PEagle(Eagle3):
     def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
         return False  # never converted to GGUF
 
+    def owns_published(self, hf_config: dict) -> bool:
+        """Its own folders and speculators' P-EAGLE format (what its vLLM export writes)."""
+        from specforge.algorithms.peagle.published import is_speculators
+
+        return self.owns_checkpoint(hf_config) or is_speculators(hf_config)
+
+    def read_published(self, path):
+        from specforge.algorithms.peagle.published import read_published
+
+        return read_published(path)
+
     def check_checkpoint(self, path):
         from specforge.algorithms.peagle.export import check_checkpoint
 
