@@ -206,6 +206,15 @@ def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
         trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), target, None)
 
 
+def test_a_folder_a_fresh_start_would_move_aside_is_refused(assets, tmp_path):
+    from specforge.local import run
+
+    first = run(make_cfg(assets, tmp_path / "a", "train.num_workers=1", "train.max_steps=1"))
+    with pytest.raises(ValueError, match="lies in this run's checkpoint folder"):
+        check_init_from(make_cfg(assets, tmp_path / "a", f"draft.init_from={first}"))
+    check_init_from(make_cfg(assets, tmp_path / "b", f"draft.init_from={first}"))  # another run's: fine
+
+
 def test_the_cli_gives_one_error_line_before_any_model_loads(assets, tmp_path, capsys, monkeypatch):
     from specforge import local
     from specforge.models import target as target_module

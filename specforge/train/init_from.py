@@ -96,6 +96,11 @@ def check_init_from(cfg: Config) -> None:
         raise ValueError(f"config key 'draft.init_from'={path!r}: no such folder; give a published draft folder (a "
                          "checkpoints/step-N or checkpoints/latest of ours, an SGLang, speculators/vLLM or z-lab DFlash "
                          "folder), or drop the key")
+    root = checkpoint_root(cfg).expanduser().resolve()
+    if not cfg.checkpoint.resume and folder.resolve().is_relative_to(root):
+        raise ValueError(f"config key 'draft.init_from'={path!r} lies in this run's checkpoint folder {str(root)!r}, "
+                         "which a fresh start (checkpoint.resume=false) moves aside before training: copy the folder "
+                         "elsewhere, or give the run another train.output_dir / checkpoint.dir")
     f = folder / "config.json"
     if not f.is_file():
         raise ValueError(f"config key 'draft.init_from'={path!r} has no config.json: not a draft folder; give the folder "
