@@ -112,3 +112,203 @@ def test_proxy_refuses_a_port_in_use(tmp_path):
         with pytest.raises(ValueError, match="adapt.port"):
             TrafficProxy(up.url, tmp_path / "t.jsonl", port=port)
     up.stop()
+
+
+# ---------------------------------------------------------------- rounds on a tiny target
+
+WORDS = "hello world user assistant system question answer".split()
+
+
+def _traffic_rows(start, n):
+    """Served rows over the tiny tokenizer's words (``start`` makes them new)."""
+    return [_chat_row(" ".join(WORDS[(i + j) % 7] for j in range(2 + i % 3)) + f" {i}",
+                      " ".join(WORDS[(3 * i + j) % 7] for j in range(8))) for i in range(start, start + n)]
+
+
+@pytest.fixture(scope="module")
+def adapt_base(assets, tmp_path_factory):
+    """A tiny run's store (the reference store) and its trained draft: (overrides, draft folder)."""
+    from specforge.capture import capture_store
+    from specforge.config import load_config
+    from specforge.local import run
+    from tests.helpers.ray_run import cfg_overrides
+
+    out = tmp_path_factory.mktemp("adapt-base")
+    over = cfg_overrides(assets, out, "train.num_workers=1", "placement.mode=offline", "checkpoint.every_steps=0")
+    capture_store(load_config(None, over), progress=False)
+    draft = run(load_config(None, over))
+    return over, draft
+
+
+def _adapt_cfg(base, root, *more):
+    from specforge.config import load_config
+
+    over, draft = base
+    return load_config(None, [*over, f"adapt.dir={root}", f"adapt.draft={draft}", "adapt.steps=3", "adapt.min_rows=8",
+                              "adapt.holdout_share=0.3", "adapt.gate_prompts=4", "adapt.general_prompts=2",
+                              "adapt.max_new_tokens=8", "adapt.chain=3", "adapt.poll_s=0.2", *more])
+
+
+def _rows(root):
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_adapt_round_passes_then_fails_its_gate(adapt_base, tmp_path):
+    from specforge.adapt.rounds import Adapter, State, check
+    from specforge.data.store import FeatureStore
+
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join([json.dumps(r) for r in _traffic_rows(0, 20)] + ["{oops", "[]"]) + "\n")
+    root = tmp_path / "adapt"
+    # a gate that must pass: any change of domain acceptance, any fall of the general one
+    cfg = _adapt_cfg(adapt_base, root, "adapt.serve=false", f"adapt.traffic={traffic}", "adapt.min_gain=-100",
+                     "adapt.gate_margin=100")
+    check(cfg)
+    with Adapter(cfg) as ad:
+        assert ad.run() == 1  # 20 rows -> one round of >= 8 training rows; then too few new rows
+    (row,) = _rows(root)
+    assert row["status"] == "swapped" and row["steps"] == 3 and row["skipped_rows"] == 2
+    state = State.load(root)
+    assert state.live == str(root / "drafts" / "round-0001") == row["live"] and state.phase == "idle"
+    assert len(FeatureStore(root / "store")) == row["train_rows"] == state.trained_rows
+    first_weights = (root / "drafts" / "round-0001" / "model.safetensors").read_bytes()
+    assert first_weights != (root / "drafts" / "start" / "model.safetensors").read_bytes()
+
+    # more traffic and a gate that cannot pass: nothing changes but the candidate kept aside
+    with open(traffic, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in _traffic_rows(100, 20)))
+    cfg = _adapt_cfg(adapt_base, root, "adapt.serve=false", f"adapt.traffic={traffic}", "adapt.min_gain=100")
+    with Adapter(cfg) as ad:
+        assert ad.run() == 1
+    row = _rows(root)[-1]
+    assert row["status"] == "rejected" and "adapt.min_gain" in row["why"]
+    assert State.load(root).live == str(root / "drafts" / "round-0001")
+    assert (root / "rejected" / "round-0002" / "model.safetensors").is_file()
+    assert not (root / "drafts" / "round-0002").exists()
+    assert (root / "drafts" / "round-0001" / "model.safetensors").read_bytes() == first_weights
+    assert len(FeatureStore(root / "store")) == row["train_rows"] > len(FeatureStore(root / "store")) - 20
+
+
+def test_adapt_swaps_the_served_draft_under_load(adapt_base, tmp_path):
+    from specforge.adapt.rounds import Adapter, State
+    from tests.helpers.upstream import FakeServers
+
+    root = tmp_path / "adapt"
+    servers = FakeServers(delay_s=0.02)
+    cfg = _adapt_cfg(adapt_base, root, "adapt.port=0", "adapt.rounds=1", "adapt.min_gain=-100", "adapt.gate_margin=100")
+    results, stop = [], threading.Event()
+    with Adapter(cfg, servers=servers, log=lambda s: None) as ad:
+        rows = _traffic_rows(0, 24)
+
+        def client():
+            i = 0
+            while not stop.is_set() and i < 2000:  # bounded; repeats are duplicates
+                r = rows[i % len(rows)]
+                results.append(chat(ad.proxy.url, r["messages"][0]["content"]))
+                i += 1
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            assert ad.run() == 1
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+        assert ad.proxy.upstream == servers.started[1].url
+    (row,) = _rows(root)
+    assert row["status"] == "swapped" and row["drain_s"] < cfg.adapt.drain_timeout_s
+    assert [s.tag for s in servers.started] == ["start", "round-0001"]
+    assert servers.started[0].proc.poll() is not None  # the old server was stopped once drained
+    assert results and all(code == 200 for code, _ in results), [c for c, _ in results if c != 200]
+    assert any(body["choices"][0]["message"]["content"].startswith("round-0001") for _, body in results)
+    assert State.load(root).live == str(root / "drafts" / "round-0001")
+
+
+def test_adapt_round_ends_when_the_server_dies(adapt_base, tmp_path):
+    from specforge.adapt.rounds import Adapter, State
+    from tests.helpers.upstream import FakeServers
+
+    root = tmp_path / "adapt"
+    servers = FakeServers()
+    traffic = root / "traffic.jsonl"
+    root.mkdir()
+    traffic.write_text("".join(json.dumps(r) + "\n" for r in _traffic_rows(0, 20)))
+    cfg = _adapt_cfg(adapt_base, root, "adapt.port=0", "adapt.rounds=1", "adapt.min_gain=-100", "adapt.gate_margin=100")
+
+    def kill_when_training():
+        for _ in range(600):
+            if (root / "rounds" / "round-0001" / "config.yaml").is_file():
+                servers.started[0].die()
+                return
+            time.sleep(0.1)
+
+    with Adapter(cfg, servers=servers, log=lambda s: None) as ad:
+        killer = threading.Thread(target=kill_when_training)
+        killer.start()
+        assert ad.run() == 1
+        killer.join()
+        assert ad.proxy.upstream == servers.started[1].url and chat(ad.proxy.url, "q")[0] == 200
+    (row,) = _rows(root)
+    assert row["status"] == "server died" and "exited" in row["why"]
+    state = State.load(root)
+    assert state.live == str(root / "drafts" / "start") and state.restarts == 1 and state.phase == "idle"
+    assert [s.tag for s in servers.started] == ["start", "start"]  # restarted with the live draft
+    assert not (root / "drafts" / "round-0001").exists()
+
+
+@pytest.mark.slow
+def test_killed_adapt_resumes_its_round(adapt_base, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from specforge.adapt.rounds import State
+
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps(r) + "\n" for r in _traffic_rows(0, 20)))
+    root = tmp_path / "adapt"
+    over, draft = adapt_base
+    args = [sys.executable, "-m", "specforge.adapt", *over, f"adapt.dir={root}", f"adapt.draft={draft}",
+            "adapt.steps=8", "adapt.min_rows=8", "adapt.holdout_share=0.3", "adapt.gate_prompts=4",
+            "adapt.general_prompts=2", "adapt.max_new_tokens=8", "adapt.chain=3", "adapt.serve=false",
+            f"adapt.traffic={traffic}", "adapt.min_gain=-100", "adapt.gate_margin=100", "adapt.rounds=1"]
+    ckpts = root / "rounds" / "round-0001" / "checkpoints"
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(1200):  # killed once the round's fine-tune has saved a step, before it ends
+            if any(p.name.startswith("step-") for p in ckpts.glob("step-*")) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert State.load(root).phase == "train", "the kill came too late to test a resume"
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = _rows(root)
+    assert row["round"] == 1 and row["status"] == "swapped" and row["steps"] == 8
+    assert "resum" in (root / "rounds" / "round-0001" / "train.log").read_text().lower()
+
+
+def test_adapt_bad_input_is_one_line_before_anything_loads(adapt_base, tmp_path):
+    import subprocess
+    import sys
+
+    over, draft = adapt_base
+    cases = [
+        (["adapt.serve=false"], "adapt.traffic is not set"),
+        (["adapt.serve=false", f"adapt.traffic={tmp_path / 'none.jsonl'}"], "no such file"),
+        (["adapt.holdout_share=1.5"], "adapt.holdout_share=1.5"),
+        ([f"adapt.draft={tmp_path}"], "adapt.draft: no draft checkpoint"),
+        (["adapt.serve=false", f"adapt.traffic={draft / 'config.json'}", f"adapt.reference_store={tmp_path}"],
+         "adapt.reference_store: no feature store"),
+    ]
+    for extra, want in cases:
+        args = [sys.executable, "-m", "specforge.adapt", *over, f"adapt.dir={tmp_path / 'a'}", f"adapt.draft={draft}",
+                *extra]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and want in lines[0], r.stderr

@@ -184,6 +184,17 @@ def _tokenize(tokenizer, conv: Conversation, max_length: int, chat_template: str
     return conv, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), truncated, None, ""
 
 
+def _load_split(path: Path):
+    """A saved split, memory-mapped; an empty one (data.num_eval=0) as an empty dataset: ``datasets``
+    saves it with no data file and cannot load it back."""
+    import datasets
+
+    state = path / "state.json"
+    if state.is_file() and not json.loads(state.read_text()).get("_data_files"):
+        return _to_dataset([], [])
+    return datasets.load_from_disk(str(path))
+
+
 def _to_dataset(ids_list: list, mask_list: list):
     import datasets
     import pyarrow as pa
@@ -277,7 +288,6 @@ def prepare_dataset(
     ``chat_template`` overrides the tokenizer's template (e.g. ``cfg.model.chat_template``).
     ``cache_dir=None`` builds in memory without touching the disk.
     """
-    import datasets
 
     template = resolve_chat_template(tokenizer, chat_template)
     if not getattr(tokenizer, "is_fast", False):
@@ -294,7 +304,7 @@ def prepare_dataset(
         stats = DataStats.from_dict(json.loads((out / "stats.json").read_text()))
         stats.cache_hit, stats.cache_path = True, str(out)
         stats.seconds = time.perf_counter() - t0
-        return PreparedData(datasets.load_from_disk(str(out / "train")), datasets.load_from_disk(str(out / "eval")), stats, key)
+        return PreparedData(_load_split(out / "train"), _load_split(out / "eval"), stats, key)
 
     train, eval_, stats = _build(data_cfg, tokenizer, template, progress)
     root.mkdir(parents=True, exist_ok=True)
@@ -318,4 +328,4 @@ def prepare_dataset(
     stats.cache_path = str(out)
     stats.seconds = time.perf_counter() - t0
     # Hand back the memory-mapped copies (what every later run sees).
-    return PreparedData(datasets.load_from_disk(str(out / "train")), datasets.load_from_disk(str(out / "eval")), stats, key)
+    return PreparedData(_load_split(out / "train"), _load_split(out / "eval"), stats, key)
