@@ -149,7 +149,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="per served request")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="per measured prompt")
     ap.add_argument("--general-prompts", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of adapt and its fine-tune, and llama-server's: 1 + 1 on 2 cores (with 2 + 2 "
+                         "the first round's gate had not ended after 12 minutes)")
+    ap.add_argument("--measure-threads", type=int, default=2, help="llama-server's, measuring after the rounds")
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
 
@@ -175,7 +178,7 @@ def main() -> int:
     port = free_port()
     overrides = [f"adapt.dir={out / 'adapt'}", f"adapt.draft={Path(args.draft).resolve()}", f"adapt.rounds={args.rounds}",
                  f"adapt.min_rows={args.min_rows}", f"adapt.steps={args.steps}", f"adapt.port={port}",
-                 f"train.num_threads={args.threads}", "tracking.wandb=false"]
+                 f"adapt.threads={args.threads}", f"train.num_threads={args.threads}", "tracking.wandb=false"]
     if args.reference_store:
         overrides.append(f"adapt.reference_store={args.reference_store}")
     out.mkdir(parents=True, exist_ok=True)
@@ -200,8 +203,8 @@ def main() -> int:
 
     live = [str(out / "adapt" / "drafts" / "start")] + [r["live"] for r in rounds]
     print("measuring every live draft with llama.cpp ...")
-    dom = engine_acceptance(cfg, live, domain_prompts, args.max_new_tokens, args.threads)
-    gen = engine_acceptance(cfg, live, general_prompts, args.max_new_tokens, args.threads)
+    dom = engine_acceptance(cfg, live, domain_prompts, args.max_new_tokens, args.measure_threads)
+    gen = engine_acceptance(cfg, live, general_prompts, args.max_new_tokens, args.measure_threads)
 
     errors = sum(1 for *_, s in load.log if s != 200)
     table, points = [], []

@@ -285,3 +285,52 @@ def test_quantized_target_and_draft_serve(served, tmp_path):
     with LlamaServer(embedded_gguf_path(), draft, n_max=2, threads=1) as srv:
         r = srv.complete(prompts[0], 16)
     assert r.predicted_n == 16 and r.draft_n > 0 and r.verify_rounds > 0
+
+
+# ---------------------------------------------------------------- adapt's swap on real servers
+
+
+def test_adapt_swaps_llama_server_under_load_without_an_error(served, tmp_path):
+    """``specforge.adapt``'s swap with real llama-servers behind its proxy: a new server for the
+    round's draft, requests switched to it, the old one stopped once drained, while 2 clients keep
+    sending chat requests: every one answered, each recorded once."""
+    import dataclasses
+    import threading
+
+    from specforge.adapt.rounds import Adapter
+    from specforge.adapt.traffic import Ledger
+    from tests.helpers.upstream import chat
+
+    cfg, _, ckpt, _, _ = served
+    cfg = dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, dir=str(tmp_path / "adapt"), draft=str(ckpt),
+                                                             port=0, threads=1, n_max=2))
+    results, stop = [], threading.Event()
+    with Adapter(cfg, log=lambda s: None) as ad:
+        old = ad.server
+
+        def client(k):
+            i = 0
+            while not stop.is_set() and i < 200:  # bounded
+                results.append(chat(ad.proxy.url, f"Say hello number {k}-{i}.", timeout_s=120))
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            while len(results) < 2:
+                threading.Event().wait(0.2)
+            out = ad.swap(Path(ckpt), 1)
+            n_at_swap = len(results)
+            while len(results) < n_at_swap + 2:
+                threading.Event().wait(0.2)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=300)
+        assert ad.proxy.upstream == ad.server.url != old.url and old.proc.poll() is not None
+        assert ad.proxy.errors == 0
+    assert out["drain_s"] < cfg.adapt.drain_timeout_s
+    assert results and all(code == 200 for code, _ in results), [c for c, _ in results]
+    got = Ledger(tmp_path / "adapt", 0.2).ingest(tmp_path / "adapt" / "traffic.jsonl", 0)
+    assert got.train + got.gate + got.duplicates == len(results) and not got.skipped

@@ -45,7 +45,7 @@ STORE_SOURCE = "adapt-traffic"  # the domain store's meta source: the same for e
 
 
 def adapt_root(cfg: Config) -> Path:
-    return Path(cfg.adapt.dir or Path(cfg.train.output_dir) / "adapt").expanduser()
+    return Path(cfg.adapt.dir or Path(cfg.train.output_dir) / "adapt").expanduser().absolute()
 
 
 def start_draft(cfg: Config) -> Path:
@@ -57,7 +57,8 @@ def start_draft(cfg: Config) -> Path:
 def reference_store(cfg: Config) -> Path:
     from specforge.data.store import store_root
 
-    return Path(cfg.adapt.reference_store).expanduser() if cfg.adapt.reference_store else store_root(cfg)
+    path = Path(cfg.adapt.reference_store).expanduser() if cfg.adapt.reference_store else store_root(cfg)
+    return path.absolute()
 
 
 @dataclass
@@ -256,7 +257,7 @@ class Adapter:
         for why, n in got.skipped.items():
             self.state.skipped[why] = self.state.skipped.get(why, 0) + n
         self.state.duplicates += got.duplicates
-        if got.train or got.gate or got.skipped:
+        if got.skipped:  # at once; new rows are summed up when a round starts
             self.log(f"adapt: traffic: {got.summary()}")
         self.state.save(self.root)
 
@@ -282,7 +283,8 @@ class Adapter:
         row = {"round": n, "live_before": self.state.live, "train_rows": self.ledger.counts["train"],
                "gate_rows": self.ledger.counts["gate"], "skipped_rows": sum(self.state.skipped.values()),
                "duplicate_rows": self.state.duplicates, "replay_share": self.a.replay_share}
-        self.log(f"adapt: round {n} ({self.state.phase}): {row['train_rows']} training rows, {row['gate_rows']} held out")
+        self.log(f"adapt: round {n} ({self.state.phase}): {row['train_rows']} training rows, {row['gate_rows']} held out, "
+                 f"{row['skipped_rows']} malformed skipped, {row['duplicate_rows']} duplicates")
         try:
             if self.state.phase == "capture":
                 self._server_check()
@@ -337,10 +339,13 @@ class Adapter:
         return self._target
 
     def capture(self) -> None:
+        import datasets
+
         from specforge.capture import write_store
         from specforge.data.prepare import prepare_dataset
         from specforge.data.store import store_meta
 
+        datasets.disable_progress_bars()  # its "Saving the dataset" bars, every round
         target = self.target()
         data = prepare_dataset(dataclasses.replace(self.cfg.data, path=str(self.ledger.train_path), num_eval=0,
                                                    max_samples=None, join_parts=False),
