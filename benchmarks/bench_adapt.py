@@ -100,6 +100,8 @@ class Load:
             except OSError:
                 status = 0
             self.log.append((t0, time.time(), status))
+            if status != 200:
+                time.sleep(0.5)  # no tight loop against a closed port
 
     def __enter__(self):
         for t in self.threads:
@@ -189,9 +191,13 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 600)
-        with Load(url, traffic, args.clients, args.max_tokens) as load:
+        metrics = out / "adapt" / "metrics.jsonl"
+        with Load(url, traffic, args.clients, args.max_tokens) as load:  # until the last round is recorded
             while proc.poll() is None and time.time() - t0 < 3 * 3600:
-                time.sleep(2)
+                if metrics.is_file() and len(metrics.read_text().splitlines()) >= args.rounds:
+                    break
+                time.sleep(0.5)
+        proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -206,22 +212,28 @@ def main() -> int:
     dom = engine_acceptance(cfg, live, domain_prompts, args.max_new_tokens, args.measure_threads)
     gen = engine_acceptance(cfg, live, general_prompts, args.max_new_tokens, args.measure_threads)
 
-    errors = sum(1 for *_, s in load.log if s != 200)
+    # requests sent while adapt served: the ones started after its last round was recorded went to a
+    # proxy that was closing (adapt exits after its last round), and are counted apart
+    served_until = rounds[-1]["time"]
+    during = [s for a, _, s in load.log if a <= served_until]
+    errors = sum(1 for s in during if s != 200)
+    late = len(load.log) - len(during)
     table, points = [], []
     for i, path in enumerate(live):
         r = rounds[i - 1] if i else {}
         swap_end = r.get("time", 0)
-        during = [s for a, b, s in load.log if r.get("swap_s") is not None and b >= swap_end - r["swap_s"] - 1 and a <= swap_end]
+        in_swap = [s for a, b, s in load.log if r.get("swap_s") is not None and b >= swap_end - r["swap_s"] - 1 and a <= swap_end]
         gate = (f"{r['domain_live']:.3f} -> {r['domain_candidate']:.3f} / {r['general_live']:.3f} -> "
                 f"{r['general_candidate']:.3f}" if "domain_live" in r else "-")
         table.append([i or "start", r.get("status", "-"), r.get("train_rows", "-"), r.get("steps", "-"), gate,
                       f"{dom[path]:.3f}", f"{gen[path]:.3f}",
-                      f"{r['swap_s']:.1f} s, {r.get('in_flight_at_switch', 0)} in flight, {sum(1 for s in during if s != 200)} errors / {len(during)}"
+                      f"{r['swap_s']:.1f} s, {r.get('in_flight_at_switch', 0)} in flight, {sum(1 for s in in_swap if s != 200)} errors / {len(in_swap)}"
                       if r.get("swap_s") is not None else "-"])
         points.append((i, dom[path], gen[path]))
     text = markdown_table(["round", "status", "training rows", "steps", "gate (our eval): domain / general, live -> candidate",
                            "llama.cpp domain", "llama.cpp general", "swap under load"], table)
-    summary = (f"{len(load.log)} requests through the proxy in {minutes:.1f} min, {errors} errors; "
+    summary = (f"{len(during)} requests through the proxy in {minutes:.1f} min while adapt served, {errors} errors"
+               f" ({late} more sent after its last round, while it shut down); "
                f"{len(traffic)} HumanEval tasks as traffic, {len(domain_prompts)} measured tasks never sent, "
                f"{len(general_prompts)} general held-out prompts; acceptance = tokens per target forward "
                f"(llama-server, n_max 3, {args.max_new_tokens} new tokens, greedy)")
@@ -246,7 +258,8 @@ def main() -> int:
     except ImportError:
         plot = None
     (out / "result.json").write_text(json.dumps({"rounds": rounds, "domain": dom, "general": gen,
-                                                 "requests": len(load.log), "errors": errors}, indent=2))
+                                                 "requests": len(during), "errors": errors,
+                                                 "late_requests": late}, indent=2))
     if not args.no_readme:
         body = (f"{header_markdown(machine_info())}\n\n`python benchmarks/bench_adapt.py --rounds {args.rounds} "
                 f"--min-rows {args.min_rows} --steps {args.steps} --clients {args.clients}` (start draft: "

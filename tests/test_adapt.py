@@ -312,3 +312,18 @@ def test_adapt_bad_input_is_one_line_before_anything_loads(adapt_base, tmp_path)
         r = subprocess.run(args, capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and want in lines[0], r.stderr
+
+
+def test_adapt_answers_the_requests_in_flight_when_it_stops(adapt_base, tmp_path):
+    from specforge.adapt.rounds import Adapter
+    from tests.helpers.upstream import FakeServers
+
+    servers = FakeServers(delay_s=1.0)
+    results = []
+    ad = Adapter(_adapt_cfg(adapt_base, tmp_path / "adapt", "adapt.port=0"), servers=servers, log=lambda s: None)
+    with ad:
+        t = threading.Thread(target=lambda: results.append(chat(ad.proxy.url, "slow")))
+        t.start()
+        time.sleep(0.3)  # the request is on the server when adapt stops
+    t.join(timeout=30)
+    assert results and results[0][0] == 200 and servers.started[0].proc.poll() is not None

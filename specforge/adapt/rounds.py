@@ -223,8 +223,12 @@ class Adapter:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proxy is not None:
+        if self.proxy is not None:  # no new requests; the ones in flight are answered before the server goes
             self.proxy.close()
+            try:
+                self.proxy.drain(self.proxy.upstream, self.a.drain_timeout_s)
+            except TimeoutError as e:
+                self.log(f"adapt: {e}; stopping the server anyway")
         if self.server is not None:
             self.server.stop()
         if self._tracker is not None:
