@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -102,8 +102,10 @@ def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", sh
     return Path(root).expanduser()
 
 
-def capture_store(cfg, progress: bool = True) -> Path:
-    """Load the target and the tokenized data of ``cfg`` and write the train split's features."""
+def capture_store(cfg, progress: bool = True, target=None, source: Optional[str] = None) -> Path:
+    """Load the target (unless given) and the tokenized data of ``cfg`` and write the train split's
+    features. ``source`` (the store meta's source; default the data's cache key) stays the same for a
+    caller that appends rows to the same data file over time (``specforge.adapt``)."""
     from specforge.algorithms import feature_layers
     from specforge.data.prepare import prepare_dataset
     from specforge.device import set_threads
@@ -114,10 +116,10 @@ def capture_store(cfg, progress: bool = True) -> Path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
-    target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
+    target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
     data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir, progress=progress)
-    meta = store_meta(cfg, target, source=data.cache_key)
+    meta = store_meta(cfg, target, source=source or data.cache_key)
     return write_store(target, data.train, store_root(cfg), meta, cfg.store.dtype, cfg.store.shard_mb,
                        cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress)
 

@@ -343,21 +343,16 @@ class Adapter:
         return self._target
 
     def capture(self) -> None:
+        """The ledger's training rows into the domain store (sample id = row; stored ones skipped)."""
         import datasets
 
-        from specforge.capture import write_store
-        from specforge.data.prepare import prepare_dataset
-        from specforge.data.store import store_meta
+        from specforge.capture import capture_store
 
         datasets.disable_progress_bars()  # its "Saving the dataset" bars, every round
-        target = self.target()
-        data = prepare_dataset(dataclasses.replace(self.cfg.data, path=str(self.ledger.train_path), num_eval=0,
-                                                   max_samples=None, join_parts=False),
-                               target.tokenizer, chat_template=self.cfg.model.chat_template,
-                               cache_dir=self.cfg.model.cache_dir, progress=False)
-        meta = store_meta(self.cfg, target, source=STORE_SOURCE)
-        write_store(target, data.train, self.root / "store", meta, self.cfg.store.dtype, self.cfg.store.shard_mb,
-                    self.cfg.train.batch_size, self.cfg.model.argmax_chunk_tokens, progress=False)
+        data = dataclasses.replace(self.cfg.data, path=str(self.ledger.train_path), num_eval=0, max_samples=None,
+                                   join_parts=False)
+        cfg = dataclasses.replace(self.cfg, data=data, store=dataclasses.replace(self.cfg.store, dir=str(self.root / "store")))
+        capture_store(cfg, progress=False, target=self.target(), source=STORE_SOURCE)
 
     def round_config(self, rdir: Path) -> dict:
         a, cfg = self.a, self.cfg.to_dict()
