@@ -118,7 +118,7 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     family = family_of(hf_config)
     meta = torch.device("meta")
     n = min(cfg.draft.vocab_size, text.vocab_size)  # real (small) tensors: an algorithm may read the ids
-    vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))
+    vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))  # device: host
     with meta:
         model = family.auto_class().from_config(hf_config, dtype=dtype)
         target = TargetModel(model, None, feature_layers(cfg, text.num_hidden_layers), meta)

@@ -396,8 +396,8 @@ class RowSink:
         for job, ans in finished:
             if job.source_row in self.in_store:  # the JSONL had lost it; its features are there
                 continue
-            ids = torch.tensor(job.prompt.ids + ans.output_ids)
-            mask = torch.tensor(job.prompt.mask + [1] * len(ans.output_ids))
+            ids = torch.tensor(job.prompt.ids + ans.output_ids)  # device: host (a store row)
+            mask = torch.tensor(job.prompt.mask + [1] * len(ans.output_ids))  # device: host (a store row)
             f = ans.features
             self.store.add(job.source_row, ids, mask, f.aux_hidden_BTKH[0], f.last_hidden_BTH[0], f.target_ids_BT[0])
 

@@ -21,10 +21,10 @@ from tests.helpers.dflash import tiny_draft
 
 def test_decay_weights():
     # reference (SpecForge PR #463, speculators dflash_loss_decay): 0 for the anchor, exp(-(k-1)/gamma) after
-    w = decay_weights(5, 2.0)
+    w = decay_weights(5, 2.0, torch.device("cpu"))
     torch.testing.assert_close(w, torch.tensor([0.0, 1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)]))
-    assert decay_weights(4, None).tolist() == [0.0, 1.0, 1.0, 1.0]
-    assert decay_weights(4, 0.0).tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert decay_weights(4, None, torch.device("cpu")).tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert decay_weights(4, 0.0, torch.device("cpu")).tolist() == [0.0, 1.0, 1.0, 1.0]
 
 
 def test_anchors_only_in_the_loss_masked_region():

@@ -480,7 +480,7 @@ class FeatureStore:
 
         def stack(name: str, fill: int) -> torch.Tensor:
             first = rows[0][name]
-            out = torch.full((len(rows), T, *first.shape[1:]), fill, dtype=first.dtype)
+            out = torch.full((len(rows), T, *first.shape[1:]), fill, dtype=first.dtype, device=first.device)
             for b, r in enumerate(rows):
                 out[b, : r[name].shape[0]] = r[name]
             return out

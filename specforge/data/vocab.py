@@ -44,7 +44,7 @@ class DraftVocab:
     @property
     def target_ids(self) -> torch.Tensor:
         """int64[N]: the target id of every draft id (ascending)."""
-        return torch.arange(self.draft_vocab_size, dtype=torch.int64) + self.d2t
+        return torch.arange(self.draft_vocab_size, dtype=torch.int64, device=self.d2t.device) + self.d2t
 
     def content_hash(self) -> str:
         return _content_hash(self.d2t, self.t2d)
@@ -114,7 +114,7 @@ def build_draft_vocab(rows_or_counts: Any, target_vocab_size: int, draft_vocab_s
         chosen = np.concatenate([chosen, np.flatnonzero(free)[: N - len(chosen)]])
     target_ids = np.sort(chosen).astype(np.int64)
     d2t = torch.from_numpy(target_ids - np.arange(N, dtype=np.int64))
-    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d = torch.zeros(V, dtype=torch.bool)  # device: the vocab is built and saved on the host
     t2d[torch.from_numpy(target_ids)] = True
     total = counts.sum()
     coverage = float(counts[target_ids].sum() / total) if total > 0 else None
@@ -153,7 +153,7 @@ def load_draft_vocab(path: Union[str, Path]) -> DraftVocab:
     expected = meta.get("sha256")
     if expected is None or _content_hash(d2t, t2d) != expected:
         raise ValueError(f"draft vocab {path}: content hash mismatch (file corrupted or edited)")
-    target_ids = torch.arange(d2t.numel()) + d2t
+    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
     in_range = d2t.numel() == 0 or (int(target_ids.min()) >= 0 and int(target_ids.max()) < t2d.numel())
     if not in_range or int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()) or not bool((target_ids[1:] > target_ids[:-1]).all()):
         raise ValueError(f"draft vocab {path}: d2t and t2d disagree")

@@ -95,7 +95,7 @@ class _Batch:
         self.pad = torch.tensor([P - len(p) for p in prompts], device=dev)
         self.ids = torch.zeros(B, self.L, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
-            self.ids[b, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
+            self.ids[b, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long, device=dev)
         K, D = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv = [(torch.zeros(B, K, self.L, D, dtype=dtype, device=dev),
                     torch.zeros(B, K, self.L, D, dtype=dtype, device=dev)) for _ in self.layers]
@@ -191,7 +191,7 @@ def _generate_hf(target: TargetModel, prompts: list[list[int]], params: Sampling
     ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
     mask = torch.zeros(B, P, dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        ids[b, P - len(p):] = torch.as_tensor(p, dtype=torch.long, device=dev)
         mask[b, P - len(p):] = 1
     sample = params.temperature > 0
     gcfg = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=sample, pad_token_id=pad,
@@ -213,7 +213,7 @@ def _generate_hf(target: TargetModel, prompts: list[list[int]], params: Sampling
         ids = torch.zeros(B, T, dtype=torch.long, device=dev)
         mask = torch.zeros(B, T, dtype=torch.long, device=dev)
         for b, r in enumerate(rows):
-            ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.long, device=dev)
             mask[b, : len(r)] = 1
         feats = capture_features(target, ids, mask)
         for b, (g, r) in enumerate(zip(results, rows)):

@@ -479,7 +479,7 @@ class ObjectStoreTransport:
         for index, tr in enumerate(plan.transfers):
             if tr.src_rank != rank:
                 continue
-            tensors = {f.name: _slice(features_by_sample[tr.sample_id], f, tr) for f in plan.feature_spec.fields}
+            tensors = {f.name: _slice(features_by_sample[tr.sample_id], f, tr) for f in plan.feature_spec.fields}  # device: the sender's own
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
             items[f"{plan.split}:{plan.step}:{index}"] = self._ray.put(tensors)
         done = self._mailbox.put.remote(items)
@@ -512,9 +512,9 @@ def synthetic_features(spec: FeatureSpec, sample_id: int, length: int, seed: int
     for f in spec.fields:
         dtype = torch_dtype(f.dtype)
         if dtype.is_floating_point:
-            out[f.name] = torch.randn(f.shape(length), generator=gen).to(dtype)
+            out[f.name] = torch.randn(f.shape(length), generator=gen).to(dtype)  # device: host (synthetic)
         elif dtype == torch.bool:
-            out[f.name] = torch.randint(0, 2, f.shape(length), generator=gen).bool()
+            out[f.name] = torch.randint(0, 2, f.shape(length), generator=gen).bool()  # device: host (synthetic)
         else:
-            out[f.name] = torch.randint(0, 100, f.shape(length), generator=gen, dtype=dtype)
+            out[f.name] = torch.randint(0, 100, f.shape(length), generator=gen, dtype=dtype)  # device: host (synthetic)
     return out

@@ -156,7 +156,7 @@ def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Pat
     path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{n}.safetensors"
     path = init_vocab_path(cfg, store.meta.vocab_size) or path  # draft.init_from: the folder's mapping
     if not path.is_file():
-        counts = torch.zeros(V, dtype=torch.long)
+        counts = torch.zeros(V, dtype=torch.long)  # device: host (counts store rows)
         for i in train_ids:
             s = store.read(i)
             counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=V)

@@ -197,7 +197,7 @@ class TrainWorker(DistributedWorker):
                 batches = self.source.next_batches(plan, upcoming)
             except Exception as e:  # a data-plane peer is gone (or a store read failed): tell the others
                 err = e
-            failed = self.trainer.reduce_sum(torch.tensor([float(err is not None)], dtype=torch.float64)).item()
+            failed = self.trainer.reduce_sum(torch.tensor([float(err is not None)], dtype=torch.float64, device=self.trainer.device)).item()
             if failed:
                 why = f"{type(err).__name__}: {err}" if err is not None else "another train rank's features were lost"
                 self.lost = f"{plan.split} step {plan.step}: {why}"

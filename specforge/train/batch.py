@@ -16,7 +16,7 @@ import torch
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
     """A permutation of sample indices that depends only on (seed, epoch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=g).tolist()
+    return torch.randperm(num_samples, generator=g).tolist()  # device: host (the data order)
 
 
 def global_batch_ids(num_samples: int, global_batch: int, seed: int, step: int) -> list[int]:
@@ -87,12 +87,13 @@ def pad_id(tokenizer) -> int:
 def collate(rows: Sequence[dict], pad_id: int) -> tuple[torch.Tensor, ...]:
     """Rows with ``input_ids``/``loss_mask`` -> right-padded (input_ids, loss_mask, attention_mask)."""
     T = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    attn = torch.zeros((len(rows), T), dtype=torch.long)
+    # on the host, all of it: the trainer moves each micro-batch once (DraftTrainer.on_device)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # device: host
+    mask = torch.zeros((len(rows), T), dtype=torch.long)  # device: host
+    attn = torch.zeros((len(rows), T), dtype=torch.long)  # device: host
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
-        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
-        mask[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
+        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)  # device: host
+        mask[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)  # device: host
         attn[i, :n] = 1
     return ids, mask, attn

@@ -121,13 +121,19 @@ class DraftTrainer:
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train, total_steps or cfg.train.max_steps)
         self.step_count = 0
 
+    def on_device(self, micro_batches: Sequence[TrainBatch]) -> list[TrainBatch]:
+        """THE one place a micro-batch moves to the trainer's device, before any algorithm hook sees
+        it: a source may hand over fields on two devices (the single process's collate leaves the
+        loss mask on the host while its capture wrote the features on the GPU)."""
+        return [mb.to(self.device) for mb in micro_batches]
+
     def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
         on the trainer's device (summed there: no host sync per micro-batch)."""
         algo = self.algorithm
         counts = torch.zeros(algo.counts_shape(self.cfg), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
-            mb = _compute_dtype(mb.to(self.device), self.amp_dtype)
+            mb = _compute_dtype(mb, self.amp_dtype)
             with autocast(self.device, self.amp_dtype):
                 loss, c = algo.loss(self.draft, mb, self.state, self.cfg, self.step_count, normalizer)
             if torch.is_grad_enabled():
@@ -140,8 +146,9 @@ class DraftTrainer:
         denominator (EAGLE-3: valid rows) of all micro-batches of all train ranks."""
         cfg = self.cfg
         self.draft.train()
+        micro_batches = self.on_device(micro_batches)
         local = sum(self.algorithm.normalizer(self.draft, mb, cfg, self.step_count) for mb in micro_batches)
-        total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64)).item()
+        total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device)).item()
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         counts = self._counts(micro_batches, total)
@@ -169,7 +176,8 @@ class DraftTrainer:
     def evaluate(self, batches: Sequence[TrainBatch]) -> dict[str, float]:
         """Metrics of ``batches`` (summed over all train ranks), no update."""
         self.draft.eval()
-        return self.algorithm.metrics(self._counts(batches, None), self.cfg)
+        # the metrics hooks read host counters, as step's do (one copy to the host)
+        return self.algorithm.metrics(self._counts(self.on_device(batches), None).cpu(), self.cfg)
 
 
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int) -> list[TrainBatch]:

@@ -31,7 +31,7 @@ def _generator(batch, cfg, step: int, input_ids_BT: Optional[torch.Tensor] = Non
     the padded length (zeros past it add nothing), so a sequence-parallel rank that gathered the ids
     of its padded micro-batch (``input_ids_BT``) seeds it as the single process does."""
     ids = (batch.input_ids_BT if input_ids_BT is None else input_ids_BT).detach().to("cpu", torch.int64)
-    weights = torch.arange(1, ids.shape[-1] + 1, dtype=torch.int64)
+    weights = torch.arange(1, ids.shape[-1] + 1, dtype=torch.int64, device=ids.device)
     content = int((ids * weights).sum()) % (2**31)
     return torch.Generator().manual_seed(hash((cfg.train.seed, step, content, ids.shape[0])) % (2**63))
 
@@ -184,7 +184,7 @@ class DFlash:
         from specforge.algorithms.dflash.loss import decay_weights
 
         valid = self._blocks(draft, batch, cfg, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma)).sum())
+        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma, valid.device)).sum())
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
         from specforge.algorithms.dflash.loss import block_loss, build_block_ids

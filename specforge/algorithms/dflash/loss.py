@@ -120,8 +120,10 @@ def block_targets(labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor, anchors_B
     return labels, valid
 
 
-def decay_weights(block_size: int, gamma: Optional[float], device=None) -> torch.Tensor:
-    """``[K]``: 0 for the anchor, ``exp(-(k-1)/gamma)`` after it (1 everywhere if gamma is None or <= 0)."""
+def decay_weights(block_size: int, gamma: Optional[float], device: torch.device) -> torch.Tensor:
+    """``[K]`` on ``device`` (that of the data it will meet: no default, a CPU-made weight times a
+    CUDA mask stopped the first GPU run): 0 for the anchor, ``exp(-(k-1)/gamma)`` after it (1
+    everywhere if gamma is None or <= 0)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma and gamma > 0 else torch.ones_like(k)
     return w * (k > 0)
@@ -186,7 +188,7 @@ def metrics_from_counts(counts_K4: torch.Tensor, gamma: Optional[float]) -> dict
     """Rates from summed counts: ``loss`` (as trained), ``loss_k``, ``acc_k``, ``tau``, ``valid_tokens``."""
     c = counts_K4.double().cpu()
     K = c.shape[0]
-    w = decay_weights(K, gamma).double()
+    w = decay_weights(K, gamma, c.device).double()
     out: dict[str, float] = {}
     for k in range(1, K):
         n = c[k, 1].item()

@@ -95,7 +95,7 @@ class DSpark(DFlash):
         from specforge.algorithms.dflash.loss import decay_weights
 
         valid = self._targets(draft, batch, cfg, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma)).sum())
+        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma, valid.device)).sum())
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
         from specforge.algorithms.dflash.loss import build_block_ids

@@ -145,7 +145,7 @@ def dspark_metrics(counts_R7: torch.Tensor, gamma: Optional[float], confidence_w
     for key, v in metrics_from_counts(c[:, :4], gamma).items():
         m = re.fullmatch(r"(loss|acc)_(\d+)", key)
         out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
-    w = decay_weights(c.shape[0], gamma).double()
+    w = decay_weights(c.shape[0], gamma, c.device).double()
     denom = (w * c[:, 1]).sum().item()
     n = c[:, 1].sum().item()
     out["loss_main"] = out["loss"]

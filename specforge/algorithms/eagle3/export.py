@@ -89,7 +89,7 @@ def tensor_errors(hf_config: dict, weights: dict[str, torch.Tensor],
 
 def vocab_errors(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
     """d2t (offsets) and t2d (mask) must describe the same N distinct target ids."""
-    target_ids = torch.arange(d2t.numel()) + d2t
+    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
     if target_ids.min() < 0 or target_ids.max() >= t2d.numel():
         return [f"d2t maps draft ids outside the target vocab 0..{t2d.numel() - 1}"]
     if target_ids.unique().numel() != d2t.numel():

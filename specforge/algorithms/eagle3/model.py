@@ -329,11 +329,12 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
-        self.register_buffer("d2t", torch.zeros(N, dtype=torch.int64))
-        t2d = torch.zeros(V, dtype=torch.bool)
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.int64))  # device: module init (meta in the dry run)
+        t2d = torch.zeros(V, dtype=torch.bool)  # device: module init (meta in the dry run)
         t2d[:N] = True
         self.register_buffer("t2d", t2d)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # device: module init
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.reset_parameters()
         self.embed_tokens.weight.requires_grad_(self.embedding_trainable)
 
@@ -354,14 +355,14 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: Optional[torch.Tensor] = None) -> None:
         """Install the draft vocab (``d2t`` offsets; ``t2d`` derived from it if not given)."""
-        d2t = torch.as_tensor(d2t, dtype=torch.int64)
+        d2t = torch.as_tensor(d2t, dtype=torch.int64, device=self.d2t.device)
         if d2t.shape != self.d2t.shape:
             raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected {tuple(self.d2t.shape)}")
         if t2d is None:
             t2d = torch.zeros_like(self.t2d)
-            t2d[torch.arange(d2t.numel()) + d2t] = True
+            t2d[torch.arange(d2t.numel(), device=d2t.device) + d2t] = True
         self.d2t.copy_(d2t)
-        self.t2d.copy_(torch.as_tensor(t2d, dtype=torch.bool))
+        self.t2d.copy_(torch.as_tensor(t2d, dtype=torch.bool, device=self.t2d.device))
 
     @torch.no_grad()
     def init_embeddings_from_target(self, target_embed_VHt: torch.Tensor, seed: int = 0) -> None:
@@ -374,7 +375,9 @@ class Eagle3Draft(nn.Module):
             self.embed_tokens.weight.requires_grad_(False)
         else:
             g = torch.Generator().manual_seed(seed)
-            P = torch.randn(W.shape[1], self.config.hidden_size, generator=g) / math.sqrt(self.config.hidden_size)
+            # the host generator's stream: the same projection whatever the device (moved below)
+            P = torch.randn(W.shape[1], self.config.hidden_size, generator=g)  # device: host stream
+            P = P / math.sqrt(self.config.hidden_size)
             self.embed_tokens.weight.copy_(W @ P.to(W.device))
             self.embed_tokens.weight.requires_grad_(True)
 
@@ -403,7 +406,7 @@ class Eagle3Draft(nn.Module):
         if H != self.config.target_hidden_size:
             raise ValueError("init from a target layer needs draft hidden size == target hidden size")
         self.fc.weight.zero_()
-        self.fc.weight[:, top_aux * H:(top_aux + 1) * H].copy_(torch.eye(H))
+        self.fc.weight[:, top_aux * H:(top_aux + 1) * H].copy_(torch.eye(H, device=self.fc.weight.device))
         mine, theirs = self.midlayer, layer
         mine.hidden_norm.weight.copy_(theirs.input_layernorm.weight)
         mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)

@@ -22,7 +22,7 @@ class EagleProposer:
     def __init__(self, draft, dtype: Optional[torch.dtype] = None):
         self.drafter = ChainDrafter(draft, dtype)
         self.committed = 0
-        self.pending: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        self.pending: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # device: empty placeholders
 
     def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
         self.drafter.cache.crop(0)

@@ -78,8 +78,9 @@ def vocab_tensors(hf_config: dict, weights: dict[str, torch.Tensor]) -> dict[str
     if "d2t" in out:
         out["d2t"] = out["d2t"].to(torch.int64)
         if "t2d" not in out and isinstance(hf_config.get("vocab_size"), int):
-            t2d = torch.zeros(hf_config["vocab_size"], dtype=torch.bool)
-            ids = torch.arange(out["d2t"].numel()) + out["d2t"]
+            dev = out["d2t"].device
+            t2d = torch.zeros(hf_config["vocab_size"], dtype=torch.bool, device=dev)
+            ids = torch.arange(out["d2t"].numel(), device=dev) + out["d2t"]
             t2d[ids[(ids >= 0) & (ids < t2d.numel())]] = True
             out["t2d"] = t2d
     if "t2d" in out:

@@ -83,8 +83,8 @@ class PEagleDraft(Eagle3Draft):
 
     def __init__(self, cfg: PEagleDraftConfig):
         super().__init__(cfg)
-        self.mask_embed = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.mask_hidden = nn.Parameter(torch.empty(3 * cfg.target_hidden_size))
+        self.mask_embed = nn.Parameter(torch.empty(cfg.hidden_size))  # device: module init
+        self.mask_hidden = nn.Parameter(torch.empty(3 * cfg.target_hidden_size))  # device: module init
         self.reset_mask()
 
     @torch.no_grad()
