@@ -68,8 +68,11 @@ def pick_device(choice: str = "auto", local_rank: Optional[int] = None) -> torch
     """``auto`` -> this process's CUDA device if one exists (``local_cuda_index``), else the CPU."""
     if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device {choice!r}: expected 'auto', 'cpu' or 'cuda'")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    if choice == "cuda" and not torch.cuda.is_available():  # only model.device names cuda
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"config key 'model.device'='cuda': torch {torch.__version__} ({build}) sees no CUDA device "
+                         "on this machine; use model.device=auto (a GPU where there is one, else the CPU) or cpu, "
+                         "or run where a GPU is visible (CUDA_VISIBLE_DEVICES)")
     if choice == "cuda" or (choice == "auto" and cuda_allowed()):
         return torch.device("cuda", local_cuda_index(local_rank or 0))
     return torch.device("cpu")

@@ -46,6 +46,7 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 | ``--config configs`` (a folder) | "does not exist" | "is a directory", the YAML files in it | test_a_config_folder_is_named_as_one |
 | a small store with periodic eval | "data.num_eval gave 0" after Ray started | the store's real limit (a tenth), before Ray starts | test_a_small_store_with_periodic_eval_names_the_limit |
 | ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | an invalid suggestion / retried as transient / "or null" offered | a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
+| ``model.device=cuda`` / ``model.num_gpus=2`` on a machine without CUDA (issue 34) | "device 'cuda' requested but torch sees no CUDA device", no key named | one line naming the key, the torch build and the way out, before anything loads (train, eval, capture, regenerate) | test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line |
 | ``bench_ttt.py`` on a CPU without bf16 | timed bf16, which training never runs there | times the precision training runs (``--precision``), names it | test_bench_ttt_measures_the_precision_training_runs |
 """
 
@@ -731,3 +732,22 @@ def test_the_default_script_offers_a_background_llamacpp_build(tmp_path, flag):
         assert (tmp_path / "nice-args").read_text().split() == ["-n", "19", "bash", "scripts/install_llamacpp.sh"]
     else:
         assert "background" not in out.stdout and not (tmp_path / "nice-args").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("entry", ["train", "eval", "capture", "regenerate"])
+@pytest.mark.parametrize("override, needles", [
+    ("model.device=cuda", ("'model.device'='cuda'", "sees no CUDA device", "model.device=auto")),
+    ("model.num_gpus=2", ("'model.num_gpus'=2", "needs CUDA", "use 1")),
+])
+def test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line(assets, tmp_path, capsys, entry, override, needles):
+    """A GPU setting where there is no GPU: one line naming the key and the way out, exit 1, nothing trained."""
+    import importlib
+
+    main = importlib.import_module({"train": "specforge.local"}.get(entry, f"specforge.{entry}")).main
+    args = _base(assets, tmp_path) + ["model.device=auto", override]
+    if entry == "eval":
+        args = ["--draft", "prompt-lookup", *args]
+    assert run_cli(lambda: main(args)) == 1
+    _one_error_line(capsys.readouterr().err, *needles)
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))

@@ -16,10 +16,12 @@ after the hook). Two checks close the class on a CPU-only machine:
 """
 
 import ast
+import contextlib
 import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from specforge.models.features import TrainBatch
 
@@ -161,3 +163,49 @@ def test_every_hook_sees_micro_batches_already_on_the_trainers_device(evaluate):
     trainer.on_device = lambda batches: list(batches)
     trainer.evaluate(mbs) if evaluate else trainer.step(mbs)
     assert not any(moved for _, moved in spy.seen)
+
+
+# ------------------------------------------------------------- checkpoints across devices
+
+
+@contextlib.contextmanager
+def saved_as_if_on_cuda():
+    """``torch.save`` inside tags every storage ``cuda:0``, as a save on a GPU does; loading such a
+    file on a machine without CUDA and without ``map_location`` then fails as it does for real."""
+    from torch import serialization
+
+    entry = (-100, lambda storage: "cuda:0", lambda storage, location: None)  # deserializing: the usual path
+    serialization._package_registry.append(entry)
+    serialization._package_registry.sort(key=lambda e: e[0])
+    try:
+        yield
+    finally:
+        serialization._package_registry.remove(entry)
+
+
+def test_a_checkpoint_saved_on_cuda_resumes_and_evaluates_on_a_cpu_only_machine(tmp_path):
+    from specforge.algorithms import load_draft
+    from specforge.compat import check_target_weights
+    from specforge.data.vocab import DraftVocab
+    from specforge.train.checkpoint import CheckpointManager, load_train_state
+    from specforge.train.trainer import run_identity
+    from tests.helpers.trainer import feature_batch, setup_trainer
+
+    target, rows, trainer = setup_trainer()
+    batch = feature_batch(target, rows)
+    trainer.step([batch])
+    identity = run_identity(trainer.cfg, target, DraftVocab(trainer.draft.d2t, trainer.draft.t2d),
+                            {"data": "d", "num_samples": 4, "global_batch": 4}, total_steps=10)
+    with saved_as_if_on_cuda():
+        path = CheckpointManager(tmp_path, identity=identity).save(trainer)
+    if not torch.cuda.is_available():  # the negative control: the file does record CUDA storages
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(path / "training_state.pt", weights_only=False)
+    assert load_train_state(path)["step"] == 1
+    _, _, fresh = setup_trainer()
+    assert CheckpointManager(tmp_path, identity=identity).load(fresh, path) == 1  # resume
+    after = fresh.step([batch])
+    assert after["loss"] == trainer.step([batch])["loss"]  # the same next step as the run that saved it
+    assert check_target_weights(path, target.model, allow=False) is None  # eval's fingerprint check
+    draft = load_draft(str(path), target)
+    assert {p.device.type for p in draft.parameters()} == {"cpu"}

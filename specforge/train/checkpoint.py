@@ -262,7 +262,8 @@ def restore_rng(state: Any) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # a checkpoint saved where more GPUs were visible: the streams of the GPUs this process has
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 # ------------------------------------------------------------------------------ the manager
