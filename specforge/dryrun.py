@@ -20,7 +20,6 @@ allowances for the CUDA context, NCCL and allocator fragmentation. Held against 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -30,8 +29,8 @@ import torch
 from specforge import memory
 from specforge.config import EMBEDDED_TARGET, Config
 from specforge.device import wants_gpu
+from specforge.models.target import SHIPPED, shipped_config  # noqa: F401 (the dry run's names for them)
 
-SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "targets"
 # Bits per converted weight of a quantized checkpoint as shipped (mxfp4: 4-bit values + an 8-bit scale
 # per 32; fp8: one byte, its per-block scales negligible). Embeddings, the lm_head, biases, norms and
 # the checkpoint's modules_to_not_convert stay in model.dtype.
@@ -67,17 +66,9 @@ class DryRun:
     feature_bytes_per_step: int = 0
 
 
-def shipped_config(target_path: str) -> Optional[Path]:
-    """The published config.json copy shipped for a hub id (None if there is none)."""
-    f = SHIPPED / (target_path.replace("/", "--") + ".json")
-    return f if target_path.count("/") == 1 and f.is_file() else None
-
-
 def read_target_config(cfg: Config, target_config: Optional[str] = None):
     """``(hf_config, where it came from)``, without weights (see the module docstring)."""
-    from transformers import AutoConfig
-
-    from specforge.models.target import load_target_config
+    from specforge.models.target import config_from_file, load_target_config
 
     path = Path(target_config) if target_config else None
     if path is None and cfg.model.target_path != EMBEDDED_TARGET and not Path(cfg.model.target_path).expanduser().exists():
@@ -86,11 +77,7 @@ def read_target_config(cfg: Config, target_config: Optional[str] = None):
         return load_target_config(cfg.model), f"{cfg.model.target_path} (its config.json)"
     if not path.is_file():
         raise ValueError(f"--target-config {str(path)!r} is not a file (a target's config.json)")
-    try:
-        raw = json.loads(path.read_text())
-        return AutoConfig.for_model(**raw), str(path)
-    except (json.JSONDecodeError, TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"{str(path)!r} is not a target config.json ({type(e).__name__}: {e})") from None
+    return config_from_file(path), str(path)
 
 
 def _target_dtype(cfg: Config) -> torch.dtype:

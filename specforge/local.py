@@ -27,6 +27,7 @@ def run(cfg: Config) -> Optional[Path]:
     from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
 
     check(cfg)
+    pick_device(cfg.model.device)  # model.device=cuda without CUDA: said first, before the target's config is read
     check_run(cfg)  # the config against the target's config.json, before the target loads
     check_memory(single_process(cfg))  # the single process's predicted peak against one GPU (none: no check)
     if skipped := not_applied(cfg, "single"):

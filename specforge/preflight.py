@@ -25,11 +25,28 @@ from specforge.parallel.dims import ParallelDims
 def check_placement(cfg: Config) -> None:
     """The Ray driver's checks before ``start_ray``: ``check_run``, and when this process is about
     to start Ray itself, the workers against this machine. (Ray prestarts a worker process per
-    CPU it is given, so checking after it started would be too late.)"""
+    CPU it is given, so checking after it started would be too late.) A run that needs GPUs this
+    machine lacks is told so first, in seconds: before the target's config is read, before the CPUs."""
+    local = before_local_ray(cfg)
+    if local is not None:
+        check_gpus(cfg, *local)
     check_run(cfg)
     check_memory(cfg)
-    if local := before_local_ray(cfg):
+    if local is not None:
         check_resources(cfg, *local)
+
+
+def check_gpus(cfg: Config, use_gpu: bool, have: Mapping[str, float], where: str) -> None:
+    """The GPUs the workers need against those ``where`` has (only where the run wants GPUs)."""
+    need = needed_resources(cfg, use_gpu).get("GPU", 0.0)
+    if need > have.get("GPU", 0.0) + 1e-9:
+        counts = actor_counts(cfg)
+        who = ", ".join(f"{n} {kind} worker(s) x {gpus_per_worker(cfg, kind)}" for kind, n in counts.items() if n)
+        found = have.get("GPU", 0.0)
+        raise ValueError(f"config key 'model.device'={cfg.model.device!r}: this run needs {need:g} GPU(s) ({who}), but "
+                         f"{where} has {found:g}{'' if found else ' (torch sees no CUDA device)'}; run it where the "
+                         "GPUs are (or join their Ray cluster: ray.address), lower the worker counts, or train on the "
+                         "CPU with model.device=cpu")
 
 
 def check_memory(cfg: Config) -> None:

@@ -47,6 +47,9 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 | a small store with periodic eval | "data.num_eval gave 0" after Ray started | the store's real limit (a tenth), before Ray starts | test_a_small_store_with_periodic_eval_names_the_limit |
 | ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | an invalid suggestion / retried as transient / "or null" offered | a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
 | ``model.device=cuda`` / ``model.num_gpus=2`` on a machine without CUDA (issue 34) | "device 'cuda' requested but torch sees no CUDA device", no key named | one line naming the key, the torch build and the way out, before anything loads (train, eval, capture, regenerate) | test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line |
+| a GPU config on a machine without GPUs (issue 36) | the hub client's connection error; with the config copy, CPUs first | one line: the GPUs needed (by worker kind) and found, before the target's config, Ray or the CPUs | test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub |
+| a hub target whose config.json ships in configs/targets/, the hub off or unreachable | the hub client's error | the shipped copy, as the dry run reads it | test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off |
+| a truncated, empty or foreign weights/state file at ``draft.init_from``, ``eval --draft``, ``export --draft``, a resumed checkpoint, ``adapt.draft``, the cached vocab file (issue 36) | ``SafetensorError: invalid header length`` traceback (init_from) | one line naming the file (``specforge/files.py``, the one reader) | test_a_broken_weights_file_is_one_error_line_naming_it |
 | ``bench_ttt.py`` on a CPU without bf16 | timed bf16, which training never runs there | times the precision training runs (``--precision``), names it | test_bench_ttt_measures_the_precision_training_runs |
 """
 
@@ -274,7 +277,7 @@ def test_truncated_target_weights_name_the_file(assets, tmp_path):
     shutil.copytree(assets / "target", broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(ValueError, match=rf"target weight file '{weights}' is truncated or corrupt"):
+    with pytest.raises(ValueError, match=rf"target weight file '{weights}' cannot be read"):
         load_target(ModelConfig(target_path=str(broken), device="cpu"))
 
 
@@ -304,7 +307,7 @@ def test_corrupt_store_shard_names_the_file(tmp_path):
         w.add(0, torch.arange(6), torch.ones(6), torch.randn(6, 24), torch.randn(6, 8), torch.arange(6))
     (shard,) = tmp_path.glob("shard-*.safetensors")
     shard.write_bytes(b"\xff" * 16 + shard.read_bytes()[16:])
-    with pytest.raises(ValueError, match=rf"feature store shard {shard} is corrupt"):
+    with pytest.raises(ValueError, match=rf"feature store shard '{shard}' cannot be read"):
         FeatureStore(tmp_path).read(0)
 
 
@@ -394,8 +397,8 @@ def test_eval_one_line_error(assets, tmp_path, capsys):
     _one_error_line(capsys.readouterr().err, "is not a draft checkpoint")
 
 
-def _cli(args, timeout=120):
-    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+def _cli(args, timeout=120, env=None):
+    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **(env or {}))
     env.pop("SPECFORGE_TRACEBACK", None)
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -751,3 +754,72 @@ def test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line(assets, tmp_pa
     assert run_cli(lambda: main(args)) == 1
     _one_error_line(capsys.readouterr().err, *needles)
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
+BROKEN = {"truncated": lambda b: b[:100], "empty": lambda b: b"", "foreign": lambda b: b"<html>not a tensor file</html>\n"}
+
+
+@pytest.mark.parametrize("how", list(BROKEN))
+@pytest.mark.parametrize("entry", ["init_from", "eval", "export", "resume", "adapt", "vocab"])
+def test_a_broken_weights_file_is_one_error_line_naming_it(assets, tmp_path, trained, capsys, entry, how):
+    """Every weights/state file a user can name goes through ``specforge.files``: truncated, empty or
+    foreign, each entry point prints one error line naming the file (356124e: ``draft.init_from``
+    printed safetensors' traceback, "invalid header length")."""
+    import specforge.eval as ev
+    from specforge import export, local
+    from specforge.adapt.__main__ import main as adapt_main
+
+    ckpt, _ = trained
+    draft = tmp_path / "draft"
+    shutil.copytree(ckpt, draft)
+    broken = draft / "model.safetensors"
+    base = [a for a in _base(assets, tmp_path) if not a.startswith("train.")] + ["model.dtype=float32"]
+    out = [f"train.output_dir={tmp_path / 'run'}", "train.num_workers=1", "train.max_steps=1", "train.precision=fp32"]
+    if entry == "init_from":
+        call = lambda: local.main([*base, *out, f"draft.init_from={draft}"])  # noqa: E731
+    elif entry == "eval":
+        call = lambda: ev.main(["--draft", str(draft), "--num-prompts", "1", *base])  # noqa: E731
+    elif entry == "export":
+        call = lambda: export.main(["--draft", str(draft), "--engine", "sglang", "--out", str(tmp_path / "x"),  # noqa: E731
+                                    "--target", str(assets / "target")])
+    elif entry == "resume":
+        shutil.copytree(ckpt.parent, tmp_path / "run" / "checkpoints", symlinks=True)
+        broken = (tmp_path / "run" / "checkpoints" / ckpt.name / "training_state.pt")
+        call = lambda: local.main([*base, *out, "train.max_steps=2", "checkpoint.resume=true"])  # noqa: E731
+    elif entry == "adapt":
+        traffic = tmp_path / "traffic.jsonl"
+        traffic.write_text("")
+        call = lambda: adapt_main([*base, f"adapt.dir={tmp_path / 'a'}", f"adapt.draft={draft}", "adapt.serve=false",  # noqa: E731
+                                   f"adapt.traffic={traffic}", "adapt.replay_share=0"])
+    else:  # the run's cached draft-vocab file
+        local.main([*base, *out])
+        (broken,) = (tmp_path / "cache" / "vocab").glob("*.safetensors")
+        call = lambda: local.main([*base, *out, f"train.output_dir={tmp_path / 'run2'}"])  # noqa: E731
+    broken.write_bytes(BROKEN[how](broken.read_bytes()))
+    capsys.readouterr()
+    assert run_cli(call) == 1
+    err = capsys.readouterr().err
+    _one_error_line(err, f"'{broken}'", "cannot be read", "a truncated, empty or foreign file")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
+def test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub(tmp_path):
+    """356124e printed the hub client's connection error (naming neither the model nor the GPUs);
+    with the config copy, CPUs came first. Now: the GPUs needed and found, before anything else."""
+    env = {"HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
+    out = _cli(["specforge.ray_train", "--config", "configs/llama3.1-8b-instruct.yaml",
+                f"train.output_dir={tmp_path / 'run'}"], env=env)
+    assert out.returncode == 1, out.stderr[-2000:]
+    _one_error_line(out.stderr, "'model.device'='cuda'", "GPU(s)", "has 0", "torch sees no CUDA device")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off(monkeypatch):
+    from specforge.config import ModelConfig
+    from specforge.models.target import load_target_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_target_config(ModelConfig(target_path="meta-llama/Llama-3.1-8B-Instruct"))
+    assert config.hidden_size == 4096 and config.num_hidden_layers == 32
+    with pytest.raises(ValueError, match="model.target_path 'someone/not-shipped'"):  # negative control: no copy
+        load_target_config(ModelConfig(target_path="someone/not-shipped"))

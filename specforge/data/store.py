@@ -425,7 +425,9 @@ class FeatureStore:
 
     def _handle(self, shard: int):
         """The open (memory-mapped) shard, after a cheap check that it is the file the index names."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
+
+        from specforge.files import open_safetensors
 
         if shard in self._open:
             self._open.move_to_end(shard)
@@ -437,8 +439,8 @@ class FeatureStore:
             state = ("is missing" if size is None
                      else f"is truncated or was modified ({size} bytes, index says {sh['bytes']})")
             raise ValueError(f"feature store shard {path} {state}; recapture with python -m specforge.capture")
+        handle = open_safetensors(path, "feature store shard", "recapture with python -m specforge.capture")
         try:
-            handle = safe_open(str(path), framework="pt")
             if handle.get_slice("input_ids").get_shape() != [sh["tokens"]]:
                 raise ValueError("input_ids length differs from the index")
         except (SafetensorError, OSError, ValueError, KeyError) as e:

@@ -143,9 +143,10 @@ def save_draft_vocab(vocab: DraftVocab, path: Union[str, Path]) -> Path:
 
 def load_draft_vocab(path: Union[str, Path]) -> DraftVocab:
     """Read a file written by :func:`save_draft_vocab`; ValueError if it is inconsistent."""
-    from safetensors import safe_open
+    from specforge.files import open_safetensors
 
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, "draft vocab file", "delete it: the run builds it again from the data (or take "
+                          "the draft.init_from folder's mapping again)") as f:
         meta = f.metadata() or {}
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.ndim != 1 or t2d.ndim != 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -135,30 +136,62 @@ def resolve_target_path(cfg: ModelConfig) -> str:
     return str(out)
 
 
+# Published config.json copies of the GPU configs' hub targets (what the checks and the dry run read
+# where the hub cannot be reached: a GPU config checked on a machine without network).
+SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "targets"
+
+
+def shipped_config(target_path: str) -> Optional[Path]:
+    """The published config.json copy shipped for a hub id (None if there is none)."""
+    f = SHIPPED / (target_path.replace("/", "--") + ".json")
+    return f if target_path.count("/") == 1 and f.is_file() else None
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def config_from_file(path: Path):
+    """A transformers config from a config.json file alone."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**json.loads(Path(path).read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(path)!r} is not a target config.json ({type(e).__name__}: {e})") from None
+
+
 def load_target_config(cfg: ModelConfig):
     """The target's HF config from its config.json alone (no weights): what the driver checks a
-    run against before any worker starts."""
+    run against before any worker starts. A hub id whose config.json copy ships in configs/targets/
+    is read from that copy when the hub is off (``HF_HUB_OFFLINE``) or cannot be reached."""
     from transformers import AutoConfig
 
     path = resolve_target_path(cfg)
+    shipped = None if Path(path).expanduser().exists() else shipped_config(path)
+    if shipped is not None and hub_offline():
+        return config_from_file(shipped)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except ValueError as e:  # e.g. a config.json that is not JSON or names an unknown model_type
         raise ValueError(f"model.target_path {path!r}: cannot read its config.json ({e})") from e
+    except OSError as e:  # the hub cannot be reached, or has no such repository
+        if shipped is not None:
+            return config_from_file(shipped)
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(f"model.target_path {path!r}: its config.json cannot be read ({why}); download the model "
+                         "and set model.target_path to its folder") from None
 
 
 def check_weight_files(path: str) -> None:
     """Open the header of every safetensors file of a local target folder (no weights read): a
     truncated or corrupt file is a ValueError naming it, not a bare "invalid header length"."""
-    from safetensors import safe_open
+    from specforge.files import open_safetensors
 
     for f in sorted(Path(path).glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except Exception as e:  # SafetensorError and OSError: both mean the same to the user
-            raise ValueError(f"target weight file {str(f)!r} is truncated or corrupt ({e}); "
-                             "copy or download it again") from e
+        with open_safetensors(f, "target weight file", "the target's weights are truncated or corrupt: copy or "
+                              "download it again"):
+            pass
 
 
 # ---------------------------------------------------------------- loading

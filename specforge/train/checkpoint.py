@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from specforge.files import read_safetensors, read_torch
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
@@ -131,11 +133,8 @@ def load_draft_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         hf_config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(cfg_file)!r} is not valid JSON ({e}): a truncated or hand-edited draft checkpoint") from None
-    try:
-        return hf_config, load_file(str(w_file))
-    except Exception as e:  # SafetensorError (truncated, bad header) and OSError mean the same to the user
-        raise ValueError(f"{str(w_file)!r} cannot be read ({e}): a truncated or corrupt draft checkpoint; "
-                         "use another checkpoint folder (step-*) or retrain") from None
+    return hf_config, read_safetensors(w_file, "draft checkpoint file", "use another checkpoint folder (step-*) or "
+                                       "retrain (a truncated or corrupt draft checkpoint)")
 
 
 def load_train_state(path: str | Path, mmap: bool = False) -> Optional[dict[str, Any]]:
@@ -143,12 +142,8 @@ def load_train_state(path: str | Path, mmap: bool = False) -> Optional[dict[str,
     f = Path(path) / "training_state.pt"
     if not f.is_file():
         return None
-    try:
-        return torch.load(f, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as e:  # a truncated zip, a pickle error: the same to the user
-        raise ValueError(f"{str(f)!r} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}): a "
-                         "truncated or corrupt checkpoint; move that step folder away to resume from the one before, "
-                         "or start fresh (checkpoint.resume=false)") from None
+    return read_torch(f, "checkpoint state", "a truncated or corrupt checkpoint: move that step folder away to resume "
+                      "from the one before, or start fresh (checkpoint.resume=false)", weights_only=False, mmap=mmap)
 
 
 def recorded_rows(path: str | Path) -> list[dict]:
@@ -232,14 +227,33 @@ def data_cursor(step: int, global_batch: int, num_samples: int) -> dict[str, int
     return {"step": step, "epoch": epoch, "sample_offset": offset, "global_batch": global_batch, "num_samples": num_samples}
 
 
+# Run-identity entries that are not config keys themselves: the keys a user sets to change them.
+IDENTITY_KEYS = {"total_steps": "total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs)"}
+SCHEDULE = ("total_steps", "train.lr", "train.min_lr_ratio", "train.warmup_steps")  # what "train longer" changes
+
+
 def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``name: checkpoint X, this run Y`` for every entry of the run identity that differs."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if a != b:
-            out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+            out.append(f"{IDENTITY_KEYS.get(key, key)}: checkpoint {a!r}, this run {b!r}")
     return out
+
+
+def resume_refusal(path: str | Path, saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """Why a checkpoint is not resumed, and the ways forward (a changed schedule has two)."""
+    diffs = identity_differences(saved, current)
+    changed = {k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>")}
+    msg = f"checkpoint {str(path)!r} is from a different run, refusing to resume from it: " + "; ".join(diffs)
+    if changed <= set(SCHEDULE):
+        return (msg + ". A resumed run keeps the schedule it started with (its losses stay exact): restore these "
+                "values to resume it; or, to train the finished draft longer, start a new run from this checkpoint "
+                f"(draft.init_from={path} with another train.output_dir and the new schedule; README, "
+                "\"Training a finished draft longer\")")
+    return (msg + ". Resume with the same target, data, vocab and these config values, or start fresh "
+            "(checkpoint.resume=false, or another checkpoint.dir)")
 
 
 def capture_rng() -> dict[str, Any]:
@@ -316,11 +330,8 @@ class CheckpointManager:
         saved = state.get("identity")
         if saved is None or not self.identity:  # written before identities, or nothing to compare
             return
-        if diffs := identity_differences(saved, self.identity):
-            raise ValueError(
-                f"checkpoint {str(path)!r} is from a different run, refusing to resume from it: " + "; ".join(diffs)
-                + ". Resume with the same target, data, vocab and these config values, or start fresh "
-                "(checkpoint.resume=false, or another checkpoint.dir)")
+        if identity_differences(saved, self.identity):
+            raise ValueError(resume_refusal(path, saved, self.identity))
 
     def load(self, trainer, path: Optional[str | Path] = None) -> int:
         """Restore ``path`` (default: the latest checkpoint) into the trainer; returns the step to

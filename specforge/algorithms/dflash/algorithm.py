@@ -253,9 +253,9 @@ class DFlash:
         folder may carry, are the run's target's (frozen), not loaded."""
         import json
 
-        from safetensors.torch import load_file
+        from specforge.files import read_safetensors_folder
 
-        weights = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+        weights = read_safetensors_folder(path, "draft weights file", "give a complete draft folder (copy it again)")
         return (json.loads((Path(path) / "config.json").read_text()),
                 {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))})
 

@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from specforge.files import open_safetensors, read_safetensors
 
 from .model import DFlashConfig, DFlashDraft
 
@@ -138,7 +140,8 @@ def load_block_draft(path, build: Callable[[dict], torch.nn.Module], embed_VH: O
     and lm_head, which ``embed_VH`` / ``lm_head_VH`` set when given)."""
     p = Path(path)
     draft = build(json.loads((p / "config.json").read_text())).to(dtype)
-    missing, unexpected = draft.load_state_dict(load_file(str(p / "model.safetensors")), strict=False)
+    weights = read_safetensors(p / "model.safetensors", "DFlash draft file", "give a complete draft folder")
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
     if missing or unexpected:
         raise ValueError(f"{p / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
@@ -168,7 +171,6 @@ def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algor
                            mask_use: str) -> tuple[dict, None]:
     """The check of a block draft's folder (DFlash and its refinements): ``parse`` reads config.json
     into the model config, ``model_cls`` (built on meta) says which tensors and shapes must be there."""
-    from safetensors import safe_open
 
     from specforge.train.checkpoint import load_draft_folder
 
@@ -182,7 +184,7 @@ def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algor
             want = {k: tuple(v.shape) for k, v in model_cls(cfg).export_state_dict().items()}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"draft {str(draft_dir)!r} is not a valid {architecture} checkpoint: {e}") from None
-    with safe_open(str(draft_dir / "model.safetensors"), "pt") as st:
+    with open_safetensors(draft_dir / "model.safetensors", "draft checkpoint file", "use another checkpoint folder") as st:
         got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
     bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
     if bad:

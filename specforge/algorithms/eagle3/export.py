@@ -184,12 +184,9 @@ WINDOW_DROPPED = {"sglang": "LlamaForCausalLMEagle3", "llama.cpp": "eagle3 graph
 
 def read_written(out: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an export folder's safetensors files (one or sharded)."""
-    from safetensors.torch import load_file
+    from specforge.files import read_safetensors_folder
 
-    written = {}
-    for f in sorted(Path(out).glob("*.safetensors")):
-        written.update(load_file(f))
-    return written
+    return read_safetensors_folder(out, "draft weights file", "give a complete draft folder (copy or export it again)")
 
 
 def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], flags: dict[str, bool],

@@ -150,15 +150,16 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
 def add_tensors(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write ``tensors`` into the export's safetensors (in the dtype of its ``fc.weight``): into
     model.safetensors, or, for a sharded export, a file of their own registered in the index."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from specforge.files import open_safetensors, read_safetensors
 
     if not tensors:
         return
     index = out / "model.safetensors.index.json"
     if index.is_file():
         meta = json.loads(index.read_text())
-        with safe_open(str(out / meta["weight_map"]["fc.weight"]), "pt") as f:
+        with open_safetensors(out / meta["weight_map"]["fc.weight"], "export weights file", "export again") as f:
             dtype = f.get_tensor("fc.weight").dtype
         name = "model-eagle31-norms.safetensors"
         save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
@@ -166,7 +167,7 @@ def add_tensors(out: Path, tensors: dict[str, torch.Tensor]) -> None:
         index.write_text(json.dumps(meta, indent=2))
         return
     f = out / "model.safetensors"
-    written = load_file(str(f))
+    written = read_safetensors(f, "export weights file", "export again")
     dtype = written["fc.weight"].dtype
     written.update({k: v.to(dtype).contiguous() for k, v in tensors.items()})
     save_file(written, str(f), metadata={"format": "pt"})

@@ -1,0 +1,65 @@
+"""The one reader of the weights and state files a user can name: a draft folder (``--draft``,
+``draft.init_from``, ``adapt.draft``, an export), a checkpoint's ``training_state.pt``, a draft-vocab
+file, a feature-store shard, the target's weights.
+
+A truncated, empty or foreign file (another format, a text file) is one ``ValueError`` naming the
+file, what it is and the way forward, never the parser's own message alone ("invalid header length",
+"PytorchStreamReader failed reading zip archive"): every entry point prints it as its one ``error:``
+line. Readers elsewhere call these; ``tests/test_bad_input.py`` hands each entry point a truncated file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BROKEN = "a truncated, empty or foreign file"
+
+
+def _unreadable(path: Path, what: str, fix: str, e: BaseException) -> ValueError:
+    size = path.stat().st_size if path.is_file() else None
+    detail = "empty, 0 bytes" if size == 0 else f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return ValueError(f"{what} {str(path)!r} cannot be read ({detail}): {BROKEN}; {fix}")
+
+
+def open_safetensors(path: str | Path, what: str, fix: str):
+    """``safe_open`` of ``path`` (a context manager: header read, tensors on demand)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # SafetensorError (bad header, truncated) and OSError mean the same to the user
+        raise _unreadable(path, what, fix, e) from None
+
+
+def read_safetensors(path: str | Path, what: str, fix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, on the host."""
+    path = Path(path)
+    try:
+        with open_safetensors(path, what, fix) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except ValueError:
+        raise
+    except Exception as e:  # a header that promises more bytes than the file holds fails here
+        raise _unreadable(path, what, fix, e) from None
+
+
+def read_safetensors_folder(folder: str | Path, what: str, fix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files (one or sharded), in file-name order."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(read_safetensors(f, what, fix))
+    return out
+
+
+def read_torch(path: str | Path, what: str, fix: str, **kwargs: Any) -> Any:
+    """``torch.load`` of ``path`` onto the host (``map_location="cpu"``: a file written on a GPU
+    loads where there is none; the caller places what it restores)."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", **kwargs)
+    except Exception as e:  # a truncated zip, a pickle error: the same to the user
+        raise _unreadable(path, what, fix, e) from None
