@@ -327,3 +327,129 @@ def test_adapt_answers_the_requests_in_flight_when_it_stops(adapt_base, tmp_path
         time.sleep(0.3)  # the request is on the server when adapt stops
     t.join(timeout=30)
     assert results and results[0][0] == 200 and servers.started[0].proc.poll() is not None
+
+
+# ---------------------------------------------------------------- checked first, never stuck (issue 36)
+
+
+def _write(path, rows, lines=()):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(f"{line}\n" for line in lines))
+    return path
+
+
+def _main(args, capsys):
+    """``python -m specforge.adapt`` in this process: (exit code, its error lines)."""
+    from specforge.adapt.__main__ import main
+    from specforge.cli import run_cli
+
+    code = run_cli(lambda: main(args), errors=(RuntimeError,))
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def _no_holdout_share(rows):
+    """A holdout share under which none of ``rows`` is held out (rows go by content hash)."""
+    from specforge.adapt.traffic import row_messages
+
+    keys = [row_key(row_messages(r)) for r in rows]
+    return next(s for s in (0.01, 0.02, 0.03, 0.05) if not any(held_out(k, s) for k in keys))
+
+
+def test_adapt_checks_draft_store_port_and_traffic_before_any_work(adapt_base, assets, tmp_path, capsys):
+    """Each of these passed adapt's checks at 356124e and failed only after a copy, a capture or a
+    conversion, or exited 0 having done nothing: now one error line before any work, exit 1."""
+    import shutil
+    import socket
+
+    over, draft = adapt_base
+    rows = _traffic_rows(0, 20)
+    traffic = _write(tmp_path / "traffic.jsonl", rows)
+    junk = _write(tmp_path / "junk.jsonl", [{"prompt": f"q {i}", "answer": "a"} for i in range(41)])
+    other = tmp_path / "other-store"  # the reference store of another target (its fingerprint differs)
+    shutil.copytree(over_store(over), other)
+    index = json.loads((other / "index.json").read_text())
+    index["meta"]["target"] = "0" * 16
+    (other / "index.json").write_text(json.dumps(index))
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    cases = [
+        ([f"adapt.draft={assets / 'target'}"], ["adapt.draft=", "cannot start a round's fine-tune"]),
+        ([f"adapt.traffic={junk}"], ["adapt.traffic=", "0 new usable training row(s)", "skipped 41 malformed",
+                                     "no round can run"]),
+        (["adapt.min_rows=50"], ["fewer than adapt.min_rows=50"]),
+        ([f"adapt.holdout_share={_no_holdout_share(rows)}"], ["adapt.holdout_share=", "held-out slice"]),
+        ([f"adapt.reference_store={other}"], ["adapt.reference_store=", "target (the store: '0000000000000000'"]),
+        (["adapt.serve=true", f"adapt.port={port}"], [f"adapt.port={port}", "another process holds it"]),
+    ]
+    try:
+        for extra, needles in cases:
+            root = tmp_path / "a"
+            code, errors = _main([*over, f"adapt.dir={root}", f"adapt.draft={draft}", "adapt.serve=false",
+                                  f"adapt.traffic={traffic}", "adapt.min_rows=8", "adapt.holdout_share=0.3", *extra], capsys)
+            assert code == 1 and len(errors) == 1, (extra, errors)
+            assert all(n in errors[0] for n in needles), (extra, errors[0])
+            assert not (root / "drafts").exists() and not (root / "store").exists(), extra  # nothing done
+    finally:
+        busy.close()
+
+
+def over_store(over):
+    return next(o.split("=", 1)[1] for o in over if o.startswith("train.output_dir=")) + "/features"
+
+
+def test_a_rerun_with_a_corrected_draft_gets_past_a_start_copied_from_a_wrong_folder(adapt_base, assets, tmp_path, capsys):
+    """356124e copied a non-draft (the target's folder) as drafts/start and kept it in state.json; the
+    same command with a correct adapt.draft failed the same way for ever. Now the start copy follows
+    adapt.draft until a round replaces it, and the round in progress starts again."""
+    import shutil
+
+    from specforge.adapt.rounds import State
+
+    over, draft = adapt_base
+    root = tmp_path / "adapt"
+    shutil.copytree(assets / "target", root / "drafts" / "start")
+    State(round=1, phase="train", live=str(root / "drafts" / "start"), trained_rows=14).save(root)
+    traffic = _write(tmp_path / "traffic.jsonl", _traffic_rows(0, 20))
+    code, errors = _main([*over, f"adapt.dir={root}", f"adapt.draft={draft}", "adapt.steps=3", "adapt.min_rows=8",
+                          "adapt.holdout_share=0.3", "adapt.gate_prompts=4", "adapt.general_prompts=2",
+                          "adapt.max_new_tokens=8", "adapt.chain=3", "adapt.serve=false", f"adapt.traffic={traffic}",
+                          "adapt.min_gain=-100", "adapt.gate_margin=100", "adapt.rounds=1"], capsys)
+    assert code == 0, errors
+    (row,) = _rows(root)
+    assert row["status"] == "swapped" and row["round"] == 1
+    assert (root / "drafts" / "start" / "model.safetensors").read_bytes() == (draft / "model.safetensors").read_bytes()
+
+
+def test_a_failed_round_is_undone_and_the_same_command_gets_past_it(adapt_base, tmp_path, capsys, monkeypatch):
+    """356124e left a round that failed its gate (too few held-out prompts) in phase ``gate`` for ever:
+    a rerun never read the new traffic the error asked for. Now a failed round is undone (the live
+    draft and the domain store as before it) and the same command after more traffic runs a new round."""
+    from specforge.adapt.rounds import Adapter, State
+
+    real_gate = Adapter.gate
+
+    def gate(self, live, candidate):  # a gate that needs 10 held-out rows, as a long-prompt one would
+        if len(self.ledger.gate_rows()) < 10:
+            raise RuntimeError(f"adapt: no held-out traffic prompt to gate on ({len(self.ledger.gate_rows())} rows)")
+        return real_gate(self, live, candidate)
+
+    monkeypatch.setattr(Adapter, "gate", gate)
+    over, draft = adapt_base
+    root = tmp_path / "adapt"
+    traffic = _write(tmp_path / "traffic.jsonl", _traffic_rows(0, 16))
+    args = [*over, f"adapt.dir={root}", f"adapt.draft={draft}", "adapt.steps=3", "adapt.min_rows=8",
+            "adapt.holdout_share=0.3", "adapt.gate_prompts=4", "adapt.general_prompts=2", "adapt.max_new_tokens=8",
+            "adapt.chain=3", "adapt.serve=false", f"adapt.traffic={traffic}", "adapt.min_gain=-100",
+            "adapt.gate_margin=100", "adapt.rounds=1"]
+    code, errors = _main(args, capsys)
+    assert code == 1 and "no held-out traffic prompt" in errors[0], errors
+    state = State.load(root)
+    assert state.phase == "idle" and state.live == str(root / "drafts" / "start") and state.trained_rows == 0
+    assert not (root / "store").exists()  # the capture of the failed round is undone
+    assert _rows(root)[-1]["status"] == "failed"
+    _write(traffic, _traffic_rows(0, 60))  # more traffic, as the error said
+    code, errors = _main(args, capsys)
+    assert code == 0, errors
+    row = _rows(root)[-1]
+    assert row["status"] == "swapped" and row["round"] == 2 and row["gate_rows"] >= 10

@@ -24,6 +24,8 @@ again with it, at most ``adapt.server_restarts`` times per run). Every round is 
 from __future__ import annotations
 
 import dataclasses
+import filecmp
+import hashlib
 import json
 import os
 import shutil
@@ -42,6 +44,11 @@ from specforge.config import Config
 STATE = "state.json"
 PHASES = ("idle", "capture", "train", "gate", "swap")
 STORE_SOURCE = "adapt-traffic"  # the domain store's meta source: the same for every round's appended rows
+STORE_BEFORE = "store-index.before.json"  # in a round's folder: the domain store's index when the round began
+RESET = "python -m specforge.adapt --reset"  # the one command that starts an adapt.dir over (moved aside)
+# adapt keys a round's fine-tune and gate read: a round in progress whose values changed starts again
+ROUND_KEYS = ("steps", "lr", "replay_share", "reference_store", "gate_prompts", "general_prompts", "min_gain",
+              "gate_margin", "max_new_tokens", "chain")
 
 
 def adapt_root(cfg: Config) -> Path:
@@ -72,6 +79,9 @@ class State:
     restarts: int = 0  # live servers restarted after dying
     skipped: dict = field(default_factory=dict)  # malformed traffic rows by reason, over the whole run
     duplicates: int = 0
+    start_source: str = ""  # the folder drafts/start was copied from
+    rows_before: int = 0  # trained_rows before the round in progress began (restored when it is undone)
+    round_inputs: str = ""  # digest of what the round in progress computes from (its config, ROUND_KEYS)
 
     @classmethod
     def load(cls, root: Path) -> "State":
@@ -123,10 +133,28 @@ def config_errors(cfg: Config) -> list[str]:
     return out
 
 
-def check(cfg: Config) -> None:
-    """Everything that can be checked before a model loads or a server starts: one error naming the key."""
+def start_changed(cfg: Config, root: Path, state: State) -> bool:
+    """Whether the start draft (``adapt.draft``) holds other files than ``drafts/start``, the copy the
+    rounds began from (False when either is missing: nothing to compare)."""
+    src, start = start_draft(cfg), root / "drafts" / "start"
+    if not state.live or not (src / "config.json").is_file() or not (start / "config.json").is_file():
+        return False
+    names = sorted({p.name for p in src.resolve().iterdir() if p.is_file()} | {p.name for p in start.iterdir() if p.is_file()})
+    return any(not ((src / n).is_file() and (start / n).is_file() and filecmp.cmp(src / n, start / n, shallow=False))
+               for n in names)
+
+
+def traffic_path(cfg: Config, root: Path) -> Path:
+    return Path(cfg.adapt.traffic).expanduser() if cfg.adapt.traffic else root / "traffic.jsonl"
+
+
+def check(cfg: Config):
+    """Everything that can be checked before any work (a capture, a fine-tune, a GGUF conversion, a
+    server): one error naming the key and the fix. Returns the target when a check loaded it (the
+    reference store's meta compares its weights), for the rounds to use; else None."""
     from specforge.algorithms import get_algorithm
     from specforge.compat import check_drafts
+    from specforge.preflight import check_writable
 
     if errs := config_errors(cfg):
         raise ValueError("; ".join(errs))
@@ -134,15 +162,24 @@ def check(cfg: Config) -> None:
     if a.traffic and not a.serve and not Path(a.traffic).expanduser().is_file():
         raise ValueError(f"adapt.traffic={a.traffic!r}: no such file; name the JSONL of served traffic")
     root = adapt_root(cfg)
+    check_writable("adapt.dir", root)
     state = State.load(root)
-    live = Path(state.live) if state.live else start_draft(cfg)
-    if not (live / "config.json").is_file():
-        raise ValueError(f"adapt.draft: no draft checkpoint at {str(live)!r} (no config.json); train one first "
-                         "(bash scripts/train_eagle3.sh) or set adapt.draft to a draft folder")
+    start = root / "drafts" / "start"
+    changed = start_changed(cfg, root, state)
+    if changed and state.live != str(start):
+        raise ValueError(f"adapt.draft={str(start_draft(cfg))!r} is not the draft {str(root)!r} started from (its "
+                         f"copy: {str(start)!r}), and rounds have replaced that one (live: {state.live!r}): set adapt.draft "
+                         f"back to continue them, or start over from the new draft with `{RESET}` and the same "
+                         f"arguments (it moves {str(root)!r} aside)")
+    if state.live and not changed:
+        _check_draft(cfg, Path(state.live), f"the live draft of adapt.dir={str(root)!r}",
+                     f"restore that folder, or start over with `{RESET}`")
+        live = Path(state.live)
+    else:
+        live = start_draft(cfg)
+        _check_draft(cfg, live, "adapt.draft", "set adapt.draft to a draft folder of this config (a run's checkpoints/latest)")
     check_drafts([str(live)], cfg, False)
-    if a.replay_share > 0 and not (reference_store(cfg) / "index.json").is_file():
-        raise ValueError(f"adapt.reference_store: no feature store at {str(reference_store(cfg))!r}; fill one "
-                         "(python -m specforge.capture with this config) or set adapt.replay_share=0")
+    target = _check_reference(cfg, root) if a.replay_share > 0 else None
     if a.serve:
         from specforge.engines.llamacpp import find_converter, find_server
 
@@ -151,6 +188,95 @@ def check(cfg: Config) -> None:
                              "set adapt.serve=false and name adapt.traffic")
         find_server()
         find_converter()
+        _check_port(a.host, a.port)
+    elif state.phase == "idle":  # a round in progress resumes on the rows it read
+        _check_traffic(cfg, root, state)
+    return target
+
+
+def _check_draft(cfg: Config, path: Path, what: str, fix: str) -> None:
+    """``path`` is a draft the rounds can fine-tune: what the round's ``draft.init_from`` will check."""
+    from specforge.files import open_safetensors
+    from specforge.train.init_from import check_init_from
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{what}: no draft checkpoint at {str(path)!r} (no config.json); train one first "
+                         f"(bash scripts/train_eagle3.sh) or {fix}")
+    probe = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, init_from=str(path)),
+                                checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+    try:
+        check_init_from(probe)
+    except ValueError as e:
+        why = str(e).replace(f"config key 'draft.init_from'={str(path)!r}", "it").replace("config key 'draft.init_from': ", "")
+        raise ValueError(f"{what}={str(path)!r} cannot start a round's fine-tune ({why}); {fix}") from None
+    for f in sorted(path.glob("*.safetensors")):  # the headers only: a truncated or foreign file, named now
+        with open_safetensors(f, f"{what}'s weights file", fix):
+            pass
+
+
+def _check_reference(cfg: Config, root: Path):
+    """The reference store replayed beside the traffic: a store of this config's target, aux layers and
+    data.max_length (every meta field but the samples' source, as the round's replay compares them)."""
+    from specforge.algorithms import feature_layers
+    from specforge.data.store import INDEX, FeatureStore, StoreMeta, check_replay_meta, store_meta
+    from specforge.models.target import load_target
+    from specforge.runtime.plan import replayable_ids
+
+    ref = reference_store(cfg)
+    if not (ref / INDEX).is_file():
+        raise ValueError(f"adapt.reference_store: no feature store at {str(ref)!r}; fill one "
+                         "(python -m specforge.capture with this config) or set adapt.replay_share=0")
+    store = FeatureStore(ref)
+    target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
+    want = store_meta(cfg, target, source="")
+    diffs = [f"{f.name} (the store: {getattr(store.meta, f.name)!r}, this config: {getattr(want, f.name)!r})"
+             for f in dataclasses.fields(StoreMeta) if f.name != "source" and getattr(store.meta, f.name) != getattr(want, f.name)]
+    if diffs:
+        raise ValueError(f"adapt.reference_store={str(ref)!r} holds features of another setup than this config: "
+                         f"{'; '.join(diffs)}; name the store captured with this model.target_path, model.aux_layer_ids "
+                         "and data.max_length (the one the live draft was trained on), or set adapt.replay_share=0")
+    if not replayable_ids(store):
+        raise ValueError(f"adapt.reference_store={str(ref)!r} holds {len(store.ids)} samples, none of which may be "
+                         "replayed (its last min(8, a tenth) are held out); fill it or set adapt.replay_share=0")
+    if (root / "store" / INDEX).is_file():
+        check_replay_meta(FeatureStore(root / "store", allow_partial=True), store)
+    return target
+
+
+def _check_port(host: str, port: int) -> None:
+    """The proxy's port is free (before the GGUF conversions and the server, not after them)."""
+    import socket
+
+    if not port:
+        return  # any free one
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxy's server binds
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            raise ValueError(f"adapt.port={port}: {host}:{port} cannot be bound ({e.strerror or e}); another process "
+                             "holds it: choose another adapt.port, or 0 for any free port") from None
+
+
+def _check_traffic(cfg: Config, root: Path, state: State) -> None:
+    """The traffic (adapt.serve=false) can start a round: enough new usable rows, and a held-out slice
+    the gate can measure on (rows go to it by content hash: it is known before anything runs)."""
+    a = cfg.adapt
+    ledger = Ledger(root, a.holdout_share)
+    path = traffic_path(cfg, root)
+    got = ledger.preview(path, state.offset)
+    new = ledger.counts["train"] - state.trained_rows + got.train
+    if new < a.min_rows:
+        raise ValueError(f"adapt.traffic={str(path)!r}: {new} new usable training row(s) ({got.summary()}), fewer than "
+                         f"adapt.min_rows={a.min_rows}: no round can run; add served chat completions (rows "
+                         "{\"messages\": [...], \"completion\": \"...\"}, or ShareGPT / messages rows with the assistant "
+                         "turns) or lower adapt.min_rows")
+    if ledger.counts["gate"] + got.gate == 0:
+        usable = ledger.counts["train"] + got.train
+        raise ValueError(f"adapt.holdout_share={a.holdout_share:g}: none of the {usable} usable traffic rows falls in the "
+                         "held-out slice the gate measures on (a row's slice follows from its content); raise "
+                         "adapt.holdout_share or add traffic")
 
 
 # ---------------------------------------------------------------- the live server
@@ -189,7 +315,7 @@ class Adapter:
     """The rounds of one ``adapt.dir``. ``servers``: what starts a server for a draft folder
     (``.start(path)`` -> an object with ``url``, ``proc`` and ``stop()``); None: llama-server."""
 
-    def __init__(self, cfg: Config, servers=None, log: Callable[[str], None] = print):
+    def __init__(self, cfg: Config, servers=None, log: Callable[[str], None] = print, target=None):
         self.cfg, self.a, self.log = cfg, cfg.adapt, log
         self.root = adapt_root(cfg)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -197,19 +323,26 @@ class Adapter:
         self.ledger = Ledger(self.root, self.a.holdout_share)
         self.servers = servers
         self.server = self.proxy = None
-        self._target = None
-        self.traffic = Path(self.a.traffic).expanduser() if self.a.traffic else self.root / "traffic.jsonl"
+        self._target = target  # check() loaded it already when it compared the reference store
+        self.traffic = traffic_path(cfg, self.root)
         self.rounds_done = 0
         self._tracker = None
 
     # -- lifecycle
 
     def __enter__(self) -> "Adapter":
-        if not self.state.live:  # the first start: a copy of the draft, so nothing outside adapt.dir moves it
+        dst = self.root / "drafts" / "start"
+        changed = start_changed(self.cfg, self.root, self.state)
+        if changed and self.state.live != str(dst):
+            raise ValueError(f"adapt.draft changed after rounds replaced the start draft; see `{RESET}`")
+        if not self.state.live or changed:  # a copy of the draft, so nothing outside adapt.dir moves it
             src = start_draft(self.cfg).resolve()
-            dst = self.root / "drafts" / "start"
+            if changed:  # no round replaced the start draft yet: the rounds begin from the new one
+                self.log(f"adapt: adapt.draft changed ({src}); the start draft {dst} is replaced by it")
+                if self.state.phase != "idle":
+                    self._undo_round("its start draft changed", consumed=False)
             _copy_draft(src, dst)
-            self.state.live = str(dst)
+            self.state.live, self.state.start_source = str(dst), str(src)
             self.state.save(self.root)
             self.log(f"adapt: live draft {dst} (copied from {src})")
         if self.a.serve:
@@ -236,6 +369,8 @@ class Adapter:
 
     def run(self) -> int:
         """Rounds until ``adapt.rounds`` are done, or (no server) the traffic has too few new rows."""
+        if self.state.phase != "idle" and self.state.round_inputs != self._inputs():
+            self._undo_round("its inputs changed (the config of its fine-tune or gate)", consumed=False)
         while self.a.rounds is None or self.rounds_done < self.a.rounds:
             if self.state.phase == "idle":
                 got = self.ledger.ingest(self.traffic, self.state.offset)
@@ -249,8 +384,10 @@ class Adapter:
                     time.sleep(self.a.poll_s)
                     continue
                 self.state.round += 1
-                self.state.trained_rows = self.ledger.counts["train"]
+                self.state.rows_before, self.state.trained_rows = self.state.trained_rows, self.ledger.counts["train"]
                 self.state.phase, self.state.gate = "capture", None
+                self._snapshot_store()
+                self.state.round_inputs = self._inputs()
                 self.state.save(self.root)
             self.round()
             self.rounds_done += 1
@@ -318,11 +455,75 @@ class Adapter:
             row.update(status="server died", why=str(e))
             self.log(f"adapt: round {n} ended: {e}; the live draft stays {self.state.live}")
             self._keep_serving()
+        except Exception as e:  # noqa: BLE001 -- any failure: undo the round, say so, end the run
+            steps = _steps(rdir)
+            self._undo_round(f"{type(e).__name__}", consumed=True)
+            row.update(status="failed", why=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                       live=self.state.live, steps=steps, minutes=round((time.time() - t0) / 60, 2))
+            self._record(row)
+            raise RuntimeError(f"{e}\nadapt: round {n} failed and was undone (the live draft {self.state.live} and the "
+                               "domain store are as before it); fix the cause and run the same command again: the "
+                               "next round reads the traffic anew") from e
         row.update(live=self.state.live, steps=_steps(rdir), minutes=round((time.time() - t0) / 60, 2))
         self.state.phase, self.state.gate = "idle", None
         self.state.save(self.root)
         self._record(row)
         return row
+
+    def _rdir(self) -> Path:
+        return self.root / "rounds" / f"round-{self.state.round:04d}"
+
+    def _inputs(self) -> str:
+        """Digest of what the round in progress computes from: its fine-tune's config and the gate's keys."""
+        cfg = self.round_config(self._rdir())
+        cfg.pop("tracking", None)
+        cfg["adapt"] = {k: cfg["adapt"].get(k) for k in ROUND_KEYS}
+        return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def _snapshot_store(self) -> None:
+        """The domain store's index as the round begins (``_undo_round`` puts it back)."""
+        from specforge.data.store import INDEX
+
+        rdir = self._rdir()
+        if rdir.exists():  # a folder of an earlier attempt at this number: set aside, never resumed
+            shutil.move(str(rdir), str(rdir.with_name(f"{rdir.name}.undone-{time.strftime('%Y%m%d-%H%M%S')}")))
+        rdir.mkdir(parents=True)
+        index = self.root / "store" / INDEX
+        before = {"index": json.loads(index.read_text())} if index.is_file() else {"absent": True}
+        (rdir / STORE_BEFORE).write_text(json.dumps(before))
+
+    def _undo_round(self, why: str, consumed: bool) -> None:
+        """The round in progress never happened: the domain store as it began (its index back, shards
+        written since removed), its folder set aside, the rows it took counted as new again, the
+        live draft untouched. ``consumed``: its number stays used (a failed round has its metrics row)."""
+        from specforge.data.store import INDEX
+
+        n, rdir, store = self.state.round, self._rdir(), self.root / "store"
+        snap = rdir / STORE_BEFORE
+        if snap.is_file():
+            before = json.loads(snap.read_text())
+            if before.get("absent"):
+                shutil.rmtree(store, ignore_errors=True)
+            else:
+                keep = {sh["file"] for sh in before["index"].get("shards", [])}
+                tmp = store / (INDEX + ".tmp")
+                tmp.write_text(json.dumps(before["index"], sort_keys=True, separators=(",", ":")))
+                os.replace(tmp, store / INDEX)
+                for f in store.glob("shard-*"):
+                    if f.name not in keep:
+                        f.unlink()
+        if rdir.exists():
+            shutil.move(str(rdir), str(rdir.with_name(f"{rdir.name}.undone-{time.strftime('%Y%m%d-%H%M%S')}")))
+        for leftover in (self.root / "drafts" / f"round-{n:04d}", self.root / "drafts" / f"round-{n:04d}.tmp"):
+            if leftover.exists() and str(leftover) != self.state.live:
+                shutil.rmtree(leftover)
+        self.state.trained_rows = self.state.rows_before
+        self.state.phase, self.state.gate, self.state.round_inputs = "idle", None, ""
+        if not consumed:
+            self.state.round -= 1
+        self.state.save(self.root)
+        self.log(f"adapt: round {n} undone ({why}): the live draft stays {self.state.live}; the domain store is as "
+                 "before it" + ("" if consumed else "; it starts again from its first phase"))
 
     def _set_phase(self, phase: str) -> None:
         self.state.phase = phase

@@ -89,16 +89,17 @@ class Ledger:
     def gate_rows(self) -> list[list[dict]]:
         return self._read(self.gate_path)
 
-    def ingest(self, traffic: Path, offset: int) -> Ingested:
-        """Rows of ``traffic`` from byte ``offset`` to its last complete line."""
+    def _parse(self, traffic: Path, offset: int, keys: set[str]) -> tuple[Ingested, dict[str, list[str]]]:
+        """The new rows of ``traffic`` from byte ``offset`` to its last complete line (``keys``: the
+        rows already kept, updated), split into training and held-out lines; nothing written."""
         out = Ingested(offset=offset)
+        add: dict[str, list[str]] = {"train": [], "gate": []}
         if not traffic.is_file():
-            return out
+            return out, add
         with open(traffic, "rb") as f:
             f.seek(offset)
             data = f.read()
         end = data.rfind(b"\n") + 1  # an unfinished last line is read next time
-        add: dict[str, list[str]] = {"train": [], "gate": []}
         for raw in data[:end].splitlines():
             if not raw.strip():
                 continue
@@ -108,16 +109,25 @@ class Ledger:
                 out.skipped[e.reason if isinstance(e, MalformedRow) else BAD_JSON] += 1
                 continue
             key = row_key(messages)
-            if key in self.keys:
+            if key in keys:
                 out.duplicates += 1
                 continue
-            self.keys.add(key)
+            keys.add(key)
             add["gate" if held_out(key, self.share) else "train"].append(json.dumps({"messages": messages},
                                                                                    ensure_ascii=False))
+        out.train, out.gate, out.offset = len(add["train"]), len(add["gate"]), offset + end
+        return out, add
+
+    def preview(self, traffic: Path, offset: int) -> Ingested:
+        """What ``ingest`` would add, without adding it (adapt's checks before any work)."""
+        return self._parse(traffic, offset, set(self.keys))[0]
+
+    def ingest(self, traffic: Path, offset: int) -> Ingested:
+        """Rows of ``traffic`` from byte ``offset`` to its last complete line."""
+        out, add = self._parse(traffic, offset, self.keys)
         for kind, path in (("train", self.train_path), ("gate", self.gate_path)):
             if add[kind]:
                 with open(path, "a", encoding="utf-8") as f:
                     f.write("".join(line + "\n" for line in add[kind]))
                 self.counts[kind] += len(add[kind])
-        out.train, out.gate, out.offset = len(add["train"]), len(add["gate"]), offset + end
         return out
