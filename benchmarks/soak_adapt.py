@@ -79,6 +79,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"))
     ap.add_argument("--draft", default=str(REPO / "runs" / "smollm2-135m-cpu" / "checkpoints" / "latest"))
+    ap.add_argument("--reference-store", default=None, help="default: the config's store")
     ap.add_argument("--out", default=str(REPO / "runs" / "soak-adapt"))
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--clients", type=int, default=4)
@@ -104,6 +105,8 @@ def main() -> int:
            f"adapt.draft={Path(args.draft).resolve()}", f"adapt.rounds={args.rounds}", f"adapt.min_rows={args.min_rows}",
            f"adapt.steps={args.steps}", f"adapt.port={port}", f"adapt.threads={args.threads}",
            f"train.num_threads={args.threads}", "tracking.wandb=false", "adapt.poll_s=2"]
+    if args.reference_store:
+        cmd.append(f"adapt.reference_store={Path(args.reference_store).resolve()}")
     log = open(out / "adapt.log", "ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
