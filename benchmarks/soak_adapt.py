@@ -8,7 +8,7 @@ proxy for ``--minutes``. At a quarter of the time the live llama-server (adapt's
 adapt must start it again with the live draft (a round in progress ends, the live draft stays). At half
 the time adapt is SIGKILLed (its children go with it) and the same command is started again: it must
 resume (a round in progress where it was) and serve on the same port. The run ends when ``--rounds``
-rounds are recorded and the time is up, or at twice the time.
+rounds are recorded and the time is up, or at ``--max-minutes`` (1.5x the time) with a Ctrl-C to adapt.
 
 Counted: requests answered (HTTP 200), refused or failed while adapt was up (errors), and while it
 was down between its kill and its restart answering (expected: nobody listens); requests that got
@@ -88,7 +88,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64, help="per served request")
     ap.add_argument("--threads", type=int, default=1, help="adapt's and llama-server's threads (1 + 1 on 2 cores)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop then even if rounds are missing (default 1.5x)")
     ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="more adapt keys, e.g. adapt.general_prompts=8")
     args = ap.parse_args()
 
     from specforge.engines.llamacpp import free_port
@@ -107,6 +109,7 @@ def main() -> int:
            f"train.num_threads={args.threads}", "tracking.wandb=false", "adapt.poll_s=2"]
     if args.reference_store:
         cmd.append(f"adapt.reference_store={Path(args.reference_store).resolve()}")
+    cmd += args.overrides
     log = open(out / "adapt.log", "ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -118,7 +121,7 @@ def main() -> int:
     proc = start()
     events["first serving"] = wait_healthy(url, proc, 900)
     metrics = root / "metrics.jsonl"
-    end, hard_end = t0 + 60 * args.minutes, t0 + 120 * args.minutes
+    end, hard_end = t0 + 60 * args.minutes, t0 + 60 * (args.max_minutes or 1.5 * args.minutes)
     server_killed = adapt_killed = False
     with Load(url, traffic, args.clients, args.max_tokens, max_requests=10**6) as load:
         while time.time() < hard_end:
@@ -179,7 +182,7 @@ def main() -> int:
     if not args.no_readme:
         body = (f"{header_markdown(machine_info())}\n\n`python benchmarks/soak_adapt.py --minutes {args.minutes:g} --clients "
                 f"{args.clients} --rounds {args.rounds} --min-rows {args.min_rows} --steps {args.steps} --threads "
-                f"{args.threads}` (start draft: `{args.draft}`)\n\n{text}\n\n{summary}\n")
+                f"{args.threads} {' '.join(args.overrides)}` (start draft: `{args.draft}`)\n\n{text}\n\n{summary}\n")
         append_section(TITLE, body)
     return 0 if not missing and proc.returncode == 0 else 1
 
