@@ -7,8 +7,9 @@ llama-server killed mid-load, adapt itself killed and started again; every reque
 proxy for ``--minutes``. At a quarter of the time the live llama-server (adapt's child) is SIGKILLed:
 adapt must start it again with the live draft (a round in progress ends, the live draft stays). At half
 the time adapt is SIGKILLed (its children go with it) and the same command is started again: it must
-resume (a round in progress where it was) and serve on the same port. The run ends when ``--rounds``
-rounds are recorded and the time is up, or at ``--max-minutes`` (1.5x the time) with a Ctrl-C to adapt.
+resume (a round in progress where it was) and serve on the same port. adapt runs rounds until it is
+interrupted: the soak ends, with a Ctrl-C to adapt (it answers the requests in flight, then exits 130),
+once the time is up and ``--rounds`` rounds are recorded, or at ``--max-minutes`` (1.5x the time).
 
 Counted: requests answered (HTTP 200), refused or failed while adapt was up (errors), and while it
 was down between its kill and its restart answering (expected: nobody listens); requests that got
@@ -83,7 +84,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "runs" / "soak-adapt"))
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds to see recorded before the end (adapt runs on until then)")
     ap.add_argument("--min-rows", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64, help="per served request")
@@ -104,7 +105,7 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "specforge.adapt", "--config", args.config, f"adapt.dir={root}",
-           f"adapt.draft={Path(args.draft).resolve()}", f"adapt.rounds={args.rounds}", f"adapt.min_rows={args.min_rows}",
+           f"adapt.draft={Path(args.draft).resolve()}", f"adapt.min_rows={args.min_rows}",
            f"adapt.steps={args.steps}", f"adapt.port={port}", f"adapt.threads={args.threads}",
            f"train.num_threads={args.threads}", "tracking.wandb=false", "adapt.poll_s=2"]
     if args.reference_store:
@@ -127,7 +128,7 @@ def main() -> int:
         while time.time() < hard_end:
             now = time.time()
             if proc.poll() is not None:
-                break  # its rounds are done (or it failed: its code says which)
+                break  # it failed (it serves until interrupted): its exit code says so
             if not server_killed and now - t0 > 0.25 * 60 * args.minutes:
                 servers = [pid for pid, line in children(proc.pid) if "llama-server" in line]
                 if servers:
@@ -145,7 +146,8 @@ def main() -> int:
                 break
             time.sleep(1)
         served_until = time.time()
-    if proc.poll() is None:  # the time is up before the rounds: stop it as a user would (Ctrl-C: it drains)
+    stopped_by_us = proc.poll() is None
+    if stopped_by_us:  # the end: stop it as a user would (Ctrl-C: the requests in flight are answered first)
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=600)
@@ -160,6 +162,11 @@ def main() -> int:
     answered = sum(1 for r in up if r[2] == 200)
     lost = sum(1 for r in up if r[2] == 0)
     errors = len(up) - answered
+    # where the errors fell: in flight when adapt was SIGKILLed, or after the llama-server kill until its next answer
+    kill = events.get("llama-server killed", 0)
+    back = min((a for a, _, st in load.log if st == 200 and a > kill), default=kill) if kill else 0
+    at_kill = sum(1 for a, b, st in up if st != 200 and a < down[0] <= b + 1)
+    server_gap = sum(1 for a, _, st in up if st != 200 and kill <= a <= back)
     rounds = rows_of(metrics)
     state = json.loads((root / "state.json").read_text())
     named = [r.get("live") for r in rounds] + [r.get("candidate") for r in rounds] + [state["live"]]
@@ -169,12 +176,16 @@ def main() -> int:
     text = markdown_table(["round", "status", "training rows", "steps", "why (when not swapped)", "minutes"], table)
     when = ", ".join(f"{k} at {(v - t0) / 60:.1f} min" for k, v in events.items())
     summary = (f"{len(load.log)} requests from {args.clients} clients in {minutes:.1f} min ({when}). While adapt was up: "
-               f"{answered} answered, {errors} errors, of which {lost} got no answer at all; while it was down (its kill "
+               f"{answered} answered, {errors} errors ({at_kill} in flight at adapt's SIGKILL, {server_gap} between the "
+               f"llama-server kill and its next answer), of which {lost} got no answer at all; while it was down (its kill "
                f"to its restart answering, {(down[1] - down[0]):.1f} s): {len(during_down)} requests, "
                f"{sum(1 for r in during_down if r[2] == 200)} answered. Rounds recorded: {len(rounds)}; drafts named "
-               f"in metrics.jsonl and state.json missing: {len(missing)}; adapt's exit code {proc.returncode}; "
+               f"in metrics.jsonl and state.json missing: {len(missing)}; adapt's exit code {proc.returncode} "
+               f"({'130: it ended on the Ctrl-C that closes the soak' if stopped_by_us else 'it ended by itself'}); "
                f"live draft at the end: {state['live']}.")
     print(text + "\n\n" + summary)
+    with open(out / "requests.jsonl", "w") as f:  # every request: when it started and ended, its status
+        f.writelines(json.dumps({"start": a - t0, "end": b - t0, "status": st}) + "\n" for a, b, st in load.log)
     (out / "result.json").write_text(json.dumps({"events": {k: v - t0 for k, v in events.items()}, "rounds": rounds,
                                                  "answered": answered, "errors": errors, "lost": lost,
                                                  "down_requests": len(during_down), "missing": missing,
@@ -184,7 +195,7 @@ def main() -> int:
                 f"{args.clients} --rounds {args.rounds} --min-rows {args.min_rows} --steps {args.steps} --threads "
                 f"{args.threads} {' '.join(args.overrides)}` (start draft: `{args.draft}`)\n\n{text}\n\n{summary}\n")
         append_section(TITLE, body)
-    return 0 if not missing and proc.returncode == 0 else 1
+    return 0 if not missing and stopped_by_us and proc.returncode == 130 else 1
 
 
 if __name__ == "__main__":
