@@ -114,7 +114,8 @@ class Load:
             t.join(timeout=700)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Until the adapt proxy answers ``/health``; the time it first did."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -122,11 +123,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
-                    return
+                    return time.time()
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     raise SystemExit(f"the adapt proxy did not answer within {timeout_s:.0f} s")
+
+
+def add_run_args(ap: argparse.ArgumentParser, out: str) -> None:
+    """What an adapt benchmark starts from: the config, the start draft, the reference store, its folder."""
+    ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"))
+    ap.add_argument("--draft", default=str(REPO / "runs" / "smollm2-135m-cpu" / "checkpoints" / "latest"))
+    ap.add_argument("--reference-store", default=None, help="default: the config's store")
+    ap.add_argument("--out", default=str(REPO / "runs" / out))
 
 
 def engine_acceptance(cfg, drafts: list[str], prompts: list[list[int]], max_new: int, threads: int) -> dict[str, float]:
@@ -140,10 +149,7 @@ def engine_acceptance(cfg, drafts: list[str], prompts: list[list[int]], max_new:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"))
-    ap.add_argument("--draft", default=str(REPO / "runs" / "smollm2-135m-cpu" / "checkpoints" / "latest"))
-    ap.add_argument("--reference-store", default=None, help="default: the config's store")
-    ap.add_argument("--out", default=str(REPO / "runs" / "bench-adapt"))
+    add_run_args(ap, "bench-adapt")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-rows", type=int, default=24)
     ap.add_argument("--steps", type=int, default=40)

@@ -27,12 +27,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_adapt import Load, humaneval, measured_task  # noqa: E402
+from benchmarks.bench_adapt import Load, add_run_args, humaneval, measured_task, wait_healthy  # noqa: E402
 from benchmarks.common import REPO, append_section, header_markdown, machine_info, markdown_table  # noqa: E402
 
 TITLE = "Soak of specforge.adapt (load, a killed server, a killed adapt)"
@@ -53,35 +52,13 @@ def children(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise SystemExit(f"specforge.adapt exited with {proc.returncode} before serving")
-        if healthy(url):
-            return time.time()
-        time.sleep(0.5)
-    raise SystemExit(f"the adapt proxy did not answer within {timeout_s:.0f} s")
-
-
 def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"))
-    ap.add_argument("--draft", default=str(REPO / "runs" / "smollm2-135m-cpu" / "checkpoints" / "latest"))
-    ap.add_argument("--reference-store", default=None, help="default: the config's store")
-    ap.add_argument("--out", default=str(REPO / "runs" / "soak-adapt"))
+    add_run_args(ap, "soak-adapt")
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="rounds to see recorded before the end (adapt runs on until then)")

@@ -31,6 +31,7 @@ import torch
 
 from specforge.algorithms import get_algorithm
 from tests.helpers.data import write_tiny_assets
+from tests.helpers.ray_run import losses as train_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.rehearsal, pytest.mark.timeout(600)]
 DEVICE = "cpu" if os.environ.get("SPECFORGE_GPU_REHEARSAL") == "cpu" else "cuda"
@@ -68,8 +69,7 @@ def overrides(assets, out, algorithm, *extra):
 
 
 def losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    return {r["step"]: r["loss"] for r in train_rows(out)}
 
 
 class _Killed(BaseException):

@@ -218,7 +218,7 @@ def _check_reference(cfg: Config, root: Path):
     """The reference store replayed beside the traffic: a store of this config's target, aux layers and
     data.max_length (every meta field but the samples' source, as the round's replay compares them)."""
     from specforge.algorithms import feature_layers
-    from specforge.data.store import INDEX, FeatureStore, StoreMeta, check_replay_meta, store_meta
+    from specforge.data.store import INDEX, FeatureStore, check_replay_meta, meta_differences, store_meta
     from specforge.models.target import load_target
     from specforge.runtime.plan import replayable_ids
 
@@ -229,8 +229,7 @@ def _check_reference(cfg: Config, root: Path):
     store = FeatureStore(ref)
     target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
     want = store_meta(cfg, target, source="")
-    diffs = [f"{f.name} (the store: {getattr(store.meta, f.name)!r}, this config: {getattr(want, f.name)!r})"
-             for f in dataclasses.fields(StoreMeta) if f.name != "source" and getattr(store.meta, f.name) != getattr(want, f.name)]
+    diffs = meta_differences(store.meta, want, "the store", "this config", ignore=("source",))
     if diffs:
         raise ValueError(f"adapt.reference_store={str(ref)!r} holds features of another setup than this config: "
                          f"{'; '.join(diffs)}; name the store captured with this model.target_path, model.aux_layer_ids "
@@ -420,7 +419,7 @@ class Adapter:
 
     def round(self) -> dict:
         n, t0 = self.state.round, time.time()
-        rdir = self.root / "rounds" / f"round-{n:04d}"
+        rdir = self._rdir()
         row = {"round": n, "live_before": self.state.live, "train_rows": self.ledger.counts["train"],
                "gate_rows": self.ledger.counts["gate"], "skipped_rows": sum(self.state.skipped.values()),
                "duplicate_rows": self.state.duplicates, "replay_share": self.a.replay_share}
@@ -485,35 +484,23 @@ class Adapter:
         from specforge.data.store import INDEX
 
         rdir = self._rdir()
-        if rdir.exists():  # a folder of an earlier attempt at this number: set aside, never resumed
-            shutil.move(str(rdir), str(rdir.with_name(f"{rdir.name}.undone-{time.strftime('%Y%m%d-%H%M%S')}")))
+        _set_aside(rdir)  # a folder of an earlier attempt at this number: never resumed
         rdir.mkdir(parents=True)
         index = self.root / "store" / INDEX
-        before = {"index": json.loads(index.read_text())} if index.is_file() else {"absent": True}
-        (rdir / STORE_BEFORE).write_text(json.dumps(before))
+        (rdir / STORE_BEFORE).write_text(json.dumps({"index": index.read_text() if index.is_file() else None}))
 
     def _undo_round(self, why: str, consumed: bool) -> None:
         """The round in progress never happened: the domain store as it began (its index back, shards
         written since removed), its folder set aside, the rows it took counted as new again, the
         live draft untouched. ``consumed``: its number stays used (a failed round has its metrics row)."""
-        from specforge.data.store import INDEX
+        from specforge.data.store import restore_index
 
-        n, rdir, store = self.state.round, self._rdir(), self.root / "store"
+        n, rdir = self.state.round, self._rdir()
         snap = rdir / STORE_BEFORE
         if snap.is_file():
-            before = json.loads(snap.read_text())
-            if before.get("absent"):
-                shutil.rmtree(store, ignore_errors=True)
-            else:
-                keep = {sh["file"] for sh in before["index"].get("shards", [])}
-                tmp = store / (INDEX + ".tmp")
-                tmp.write_text(json.dumps(before["index"], sort_keys=True, separators=(",", ":")))
-                os.replace(tmp, store / INDEX)
-                for f in store.glob("shard-*"):
-                    if f.name not in keep:
-                        f.unlink()
-        if rdir.exists():
-            shutil.move(str(rdir), str(rdir.with_name(f"{rdir.name}.undone-{time.strftime('%Y%m%d-%H%M%S')}")))
+            before = json.loads(snap.read_text())["index"]
+            restore_index(self.root / "store", None if before is None else before.encode())
+        _set_aside(rdir)
         for leftover in (self.root / "drafts" / f"round-{n:04d}", self.root / "drafts" / f"round-{n:04d}.tmp"):
             if leftover.exists() and str(leftover) != self.state.live:
                 shutil.rmtree(leftover)
@@ -705,6 +692,12 @@ def _copy_draft(src: Path, dst: Path) -> None:
         shutil.rmtree(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, dst)
+
+
+def _set_aside(rdir: Path) -> None:
+    """A round's folder that will not be resumed, renamed ``<name>.undone-<time>`` (nothing deleted)."""
+    if rdir.exists():
+        shutil.move(str(rdir), str(rdir.with_name(f"{rdir.name}.undone-{time.strftime('%Y%m%d-%H%M%S')}")))
 
 
 def _newest(rdir: Path) -> Path:

@@ -115,10 +115,15 @@ def store_root(cfg) -> Path:
     return Path(cfg.store.dir or Path(cfg.train.output_dir) / "features").expanduser()
 
 
+def meta_differences(a: StoreMeta, b: StoreMeta, a_name: str, b_name: str, ignore: tuple[str, ...] = ()) -> list[str]:
+    """``field (a_name: value, b_name: value)`` for every meta field (but ``ignore``) where ``a`` and ``b`` differ."""
+    return [f"{f.name} ({a_name}: {getattr(a, f.name)!r}, {b_name}: {getattr(b, f.name)!r})"
+            for f in fields(StoreMeta) if f.name not in ignore and getattr(a, f.name) != getattr(b, f.name)]
+
+
 def check_meta(found: StoreMeta, expected: StoreMeta, root) -> None:
     """ValueError naming every field where the store differs from what this run expects."""
-    diffs = [f"{f.name} (store: {getattr(found, f.name)!r}, this run: {getattr(expected, f.name)!r})"
-             for f in fields(StoreMeta) if getattr(found, f.name) != getattr(expected, f.name)]
+    diffs = meta_differences(found, expected, "store", "this run")
     if diffs:
         raise ValueError(
             f"feature store {root} was captured for a different setup: {'; '.join(diffs)}; "
@@ -129,8 +134,7 @@ def check_meta(found: StoreMeta, expected: StoreMeta, root) -> None:
 def check_replay_meta(own, ref) -> None:
     """A reference store replayed beside a run's own store must hold features of the same kind:
     every meta field but ``source`` (what the samples are) equal, else a ValueError naming each."""
-    diffs = [f"{f.name} ({own.root}: {getattr(own.meta, f.name)!r}, {ref.root}: {getattr(ref.meta, f.name)!r})"
-             for f in fields(StoreMeta) if f.name != "source" and getattr(own.meta, f.name) != getattr(ref.meta, f.name)]
+    diffs = meta_differences(own.meta, ref.meta, str(own.root), str(ref.root), ignore=("source",))
     if diffs:
         raise ValueError(f"config key 'store.replay_dir'={str(ref.root)!r} holds features of another setup than the "
                          f"run's store: {'; '.join(diffs)}; replay a store captured with the same target, tokenizer, "
@@ -230,6 +234,20 @@ def _load_index(root: Path) -> dict:
 
 def _shard_name(number: int) -> str:
     return f"shard-{number:05d}.safetensors"
+
+
+def restore_index(root: Path, index: Optional[bytes]) -> None:
+    """Put a store back to an index it had (its bytes, as read before appending): the index written
+    atomically, the shards it does not name removed. ``None``: there was no store; remove it."""
+    root = Path(root)
+    if index is None:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    keep = {sh["file"] for sh in json.loads(index).get("shards", [])}
+    _atomic_write(root / INDEX, index)
+    for f in root.glob("shard-*"):
+        if f.name not in keep:
+            f.unlink()
 
 
 # ---------------------------------------------------------------- writing
