@@ -15,22 +15,12 @@ and the fix:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from specforge.algorithms import read_draft_config
+
 ALLOW_FLAG = "--allow-mismatch"
-
-
-def read_draft_config(path: str | Path) -> dict:
-    """config.json of a draft folder (no weights), with the error the checkpoint loader gives."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{str(path)!r} is not a draft checkpoint (needs config.json and model.safetensors)")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(f)!r} is not valid JSON ({e}): a truncated or hand-edited draft checkpoint") from None
 
 
 def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:

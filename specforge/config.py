@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from specforge.algorithms import NAMES, get_algorithm
+
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
 DEFAULT_ALGORITHM = "eagle3"  # draft.algorithm when a config names none (a name of specforge.algorithms.NAMES)
@@ -85,10 +87,14 @@ class DraftConfig:
     init_from: Optional[str] = None
 
 
+def default_feature_layers(model_cfg: "ModelConfig", num_layers: int) -> list[int]:
+    """The layers the default algorithm (``DEFAULT_ALGORITHM``) reads, for ``model_cfg``: what a
+    target loaded without a run's config captures."""
+    return get_algorithm(DEFAULT_ALGORITHM).feature_layers(Config(model=model_cfg), num_layers)
+
+
 def draft_options(algorithm: str) -> type:
     """The options class (a ``DraftConfig``) of ``algorithm``; a ValueError naming the key otherwise."""
-    from specforge.algorithms import get_algorithm
-
     return get_algorithm(algorithm).options
 
 
@@ -361,8 +367,6 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def _draft_class(data: Any) -> type:
     name = data.get("algorithm", DEFAULT_ALGORITHM) if isinstance(data, dict) else DEFAULT_ALGORITHM
-    from specforge.algorithms import NAMES
-
     if name not in NAMES:
         raise ValueError(f"config key 'draft.algorithm': got {name!r}, expected one of {', '.join(map(repr, NAMES))}")
     return draft_options(name)
@@ -370,8 +374,6 @@ def _draft_class(data: Any) -> type:
 
 def _draft_key_owner(name: str) -> Optional[str]:
     """The algorithm whose options have the key ``name`` (the first in the registry), or None."""
-    from specforge.algorithms import NAMES
-
     return next((a for a in NAMES if name in {f.name for f in dataclasses.fields(draft_options(a))}), None)
 
 
@@ -509,8 +511,6 @@ def validate(cfg: Config) -> None:
         errors.append("config key 'train.precision'='fp16' is refused: fp16 training needs loss scaling, which the "
                       "trainer does not do (small gradients would flush to zero); use 'bf16' (fp32's exponent range, "
                       "no scaling needed), or 'fp32' on a GPU without bf16")
-    from specforge.algorithms import get_algorithm
-
     errors += get_algorithm(cfg.draft.algorithm).config_errors(cfg)
     errors += replay_errors(cfg)
     endpoint = cfg.regenerate.endpoint

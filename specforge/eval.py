@@ -568,7 +568,7 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
     """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
     the target layers ``aux_ids[name]`` (default: the target's)."""
     from specforge.algorithms import algorithm_of, load_draft
-    from specforge.compat import read_draft_config
+    from specforge.algorithms import read_draft_config
 
     settings: list[Setting] = []
     for name in dict.fromkeys(drafts):  # a draft named twice runs once

@@ -96,7 +96,8 @@ def check_target(draft: Path, target: str, target_config: Any, given: bool) -> N
     """The draft belongs with this target (``specforge.compat``): its shape always; without
     ``--target`` also the weights fingerprint its training_state.pt records (the default target is
     small; a given one is the user's explicit choice and may be too large to load here)."""
-    from specforge.compat import check_draft_shape, check_target_weights, read_draft_config
+    from specforge.algorithms import read_draft_config
+    from specforge.compat import check_draft_shape, check_target_weights
 
     try:
         check_draft_shape(draft, read_draft_config(draft), target_config)
@@ -152,7 +153,7 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     checkpoint is checked first (its algorithm's ``check_checkpoint``: a bad one is named before any
     target loads), then the target, then the algorithm's own export (``llama.cpp``: its converter)."""
     from specforge.algorithms import ExportRequest, algorithm_of
-    from specforge.compat import read_draft_config
+    from specforge.algorithms import read_draft_config
 
     draft_config = read_draft_config(draft)
     algo = algorithm_of(draft_config, repr(str(draft)))

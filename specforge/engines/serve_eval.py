@@ -173,7 +173,7 @@ def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
     ``max_tokens_per_round`` (block_size - 1) a round, and llama-server clamps a larger
     --spec-draft-n-max to that: the row would be mislabelled."""
     from specforge.algorithms import algorithm_of
-    from specforge.compat import read_draft_config
+    from specforge.algorithms import read_draft_config
 
     config = read_draft_config(draft)
     algo = algorithm_of(config, repr(str(draft)))
@@ -263,7 +263,8 @@ def main(args, cfg) -> int:
 
 
 def _recorded(path: str) -> Optional[list[int]]:
-    from specforge.compat import draft_aux_ids, read_draft_config
+    from specforge.algorithms import read_draft_config
+    from specforge.compat import draft_aux_ids
 
     return draft_aux_ids(read_draft_config(path))
 

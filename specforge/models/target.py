@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from specforge.config import EMBEDDED_TARGET, ModelConfig
+from specforge.config import EMBEDDED_TARGET, ModelConfig, default_feature_layers
 from specforge.device import host_device, pick_dtype, target_devices
 from specforge.models.features import Features
 from specforge.targets import Family, family_of, logit_softcap, text_config
@@ -236,8 +236,6 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     model.eval().requires_grad_(False)
     num_layers = text_config(model.config).num_hidden_layers
     if layers is None:  # no run says which: the default algorithm's layers
-        from specforge.algorithms import default_feature_layers
-
         layers = functools.partial(default_feature_layers, cfg)
     ids = layers(num_layers)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])

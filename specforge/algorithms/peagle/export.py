@@ -223,7 +223,7 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
         raise ValueError(f"--engine {engine}: {ONLY_VLLM}")
     if req.target is None:
         raise ValueError("--target: the vLLM export of a P-EAGLE draft reads the target's embedding; pass its HF folder")
-    from specforge.compat import read_draft_config
+    from specforge.algorithms import read_draft_config
 
     export_vllm(draft_dir, out_dir, req.target, req.num_speculative_tokens)
     return serve_command(req.target, req.out, req.num_speculative_tokens or parallel_tokens(read_draft_config(draft_dir)))
