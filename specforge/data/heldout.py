@@ -4,7 +4,8 @@ The eval split is the LAST ``data.num_eval`` of the usable conversations (a norm
 renders with at least one loss token after truncation, and at least ``data.min_length`` tokens;
 with ``data.join_parts`` a conversation is every consecutive part of one chat) among the first
 ``data.max_samples``.
-``data/prepare.py`` splits its tokenized rows with :func:`split_point`; ``specforge.regenerate``
+``data/prepare.py`` splits its tokenized rows with ``split_point`` (this module reads its split, so the
+rule lives where the split is made); ``specforge.regenerate``
 skips the source rows :func:`heldout_sources` names (it never rewrites an eval conversation);
 ``specforge.eval`` and its llama.cpp engine read :func:`heldout_rows` and cut them into prompts
 (:func:`eval_prompts`; :func:`long_prompts` for ``--long``: the same held-out conversations, their
@@ -16,13 +17,9 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
+from specforge.data.prepare import cache_key, prepare_dataset, split_point
 from specforge.data.sharegpt import Conversation, iter_conversations
 from specforge.data.template import TemplateError, resolve_chat_template, tokenize_conversation
-
-
-def split_point(rows_kept: int, num_eval: int) -> int:
-    """Rows before the eval split among ``rows_kept`` usable rows (the train split's size)."""
-    return rows_kept - min(max(num_eval, 0), rows_kept)
 
 
 def usable(conv: Conversation, tokenizer, data, template: str) -> bool:
@@ -76,8 +73,6 @@ def _flat(rows: list[tuple[int, ...]]) -> set[int]:
 def heldout_rows(cfg, tokenizer) -> list[dict]:
     """The eval split's tokenized rows: from the data cache when it exists, else only the held-out
     tail is tokenized (the same rows, without tokenizing the whole dataset: minutes on ShareGPT)."""
-    from specforge.data.prepare import cache_key, prepare_dataset
-
     template = resolve_chat_template(tokenizer, cfg.model.chat_template)
     cached = Path(cfg.model.cache_dir).expanduser() / "data" / cache_key(cfg.data, tokenizer, template) / "stats.json"
     if cached.is_file():

@@ -260,8 +260,6 @@ def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) 
     if stats.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in stats.skipped.items()) or "no rows at all"
         raise ValueError(f"data.path {data_cfg.path!r}: no usable conversation among {stats.rows_read} rows ({reasons})")
-    from specforge.data.heldout import split_point  # THE held-out rule (regenerate and eval read it too)
-
     n_train = split_point(stats.rows_kept, data_cfg.num_eval)
     n_eval = stats.rows_kept - n_train
     if n_train == 0:
@@ -274,6 +272,11 @@ def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) 
     stats.train_rows, stats.eval_rows = n_train, n_eval
     stats.seconds = time.perf_counter() - t0
     return train, eval_, stats
+
+
+def split_point(rows_kept: int, num_eval: int) -> int:
+    """THE held-out rule (``data/heldout.py`` reads it for eval and regenerate): rows before the eval split among ``rows_kept`` usable rows (the train split's size)."""
+    return rows_kept - min(max(num_eval, 0), rows_kept)
 
 
 def prepare_dataset(

@@ -1,4 +1,4 @@
-"""DFlash behind the draft-algorithm seam: what the runtime calls (``specforge.algorithms.base``).
+"""DFlash behind the draft-algorithm seam: what the runtime calls (``specforge.algorithms``).
 
 Features: ``draft.num_layers`` target layer outputs by default (``model.aux_layer_ids`` sets them),
 concatenated as the aux feature, plus the target argmax (labels = the target's greedy next token,
