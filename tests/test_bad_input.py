@@ -601,7 +601,7 @@ def test_eval_argument_ranges(flag, value):
 def test_engine_values_are_checked_before_a_server_starts(flag, value, needle, monkeypatch):
     """llama-server dies at once on --spec-draft-n-max 0 and the eval could only report a dead
     connection: the value is refused while the arguments are parsed, naming the flag."""
-    import specforge.engines.serve_eval as se
+    import specforge.eval.served as se
     import specforge.eval as ev
 
     monkeypatch.setattr(se, "find_server", lambda *a, **k: pytest.fail("a server was looked for"))

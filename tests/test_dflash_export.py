@@ -118,7 +118,7 @@ def test_bf16_export_and_bad_configs(tmp_path):
 def test_engine_eval_runs_a_dflash_draft_only_at_the_n_max_its_block_allows(saved, tmp_path, capsys):
     """llama-server clamps --spec-draft-n-max to block_size - 1 for a DFlash draft: a larger value's
     row would be mislabelled, so the engine eval skips it (and says so); an EAGLE-3 draft keeps all."""
-    from specforge.engines.serve_eval import _n_max_for
+    from specforge.eval.served import _n_max_for
 
     _, out = saved  # block_size 4: at most 3 tokens a round
     assert _n_max_for(out, [1, 3, 5]) == [1, 3]

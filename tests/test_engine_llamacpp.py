@@ -115,7 +115,7 @@ def _probe(served, gguf_draft):
 
 
 def test_served_acceptance_equals_our_eval(served, tmp_path):
-    from specforge.engines.serve_eval import Setting, summarize
+    from specforge.eval.served import Setting, summarize
     from specforge.eval import TIE_RTOL, _eos_ids, bucket_rows, check_lossless, greedy_run, speculative_decode
 
     cfg, target, ckpt, gguf, prompts = served

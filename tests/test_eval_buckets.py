@@ -164,8 +164,8 @@ def test_llamacpp_rows_carry_the_same_bucket_figure():
     """summarize: per bucket, tokens per target forward from the server's counters, the eval's
     definition (each forward = 1 + its accepted draft tokens; the prefill made the first token)."""
     from specforge.engines.llamacpp import Completion
-    from specforge.engines.serve_eval import Setting as EngineSetting
-    from specforge.engines.serve_eval import format_row, summarize
+    from specforge.eval.served import Setting as EngineSetting
+    from specforge.eval.served import format_row, summarize
 
     def done(n, accepted, rounds):
         return Completion(tokens=list(range(n)), text="", prompt_n=0, predicted_n=n, predicted_ms=10.0,

@@ -314,7 +314,8 @@ def test_sglang_and_llamacpp_exports_are_refused_with_one_line(assets, target, t
 def test_the_llamacpp_eval_path_refuses_it(assets, target, tmp_path, monkeypatch):
     """``python -m specforge.eval --engine llama.cpp`` converts each draft with ``convert_draft``
     (serve_eval.evaluate_engine): a P-EAGLE draft is refused there, before any converter runs."""
-    from specforge.engines import llamacpp, serve_eval
+    from specforge.engines import llamacpp
+    from specforge.eval import served as serve_eval
 
     ckpt = save(make_draft(target), tmp_path / "ckpts")
     ran = []

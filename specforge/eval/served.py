@@ -78,7 +78,7 @@ def summarize(s: Setting, runs: Sequence[Completion], reference: Sequence[Comple
               prompt_lengths: Sequence[int] = (), edges: Sequence[int] = ()) -> EngineRow:
     """One table row from a setting's completions (``reference``: the target alone's, same prompts),
     with its per-bucket figures when ``prompt_lengths`` (per completion) and ``edges`` are given."""
-    from specforge.eval import bucket_rows
+    from specforge.eval.prompts import bucket_rows
 
     accepted = sum(r.draft_n_accepted for r in runs)
     rounds = sum(r.verify_rounds for r in runs)
@@ -210,7 +210,7 @@ def engine_settings(args) -> tuple[list[int], list[float]]:
 def main(args, cfg) -> int:
     """The ``--engine llama.cpp`` branch of ``specforge.eval``: ``args`` are eval's parsed arguments."""
     from specforge.compat import check_drafts, check_target_weights
-    from specforge.eval import bucket_labels, format_buckets, pick_prompts, prompt_meta, prompt_note
+    from specforge.eval.prompts import bucket_labels, format_buckets, pick_prompts, prompt_meta, prompt_note
     from specforge.models.target import load_target_config, load_tokenizer, resolve_target_path
 
     n_max, p_min = engine_settings(args)  # every --engine-* value before a server starts
