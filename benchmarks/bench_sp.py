@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
     b = make_batch(1, T, draft)
     full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"], b["target_ids_BT"])
-    draft = parallelize_draft(draft, dims, groups, cfg)
+    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
     trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length + 1)]
     base = _rss_mb()

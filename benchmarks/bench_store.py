@@ -224,9 +224,10 @@ def main() -> int:
             ])
         acc = {}
         if args.train_steps:
+            from specforge.algorithms import get_algorithm
             from specforge.train.trainer import build_vocab
 
-            vocab = build_vocab(cfg, data.train, target.config.vocab_size, data.cache_key)
+            vocab = build_vocab(get_algorithm(cfg.draft.algorithm), cfg, data.train, target.config.vocab_size, data.cache_key)
             eval_batches = fp32_batches(target, data.eval, cfg.model.argmax_chunk_tokens)
             for d, s in stores.items():
                 acc[d] = train_and_eval(cfg, target, vocab, s, eval_batches, args.train_steps)

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from specforge import memory
+from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import EMBEDDED_TARGET, Config
 from specforge.device import wants_gpu
 from specforge.models.target import SHIPPED, shipped_config  # noqa: F401 (the dry run's names for them)
@@ -96,7 +97,6 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     """``(target, draft, train_state)`` on the meta device: the target's class from the family table
     in ``dtype``, the draft and its train state from the run's algorithm, as the workers build them
     (a draft vocab of ``draft.vocab_size`` placeholder ids)."""
-    from specforge.algorithms import feature_layers, get_algorithm
     from specforge.data.vocab import DraftVocab
     from specforge.models.target import TargetModel
     from specforge.targets import family_of, text_config
@@ -156,7 +156,6 @@ def _gib(n: int) -> str:
 
 def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bool = False) -> DryRun:
     """Check ``cfg`` as a run would (no weights, no data, no Ray), print what it would hold where."""
-    from specforge.algorithms import feature_layers, get_algorithm
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.contracts import FeatureSpec
     from specforge.runtime.loop import check
@@ -203,7 +202,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
 
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
     use_gpu = wants_gpu(cfg.model.device)
-    devices = memory.plan(cfg, target, draft, s_bytes, on_gpus, _on_gpus(cfg))
+    devices = memory.plan(cfg, get_algorithm(cfg.draft.algorithm), target, draft, s_bytes, on_gpus, _on_gpus(cfg))
     available = memory.available_bytes(cfg)[0]
     spec = FeatureSpec.hidden_states(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
     per_token = spec.bytes_per_token()
@@ -243,7 +242,7 @@ def memory_plan(cfg: Config, target_config: Optional[str] = None) -> list:
     target, draft, state = meta_models(cfg, hf_config, dtype)
     shares = _target_split(cfg, hf_config, dtype, target) or [_nbytes(target.model.parameters())]
     s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))
-    return memory.plan(cfg, target, draft, s_bytes, shares, _on_gpus(cfg))
+    return memory.plan(cfg, get_algorithm(cfg.draft.algorithm), target, draft, s_bytes, shares, _on_gpus(cfg))
 
 
 def _print(cfg: Config, r: DryRun, family, dims) -> None:

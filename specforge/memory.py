@@ -314,12 +314,12 @@ def _compute_bytes(precision: str, gpu: bool) -> int:
     return 2 if cpu_fast_bf16() else 4
 
 
-def plan(cfg, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
-    """Every kind of device of ``cfg``'s placement at its peak. ``target``: the ``TargetModel`` (meta
+def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
+    """Every kind of device of ``cfg``'s placement at its peak. ``algo``: the run's algorithm (its
+    ``memory_step`` terms), ``target``: the ``TargetModel`` (meta
     device is enough), ``draft``: the run's draft (meta), ``state_bytes``: the algorithm's frozen train
     state in fp32, ``target_shares``: the target's bytes on each GPU of a worker that runs it (one
     entry: the whole target), ``gpu``: whether the workers get GPUs (the CUDA/NCCL allowances)."""
-    from specforge.algorithms import get_algorithm
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.contracts import DTYPE_BYTES, FeatureSpec
     from specforge.runtime.plan import wire_dtype
@@ -330,7 +330,6 @@ def plan(cfg, target, draft, state_bytes: int, target_shares: Sequence[int], gpu
     Ht, layers = int(text.hidden_size), len(target.aux_layer_ids)
     compute = _compute_bytes(tr.precision, gpu)
     p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers)
-    algo = get_algorithm(cfg.draft.algorithm)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo(cfg) - 1, 0))
     params = DraftParams.of(draft)
@@ -392,16 +391,16 @@ def available_bytes(cfg) -> tuple[Optional[int], str]:
     return None, "no GPU here and ray.gpu_memory_gib unset"
 
 
-def check_fits(devices: Sequence[DeviceMemory], available: Optional[int], where: str, cfg) -> None:
+def check_fits(devices: Sequence[DeviceMemory], available: Optional[int], where: str, cfg, algo) -> None:
     """ValueError (one line) naming the device, its predicted peak, the GiB available and the keys
-    that shrink it, when a device's peak exceeds ``available``."""
+    that shrink it (``algo``'s ``memory_keys`` among them), when a device's peak exceeds ``available``."""
     if available is None:
         return
     for dev in devices:
         if dev.peak > available:
             raise ValueError(
                 f"predicted peak {dev.peak / GiB:.1f} GiB on each {dev.device} ({dev.peak_phase}) exceeds the "
-                f"{available / GiB:.1f} GiB available ({where}); lower {_keys_for(dev, cfg)}, or set "
+                f"{available / GiB:.1f} GiB available ({where}); lower {_keys_for(dev, cfg, algo)}, or set "
                 "ray.gpu_memory_gib if the GPUs have more (python -m specforge.ray_train --dry-run prints every term)")
 
 
@@ -417,7 +416,7 @@ def host_available_bytes() -> Optional[int]:
     return None
 
 
-def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], cfg) -> None:
+def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], cfg, algo) -> None:
     """A CPU run: ValueError (one line) when its processes' predicted peaks together exceed this
     machine's available memory, naming the largest process and the keys that shrink it."""
     if available is None or not devices:
@@ -428,17 +427,15 @@ def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], c
         parts = ", ".join(f"{d.count} x {d.device} {d.peak / GiB:.1f} GiB" for d in devices)
         raise ValueError(
             f"predicted peak {total / GiB:.1f} GiB in all ({parts}) exceeds the {available / GiB:.1f} GiB this "
-            f"machine has available; lower {_keys_for(big, cfg)} (python -m specforge.ray_train --dry-run "
+            f"machine has available; lower {_keys_for(big, cfg, algo)} (python -m specforge.ray_train --dry-run "
             "prints every term)")
 
 
-def _keys_for(dev: DeviceMemory, cfg) -> str:
+def _keys_for(dev: DeviceMemory, cfg, algo) -> str:
     if dev.device.startswith("rollout"):
         return ("rollout batch (train.batch_size, train.grad_accum; more rollout.num_workers), data.max_length, "
                 "placement.max_inflight_mb or model.num_gpus")
-    from specforge.algorithms import get_algorithm
-
-    keys = ["train.batch_size", "data.max_length", *get_algorithm(cfg.draft.algorithm).memory_keys(cfg)]
+    keys = ["train.batch_size", "data.max_length", *algo.memory_keys(cfg)]
     if cfg.placement.mode == "colocated":
         keys.append("placement.mode=disaggregated (the target off the train GPUs)")
     return ", ".join(keys)

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
+from specforge.algorithms import get_algorithm
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 
@@ -60,12 +61,12 @@ def check_memory(cfg: Config) -> None:
 
     available, where = memory.available_bytes(cfg)
     if available is not None:
-        memory.check_fits(memory_plan(cfg), available, where, cfg)
+        memory.check_fits(memory_plan(cfg), available, where, cfg, get_algorithm(cfg.draft.algorithm))
         return
     from specforge.device import wants_gpu
 
     if not wants_gpu(cfg.model.device) and not cfg.ray.address:  # every process on this machine's memory
-        memory.check_host_fits(memory_plan(cfg), memory.host_available_bytes(), cfg)
+        memory.check_host_fits(memory_plan(cfg), memory.host_available_bytes(), cfg, get_algorithm(cfg.draft.algorithm))
 
 
 def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]]:
@@ -85,7 +86,6 @@ def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]
 def check_run(cfg: Config) -> None:
     """The config against the target (config.json only) and, offline, the store's meta; the
     ``draft.init_from`` folder's config-level facts first."""
-    from specforge.algorithms import get_algorithm
     from specforge.models.target import load_target_config, resolve_target_path
     from specforge.targets import check_target, read_config_json, text_config
     from specforge.train.init_from import check_init_from

@@ -194,7 +194,7 @@ def test_a_checkpoint_saved_on_cuda_resumes_and_evaluates_on_a_cpu_only_machine(
     target, rows, trainer = setup_trainer()
     batch = feature_batch(target, rows)
     trainer.step([batch])
-    identity = run_identity(trainer.cfg, target, DraftVocab(trainer.draft.d2t, trainer.draft.t2d),
+    identity = run_identity(trainer.algorithm, trainer.cfg, target, DraftVocab(trainer.draft.d2t, trainer.draft.t2d),
                             {"data": "d", "num_samples": 4, "global_batch": 4}, total_steps=10)
     with saved_as_if_on_cuda():
         path = CheckpointManager(tmp_path, identity=identity).save(trainer)

@@ -141,7 +141,7 @@ def _train_err(groups, dims, ref_path):
     cfg = _cfg()
     algo = get_algorithm(cfg.draft.algorithm)
     draft, _, batches = _setup()
-    draft = parallelize_draft(draft, dims, groups, cfg)
+    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
     trainer = DraftTrainer(algo, draft, None, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path)
     err, metric_err = 0.0, 0.0

@@ -61,11 +61,11 @@ def own_vocab(seed=3):
 
 def trainer_path(cfg, target, fallback):
     """What a run does: the vocab file (the folder's mapping with init_from), the fresh draft, the weights."""
-    path = init_vocab_path(cfg, V)
+    path = init_vocab_path(get_algorithm(cfg.draft.algorithm), cfg, V)
     vocab = load_draft_vocab(path) if path is not None else fallback
     draft = get_algorithm(cfg.draft.algorithm).build_draft(cfg, target, vocab)
     if cfg.draft.init_from is not None:
-        apply_init_from(cfg, draft)
+        apply_init_from(get_algorithm(cfg.draft.algorithm), cfg, draft)
     return draft.eval()
 
 
@@ -178,12 +178,12 @@ def test_another_algorithm_a_non_draft_and_a_vocab_size_are_refused(tmp_path, ta
     with pytest.raises(ValueError, match="no such folder"):
         check_init_from(run_cfg(tmp_path, seed=2, init_from=tmp_path / "nowhere"))
     with pytest.raises(ValueError, match=f"its draft vocab has {N} tokens, draft.vocab_size is 40: set draft.vocab_size={N}"):
-        init_vocab_path(run_cfg(tmp_path, seed=2, init_from=folder, vocab_size=40), V)
+        init_vocab_path(EAGLE3, run_cfg(tmp_path, seed=2, init_from=folder, vocab_size=40), V)
     with pytest.raises(ValueError, match="target vocabulary of 320 tokens, the target has 400"):
-        init_vocab_path(run_cfg(tmp_path, seed=2, init_from=folder), 400)
+        init_vocab_path(EAGLE3, run_cfg(tmp_path, seed=2, init_from=folder), 400)
     bad = rewritten(folder, tmp_path / "bad", lambda w: w["d2t"].__setitem__(-1, 10_000))
     with pytest.raises(ValueError, match="maps draft ids outside the target vocabulary"):
-        init_vocab_path(run_cfg(tmp_path, seed=2, init_from=bad), V)
+        init_vocab_path(EAGLE3, run_cfg(tmp_path, seed=2, init_from=bad), V)
 
 
 def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):

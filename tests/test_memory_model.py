@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from specforge import memory
+from specforge.algorithms import get_algorithm
 from specforge.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def test_sequence_parallelism_divides_the_activations():
     assert abs(probs(one) / probs(two) - 2) < 0.05
     assert two.peak < one.peak
     with pytest.raises(ValueError, match="parallel.sp_ulysses"):
-        memory.check_fits([one], one.peak - 1, "test", load_config(CONFIGS / "qwen3-8b.yaml"))
+        memory.check_fits([one], one.peak - 1, "test", load_config(CONFIGS / "qwen3-8b.yaml"), get_algorithm("eagle3"))
 
 
 def test_frozen_parameters_are_whole_on_every_rank():

@@ -38,7 +38,7 @@ def _dp_rank(rank, world, ref_path):
     assert (groups.dp_rank, groups.sp_size) == (train_ranks.index(rank), 1)
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
-    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
+    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg, get_algorithm(cfg.draft.algorithm))
     assert not isinstance(draft.embed_tokens.weight, DTensor)  # frozen: replicated, never gathered
     assert isinstance(draft.lm_head.weight, DTensor) and isinstance(draft.fc.weight, DTensor)
     trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))

@@ -63,7 +63,7 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
     groups = dims.build(list(range(world)), rank, timeout_s=90)
     cfg = _cfg()
     draft, teacher, batches = _setup()
-    draft = parallelize_draft(draft, dims, groups, cfg)
+    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
     trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):

@@ -210,7 +210,7 @@ def _check_draft_step(groups, dims, ref_path, report):
 
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
-    draft = parallelize_draft(draft, dims, groups, cfg)
+    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
     trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"),
                            reduce_sum=sum_over_train_ranks(groups))
     m = trainer.step([sp_slice_batch(batches[0], groups.sp_rank, groups.sp_size, L + 1)])

@@ -31,7 +31,7 @@ def _sharded_trainer(rank):
     groups = ParallelDims(dp=2).build([0, 1], rank, timeout_s=90)
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
-    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg)
+    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg, get_algorithm(cfg.draft.algorithm))
     trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     return trainer, [sample_rows(b, rank) for b in batches]
 

@@ -5,8 +5,8 @@ The whole API (a Ray train worker, or any launcher with a default process group)
     dims = ParallelDims(dp=..., sp_ulysses=cfg.parallel.sp_ulysses, sp_ring=cfg.parallel.sp_ring)
     groups = dims.build(train_ranks, dist.get_rank(), cfg.parallel.backend, cfg.parallel.timeout_s)
     #   ^ on EVERY rank of the default group (rollout ranks get None back)
-    draft = parallelize_draft(draft, dims, groups, cfg)          # 1. SP core swap, 2. FSDP2
-    algo = get_algorithm(cfg.draft.algorithm)
+    algo = get_algorithm(cfg.draft.algorithm)                     # the runtime looks it up, once
+    draft = parallelize_draft(draft, dims, groups, cfg, algo)    # 1. SP core swap, 2. FSDP2
     trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
                            reduce_sum=sum_over_train_ranks(groups))
     # each step, on each train rank, with this SP rank's slice of its DP group's micro-batches
@@ -36,15 +36,14 @@ __all__ = ["ParallelDims", "ParallelGroups", "parallelize_draft", "mixed_precisi
            "full_state_dict"]
 
 
-def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[ParallelGroups], cfg) -> nn.Module:
-    """THE ordered parallelization of the draft (in place; returns it). ``cfg``: the full Config."""
+def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[ParallelGroups], cfg, algo) -> nn.Module:
+    """THE ordered parallelization of the draft (in place; returns it). ``cfg``: the full Config;
+    ``algo``: the run's algorithm (its ``sp_cores`` name what sequence parallelism wraps)."""
     if groups is None or dims.world == 1:
         return draft
     # 1. sequence parallel: wrap the attention cores the algorithm names (no parameters, so before sharding)
     if dims.sp > 1:
-        from specforge.algorithms import get_algorithm
-
-        apply_sp(draft, get_algorithm(cfg.draft.algorithm).sp_cores(draft), groups.ulysses_group, groups.ring_group)
+        apply_sp(draft, algo.sp_cores(draft), groups.ulysses_group, groups.ring_group)
     # 2. FSDP2 over all dp*sp train ranks, gradients summed
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(cfg.train.precision, groups.device), sum_gradients=True)
     return draft

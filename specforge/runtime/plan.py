@@ -53,7 +53,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 
     if cfg.placement.mode == "offline":
         return prepare_offline(cfg)
-    from specforge.algorithms import feature_layers
+    from specforge.algorithms import feature_layers, get_algorithm
     from specforge.data.prepare import prepare_dataset
     from specforge.models.target import load_tokenizer, resolve_target_path
     from specforge.train.init_from import init_vocab_path
@@ -66,9 +66,10 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 
     target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),  # an image-text target's text tower
                                                         trust_remote_code=cfg.model.trust_remote_code))
-    path = init_vocab_path(cfg, target_cfg.vocab_size)  # draft.init_from: the folder's mapping
+    algo = get_algorithm(cfg.draft.algorithm)
+    path = init_vocab_path(algo, cfg, target_cfg.vocab_size)  # draft.init_from: the folder's mapping
     if path is None:
-        build_vocab(cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
+        build_vocab(algo, cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
         path = vocab_path(cfg, data.cache_key)
     return RunData(
         lengths=tuple(int(n) for n in data.train.data.column("length").to_pylist()),
@@ -149,12 +150,13 @@ def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Pat
 
     from specforge.data.vocab import build_draft_vocab, save_draft_vocab
     from specforge.train.init_from import init_vocab_path
-    from specforge.train.trainer import draft_vocab_size
+    from specforge.algorithms import get_algorithm
 
+    algo = get_algorithm(cfg.draft.algorithm)
     V = store.meta.vocab_size
-    n = draft_vocab_size(cfg, V)
+    n = algo.draft_vocab_size(cfg, V)
     path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{n}.safetensors"
-    path = init_vocab_path(cfg, store.meta.vocab_size) or path  # draft.init_from: the folder's mapping
+    path = init_vocab_path(algo, cfg, store.meta.vocab_size) or path  # draft.init_from: the folder's mapping
     if not path.is_file():
         counts = torch.zeros(V, dtype=torch.long)  # device: host (counts store rows)
         for i in train_ids:

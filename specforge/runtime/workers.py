@@ -176,13 +176,13 @@ class TrainWorker(DistributedWorker):
         algo = get_algorithm(cfg.draft.algorithm)
         draft = algo.build_draft(cfg, target, vocab)
         if cfg.draft.init_from is not None and resumed_checkpoint(cfg) is None:  # a resume takes its checkpoint
-            apply_init_from(cfg, draft)
-        draft = parallelize_draft(draft.to(device), ParallelDims.from_config(cfg), groups, cfg)
+            apply_init_from(algo, cfg, draft)
+        draft = parallelize_draft(draft.to(device), ParallelDims.from_config(cfg), groups, cfg, algo)
         self.trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
                                     reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)
         self.lost: Optional[str] = None  # set once the train ranks agreed a plan's features were lost
-        identity = run_identity(cfg, target, vocab, facts or {}, total_steps)
+        identity = run_identity(algo, cfg, target, vocab, facts or {}, total_steps)
         self.checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last,
                                              writer=self.rank == layout.train_ranks[0],  # the FSDP mesh's first rank
                                              identity=identity)

@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from specforge.algorithms import get_algorithm, published_algorithm_name
+from specforge.algorithms import published_algorithm_name
 from specforge.config import Config
 from specforge.data.vocab import DraftVocab, save_draft_vocab
 from specforge.train.checkpoint import latest_checkpoint
-from specforge.train.trainer import checkpoint_root, draft_vocab_size
+from specforge.train.trainer import checkpoint_root
 
 FIX_SHAPES = ("start from a draft of the same target with the same draft.* sizes as its config.json "
               "(draft.vocab_size, draft.hidden_size, draft.intermediate_size, draft.num_attention_heads, "
@@ -117,10 +117,11 @@ def check_init_from(cfg: Config) -> None:
                          f"a {cfg.draft.algorithm} draft")
 
 
-def read_published(cfg: Config) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json as ours, weights named as the draft's saved keys) of the run's ``init_from``."""
+def read_published(algo, cfg: Config) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as ours, weights named as the draft's saved keys) of the run's ``init_from``;
+    ``algo``: the run's algorithm (``get_algorithm(cfg.draft.algorithm)``, looked up by the caller)."""
     check_init_from(cfg)
-    return get_algorithm(cfg.draft.algorithm).read_published(Path(cfg.draft.init_from).expanduser())
+    return algo.read_published(Path(cfg.draft.init_from).expanduser())
 
 
 def resumed_checkpoint(cfg: Config) -> Optional[Path]:
@@ -128,14 +129,14 @@ def resumed_checkpoint(cfg: Config) -> Optional[Path]:
     return latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
 
 
-def published_vocab(cfg: Config, weights: dict[str, torch.Tensor], target_vocab_size: int,
+def published_vocab(algo, cfg: Config, weights: dict[str, torch.Tensor], target_vocab_size: int,
                     what: str) -> Optional[DraftVocab]:
     """The mapping (d2t, t2d) of ``weights`` checked against the run; None: the draft has none (DFlash
     predicts the target's whole vocabulary)."""
     if "d2t" not in weights or "t2d" not in weights:
         return None
     vocab = DraftVocab(weights["d2t"].to(torch.int64), weights["t2d"].to(torch.bool))
-    n, want = vocab.draft_vocab_size, draft_vocab_size(cfg, target_vocab_size)
+    n, want = vocab.draft_vocab_size, algo.draft_vocab_size(cfg, target_vocab_size)
     if vocab.target_vocab_size != target_vocab_size:
         raise ValueError(f"{what}: its vocab mapping is over a target vocabulary of {vocab.target_vocab_size} tokens, "
                          f"the target has {target_vocab_size}: start from a draft of this target (model.target_path)")
@@ -149,7 +150,7 @@ def published_vocab(cfg: Config, weights: dict[str, torch.Tensor], target_vocab_
     return vocab
 
 
-def init_vocab_path(cfg: Config, target_vocab_size: int) -> Optional[Path]:
+def init_vocab_path(algo, cfg: Config, target_vocab_size: int) -> Optional[Path]:
     """The run's vocab file when ``draft.init_from`` is set: the folder's mapping (or, resuming, the
     resumed checkpoint's), written under ``model.cache_dir``/vocab keyed by its content hash. None: the
     run builds its own (no ``init_from``, or a draft without a mapping)."""
@@ -157,10 +158,10 @@ def init_vocab_path(cfg: Config, target_vocab_size: int) -> Optional[Path]:
         return None
     resumed = resumed_checkpoint(cfg)
     if resumed is not None:
-        weights = get_algorithm(cfg.draft.algorithm).read_published(resumed)[1]
-        vocab = published_vocab(cfg, weights, target_vocab_size, f"checkpoint {str(resumed)!r}")
+        weights = algo.read_published(resumed)[1]
+        vocab = published_vocab(algo, cfg, weights, target_vocab_size, f"checkpoint {str(resumed)!r}")
     else:
-        vocab = published_vocab(cfg, read_published(cfg)[1], target_vocab_size, where(cfg))
+        vocab = published_vocab(algo, cfg, read_published(algo, cfg)[1], target_vocab_size, where(cfg))
     if vocab is None:
         return None
     path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"init-{vocab.content_hash()[:16]}-n{vocab.draft_vocab_size}.safetensors"
@@ -170,12 +171,12 @@ def init_vocab_path(cfg: Config, target_vocab_size: int) -> Optional[Path]:
     return path
 
 
-def apply_init_from(cfg: Config, draft: torch.nn.Module) -> None:
+def apply_init_from(algo, cfg: Config, draft: torch.nn.Module) -> None:
     """Copy the folder's weights into ``draft`` (freshly built, before FSDP2 and the optimizer): every
     saved tensor of the draft (``export_state_dict``) from the folder, nothing left over; otherwise one
     ValueError naming what is missing, what is extra and which shapes differ, and the fix. Then the
     configs must agree on what changes the math without a shape (``SAME_CONFIG``)."""
-    hf_config, weights = read_published(cfg)
+    hf_config, weights = read_published(algo, cfg)
     want = draft.export_state_dict()
     problems = [f"missing {k}" for k in sorted(set(want) - set(weights))]
     problems += [f"extra {k}" for k in sorted(set(weights) - set(want))]
@@ -187,7 +188,7 @@ def apply_init_from(cfg: Config, draft: torch.nn.Module) -> None:
         if k in want and not torch.equal(want[k].cpu(), weights[k].to(want[k].dtype)):
             raise ValueError(f"{where(cfg)}: its {k} differs from the run's vocab file: prepare the run with "
                              "specforge's entry points (plan.prepare writes the folder's mapping as the vocab file)")
-    if differences := config_differences(hf_config, get_algorithm(cfg.draft.algorithm).hf_config(draft)):
+    if differences := config_differences(hf_config, algo.hf_config(draft)):
         raise ValueError(f"{where(cfg)}: " + "; ".join(differences) + ": the draft would load and compute "
                          "otherwise than it was trained to")
     with torch.no_grad():

@@ -42,24 +42,17 @@ def keep_old_checkpoints(cfg: Config) -> None:
         print(f"checkpoint.resume=false: moved the existing checkpoints of {checkpoint_root(cfg)} aside to {moved}")
 
 
-def draft_vocab_size(cfg: Config, target_vocab_size: int) -> int:
-    """Entries of the run's vocab file (the algorithm's ``draft_vocab_size`` hook)."""
-    from specforge.algorithms import get_algorithm
-
-    return get_algorithm(cfg.draft.algorithm).draft_vocab_size(cfg, target_vocab_size)
-
-
 def vocab_path(cfg: Config, data_key: str) -> Path:
     """Where the draft vocab of this data + tokenizer is cached (workers load it from here)."""
     return Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}-{cfg.draft.algorithm}.safetensors"
 
 
-def build_vocab(cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
+def build_vocab(algo, cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
     """The draft vocab of this data + tokenizer, cached next to the tokenized data."""
     path = vocab_path(cfg, data_key)
     if path.is_file():
         return load_draft_vocab(path)
-    vocab = build_draft_vocab(train_rows, target_vocab_size, draft_vocab_size(cfg, target_vocab_size))
+    vocab = build_draft_vocab(train_rows, target_vocab_size, algo.draft_vocab_size(cfg, target_vocab_size))
     path.parent.mkdir(parents=True, exist_ok=True)
     save_draft_vocab(vocab, path)
     return vocab
@@ -71,11 +64,10 @@ RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_ste
                "train.weight_decay", "train.betas", "train.max_grad_norm", "train.precision")
 
 
-def run_identity(cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
+def run_identity(algo, cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
     """What a checkpoint must share with the run resuming it: hashes of the target weights and the
     vocab mapping, the data (``plan.run_facts``: key, sample count, global batch), the LR horizon
-    and the config keys that change the math (``RESUME_KEYS``, and the algorithm's ``identity``)."""
-    from specforge.algorithms import get_algorithm
+    and the config keys that change the math (``RESUME_KEYS``, and ``algo``'s ``identity``)."""
 
     def get(key: str):
         section, name = key.split(".")
@@ -87,7 +79,7 @@ def run_identity(cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dic
         **facts,
         "total_steps": total_steps,
         **{k: get(k) for k in RESUME_KEYS},
-        **get_algorithm(cfg.draft.algorithm).identity(cfg),
+        **algo.identity(cfg),
     }
 
 

@@ -116,7 +116,7 @@ def sp_rank(rank, world, dims_tuple, ref_path):
     draft, teacher, batches = setup_sp()
     if dims_tuple == (1, 2, 1):
         _check_ulysses_head_plans(groups)
-    draft = parallelize_draft(draft, dims, groups, cfg)
+    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
     trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
