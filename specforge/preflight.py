@@ -13,7 +13,6 @@ more workers than cores starts them all and thrashes instead of failing. All rai
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
@@ -131,24 +130,6 @@ def check_writable(key: str, folder: str | Path) -> None:
     except OSError as e:
         raise ValueError(f"config key {key!r}={str(folder)!r} is not writable ({e.strerror} in {str(existing)!r}); "
                          "name a folder this user can write") from None
-
-
-def check_ray_address(address: Optional[str], timeout_s: float) -> None:
-    """A ``ray.address`` of host:port must answer a TCP connect within ``timeout_s``: Ray itself
-    retries a dead address for minutes, printing warnings. (``auto`` is resolved, and refused
-    when no cluster runs, by Ray at once.)"""
-    if not address or address == "auto":
-        return
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"config key 'ray.address'={address!r} must be 'auto' or host:port of the Ray head, "
-                         "e.g. 10.0.0.1:6379")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ValueError(f"config key 'ray.address'={address!r}: no Ray head answers there within {timeout_s:g} s "
-                         f"({e.strerror or e}); start one (ray start --head --port={port}) or fix the address") from None
 
 
 def check_store(cfg: Config, layers: list[int], target) -> None:

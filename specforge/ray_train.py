@@ -45,7 +45,7 @@ from specforge import device
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
 from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
-from specforge.preflight import check_placement, check_ray_address, check_resources, ray_resources
+from specforge.preflight import check_placement, check_resources, ray_resources
 from specforge.runtime.actors import (
     ActorDied,
     ActorGroup,
@@ -53,6 +53,7 @@ from specforge.runtime.actors import (
     dead_actors,
     gather,
     init_communicator,
+    start_ray,
     spawn_actors,
 )
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
@@ -227,23 +228,6 @@ def collect(refs: list, labels: list[str], timeout_s: float, what: str) -> list:
 
 
 # ---------------------------------------------------------------- entry
-
-
-def start_ray(cfg: Config, num_actors: int) -> bool:
-    """Join or start Ray; True if we started it (and so must shut it down)."""
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-    if cfg.ray.address:
-        check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
-        ray.init(address=cfg.ray.address, runtime_env=env)
-    else:  # one CPU per actor bundle, oversubscribed if the machine has fewer cores
-        num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
-                 _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
-    return True
 
 
 def fit(cfg: Config) -> Optional[str]:

@@ -610,7 +610,7 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
 
     from specforge import device
     from specforge.preflight import before_local_ray, check_workers, ray_resources
-    from specforge.ray_train import start_ray
+    from specforge.runtime.actors import start_ray
 
     W = cfg.regenerate.num_workers
     if local := before_local_ray(cfg):  # before Ray prestarts a process per CPU it is given

@@ -632,8 +632,8 @@ def test_a_dead_ray_address_fails_within_the_timeout(tmp_path):
     import socket
     import time
 
-    from specforge.preflight import check_ray_address
-    from specforge.ray_train import start_ray
+    from specforge.runtime.actors import check_ray_address
+    from specforge.runtime.actors import start_ray
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

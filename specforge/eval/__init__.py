@@ -44,8 +44,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from specforge.eval.prompts import (DEFAULT_BUCKETS, bucket_labels, bucket_of, bucket_rows, format_buckets,
-                                    parse_buckets, pick_prompts, prompt_meta, prompt_note, unreachable_buckets)
+from specforge.eval.prompts import (  # noqa: F401 (bucket_of, unreachable_buckets: specforge.eval names them too)
+    DEFAULT_BUCKETS, bucket_labels, bucket_of, bucket_rows, format_buckets, parse_buckets, pick_prompts, prompt_meta,
+    prompt_note, unreachable_buckets)
 from specforge.models.target import TargetModel, forward_aux
 
 # Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).

@@ -14,6 +14,7 @@ the driver tells a train worker blocked on a dead peer's transfer to give up (``
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specforge import device
+from specforge.config import Config
 
 CONTROL = "control"  # the concurrency group of an actor's control methods (one thread)
 
@@ -217,3 +219,41 @@ def init_communicator(
     refs = [a.join_communicator.remote(r, len(actors), init_method, backend, timeout_s) for r, a in enumerate(actors)]
     gather(refs, labels, timeout_s + 30, what="join_communicator")
     return backend
+
+
+# ---------------------------------------------------------------- joining or starting Ray
+
+
+def check_ray_address(address: Optional[str], timeout_s: float) -> None:
+    """A ``ray.address`` of host:port must answer a TCP connect within ``timeout_s``: Ray itself
+    retries a dead address for minutes, printing warnings. (``auto`` is resolved, and refused
+    when no cluster runs, by Ray at once.)"""
+    if not address or address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"config key 'ray.address'={address!r} must be 'auto' or host:port of the Ray head, "
+                         "e.g. 10.0.0.1:6379")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"config key 'ray.address'={address!r}: no Ray head answers there within {timeout_s:g} s "
+                         f"({e.strerror or e}); start one (ray start --head --port={port}) or fix the address") from None
+
+
+def start_ray(cfg: Config, num_actors: int) -> bool:
+    """Join or start Ray; True if we started it (and so must shut it down)."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    if cfg.ray.address:
+        check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
+        ray.init(address=cfg.ray.address, runtime_env=env)
+    else:  # one CPU per actor bundle, oversubscribed if the machine has fewer cores
+        num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
+                 _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
+    return True
