@@ -152,8 +152,7 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it. The
     checkpoint is checked first (its algorithm's ``check_checkpoint``: a bad one is named before any
     target loads), then the target, then the algorithm's own export (``llama.cpp``: its converter)."""
-    from specforge.algorithms import ExportRequest, algorithm_of
-    from specforge.algorithms import read_draft_config
+    from specforge.algorithms import ExportRequest, algorithm_of, read_draft_config
 
     draft_config = read_draft_config(draft)
     algo = algorithm_of(draft_config, repr(str(draft)))

@@ -53,8 +53,8 @@ from specforge.runtime.actors import (
     dead_actors,
     gather,
     init_communicator,
-    start_ray,
     spawn_actors,
+    start_ray,
 )
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.loop import check, not_applied, restore_rows, run_deadline, train_loop

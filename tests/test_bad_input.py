@@ -601,8 +601,8 @@ def test_eval_argument_ranges(flag, value):
 def test_engine_values_are_checked_before_a_server_starts(flag, value, needle, monkeypatch):
     """llama-server dies at once on --spec-draft-n-max 0 and the eval could only report a dead
     connection: the value is refused while the arguments are parsed, naming the flag."""
-    import specforge.eval.served as se
     import specforge.eval as ev
+    import specforge.eval.served as se
 
     monkeypatch.setattr(se, "find_server", lambda *a, **k: pytest.fail("a server was looked for"))
     with pytest.raises(ValueError, match=rf"^{flag} {value}: expected comma-separated {needle}"):
@@ -632,8 +632,7 @@ def test_a_dead_ray_address_fails_within_the_timeout(tmp_path):
     import socket
     import time
 
-    from specforge.runtime.actors import check_ray_address
-    from specforge.runtime.actors import start_ray
+    from specforge.runtime.actors import check_ray_address, start_ray
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

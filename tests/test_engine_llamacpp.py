@@ -115,8 +115,8 @@ def _probe(served, gguf_draft):
 
 
 def test_served_acceptance_equals_our_eval(served, tmp_path):
-    from specforge.eval.served import Setting, summarize
     from specforge.eval import TIE_RTOL, _eos_ids, bucket_rows, check_lossless, greedy_run, speculative_decode
+    from specforge.eval.served import Setting, summarize
 
     cfg, target, ckpt, gguf, prompts = served
     draft_gguf = convert_draft(ckpt, llamacpp_target_dir(cfg), tmp_path / "draft.gguf")

@@ -32,12 +32,11 @@ from specforge.config import Config, TrainConfig
 from specforge.data.vocab import DraftVocab
 from specforge.train.checkpoint import CheckpointManager, load_train_state
 from specforge.train.trainer import run_identity
-
-EAGLE3 = get_algorithm("eagle3")
 from tests.helpers.ray_run import cfg_overrides, losses
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 REPO = Path(__file__).parent.parent
+EAGLE3 = get_algorithm("eagle3")
 
 
 def _cfg(**train) -> Config:

@@ -592,8 +592,7 @@ class Adapter:
 
     def gate(self, live: Path, candidate: Path) -> dict:
         """Acceptance of the live draft and the candidate on the same prompts and greedy references."""
-        from specforge.algorithms import algorithm_of, load_draft
-        from specforge.algorithms import read_draft_config
+        from specforge.algorithms import algorithm_of, load_draft, read_draft_config
         from specforge.data.heldout import eval_prompts, heldout_rows
         from specforge.data.template import resolve_chat_template, tokenize_conversation
         from specforge.device import autocast_dtype

@@ -45,8 +45,17 @@ from typing import Optional, Sequence
 import torch
 
 from specforge.eval.prompts import (  # noqa: F401 (bucket_of, unreachable_buckets: specforge.eval names them too)
-    DEFAULT_BUCKETS, bucket_labels, bucket_of, bucket_rows, format_buckets, parse_buckets, pick_prompts, prompt_meta,
-    prompt_note, unreachable_buckets)
+    DEFAULT_BUCKETS,
+    bucket_labels,
+    bucket_of,
+    bucket_rows,
+    format_buckets,
+    parse_buckets,
+    pick_prompts,
+    prompt_meta,
+    prompt_note,
+    unreachable_buckets,
+)
 from specforge.models.target import TargetModel, forward_aux
 
 # Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).
@@ -466,8 +475,7 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
                    aux_ids: Optional[dict[str, Optional[list[int]]]] = None) -> list[Setting]:
     """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
     the target layers ``aux_ids[name]`` (default: the target's)."""
-    from specforge.algorithms import algorithm_of, load_draft
-    from specforge.algorithms import read_draft_config
+    from specforge.algorithms import algorithm_of, load_draft, read_draft_config
 
     settings: list[Setting] = []
     for name in dict.fromkeys(drafts):  # a draft named twice runs once

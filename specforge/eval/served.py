@@ -172,8 +172,7 @@ def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
     """The n_max values a draft can run: a block draft (DFlash) drafts at most its
     ``max_tokens_per_round`` (block_size - 1) a round, and llama-server clamps a larger
     --spec-draft-n-max to that: the row would be mislabelled."""
-    from specforge.algorithms import algorithm_of
-    from specforge.algorithms import read_draft_config
+    from specforge.algorithms import algorithm_of, read_draft_config
 
     config = read_draft_config(draft)
     algo = algorithm_of(config, repr(str(draft)))

@@ -148,9 +148,9 @@ def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Pat
     on (replayed ones too, so the vocab covers both stores), written once per (data, size)."""
     import torch
 
+    from specforge.algorithms import get_algorithm
     from specforge.data.vocab import build_draft_vocab, save_draft_vocab
     from specforge.train.init_from import init_vocab_path
-    from specforge.algorithms import get_algorithm
 
     algo = get_algorithm(cfg.draft.algorithm)
     V = store.meta.vocab_size
