@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from specforge.algorithms import feature_layers
+from specforge.config import load_config
+from specforge.data.prepare import prepare_dataset
 from specforge.data.store import (
     FeatureStoreWriter,
     StoreMeta,
@@ -27,6 +31,9 @@ from specforge.data.store import (
     store_meta,
     store_root,
 )
+from specforge.device import set_threads
+from specforge.models.target import capture, load_target
+from specforge.train.batch import collate, pad_id
 
 CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)
 
@@ -49,9 +56,6 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = CAPT
 @torch.no_grad()
 def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: int) -> Iterator[tuple[int, dict]]:
     """(row index, per-sample features) for every row of ``batches``, one target forward per batch."""
-    from specforge.models.target import capture
-    from specforge.train.batch import collate, pad_id
-
     pad = pad_id(target.tokenizer)
     for ids in batches:
         sub = [rows[i] for i in ids]
@@ -75,8 +79,6 @@ def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", sh
                 max_tokens: int = CAPTURE_TOKENS) -> Path:
     """Capture the features of ``rows`` (sample id = row index) into the store at ``root``,
     skipping the samples already in complete shards."""
-    from tqdm.auto import tqdm
-
     lengths = _lengths(rows)
     bpt = bytes_per_token(meta.hidden_size, dtype, len(meta.aux_layer_ids))
     t0 = time.perf_counter()
@@ -106,14 +108,9 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
     """Load the target (unless given) and the tokenized data of ``cfg`` and write the train split's
     features. ``source`` (the store meta's source; default the data's cache key) stays the same for a
     caller that appends rows to the same data file over time (``specforge.adapt``)."""
-    from specforge.algorithms import feature_layers
-    from specforge.data.prepare import prepare_dataset
-    from specforge.device import set_threads
-    from specforge.models.target import load_target
-
     set_threads(cfg.train.num_threads)
     if not progress:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: heavy (transformers)
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
     target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
@@ -125,8 +122,6 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
 
 
 def main(argv=None) -> int:
-    from specforge.config import load_config
-
     ap = argparse.ArgumentParser(prog="python -m specforge.capture", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from specforge.algorithms import read_draft_config
+from specforge.targets import text_config
 
 ALLOW_FLAG = "--allow-mismatch"
 
@@ -33,8 +34,6 @@ def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
 
 def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
     """The draft's config.json against the target's: what a draft of another target gets wrong first."""
-    from specforge.targets import text_config
-
     name = str(path)
     target_config = text_config(target_config)  # an image-text target: its text tower
     want_h = int(hf_config.get("target_hidden_size") or hf_config["hidden_size"])
@@ -66,7 +65,7 @@ def check_aux_ids(path: str | Path, draft_ids: Optional[Sequence[int]], asked: O
 
 def recorded_target(path: str | Path) -> Optional[str]:
     """The target fingerprint the draft's training_state.pt records (None without one)."""
-    from specforge.train.checkpoint import load_train_state
+    from specforge.train.checkpoint import load_train_state  # lazy: keeps specforge.compat torch-free
 
     state = load_train_state(path, mmap=True)  # mmap: the optimizer state in the same file is not read
     return None if state is None else (state.get("identity") or {}).get("target")
@@ -75,9 +74,9 @@ def recorded_target(path: str | Path) -> Optional[str]:
 def target_fingerprints(model) -> set[str]:
     """The model's fingerprint as ``run_identity`` computes it, in the model's own dtype and in
     the other float dtypes a run may have loaded it in (the fingerprint hashes values and dtype)."""
-    import torch
+    import torch  # lazy: keeps specforge.compat torch-free
 
-    from specforge.train.checkpoint import tensor_digest
+    from specforge.train.checkpoint import tensor_digest  # lazy: keeps specforge.compat torch-free
 
     named = list(model.state_dict().items())
     return {tensor_digest(named, sample=64, dtype=d) for d in (None, torch.float32, torch.bfloat16, torch.float16)}
@@ -101,7 +100,7 @@ def check_target_weights(path: str | Path, model, allow: bool) -> Optional[str]:
 def check_drafts(drafts: Sequence[str], cfg, allow: bool) -> dict[str, Optional[list[int]]]:
     """Before the target loads: every draft checkpoint against the target's config.json; the
     layer ids each draft runs with (its own, unless model.aux_layer_ids asks otherwise)."""
-    from specforge.models.target import load_target_config
+    from specforge.models.target import load_target_config  # lazy: keeps specforge.compat torch-free
 
     target_config = load_target_config(cfg.model)
     out = {}

@@ -55,7 +55,7 @@ def local_cuda_index(rank: int = 0) -> int:
     the actor's own GPU id; a launcher's ``LOCAL_RANK`` (torchrun); else ``rank`` modulo the count."""
     count = max(torch.cuda.device_count(), 1)
     if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
-        import ray
+        import ray  # lazy: heavy (ray)
 
         if ray.is_initialized() and (ids := ray.get_gpu_ids()):
             return int(ids[0]) % count

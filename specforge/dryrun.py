@@ -21,6 +21,7 @@ allowances for the CUDA context, NCCL and allocator fragmentation. Held against 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
@@ -29,8 +30,22 @@ import torch
 from specforge import memory
 from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import EMBEDDED_TARGET, Config
-from specforge.device import wants_gpu
-from specforge.models.target import SHIPPED, shipped_config  # noqa: F401 (the dry run's names for them)
+from specforge.data.vocab import DraftVocab
+from specforge.device import pick_device, pick_dtype, torch_dtype, wants_gpu
+from specforge.models.target import (  # noqa: F401 (the dry run's names for them)
+    SHIPPED,
+    TargetModel,
+    config_from_file,
+    load_target_config,
+    shipped_config,
+    split_plan,
+)
+from specforge.parallel.dims import ParallelDims
+from specforge.runtime.contracts import FeatureSpec
+from specforge.runtime.loop import check
+from specforge.runtime.loop import single_process as one_rank
+from specforge.runtime.plan import wire_dtype
+from specforge.targets import check_target, family_of, text_config
 
 # Bits per converted weight of a quantized checkpoint as shipped (mxfp4: 4-bit values + an 8-bit scale
 # per 32; fp8: one byte, its per-block scales negligible). Embeddings, the lm_head, biases, norms and
@@ -69,8 +84,6 @@ class DryRun:
 
 def read_target_config(cfg: Config, target_config: Optional[str] = None):
     """``(hf_config, where it came from)``, without weights (see the module docstring)."""
-    from specforge.models.target import config_from_file, load_target_config
-
     path = Path(target_config) if target_config else None
     if path is None and cfg.model.target_path != EMBEDDED_TARGET and not Path(cfg.model.target_path).expanduser().exists():
         path = shipped_config(cfg.model.target_path)
@@ -84,8 +97,6 @@ def read_target_config(cfg: Config, target_config: Optional[str] = None):
 def _target_dtype(cfg: Config) -> torch.dtype:
     """The dtype the workers load the target in (``model.dtype``; auto: bf16 on GPUs, as ``pick_dtype``
     on a bf16-capable GPU, else this machine's choice)."""
-    from specforge.device import pick_device, pick_dtype, torch_dtype
-
     if cfg.model.dtype != "auto":
         return torch_dtype(cfg.model.dtype)
     if cfg.model.device == "cuda":
@@ -97,10 +108,6 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     """``(target, draft, train_state)`` on the meta device: the target's class from the family table
     in ``dtype``, the draft and its train state from the run's algorithm, as the workers build them
     (a draft vocab of ``draft.vocab_size`` placeholder ids)."""
-    from specforge.data.vocab import DraftVocab
-    from specforge.models.target import TargetModel
-    from specforge.targets import family_of, text_config
-
     text = text_config(hf_config)
     family = family_of(hf_config)
     meta = torch.device("meta")
@@ -118,8 +125,6 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
 def quantized_as_shipped(model, hf_config) -> tuple[Optional[str], Optional[int]]:
     """``(quant_method, bytes of the weights as the checkpoint ships them)``; ``(None, None)`` for an
     unquantized checkpoint, ``(method, None)`` for a method ``SHIPPED_BITS`` does not know."""
-    from fnmatch import fnmatch
-
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return None, None
@@ -156,16 +161,8 @@ def _gib(n: int) -> str:
 
 def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bool = False) -> DryRun:
     """Check ``cfg`` as a run would (no weights, no data, no Ray), print what it would hold where."""
-    from specforge.parallel.dims import ParallelDims
-    from specforge.runtime.contracts import FeatureSpec
-    from specforge.runtime.loop import check
-    from specforge.runtime.plan import wire_dtype
-    from specforge.targets import check_target, family_of, text_config
-
     check(cfg)
     if single_process:
-        from specforge.runtime.loop import single_process as one_rank
-
         cfg = one_rank(cfg)
     hf_config, source = read_target_config(cfg, target_config)
     text = text_config(hf_config)
@@ -224,7 +221,6 @@ def _target_split(cfg: Config, hf_config, dtype: torch.dtype, target) -> list[in
     GPU, and offline, where no target runs a forward)."""
     if cfg.model.num_gpus <= 1 or cfg.placement.mode == "offline":
         return []
-    from specforge.models.target import split_plan
 
     return list(split_plan(hf_config, cfg.model.num_gpus, dtype, target.model)[1].values())
 

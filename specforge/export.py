@@ -39,6 +39,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from specforge.algorithms import ExportRequest, algorithm_of, read_draft_config
+from specforge.compat import check_draft_shape, check_target_weights
+from specforge.config import EMBEDDED_TARGET, ModelConfig
+from specforge.engines import llamacpp
+from specforge.engines.llamacpp import OUTTYPES  # what llama.cpp's converter writes itself
+
 ENGINES = ("sglang", "vllm", "llama.cpp")
 
 
@@ -65,8 +71,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         raise ValueError(f"--outtype applies to --engine llama.cpp only (the {args.engine} export keeps "
                          "the checkpoint's torch_dtype)")
     if args.outtype is not None:
-        from specforge.engines.llamacpp import OUTTYPES  # what llama.cpp's converter writes itself
-
         if args.outtype not in OUTTYPES:
             raise ValueError(f"--outtype {args.outtype!r} is not supported; choose one of {', '.join(OUTTYPES)}")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
@@ -82,8 +86,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def resolve_target(target: Optional[str]) -> tuple[str, Any]:
     """(HF folder or hub id, its transformers config); None = the embedded default target."""
-    from specforge.config import EMBEDDED_TARGET, ModelConfig
-    from specforge.models.target import load_target_config, resolve_target_path
+    from specforge.models.target import (  # lazy: keeps specforge.export torch-free
+        load_target_config,
+        resolve_target_path,
+    )
 
     cfg = ModelConfig(target_path=target or EMBEDDED_TARGET)
     try:
@@ -96,9 +102,6 @@ def check_target(draft: Path, target: str, target_config: Any, given: bool) -> N
     """The draft belongs with this target (``specforge.compat``): its shape always; without
     ``--target`` also the weights fingerprint its training_state.pt records (the default target is
     small; a given one is the user's explicit choice and may be too large to load here)."""
-    from specforge.algorithms import read_draft_config
-    from specforge.compat import check_draft_shape, check_target_weights
-
     try:
         check_draft_shape(draft, read_draft_config(draft), target_config)
         if not given:
@@ -112,8 +115,8 @@ def check_target(draft: Path, target: str, target_config: Any, given: bool) -> N
 
 
 def _load_weights(target: str):
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: keeps specforge.export torch-free
+    from transformers import AutoModelForCausalLM  # lazy: heavy (transformers)
 
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
 
@@ -133,7 +136,7 @@ def start_output(out: Path, draft: Path, force: bool) -> Path:
 
 def finish_output(tmp: Path, out: Path) -> None:
     """Rename the finished export into place (an old ``out`` is removed only after that)."""
-    from specforge.train.checkpoint import make_readable
+    from specforge.train.checkpoint import make_readable  # lazy: keeps specforge.export torch-free
 
     make_readable(tmp)
     if not out.exists():
@@ -152,8 +155,6 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     """Write the export for ``args.engine`` into ``tmp``; returns the command that serves it. The
     checkpoint is checked first (its algorithm's ``check_checkpoint``: a bad one is named before any
     target loads), then the target, then the algorithm's own export (``llama.cpp``: its converter)."""
-    from specforge.algorithms import ExportRequest, algorithm_of, read_draft_config
-
     draft_config = read_draft_config(draft)
     algo = algorithm_of(draft_config, repr(str(draft)))
     if args.engine not in algo.engines:
@@ -171,8 +172,6 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
 
 
 def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, draft_config: dict, algo) -> str:
-    from specforge.engines import llamacpp
-
     if not Path(target).is_dir():
         raise ValueError(f"--target {target!r} is not a local folder: llama.cpp's converter reads the target's "
                          "HF folder (config, tokenizer, embedding); download it and pass --target <folder>")
@@ -186,7 +185,7 @@ def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, d
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from specforge.engines.sglang import resolve_checkpoint
+    from specforge.engines.sglang import resolve_checkpoint  # lazy: keeps specforge.export torch-free
 
     draft, out = resolve_checkpoint(args.draft), Path(args.out)
     tmp = start_output(out, draft, args.force)

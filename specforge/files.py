@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 BROKEN = "a truncated, empty or foreign file"
 
@@ -26,8 +27,6 @@ def _unreadable(path: Path, what: str, fix: str, e: BaseException) -> ValueError
 
 def open_safetensors(path: str | Path, what: str, fix: str):
     """``safe_open`` of ``path`` (a context manager: header read, tensors on demand)."""
-    from safetensors import safe_open
-
     path = Path(path)
     try:
         return safe_open(str(path), framework="pt")

@@ -14,17 +14,24 @@ from pathlib import Path
 from typing import Optional
 
 from specforge.config import Config, load_config
+from specforge.tracking import MetricsLogger
 
 
 def run(cfg: Config) -> Optional[Path]:
     """Train in this process; returns the newest checkpoint folder."""
-    from specforge.device import pick_device
-    from specforge.preflight import check_memory, check_run, check_target_gpus
-    from specforge.runtime.loop import LocalCluster, check, not_applied, restore_rows, single_process, train_loop
-    from specforge.runtime.plan import Planner, prepare
-    from specforge.tracking import MetricsLogger
-    from specforge.train.checkpoint import latest_checkpoint
-    from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
+    from specforge.device import pick_device  # lazy: keeps specforge.local torch-free
+    from specforge.preflight import check_memory, check_run, check_target_gpus  # lazy: keeps specforge.local torch-free
+    from specforge.runtime.loop import (  # lazy: keeps specforge.local torch-free
+        LocalCluster,
+        check,
+        not_applied,
+        restore_rows,
+        single_process,
+        train_loop,
+    )
+    from specforge.runtime.plan import Planner, prepare  # lazy: keeps specforge.local torch-free
+    from specforge.train.checkpoint import latest_checkpoint  # lazy: keeps specforge.local torch-free
+    from specforge.train.trainer import checkpoint_root, keep_old_checkpoints  # lazy: keeps specforge.local torch-free
 
     check(cfg)
     pick_device(cfg.model.device)  # model.device=cuda without CUDA: said first, before the target's config is read
@@ -52,7 +59,7 @@ def run(cfg: Config) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
+    from specforge.dryrun import check_flags, dry_run, with_dry_run_flags  # lazy: keeps specforge.local torch-free
 
     ap = argparse.ArgumentParser(prog="python -m specforge.train", description="Single-process draft training.")
     ap.add_argument("--config", default=None)

@@ -33,6 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from specforge.runtime.contracts import DTYPE_BYTES, FeatureSpec
+from specforge.targets import family_of, target_head_dim, text_config
+
 GiB = 2**30
 # The CUDA context with cuBLAS/cuBLASLt workspaces on an H100/A100 (torch 2.x, lazy module loading):
 # 0.5-1 GB (shared/DESIGN.md, "Memory you can measure on CPU"); the upper end is taken.
@@ -164,10 +167,9 @@ class TargetDims:
     def of(cls, model, text, dtype_bytes: int, gpu: bool = False) -> "TargetDims":
         """``gpu``: where the capture runs, which decides its attention (``target.capture_attention``:
         a class without SDPA captures with flex attention on CUDA, eager on the CPU)."""
-        import torch
+        import torch  # lazy: keeps specforge.memory torch-free
 
-        from specforge.models.target import capture_attention
-        from specforge.targets import family_of, target_head_dim
+        from specforge.models.target import capture_attention  # lazy: keeps specforge.memory torch-free
 
         heads = int(text.num_attention_heads)
         experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
@@ -309,7 +311,7 @@ def _compute_bytes(precision: str, gpu: bool) -> int:
         return 4
     if gpu or precision == "bf16":
         return 2
-    from specforge.device import cpu_fast_bf16
+    from specforge.device import cpu_fast_bf16  # lazy: keeps specforge.memory torch-free
 
     return 2 if cpu_fast_bf16() else 4
 
@@ -320,10 +322,8 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     device is enough), ``draft``: the run's draft (meta), ``state_bytes``: the algorithm's frozen train
     state in fp32, ``target_shares``: the target's bytes on each GPU of a worker that runs it (one
     entry: the whole target), ``gpu``: whether the workers get GPUs (the CUDA/NCCL allowances)."""
-    from specforge.parallel.dims import ParallelDims
-    from specforge.runtime.contracts import DTYPE_BYTES, FeatureSpec
-    from specforge.runtime.plan import wire_dtype
-    from specforge.targets import text_config
+    from specforge.parallel.dims import ParallelDims  # lazy: keeps specforge.memory torch-free
+    from specforge.runtime.plan import wire_dtype  # lazy: keeps specforge.memory torch-free
 
     mode, dims, tr = cfg.placement.mode, ParallelDims.from_config(cfg), cfg.train
     text = text_config(target.model.config)
@@ -376,14 +376,14 @@ def available_bytes(cfg) -> tuple[Optional[int], str]:
     """``(bytes, where from)`` one GPU of the run has: ``ray.gpu_memory_gib`` if set, else this
     machine's first CUDA device when the run uses GPUs; ``(None, why)`` when there is nothing to hold
     the plan against (a CPU run, or GPUs on other machines of a Ray cluster without the key)."""
-    import torch
+    import torch  # lazy: keeps specforge.memory torch-free
 
     if cfg.ray.gpu_memory_gib is not None:
         if cfg.ray.gpu_memory_gib <= 0:
             raise ValueError(f"config key 'ray.gpu_memory_gib'={cfg.ray.gpu_memory_gib!r} must be > 0 or null "
                              "(null: read this machine's GPU)")
         return int(cfg.ray.gpu_memory_gib * GiB), f"ray.gpu_memory_gib={cfg.ray.gpu_memory_gib:g}"
-    from specforge.device import wants_gpu
+    from specforge.device import wants_gpu  # lazy: keeps specforge.memory torch-free
 
     if wants_gpu(cfg.model.device) and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -105,10 +105,10 @@ def _draw(ax, key: str, label: str, color: str, train: list[dict], heldout: list
 def _figure(title: str, panels: list[tuple[str, list[tuple[str, str]]]], train: list[dict], heldout: list[dict],
             epochs: list[float], warmup: Optional[int] = None, log_y: tuple[str, ...] = ()):
     """One figure with one panel per (ylabel, [(key, label)]); None if no key has data."""
-    import matplotlib
+    import matplotlib  # lazy: optional (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional (matplotlib)
 
     panels = [(y, [(k, lb) for k, lb in lines if _series(train, k)[0] or _series(heldout, k)[0]]) for y, lines in panels]
     panels = [p for p in panels if p[1]]
@@ -163,7 +163,7 @@ def run_figures(path: str | Path) -> dict:
 
 def plot_run(path: str | Path, out_dir: Optional[str | Path] = None) -> list[Path]:
     """All PNGs for one run; returns the files written."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional (matplotlib)
 
     figs = run_figures(path)
     src = Path(path)

@@ -17,9 +17,20 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
+import torch
+
+from specforge import memory
 from specforge.algorithms import get_algorithm
 from specforge.config import Config
+from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_root
+from specforge.device import wants_gpu
+from specforge.dryrun import memory_plan
+from specforge.models.target import load_target_config, resolve_target_path
 from specforge.parallel.dims import ParallelDims
+from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
+from specforge.targets import check_target, read_config_json, text_config
+from specforge.train.init_from import check_init_from
+from specforge.train.trainer import checkpoint_root
 
 
 def check_placement(cfg: Config) -> None:
@@ -55,14 +66,10 @@ def check_memory(cfg: Config) -> None:
     ValueError naming the device, both figures and the keys that shrink it. A CPU run on this
     machine: every process's peak together against its available memory (a sample too long for it
     fails here, not in step 1). A driver off the GPU nodes without the key: no check."""
-    from specforge import memory
-    from specforge.dryrun import memory_plan
-
     available, where = memory.available_bytes(cfg)
     if available is not None:
         memory.check_fits(memory_plan(cfg), available, where, cfg, get_algorithm(cfg.draft.algorithm))
         return
-    from specforge.device import wants_gpu
 
     if not wants_gpu(cfg.model.device) and not cfg.ray.address:  # every process on this machine's memory
         memory.check_host_fits(memory_plan(cfg), memory.host_available_bytes(), cfg, get_algorithm(cfg.draft.algorithm))
@@ -72,11 +79,10 @@ def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]
     """When this process is about to start Ray itself (none running, no ``ray.address``): whether
     the workers will use GPUs, and this machine's resources with who has them; else None (a Ray we
     join is checked after joining, against what it reports)."""
-    import ray
+    import ray  # lazy: heavy (ray)
 
     if ray.is_initialized() or cfg.ray.address:
         return None
-    from specforge.device import wants_gpu
 
     use_gpu = wants_gpu(cfg.model.device)
     return (use_gpu, *machine_resources(cfg))
@@ -85,10 +91,6 @@ def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]
 def check_run(cfg: Config) -> None:
     """The config against the target (config.json only) and, offline, the store's meta; the
     ``draft.init_from`` folder's config-level facts first."""
-    from specforge.models.target import load_target_config, resolve_target_path
-    from specforge.targets import check_target, read_config_json, text_config
-    from specforge.train.init_from import check_init_from
-
     check_init_from(cfg)
 
     full = load_target_config(cfg.model)
@@ -107,8 +109,6 @@ def check_run(cfg: Config) -> None:
 def check_outputs(cfg: Config) -> None:
     """The folders a training run writes (metrics, checkpoints) can be written, before anything
     trains: a save that fails after training would otherwise lose the run."""
-    from specforge.train.trainer import checkpoint_root
-
     check_writable("train.output_dir", cfg.train.output_dir)
     key = "checkpoint.dir" if cfg.checkpoint.dir else "train.output_dir (its checkpoints/ folder)"
     check_writable(key, checkpoint_root(cfg))
@@ -135,8 +135,6 @@ def check_writable(key: str, folder: str | Path) -> None:
 def check_store(cfg: Config, layers: list[int], target) -> None:
     """What the store's meta says that the config can contradict without loading weights (the
     workers compare the target's weight fingerprint too)."""
-    from specforge.data.store import INDEX, FeatureStore, store_root
-
     root = store_root(cfg)
     check_replay(cfg)
     if not (root / INDEX).is_file():
@@ -154,9 +152,6 @@ def check_store(cfg: Config, layers: list[int], target) -> None:
 def check_replay(cfg: Config) -> None:
     """``store.replay_dir``: a complete feature store, not the run's own, with samples to replay and
     the meta of the run's store (every field but the samples' source)."""
-    from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_root
-    from specforge.runtime.plan import replayable_ids
-
     if cfg.store.replay_dir is None:
         return
     key, ref = f"config key 'store.replay_dir'={cfg.store.replay_dir!r}", Path(cfg.store.replay_dir).expanduser()
@@ -178,8 +173,6 @@ def check_replay(cfg: Config) -> None:
 def check_store_eval(cfg: Config, store) -> None:
     """Periodic eval offline holds out the store's last samples (``plan.store_split``: at most a
     tenth of them); too few for one per DP group is refused here, before Ray starts."""
-    from specforge.runtime.plan import EVAL_SAMPLES, store_split
-
     dp = ParallelDims.from_config(cfg).dp
     held = len(store_split(store, cfg)["eval"])
     if cfg.train.eval_every and min(held, EVAL_SAMPLES) < dp:
@@ -254,8 +247,6 @@ def check_bundles(need: Mapping[str, float], have: Mapping[str, float], where: s
 
 def machine_resources(cfg: Config) -> tuple[dict[str, float], str]:
     """This machine's cores (``ray.num_cpus`` if set: oversubscribing on purpose) and GPUs."""
-    import torch
-
     cores = cfg.ray.num_cpus or os.cpu_count() or 1
     have = {"CPU": float(cores), "GPU": float(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
     return have, f"this machine ({'ray.num_cpus' if cfg.ray.num_cpus else 'cores'} = {cores})"
@@ -264,7 +255,7 @@ def machine_resources(cfg: Config) -> tuple[dict[str, float], str]:
 def ray_resources(cfg: Config, started_here: bool) -> tuple[dict[str, float], str]:
     """What the workers can get: a Ray we joined reports its cluster; a Ray we started here has
     this machine's cores (``ray.num_cpus`` if set), whatever CPU count it was started with."""
-    import ray
+    import ray  # lazy: heavy (ray)
 
     have = dict(ray.cluster_resources())
     if started_here and not cfg.ray.address:

@@ -45,7 +45,7 @@ from specforge import device
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
 from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
-from specforge.preflight import check_placement, check_resources, ray_resources
+from specforge.preflight import check_placement, check_resources, gpus_per_worker, ray_resources
 from specforge.runtime.actors import (
     ActorDied,
     ActorGroup,
@@ -57,9 +57,13 @@ from specforge.runtime.actors import (
     start_ray,
 )
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
+from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox
 from specforge.runtime.loop import check, not_applied, restore_rows, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
 from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
+from specforge.tracking import MetricsLogger
+from specforge.train.checkpoint import latest_checkpoint
+from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
 
 
 class RolloutLost(WorkerError):
@@ -169,7 +173,6 @@ def num_rollout(cfg: Config) -> int:
 def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     """Placement groups, one communicator (rollout ranks first), per-worker setup."""
     timeout, setup_timeout = cfg.parallel.timeout_s, max(cfg.parallel.setup_timeout_s, cfg.parallel.timeout_s)
-    from specforge.preflight import gpus_per_worker
 
     def gpus(kind: str) -> int:
         return gpus_per_worker(cfg, kind) if use_gpu else 0
@@ -182,8 +185,6 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
                          resources=cfg.ray.train_resources)
     mailbox = mailbox_name = None
     if cfg.placement.transport == "object_store" and n_roll:
-        from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox
-
         mailbox_name = f"{MAILBOX_NAME}-{os.getpid()}-{next(_GENERATION)}"  # a respawn's is new
         mailbox = spawn_mailbox(mailbox_name)
     layout = Layout(
@@ -232,10 +233,6 @@ def collect(refs: list, labels: list[str], timeout_s: float, what: str) -> list:
 
 def fit(cfg: Config) -> Optional[str]:
     """Train; returns the newest checkpoint folder."""
-    from specforge.tracking import MetricsLogger
-    from specforge.train.checkpoint import latest_checkpoint
-    from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
-
     check(cfg)
     check_placement(cfg)  # the config against the target's config.json and, if Ray starts here, the cores
     if skipped := not_applied(cfg, cfg.placement.mode):

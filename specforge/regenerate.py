@@ -56,10 +56,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Union
 
+import torch
+from tqdm.auto import tqdm
+
+from specforge import device
 from specforge.algorithms import feature_layers
 from specforge.config import Config, load_config
+from specforge.data import store as fs
 from specforge.data.heldout import heldout_sources
 from specforge.data.sharegpt import iter_conversations
+from specforge.data.store import store_root
 from specforge.data.template import (
     TemplateError,
     assistant_char_spans,
@@ -67,6 +73,11 @@ from specforge.data.template import (
     resolve_chat_template,
     span_mask,
 )
+from specforge.device import set_threads
+from specforge.models import generate as engine
+from specforge.models.target import load_target, load_tokenizer
+from specforge.preflight import before_local_ray, check_workers, ray_resources
+from specforge.runtime.actors import start_ray
 
 HELD_OUT = "held out for eval"
 PROMPT_TOO_LONG = "first prompt longer than data.max_length - 1"  # later turns that do not fit end the row
@@ -224,8 +235,6 @@ class LocalBackend:
         self.stop_ids, self.capture, self.progress = stop_ids, capture, progress
 
     def run(self, prompts: list[Prompt]) -> list[Union[Answer, Exception]]:
-        from specforge.models import generate as engine
-
         # One call at the largest cap; each row is cut to its own cap afterwards (decoding is
         # causal, so the first n tokens and their features are what a call capped at n gives).
         # The engine seeds one generator per call: the call's first row/turn names it.
@@ -391,7 +400,6 @@ class RowSink:
             os.fsync(f.fileno())
         if self.store is None:
             return
-        import torch
 
         for job, ans in finished:
             if job.source_row in self.in_store:  # the JSONL had lost it; its features are there
@@ -483,8 +491,6 @@ def _chunks(items: Sequence, n: int) -> Iterable[Sequence]:
 
 
 def _bar(total: int, start: float, desc: str):
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=total, desc=desc, unit="row", mininterval=1.0, dynamic_ncols=True)
     state = {"tokens": 0, "shown": 0.0}
 
@@ -514,8 +520,6 @@ def _estimate_bytes(jobs: list[Job], max_length: int, per_token: float) -> int:
 
 
 def _open_store(cfg: Config, target, root: Path, settings: dict, template: str, jobs: list[Job]):
-    from specforge.data import store as fs
-
     meta = fs.store_meta(cfg, target, source_tag(cfg, settings, template))
     writer = fs.FeatureStoreWriter(root, meta, dtype=cfg.store.dtype, shard_mb=cfg.store.shard_mb)
     todo = [j for j in jobs if j.source_row not in writer.done()]
@@ -529,8 +533,6 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     r = cfg.regenerate
     local = r.backend == "local"
     if local and target is None:
-        from specforge.models.target import load_target
-
         target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
     tokenizer = target.tokenizer if local else tokenizer
     template = resolve_chat_template(tokenizer, cfg.model.chat_template)
@@ -572,8 +574,6 @@ def part_path(output: Path, k: int, num_workers: int) -> Path:
 
 def _worker(cfg: Config, jobs: list[Job], output: str, store_dir: Optional[str], k: int, threads: int) -> dict:
     """One Ray task: load the target, regenerate its rows into its own part file and store."""
-    import torch
-
     torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS=1 in workers
     s = run_shard(cfg, jobs, Path(output), Path(store_dir) if store_dir else None, desc=f"worker {k}")
     return asdict(s)
@@ -606,11 +606,7 @@ def merge_parts(output: Path, W: int) -> int:
 
 def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path]) -> Summary:
     """``num_workers`` Ray tasks, worker k taking rows k, k+W, ... (stable across reruns)."""
-    import ray
-
-    from specforge import device
-    from specforge.preflight import before_local_ray, check_workers, ray_resources
-    from specforge.runtime.actors import start_ray
+    import ray  # lazy: heavy (ray)
 
     W = cfg.regenerate.num_workers
     if local := before_local_ray(cfg):  # before Ray prestarts a process per CPU it is given
@@ -640,7 +636,7 @@ def _wait_all(refs: list) -> list:
     """Results of every task; a failed worker raises at once, its ValueError kept a ValueError.
 
     No overall deadline (a long dataset takes hours); a dead worker fails its ref right away."""
-    import ray
+    import ray  # lazy: heavy (ray)
 
     results, pending = {}, list(refs)
     while pending:
@@ -688,15 +684,11 @@ def output_path(cfg: Config) -> Path:
 
 def regenerate(cfg: Config, target=None) -> Summary:
     """Regenerate the configured dataset; ``target`` = an already loaded TargetModel (local backend)."""
-    from specforge.data.store import store_root
-
     validate(cfg)
     r = cfg.regenerate
     if target is not None:
         tokenizer = target.tokenizer
     else:
-        from specforge.models.target import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.model)
     template = resolve_chat_template(tokenizer, cfg.model.chat_template)
     skipped: dict[str, int] = {}
@@ -710,8 +702,6 @@ def regenerate(cfg: Config, target=None) -> Summary:
     if ray_mode:
         summary = run_ray(cfg, jobs, output, store_dir)
     else:
-        from specforge.device import set_threads
-
         set_threads(cfg.train.num_threads)  # as the Ray workers and the trainer do
         summary = run_shard(cfg, jobs, output, store_dir, target=target, tokenizer=tokenizer)
     for reason, n in skipped.items():

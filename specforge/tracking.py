@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from specforge.config import TrackingConfig
+from specforge.plot import read_rows
 
 # Held-out acc_0 this far below training acc_0 means the draft memorizes its samples. Why 0.10: the
 # periodic eval reads 8 held-out samples and the train side is the mean of the last
@@ -71,7 +72,7 @@ class MetricsLogger:
         self._t0 = time.time()
         self.history: dict[str, list[dict]] = {"train": [], "eval": []}  # the overlay charts redraw from it
         if cfg.wandb and wandb_mode(cfg) != "disabled":
-            import wandb
+            import wandb  # lazy: optional (wandb)
 
             self._wandb = wandb.init(
                 project=cfg.project,
@@ -82,7 +83,7 @@ class MetricsLogger:
                 reinit="finish_previous",
             )
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: keeps specforge.tracking torch-free
 
             self._tb = SummaryWriter(str(self.out_dir / "tb"))
 
@@ -107,8 +108,6 @@ class MetricsLogger:
         (``owed(kind, step)``, steps up to ``start_step``) but its metrics.jsonl lacks, because the
         driver died between the workers' save and its own log line. The rows carry ``restored: 1``
         (the workers' metrics; no driver timings). Returns the ``(kind, step)`` restored."""
-        from specforge.plot import read_rows
-
         path = self.out_dir / "metrics.jsonl"
         have = {(r.get("kind", "train"), r.get("step")) for r in read_rows(path)} if path.is_file() else set()
         done = []
@@ -160,7 +159,7 @@ def drop_torn_tail(path: Path) -> None:
 
 def overlay_charts(history: dict[str, list[dict]]) -> dict[str, Any]:
     """One wandb line chart per metric that both train and held-out rows carry, both series in it."""
-    import wandb
+    import wandb  # lazy: optional (wandb)
 
     train, heldout = history.get("train", []), history.get("eval", [])
     keys = sorted({k for r in heldout for k in r if OVERLAID.fullmatch(k)} & {k for r in train for k in r})

@@ -134,11 +134,11 @@ def test_num_proc_matches_serial(tok, data_file):
 
 
 def test_cli_prepare_with_vocab(tmp_path, data_file, monkeypatch, capsys):
-    import specforge.models.target as target
+    import specforge.data.__main__ as data_main
     from specforge.data.__main__ import main
     from specforge.data.vocab import load_draft_vocab
 
-    monkeypatch.setattr(target, "load_tokenizer", lambda model_cfg: make_tokenizer())
+    monkeypatch.setattr(data_main, "load_tokenizer", lambda model_cfg: make_tokenizer())
     vocab_out = tmp_path / "vocab.safetensors"
     rc = main(["prepare", f"data.path={data_file}", "data.num_eval=2", "data.max_length=64",
                f"model.cache_dir={tmp_path}", "--vocab-out", str(vocab_out), "draft.vocab_size=50", "--no-progress"])

@@ -268,7 +268,7 @@ def test_a_wrong_verifier_is_caught(monkeypatch):
 
 
 def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
-    from specforge.models import target as target_mod
+    from specforge.models import target as target_mod  # compat's check_drafts reads the target's config.json
     from specforge.train.checkpoint import save_checkpoint
 
     target = _target()
@@ -276,7 +276,7 @@ def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "ckpt", 3, draft.config.to_hf_config(), draft.export_state_dict())
     rows = [{"input_ids": torch.randint(0, V, (20,)).tolist(), "loss_mask": [0] * 8 + [1] * 12} for _ in range(3)]
     loads = []
-    monkeypatch.setattr(target_mod, "load_target", lambda cfg, **kw: loads.append(cfg) or target)
+    monkeypatch.setattr(ev, "load_target", lambda cfg, **kw: loads.append(cfg) or target)
     monkeypatch.setattr(target_mod, "load_target_config", lambda cfg: target.model.config)
     from specforge.data import heldout
 

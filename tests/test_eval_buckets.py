@@ -112,11 +112,11 @@ def _rows(prompt_lengths):
 @pytest.fixture
 def cli(monkeypatch):
     """specforge.eval's main on the tiny target and held-out rows whose first replies start at 8, 14, 30."""
+    import specforge.eval as ev
     from specforge.data import heldout
-    from specforge.models import target as target_mod
 
     target = _target()
-    monkeypatch.setattr(target_mod, "load_target", lambda cfg, **kw: target)
+    monkeypatch.setattr(ev, "load_target", lambda cfg, **kw: target)
     monkeypatch.setattr(heldout, "heldout_rows", lambda cfg, tokenizer: _rows([8, 14, 30]))
     return target
 

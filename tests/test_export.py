@@ -217,6 +217,7 @@ def test_llamacpp_export_calls_the_converter(tmp_path, target_dir, capsys, monke
     stub = types.SimpleNamespace(convert_draft=convert_draft, OUTTYPES=("f32", "q8_0"), draft_spec_type=draft_spec_type)
     monkeypatch.setitem(sys.modules, "specforge.engines.llamacpp", stub)
     monkeypatch.setattr(engines, "llamacpp", stub, raising=False)  # if the real one was imported before
+    monkeypatch.setattr(export, "llamacpp", stub)  # the module export.py imported
     code, out, err = run(["--draft", tmp_path / "ckpts", "--engine", "llama.cpp", "--out", tmp_path / "gguf",
                           "--target", target_dir, "--outtype", "q8_0"], capsys)
     assert code == 0, err

@@ -8,6 +8,7 @@ from collections import namedtuple
 import pytest
 import torch
 
+import specforge.capture as capture_mod
 import specforge.data.store as store_mod
 import specforge.models.target as target_mod
 from specforge.capture import iter_features, main, plan_batches, write_store
@@ -185,7 +186,7 @@ def test_interrupted_capture_resumes_without_rewriting_shards(target, rows, meta
         return real(*a, **k)
 
     resuming = False
-    monkeypatch.setattr(target_mod, "capture", dies_on_fifth_forward)
+    monkeypatch.setattr(capture_mod, "capture", dies_on_fifth_forward)  # the capture write_store calls
     root = tmp_path / "resumed"
     with pytest.raises(Killed):
         write(target, rows, root, meta)

@@ -11,17 +11,16 @@ starts a new one). ``--reset`` moves ``adapt.dir`` aside and starts over from ``
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import time
 from typing import Optional
+
+from specforge.adapt.rounds import Adapter, adapt_root, check
+from specforge.config import load_config
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import shutil
-    import time
-
-    from specforge.adapt.rounds import Adapter, adapt_root, check
-    from specforge.config import load_config
-
     ap = argparse.ArgumentParser(prog="python -m specforge.adapt", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
     ap.add_argument("--reset", action="store_true",

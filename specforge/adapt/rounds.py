@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -38,8 +39,41 @@ from typing import Callable, Optional
 
 import yaml
 
+from specforge.adapt.proxy import TrafficProxy
 from specforge.adapt.traffic import Ledger
+from specforge.algorithms import algorithm_of, feature_layers, get_algorithm, load_draft, read_draft_config
+from specforge.capture import capture_store
+from specforge.compat import check_drafts
 from specforge.config import Config
+from specforge.data.heldout import eval_prompts, heldout_rows
+from specforge.data.store import (
+    INDEX,
+    FeatureStore,
+    check_replay_meta,
+    meta_differences,
+    restore_index,
+    store_meta,
+    store_root,
+)
+from specforge.data.template import resolve_chat_template, tokenize_conversation
+from specforge.device import autocast_dtype, set_threads
+from specforge.engines.llamacpp import (
+    LlamaServer,
+    cached_target_gguf,
+    convert_draft,
+    die_with_parent,
+    find_converter,
+    find_server,
+)
+from specforge.eval import Setting, evaluate_settings
+from specforge.files import open_safetensors
+from specforge.models.target import load_target, resolve_target_path
+from specforge.preflight import check_writable
+from specforge.runtime.plan import replayable_ids
+from specforge.tracking import MetricsLogger
+from specforge.train.checkpoint import latest_checkpoint
+from specforge.train.init_from import check_init_from
+from specforge.train.trainer import checkpoint_root
 
 STATE = "state.json"
 PHASES = ("idle", "capture", "train", "gate", "swap")
@@ -56,14 +90,10 @@ def adapt_root(cfg: Config) -> Path:
 
 
 def start_draft(cfg: Config) -> Path:
-    from specforge.train.trainer import checkpoint_root
-
     return Path(cfg.adapt.draft).expanduser() if cfg.adapt.draft else checkpoint_root(cfg) / "latest"
 
 
 def reference_store(cfg: Config) -> Path:
-    from specforge.data.store import store_root
-
     path = Path(cfg.adapt.reference_store).expanduser() if cfg.adapt.reference_store else store_root(cfg)
     return path.absolute()
 
@@ -152,10 +182,6 @@ def check(cfg: Config):
     """Everything that can be checked before any work (a capture, a fine-tune, a GGUF conversion, a
     server): one error naming the key and the fix. Returns the target when a check loaded it (the
     reference store's meta compares its weights), for the rounds to use; else None."""
-    from specforge.algorithms import get_algorithm
-    from specforge.compat import check_drafts
-    from specforge.preflight import check_writable
-
     if errs := config_errors(cfg):
         raise ValueError("; ".join(errs))
     a = cfg.adapt
@@ -181,8 +207,6 @@ def check(cfg: Config):
     check_drafts([str(live)], cfg, False)
     target = _check_reference(cfg, root) if a.replay_share > 0 else None
     if a.serve:
-        from specforge.engines.llamacpp import find_converter, find_server
-
         if get_algorithm(cfg.draft.algorithm).llamacpp_spec_type is None:
             raise ValueError(f"adapt.serve=true: llama.cpp cannot serve draft.algorithm={cfg.draft.algorithm}; "
                              "set adapt.serve=false and name adapt.traffic")
@@ -196,9 +220,6 @@ def check(cfg: Config):
 
 def _check_draft(cfg: Config, path: Path, what: str, fix: str) -> None:
     """``path`` is a draft the rounds can fine-tune: what the round's ``draft.init_from`` will check."""
-    from specforge.files import open_safetensors
-    from specforge.train.init_from import check_init_from
-
     if not (path / "config.json").is_file():
         raise ValueError(f"{what}: no draft checkpoint at {str(path)!r} (no config.json); train one first "
                          f"(bash scripts/train_eagle3.sh) or {fix}")
@@ -217,11 +238,6 @@ def _check_draft(cfg: Config, path: Path, what: str, fix: str) -> None:
 def _check_reference(cfg: Config, root: Path):
     """The reference store replayed beside the traffic: a store of this config's target, aux layers and
     data.max_length (every meta field but the samples' source, as the round's replay compares them)."""
-    from specforge.algorithms import feature_layers
-    from specforge.data.store import INDEX, FeatureStore, check_replay_meta, meta_differences, store_meta
-    from specforge.models.target import load_target
-    from specforge.runtime.plan import replayable_ids
-
     ref = reference_store(cfg)
     if not (ref / INDEX).is_file():
         raise ValueError(f"adapt.reference_store: no feature store at {str(ref)!r}; fill one "
@@ -244,8 +260,6 @@ def _check_reference(cfg: Config, root: Path):
 
 def _check_port(host: str, port: int) -> None:
     """The proxy's port is free (before the GGUF conversions and the server, not after them)."""
-    import socket
-
     if not port:
         return  # any free one
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -285,16 +299,11 @@ class LlamaServers:
     """Starts llama-server for a draft folder (converted to GGUF once, into ``<adapt.dir>/gguf``)."""
 
     def __init__(self, cfg: Config, root: Path):
-        from specforge.engines.llamacpp import cached_target_gguf
-        from specforge.models.target import resolve_target_path
-
         self.cfg, self.root = cfg, root
         self.target_dir = resolve_target_path(cfg.model)
         self.target_gguf = cached_target_gguf(self.target_dir)
 
     def start(self, draft: Path):
-        from specforge.engines.llamacpp import LlamaServer, convert_draft
-
         gguf = self.root / "gguf" / f"{draft.name}.gguf"
         if not gguf.is_file():
             gguf.parent.mkdir(parents=True, exist_ok=True)
@@ -345,8 +354,6 @@ class Adapter:
             self.state.save(self.root)
             self.log(f"adapt: live draft {dst} (copied from {src})")
         if self.a.serve:
-            from specforge.adapt.proxy import TrafficProxy
-
             if self.servers is None:
                 self.servers = LlamaServers(self.cfg, self.root)
             self.server = self.servers.start(Path(self.state.live))
@@ -481,8 +488,6 @@ class Adapter:
 
     def _snapshot_store(self) -> None:
         """The domain store's index as the round begins (``_undo_round`` puts it back)."""
-        from specforge.data.store import INDEX
-
         rdir = self._rdir()
         _set_aside(rdir)  # a folder of an earlier attempt at this number: never resumed
         rdir.mkdir(parents=True)
@@ -493,8 +498,6 @@ class Adapter:
         """The round in progress never happened: the domain store as it began (its index back, shards
         written since removed), its folder set aside, the rows it took counted as new again, the
         live draft untouched. ``consumed``: its number stays used (a failed round has its metrics row)."""
-        from specforge.data.store import restore_index
-
         n, rdir = self.state.round, self._rdir()
         snap = rdir / STORE_BEFORE
         if snap.is_file():
@@ -522,19 +525,13 @@ class Adapter:
 
     def target(self):
         if self._target is None:
-            from specforge.algorithms import feature_layers
-            from specforge.device import set_threads
-            from specforge.models.target import load_target
-
             set_threads(self.cfg.train.num_threads)
             self._target = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n))
         return self._target
 
     def capture(self) -> None:
         """The ledger's training rows into the domain store (sample id = row; stored ones skipped)."""
-        import datasets
-
-        from specforge.capture import capture_store
+        import datasets  # lazy: heavy (datasets)
 
         datasets.disable_progress_bars()  # its "Saving the dataset" bars, every round
         data = dataclasses.replace(self.cfg.data, path=str(self.ledger.train_path), num_eval=0, max_samples=None,
@@ -566,7 +563,6 @@ class Adapter:
         path.write_text(yaml.safe_dump(self.round_config(rdir), sort_keys=False))
         log = rdir / "train.log"
         self.log(f"adapt: round {self.state.round}: fine-tuning {self.a.steps} steps from {self.state.live} (log: {log})")
-        from specforge.engines.llamacpp import die_with_parent
 
         with open(log, "ab") as f:  # the child goes when adapt does (a killed adapt resumes the round itself)
             proc = subprocess.Popen([sys.executable, "-m", "specforge.train", "--config", str(path)],
@@ -592,12 +588,6 @@ class Adapter:
 
     def gate(self, live: Path, candidate: Path) -> dict:
         """Acceptance of the live draft and the candidate on the same prompts and greedy references."""
-        from specforge.algorithms import algorithm_of, load_draft, read_draft_config
-        from specforge.data.heldout import eval_prompts, heldout_rows
-        from specforge.data.template import resolve_chat_template, tokenize_conversation
-        from specforge.device import autocast_dtype
-        from specforge.eval import Setting, evaluate_settings
-
         target, a = self.target(), self.a
         cap = 384
         template = resolve_chat_template(target.tokenizer, self.cfg.model.chat_template)
@@ -672,8 +662,6 @@ class Adapter:
         with open(self.root / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"time": time.time(), **row}) + "\n")
         if self._tracker is None:
-            from specforge.tracking import MetricsLogger
-
             tracking = dataclasses.replace(self.cfg.tracking, jsonl=False,
                                            run_name=self.cfg.tracking.run_name or "adapt")
             self._tracker = MetricsLogger(tracking, self.root, self.cfg.to_dict())
@@ -700,8 +688,6 @@ def _set_aside(rdir: Path) -> None:
 
 
 def _newest(rdir: Path) -> Path:
-    from specforge.train.checkpoint import latest_checkpoint
-
     path = latest_checkpoint(rdir / "checkpoints")
     if path is None:
         raise RuntimeError(f"adapt: the round's fine-tune left no checkpoint in {rdir / 'checkpoints'}")
@@ -710,8 +696,6 @@ def _newest(rdir: Path) -> Path:
 
 def _steps(rdir: Path) -> int:
     """The newest checkpoint's step (its folder is ``step-N``); 0 without one."""
-    from specforge.train.checkpoint import latest_checkpoint
-
     path = latest_checkpoint(rdir / "checkpoints")
     digits = "".join(c for c in path.name if c.isdigit()) if path else ""
     return int(digits) if digits else 0

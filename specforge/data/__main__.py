@@ -11,6 +11,12 @@ import argparse
 import sys
 import time
 
+from specforge.cli import run_cli
+from specforge.config import load_config
+from specforge.data.prepare import prepare_dataset
+from specforge.data.vocab import build_draft_vocab, save_draft_vocab
+from specforge.models.target import load_tokenizer
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specforge.data", description=__doc__.split("\n\n")[0])
@@ -26,9 +32,6 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = list(args.overrides) + extra  # overrides may come after --options
 
-    from specforge.cli import run_cli
-    from specforge.config import load_config
-
     try:
         cfg = load_config(args.config, args.overrides)
     except ValueError as e:
@@ -39,9 +42,6 @@ def main(argv=None) -> int:
 
 def prepare(cfg, vocab_out, progress: bool) -> int:
     """Tokenize (cached), print the statistics, optionally build + save the draft vocab."""
-    from specforge.data.prepare import prepare_dataset
-    from specforge.models.target import load_tokenizer
-
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     t_tok = time.perf_counter() - t0
@@ -51,8 +51,6 @@ def prepare(cfg, vocab_out, progress: bool) -> int:
     print(out.stats.table())
     print(f"{'tokenizer load seconds':<40}{t_tok:>12.1f}")
     if vocab_out:
-        from specforge.data.vocab import build_draft_vocab, save_draft_vocab
-
         V = len(tokenizer)
         if cfg.draft.vocab_size > V:
             raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's "

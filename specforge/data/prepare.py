@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from specforge.config import DataConfig
 from specforge.data.sharegpt import Conversation, iter_conversations, resolve_data_files
@@ -187,7 +189,7 @@ def _tokenize(tokenizer, conv: Conversation, max_length: int, chat_template: str
 def _load_split(path: Path):
     """A saved split, memory-mapped; an empty one (data.num_eval=0) as an empty dataset: ``datasets``
     saves it with no data file and cannot load it back."""
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     state = path / "state.json"
     if state.is_file() and not json.loads(state.read_text()).get("_data_files"):
@@ -196,8 +198,8 @@ def _load_split(path: Path):
 
 
 def _to_dataset(ids_list: list, mask_list: list):
-    import datasets
-    import pyarrow as pa
+    import datasets  # lazy: heavy (datasets)
+    import pyarrow as pa  # lazy: heavy (pyarrow)
 
     lengths = np.array([len(x) for x in ids_list], dtype=np.int32)
     offsets = np.zeros(len(ids_list) + 1, dtype=np.int32)
@@ -218,7 +220,6 @@ def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, c
         for conv in convs:
             yield _tokenize(tokenizer, conv, max_length, chat_template, min_length)
         return
-    import multiprocessing as mp
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = mp.get_context("fork")
@@ -228,8 +229,6 @@ def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, c
 
 
 def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) -> tuple[Any, Any, DataStats]:
-    from tqdm.auto import tqdm
-
     stats = DataStats()
     t0 = time.perf_counter()
     ids_list, mask_list = [], []

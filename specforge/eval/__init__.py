@@ -35,6 +35,7 @@ scale) is a numerical tie (counted; that prompt is compared no further), anythin
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -43,7 +44,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
+from specforge.algorithms import algorithm_of, feature_layers, load_draft, read_draft_config
+from specforge.compat import check_drafts, check_target_weights
+from specforge.config import load_config
+from specforge.device import autocast_dtype, set_threads, torch_dtype
+from specforge.eval import served
 from specforge.eval.prompts import (  # noqa: F401 (bucket_of, unreachable_buckets: specforge.eval names them too)
     DEFAULT_BUCKETS,
     bucket_labels,
@@ -56,7 +63,9 @@ from specforge.eval.prompts import (  # noqa: F401 (bucket_of, unreachable_bucke
     prompt_note,
     unreachable_buckets,
 )
-from specforge.models.target import TargetModel, forward_aux
+from specforge.eval.served import add_arguments, engine_settings
+from specforge.models.target import TargetModel, forward_aux, load_target
+from specforge.targets import CROP, RESTORE
 
 # Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).
 TIE_RTOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -183,18 +192,14 @@ def new_cache(target: TargetModel):
     (``Family.rollback`` CROP) gets plain layers that keep every key (sliding layers too: the
     attention masks apply the window, so a crop is exact); a family with linear-attention layers
     gets its own layer kinds (their conv + recurrent state)."""
-    from transformers import DynamicCache
-
-    from specforge.targets import CROP
+    from transformers import DynamicCache  # lazy: heavy (transformers)
 
     return DynamicCache() if target.family.rollback == CROP else DynamicCache(config=target.model.config)
 
 
 def _recurrent_snapshot(cache) -> dict:
     """Copies of the cache layers a crop cannot take back (linear attention: a state, not per-token keys)."""
-    import copy
-
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin  # lazy: heavy (transformers)
 
     return {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers)
             if isinstance(layer, LinearAttentionCacheLayerMixin)}
@@ -261,8 +266,6 @@ def speculative_decode(
     costs: Optional[RoundCosts] = None,
 ) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding; with ``costs`` the chain stops early (dynamic drafting)."""
-    from specforge.targets import RESTORE
-
     dev = target.device
     stats = DecodeStats(accepted_at=[0] * chain)
     t0 = time.perf_counter()
@@ -378,8 +381,6 @@ def evaluate_settings(
     progress: bool = True, buckets: Sequence[int] = DEFAULT_BUCKETS,
 ) -> list[EvalReport]:
     """Every setting against ONE greedy reference per prompt, run alternately prompt by prompt."""
-    from tqdm import tqdm
-
     eos = _eos_ids(target)
     rtol = TIE_RTOL.get(target.lm_head_weight_VH.dtype, 2e-2)
     _warm_up(target, settings, prompts[0], chain, eos)
@@ -475,8 +476,6 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
                    aux_ids: Optional[dict[str, Optional[list[int]]]] = None) -> list[Setting]:
     """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
     the target layers ``aux_ids[name]`` (default: the target's)."""
-    from specforge.algorithms import algorithm_of, load_draft, read_draft_config
-
     settings: list[Setting] = []
     for name in dict.fromkeys(drafts):  # a draft named twice runs once
         if name == "prompt-lookup":
@@ -494,8 +493,6 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
 
 def _draft_dtype(choice: str, precision: str, device: torch.device) -> torch.dtype:
     """auto = the dtype the draft's matmuls ran in during training (train.precision's autocast)."""
-    from specforge.device import autocast_dtype, torch_dtype
-
     if choice == "auto":
         return autocast_dtype(precision, device) or torch.float32
     return torch_dtype(choice)
@@ -525,7 +522,6 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dtype=bfloat16")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="evaluate a draft even if it records another target, or model.aux_layer_ids differs from its own")
-    from specforge.eval.served import add_arguments, engine_settings
 
     add_arguments(ap)  # --engine llama.cpp and its settings
     args = ap.parse_args(argv)
@@ -543,20 +539,12 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from specforge.algorithms import feature_layers
-    from specforge.compat import check_target_weights
-    from specforge.config import load_config
-    from specforge.device import set_threads
-    from specforge.models.target import load_target
-
     args = _parse_args(argv)
     cfg = load_config(args.config, args.overrides + ([f"model.target_path={args.target}"] if args.target else []))
     set_threads(args.threads or cfg.train.num_threads)
     if args.engine == "llama.cpp":  # the drafts served by llama-server instead (specforge/eval/served.py)
-        from specforge.eval import served
 
         return served.main(args, cfg)
-    from specforge.compat import check_drafts
 
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
     target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in

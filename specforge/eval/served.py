@@ -22,12 +22,17 @@ prompts of that bucket, the same figure as the eval's per-bucket acceptance leng
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tqdm import tqdm
+
+from specforge.algorithms import algorithm_of, read_draft_config
+from specforge.compat import check_drafts, check_target_weights, draft_aux_ids
 from specforge.engines.llamacpp import (
     Completion,
     LlamaServer,
@@ -36,6 +41,8 @@ from specforge.engines.llamacpp import (
     find_converter,
     find_server,
 )
+from specforge.eval.prompts import bucket_labels, bucket_rows, format_buckets, pick_prompts, prompt_meta, prompt_note
+from specforge.models.target import load_target, load_target_config, load_tokenizer, resolve_target_path
 
 
 @dataclass
@@ -78,8 +85,6 @@ def summarize(s: Setting, runs: Sequence[Completion], reference: Sequence[Comple
               prompt_lengths: Sequence[int] = (), edges: Sequence[int] = ()) -> EngineRow:
     """One table row from a setting's completions (``reference``: the target alone's, same prompts),
     with its per-bucket figures when ``prompt_lengths`` (per completion) and ``edges`` are given."""
-    from specforge.eval.prompts import bucket_rows
-
     accepted = sum(r.draft_n_accepted for r in runs)
     rounds = sum(r.verify_rounds for r in runs)
     tps = 1e3 * sum(r.predicted_n for r in runs) / max(sum(r.predicted_ms for r in runs), 1e-9)
@@ -100,8 +105,6 @@ def run_settings(target_gguf: Path, settings: Sequence[Setting], prompts: Sequen
                  threads: Optional[int] = None, progress: bool = True,
                  buckets: Sequence[int] = ()) -> list[EngineRow]:
     """Target alone + every setting, alternately prompt by prompt; rows in the settings' order."""
-    from tqdm import tqdm
-
     ctx = context_size(prompts, max_new)
     with contextlib.ExitStack() as stack:
         base = stack.enter_context(LlamaServer(target_gguf, threads=threads, ctx_size=ctx))
@@ -172,8 +175,6 @@ def _n_max_for(draft: str | Path, n_max: Sequence[int]) -> list[int]:
     """The n_max values a draft can run: a block draft (DFlash) drafts at most its
     ``max_tokens_per_round`` (block_size - 1) a round, and llama-server clamps a larger
     --spec-draft-n-max to that: the row would be mislabelled."""
-    from specforge.algorithms import algorithm_of, read_draft_config
-
     config = read_draft_config(draft)
     algo = algorithm_of(config, repr(str(draft)))
     top = algo.max_tokens_per_round(config)
@@ -208,10 +209,6 @@ def engine_settings(args) -> tuple[list[int], list[float]]:
 
 def main(args, cfg) -> int:
     """The ``--engine llama.cpp`` branch of ``specforge.eval``: ``args`` are eval's parsed arguments."""
-    from specforge.compat import check_drafts, check_target_weights
-    from specforge.eval.prompts import bucket_labels, format_buckets, pick_prompts, prompt_meta, prompt_note
-    from specforge.models.target import load_target_config, load_tokenizer, resolve_target_path
-
     n_max, p_min = engine_settings(args)  # every --engine-* value before a server starts
     find_server()  # the install command before anything slow happens
     drafts = [d for d in args.draft if d != "prompt-lookup"]
@@ -226,7 +223,6 @@ def main(args, cfg) -> int:
                              "drop model.aux_layer_ids")
     target_dir = resolve_target_path(cfg.model)
     if any((Path(d) / "training_state.pt").is_file() for d in drafts):  # the weights fingerprint check
-        from specforge.models.target import load_target
 
         target = load_target(cfg.model)
         for name in drafts:
@@ -253,18 +249,12 @@ def main(args, cfg) -> int:
           + (f"\n{note}" if note else ""))
     print(format_buckets([r for r in rows if r.n_max], bucket_labels(args.bucket_edges)))
     if args.json:
-        import json
-        from dataclasses import asdict
-
         meta = prompt_meta(prompts, cap, args, note)
         Path(args.json).write_text(json.dumps({"engine": "llama.cpp", **meta, "rows": [asdict(r) for r in rows]}, indent=2))
     return 0
 
 
 def _recorded(path: str) -> Optional[list[int]]:
-    from specforge.algorithms import read_draft_config
-    from specforge.compat import draft_aux_ids
-
     return draft_aux_ids(read_draft_config(path))
 
 

@@ -184,7 +184,7 @@ def _generate_hf(target: TargetModel, prompts: list[list[int]], params: Sampling
                  capture: bool, progress) -> list[Generation]:
     """The fallback (``specforge.targets.HF_FALLBACK``): HF ``generate`` over the left-padded batch,
     then one ``capture`` pass over the right-padded prompt + output rows for the features."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: heavy (transformers)
 
     dev, B, P = target.device, len(prompts), max(len(p) for p in prompts)
     pad = min(stop_ids) if stop_ids else 0  # finished rows are filled with it, cut off below

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig, default_feature_layers
 from specforge.device import host_device, pick_dtype, target_devices
+from specforge.files import open_safetensors
 from specforge.models.features import Features
 from specforge.targets import Family, family_of, logit_softcap, text_config
 
@@ -97,7 +99,12 @@ def embedded_gguf_path() -> Path:
 
 def _convert_embedded(gguf: Path, out_dir: Path) -> None:
     """Dequantize the GGUF once into a plain HF folder (the GGUF-loaded model cannot be saved as is)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (  # lazy: heavy (transformers)
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cfg_dict = loaded.config.to_dict()
@@ -153,7 +160,7 @@ def hub_offline() -> bool:
 
 def config_from_file(path: Path):
     """A transformers config from a config.json file alone."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: heavy (transformers)
 
     try:
         return AutoConfig.for_model(**json.loads(Path(path).read_text()))
@@ -165,7 +172,7 @@ def load_target_config(cfg: ModelConfig):
     """The target's HF config from its config.json alone (no weights): what the driver checks a
     run against before any worker starts. A hub id whose config.json copy ships in configs/targets/
     is read from that copy when the hub is off (``HF_HUB_OFFLINE``) or cannot be reached."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: heavy (transformers)
 
     path = resolve_target_path(cfg)
     shipped = None if Path(path).expanduser().exists() else shipped_config(path)
@@ -186,8 +193,6 @@ def load_target_config(cfg: ModelConfig):
 def check_weight_files(path: str) -> None:
     """Open the header of every safetensors file of a local target folder (no weights read): a
     truncated or corrupt file is a ValueError naming it, not a bare "invalid header length"."""
-    from specforge.files import open_safetensors
-
     for f in sorted(Path(path).glob("*.safetensors")):
         with open_safetensors(f, "target weight file", "the target's weights are truncated or corrupt: copy or "
                               "download it again"):
@@ -198,7 +203,7 @@ def check_weight_files(path: str) -> None:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: heavy (transformers)
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path(cfg), trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template is not None:
@@ -247,7 +252,7 @@ def capture_attention(family, device: torch.device) -> str:
     lacks SDPA (gpt-oss: its attention sinks) and flex attention can stand in: on CUDA,
     ``flex_attention`` (sinks folded in through the log-sum-exp); on the CPU transformers' flex
     cannot take sinks, so ``eager``, whose B x H x T x T scores the dry run counts."""
-    import transformers
+    import transformers  # lazy: heavy (transformers)
 
     cls = getattr(transformers, family.hf_class, None)
     if cls is None or getattr(cls, "_supports_sdpa", True):
@@ -263,9 +268,11 @@ def split_plan(hf_config, num_devices: int, dtype: torch.dtype,
     memory-balanced plan over the model built on the meta device (decoder layers are never cut, tied
     weights share a device). The load and ``--dry-run`` both use it, so the printed plan is the one loaded.
     ``model``: that meta model when the caller has already built it in ``dtype``."""
-    import logging
-
-    from accelerate.utils import compute_module_sizes, get_balanced_memory, infer_auto_device_map
+    from accelerate.utils import (  # lazy: optional (accelerate)
+        compute_module_sizes,
+        get_balanced_memory,
+        infer_auto_device_map,
+    )
 
     if model is None:
         with torch.device("meta"):

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from specforge.device import pick_backend, pick_device
 
@@ -151,8 +152,6 @@ class ParallelDims:
         fsdp, uly_g, ring_g = mine
         mesh = None
         if fsdp is not None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             mesh = DeviceMesh.from_group(fsdp, device.type)
         dp_rank, ring_rank, uly_rank = self.coords(train_ranks.index(my_rank))
         return ParallelGroups(self, my_rank, dp_rank, ring_rank, uly_rank, device, fsdp, mesh, uly_g, ring_g)

@@ -28,6 +28,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["apply_fsdp", "full_state_dict", "full_optimizer_state", "gather_to_first", "is_first_rank", "grads_full",
            "bf16_mp_policy"]
@@ -35,15 +38,11 @@ __all__ = ["apply_fsdp", "full_state_dict", "full_optimizer_state", "gather_to_f
 
 def bf16_mp_policy():
     """bf16 params/compute, fp32 gradient reduction (GPUs)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(draft: nn.Module, dp_mesh, mp_policy=None, sum_gradients: bool = True) -> nn.Module:
     """Shard ``draft`` in place over ``dp_mesh`` (a 1-D DeviceMesh) with FSDP2; returns it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     frozen = {p for p in draft.parameters() if not p.requires_grad}
     fully_shard(draft, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), ignored_params=frozen or None)
     if sum_gradients:
@@ -55,8 +54,6 @@ def apply_fsdp(draft: nn.Module, dp_mesh, mp_policy=None, sum_gradients: bool = 
 def is_first_rank(module: nn.Module) -> bool:
     """Whether this process is the first rank of ``module``'s FSDP mesh (where a full state lands);
     True for a module that is not sharded (one process)."""
-    from torch.distributed.tensor import DTensor
-
     # state_dict(), not parameters(): after a forward without backward (an eval) FSDP2 leaves the
     # root's parameters unsharded, registered as plain tensors; its state_dict hook shows the shards
     for v in module.state_dict().values():
@@ -74,8 +71,6 @@ def gather_to_first(t: torch.Tensor) -> Optional[torch.Tensor]:
     tensor at a time, before the single copy to host. A plain (unsharded) tensor is no
     collective: its host copy, made on whichever rank the caller calls it.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     if not isinstance(t, DTensor):
         return t.detach().to("cpu", copy=True)
     mesh = t.device_mesh
@@ -127,8 +122,6 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     with ``full_state_dict=True`` returns, and ``set_optimizer_state_dict`` loads) in host memory on
     the first rank of the mesh, ``{}`` elsewhere. Collective. Reads the sharded state (no copy),
     then gathers each tensor to the first rank (``gather_to_first``)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     sharded = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
     first = is_first_rank(model)
     out = _gather_tree(sharded, first)
@@ -136,8 +129,6 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _is_dtensor(v: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(v, DTensor)
 
 

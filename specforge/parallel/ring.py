@@ -210,7 +210,7 @@ class FlashKernel:
         if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
             return False
         try:
-            from yunchang.globals import HAS_FLASH_ATTN
+            from yunchang.globals import HAS_FLASH_ATTN  # lazy: optional (yunchang)
         except ImportError:
             return False
         return bool(HAS_FLASH_ATTN)
@@ -226,7 +226,7 @@ class FlashKernel:
         return x.view(B, C, Hkv, G, D).permute(0, 2, 3, 1, 4)
 
     def forward(self, q, k, v, causal: bool, scale: float, band=None):
-        from yunchang.kernels.attention import flash_attn_forward
+        from yunchang.kernels.attention import flash_attn_forward  # lazy: optional (yunchang)
 
         _no_band(band)
         out, lse = flash_attn_forward(self._q(q), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
@@ -234,7 +234,7 @@ class FlashKernel:
         return self._unq(out, q.shape).float(), lse.float().view(q.shape[:4])
 
     def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None):
-        from yunchang.kernels.attention import flash_attn_backward
+        from yunchang.kernels.attention import flash_attn_backward  # lazy: optional (yunchang)
 
         _no_band(band)
         qf, kf, vf = self._q(q), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import ray
+import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from specforge import device
 from specforge.config import Config
@@ -80,12 +82,9 @@ class DistributedWorker:
     def leave_communicator(self) -> None:
         """Leave the communicator. After a lost peer a transfer may still be pending on it (NCCL
         never fails it): abort the communicator then, a plain destroy could wait on it forever."""
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             return
         if self.peer_was_lost() and dist.get_backend() == "nccl":  # gloo's transfers with a dead peer failed already
-            from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
         else:

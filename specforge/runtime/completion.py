@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from specforge.device import stream_semantics
+
 _POLL_FIRST_S, _POLL_MAX_S = 1e-4, 5e-3  # polling backs off from 0.1 ms to 5 ms
 
 
@@ -74,8 +76,6 @@ class Completion:
         """How transfers on ``group`` (None: the default group) complete: NCCL's semantics on NCCL;
         on gloo the same, emulated, under ``SPECFORGE_EMULATE_NCCL=1`` (never on NCCL itself, whose
         ``wait()`` would mark a pending work complete); else gloo's blocking waits."""
-        from specforge.device import stream_semantics
-
         backend = dist.get_backend(group) if dist.is_initialized() else None
         nccl = backend == "nccl"
         return cls(stream=nccl, timeout_s=timeout_s, emulate=not nccl and stream_semantics("gloo"))

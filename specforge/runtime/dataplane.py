@@ -448,7 +448,7 @@ def spawn_mailbox(name: str = MAILBOX_NAME):
     """Start the named mailbox actor for ``ObjectStoreTransport``. The caller (the driver)
     keeps the returned handle for the run: Ray ends a non-detached actor with its owner's
     last handle, so a worker-owned mailbox would die with that worker's transport."""
-    import ray
+    import ray  # lazy: heavy (ray)
 
     return ray.remote(num_cpus=0)(_Mailbox).options(name=name).remote()
 
@@ -460,7 +460,7 @@ class ObjectStoreTransport:
 
     def __init__(self, mailbox_name: str = MAILBOX_NAME, timeout_s: float = 300.0, rank: Optional[int] = None,
                  log: Optional[InflightLog] = None):
-        import ray
+        import ray  # lazy: heavy (ray)
 
         self._ray, self.timeout_s, self.rank, self.log = ray, timeout_s, rank, log or INFLIGHT
         self._mailbox = ray.get_actor(mailbox_name)

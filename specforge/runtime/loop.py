@@ -19,11 +19,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
+from tqdm import tqdm
+
 from specforge.config import Config
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.plan import Planner, RunData, run_facts, total_steps
+from specforge.runtime.workers import TrainWorker
 from specforge.tracking import RECENT_STEPS, end_summary
+from specforge.train.checkpoint import recorded_rows
 
 # Keys that say how a run is distributed, not what it computes: a placement names the ones it
 # does not apply when they are set (never ignores them silently).
@@ -74,8 +78,6 @@ class LocalCluster:
     captured in memory or read from the store), no Ray, no process group; a plan runs when submitted."""
 
     def __init__(self, cfg: Config, data: RunData):
-        from specforge.runtime.workers import TrainWorker
-
         self.layout = Layout(cfg.placement.mode, (), (0,), data.vocab_path)
         self.worker = TrainWorker(cfg)
         self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths), data.num_replay), run_facts(cfg, data))
@@ -150,8 +152,6 @@ def logged(cfg: Config, done: int, total: int) -> bool:
 def restore_rows(cfg: Config, cluster, plan: Planner, logger, checkpoint) -> None:
     """A resumed run first logs the rows its checkpoint recorded that the log lacks (the last run
     stopped between a save and its log line), and says which."""
-    from specforge.train.checkpoint import recorded_rows
-
     if not cluster.start_step or checkpoint is None:
         return
     owed = lambda kind, step: kind == "eval" or logged(cfg, step, plan.total_steps)  # noqa: E731
@@ -181,8 +181,6 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
     """Run the schedule from ``cluster.start_step`` until the stop rule; returns the last trained
     step count. Checkpoints every ``checkpoint.every_steps``; the caller saves the final one.
     ``deadline`` (default: ``train.max_minutes`` from now) is the same across a recovery."""
-    from tqdm import tqdm
-
     todo = plan.schedule(cluster.start_step)
     budget = int(cfg.placement.max_inflight_mb * 2**20)  # the Planner refused one a step could exceed
     every = cfg.checkpoint.every_steps

@@ -14,15 +14,26 @@ samples, split and padded the same way (``split="eval"``), which every placement
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
+from specforge.data.prepare import prepare_dataset
+from specforge.data.store import FeatureStore, check_replay_meta, store_root
+from specforge.data.vocab import build_draft_vocab, save_draft_vocab
+from specforge.models.target import load_tokenizer, resolve_target_path
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step
+from specforge.targets import text_config
 from specforge.train.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
+from specforge.train.init_from import init_vocab_path
+from specforge.train.trainer import build_vocab, vocab_path
 
 
 @dataclass(frozen=True)
@@ -49,20 +60,14 @@ def run_facts(cfg: Config, data: RunData) -> dict:
 def prepare(cfg: Config, use_gpu: bool) -> RunData:
     """Tokenize into the shared cache and write the draft vocab file (no model weights loaded).
     Offline: the samples are the feature store's (nothing is tokenized)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: heavy (transformers)
 
     if cfg.placement.mode == "offline":
         return prepare_offline(cfg)
-    from specforge.algorithms import feature_layers, get_algorithm
-    from specforge.data.prepare import prepare_dataset
-    from specforge.models.target import load_tokenizer, resolve_target_path
-    from specforge.train.init_from import init_vocab_path
-    from specforge.train.trainer import build_vocab, vocab_path
 
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir)
     print(data.stats.table())
-    from specforge.targets import text_config
 
     target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),  # an image-text target's text tower
                                                         trust_remote_code=cfg.model.trust_remote_code))
@@ -104,10 +109,6 @@ class ReplayStores:
     ``offset + j`` (offset = 1 + the largest own id), after the own train ids in the train split."""
 
     def __init__(self, own, ref):
-        import torch
-
-        from specforge.data.store import check_replay_meta
-
         check_replay_meta(own, ref)
         self.own, self.ref, self.meta, self.dtype, self.root = own, ref, own.meta, own.dtype, own.root
         self.replayed = replayable_ids(ref)
@@ -137,8 +138,6 @@ class ReplayStores:
 def open_offline_store(cfg: Config, expect=None):
     """The run's feature store (``store_root``), with the reference store beside it when
     ``store.replay_dir`` is set; ``expect`` (a ``StoreMeta``) is checked against the run's."""
-    from specforge.data.store import FeatureStore, store_root
-
     store = FeatureStore(store_root(cfg), expect=expect)
     return ReplayStores(store, FeatureStore(cfg.store.replay_dir)) if cfg.store.replay_dir else store
 
@@ -146,12 +145,6 @@ def open_offline_store(cfg: Config, expect=None):
 def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Path:
     """THE draft vocab of an offline run: the most frequent loss tokens of every sample it trains
     on (replayed ones too, so the vocab covers both stores), written once per (data, size)."""
-    import torch
-
-    from specforge.algorithms import get_algorithm
-    from specforge.data.vocab import build_draft_vocab, save_draft_vocab
-    from specforge.train.init_from import init_vocab_path
-
     algo = get_algorithm(cfg.draft.algorithm)
     V = store.meta.vocab_size
     n = algo.draft_vocab_size(cfg, V)
@@ -169,8 +162,6 @@ def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Pat
 
 def prepare_offline(cfg: Config) -> RunData:
     """The feature store's samples (+ the replayed ones): lengths by split, and the draft vocab."""
-    import hashlib
-
     store = open_offline_store(cfg)
     split = store_split(store, cfg)
     own = store.own if isinstance(store, ReplayStores) else store
@@ -227,7 +218,6 @@ class Planner:
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * self.dp
         self.total_steps = total_steps(cfg, len(data.lengths), data.num_replay)
         self.spec = FeatureSpec.hidden_states(data.hidden_size, data.wire_dtype, data.num_aux_layers)
-        from specforge.algorithms import get_algorithm
 
         self.halo = get_algorithm(cfg.draft.algorithm).sp_halo(cfg)  # rows past its slice an SP rank reads
         self._cache: dict[int, StepPlan] = {}

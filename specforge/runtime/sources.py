@@ -19,30 +19,34 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
+from specforge.algorithms import get_algorithm
 from specforge.config import Config
+from specforge.data.prepare import prepare_dataset
+from specforge.data.store import FeatureStore, store_meta, store_root
 from specforge.models.features import TrainBatch
+from specforge.models.target import load_tokenizer
+from specforge.runtime.completion import Completion
 from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
-from specforge.train.batch import pad_id
+from specforge.runtime.plan import open_offline_store, store_split
+from specforge.train.batch import collate, pad_id
 from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
+from specforge.train.trainer import local_batches
 
 
 def _halo(cfg: Config) -> int:
     """Rows past its slice a sequence-parallel rank reads (the algorithm's ``sp_halo``)."""
-    from specforge.algorithms import get_algorithm
-
     return get_algorithm(cfg.draft.algorithm).sp_halo(cfg)
 
 
 def open_data(cfg: Config):
     """Re-open the driver's memory-mapped token cache (a cache hit: nothing is re-tokenized)."""
-    from specforge.data.prepare import prepare_dataset
-    from specforge.models.target import load_tokenizer
-
     return prepare_dataset(cfg.data, load_tokenizer(cfg.model), chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir, progress=False)
 
@@ -69,9 +73,6 @@ def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
 def open_store(cfg: Config, target):
     """The feature store (with ``store.replay_dir``'s beside it), refused (naming the field) if it
     was made by another target, tokenizer, aux layers or max_length than this run's."""
-    from specforge.data.store import FeatureStore, store_meta, store_root
-    from specforge.runtime.plan import open_offline_store
-
     source = FeatureStore(store_root(cfg)).meta.source
     return open_offline_store(cfg, expect=store_meta(cfg, target, source=source))
 
@@ -83,8 +84,6 @@ class StoreSource:
     wait_ms, bytes_recv = 0.0, 0  # no data plane
 
     def __init__(self, store, groups, cfg: Config, pad: int):
-        from specforge.runtime.plan import store_split
-
         self.store, self.groups, self.pad, self.halo = store, groups, pad, _halo(cfg)
         self.split = store_split(store, cfg)
 
@@ -106,8 +105,6 @@ class CaptureSource:
     wait_ms, bytes_recv = 0.0, 0  # time blocked on / bytes from the SP exchange
 
     def __init__(self, target, data, groups, cfg: Config, peers: Sequence[int] = ()):
-        from specforge.runtime.completion import Completion
-
         self.target, self.data, self.groups = target, data, groups
         self.halo, self.chunk = _halo(cfg), cfg.model.argmax_chunk_tokens
         self.peers = list(peers)  # global rank of each SP rank of this rank's group
@@ -118,8 +115,6 @@ class CaptureSource:
             self.completion = Completion.for_group(cfg.parallel.timeout_s)
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
-        from specforge.train.trainer import local_batches
-
         rows, g = getattr(self.data, plan.split), self.groups
         micro = [[rows[i] for i in ids] for ids in plan.micro_batches[g.dp_rank]]
         if g.sp_size == 1:
@@ -128,12 +123,6 @@ class CaptureSource:
         return self._sp_exchange(plan, micro)
 
     def _sp_exchange(self, plan: StepPlan, micro: list) -> list[TrainBatch]:
-        import time
-
-        import torch.distributed as dist
-
-        from specforge.train.trainer import local_batches
-
         S, me = self.groups.sp_size, self.groups.sp_rank
         out, ops = [], []
         for m, rows_m in enumerate(micro):
@@ -169,8 +158,6 @@ class CaptureSource:
     def _meta_batch(self, rows_m: list) -> TrainBatch:
         """These rows' batch with real ids and loss mask and the features as ``meta`` tensors of the
         shapes and dtypes the capture gives (nothing computed): sliced, what each SP rank receives."""
-        from specforge.train.batch import collate, pad_id
-
         ids, mask, _ = collate(rows_m, pad_id(self.target.tokenizer))
         B, T = ids.shape
         H = self.target.config.hidden_size

@@ -27,15 +27,22 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
+from specforge.data.vocab import load_draft_vocab
 from specforge.device import bind, pick_device, set_threads, synchronize
 from specforge.models.features import TrainBatch
+from specforge.models.target import capture, load_target
 from specforge.parallel.dims import ParallelDims
+from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.runtime.actors import DistributedWorker, control
 from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
 from specforge.train.batch import collate, pad_id
+from specforge.train.checkpoint import CheckpointManager
+from specforge.train.init_from import apply_init_from, resumed_checkpoint
+from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
 
 
 class FeaturesLost(RuntimeError):
@@ -61,9 +68,6 @@ class RolloutWorker(DistributedWorker):
         self.cfg = cfg
 
     def setup(self, layout: Layout) -> int:
-        from specforge.algorithms import feature_layers
-        from specforge.models.target import load_target
-
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
         self.rank = dist.get_rank()
@@ -104,8 +108,6 @@ class RolloutWorker(DistributedWorker):
     def _forward(self, plan: StepPlan) -> dict[int, dict[str, torch.Tensor]]:
         """ONE right-padded target forward over this worker's batch of ``plan``; per-sample
         full-length wire tensors (none when the batch is empty)."""
-        from specforge.models.target import capture
-
         ids = plan.batch_of(self.rank)
         if not ids:
             return {}
@@ -151,14 +153,6 @@ class TrainWorker(DistributedWorker):
         resume from the newest checkpoint of the same run (``facts``: ``plan.run_facts``, what the
         checkpoints record about the data). Returns the step to start from. Without a process
         group (the single-process placement) this is rank 0 of one."""
-        from specforge.algorithms import feature_layers, get_algorithm
-        from specforge.data.vocab import load_draft_vocab
-        from specforge.models.target import load_target
-        from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-        from specforge.train.checkpoint import CheckpointManager
-        from specforge.train.init_from import apply_init_from, resumed_checkpoint
-        from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
-
         cfg = self.cfg
         set_threads(cfg.train.num_threads)
         self.rank = dist.get_rank() if dist.is_initialized() else 0

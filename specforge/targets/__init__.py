@@ -13,8 +13,10 @@ A family not in the table is refused with one error naming the table (``family_o
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 IN_PROCESS = "in-process"  # models/generate.py runs the decoder layers around its own KV cache
@@ -64,7 +66,7 @@ class Family:
         return "AutoModelForImageTextToText" if self.image_text else "AutoModelForCausalLM"
 
     def auto_class(self):
-        import transformers
+        import transformers  # lazy: heavy (transformers)
 
         return getattr(transformers, self.loader)
 
@@ -164,9 +166,6 @@ def text_config(config: Any) -> Any:
 def read_config_json(path: str) -> Optional[dict]:
     """A local target folder's config.json as written (None for a hub id): transformers fills a
     missing ``text_config`` with defaults, so only the file shows that it is missing."""
-    import json
-    from pathlib import Path
-
     f = Path(path) / "config.json"
     return json.loads(f.read_text()) if f.is_file() else None
 

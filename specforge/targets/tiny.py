@@ -17,7 +17,7 @@ def _text(**kw):
 
 
 def llama():
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy: heavy (transformers)
     return LlamaConfig(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -25,25 +25,25 @@ def llama():
 
 
 def mistral():
-    from transformers import MistralConfig
+    from transformers import MistralConfig  # lazy: heavy (transformers)
     return MistralConfig(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                  head_dim=32, sliding_window=8))
 
 
 def qwen2():
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config  # lazy: heavy (transformers)
     return Qwen2Config(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                tie_word_embeddings=True))
 
 
 def qwen3():
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config  # lazy: heavy (transformers)
     return Qwen3Config(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                tie_word_embeddings=True))
 
 
 def qwen3_moe():
-    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig  # lazy: heavy (transformers)
     return Qwen3MoeConfig(**_text(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                                   num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                   decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
@@ -52,7 +52,7 @@ def qwen3_moe():
 
 
 def qwen3_next():
-    from transformers import Qwen3NextConfig
+    from transformers import Qwen3NextConfig  # lazy: heavy (transformers)
     return Qwen3NextConfig(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                    linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
@@ -62,7 +62,7 @@ def qwen3_next():
 
 
 def gemma3_text():
-    from transformers import Gemma3TextConfig
+    from transformers import Gemma3TextConfig  # lazy: heavy (transformers)
     return Gemma3TextConfig(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
                                     head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                     layer_types=["sliding_attention"] * 5 + ["full_attention"],
@@ -74,13 +74,13 @@ def gemma3_text():
 
 
 def phi3():
-    from transformers import Phi3Config
+    from transformers import Phi3Config  # lazy: heavy (transformers)
     return Phi3Config(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                               partial_rotary_factor=0.75, tie_word_embeddings=True))
 
 
 def gpt_oss():
-    from transformers import GptOssConfig
+    from transformers import GptOssConfig  # lazy: heavy (transformers)
     return GptOssConfig(**_text(intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention"] * 3,
@@ -90,7 +90,7 @@ def gpt_oss():
 
 
 def deepseek_v3():
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV3Config  # lazy: heavy (transformers)
     return DeepseekV3Config(**_text(intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                                     num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
                                     num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
@@ -102,7 +102,7 @@ def deepseek_v3():
 
 
 def glm4_moe():
-    from transformers import Glm4MoeConfig
+    from transformers import Glm4MoeConfig  # lazy: heavy (transformers)
     return Glm4MoeConfig(**_text(intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
                                  n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
@@ -110,7 +110,7 @@ def glm4_moe():
 
 
 def mixtral():
-    from transformers import MixtralConfig
+    from transformers import MixtralConfig  # lazy: heavy (transformers)
     return MixtralConfig(**_text(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                  num_local_experts=4, num_experts_per_tok=2))
 
@@ -119,7 +119,7 @@ def mixtral():
 
 
 def qwen3_5():
-    from transformers import Qwen3_5Config
+    from transformers import Qwen3_5Config  # lazy: heavy (transformers)
     text = _text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                  linear_num_key_heads=2, linear_num_value_heads=4,
@@ -131,7 +131,7 @@ def qwen3_5():
 
 
 def gemma3():
-    from transformers import Gemma3Config
+    from transformers import Gemma3Config  # lazy: heavy (transformers)
     text = gemma3_text().to_dict()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
                   patch_size=4)
@@ -140,7 +140,7 @@ def gemma3():
 
 
 def gemma4():
-    from transformers import Gemma4Config
+    from transformers import Gemma4Config  # lazy: heavy (transformers)
     text = _text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                  sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                  final_logit_softcapping=0.5, vocab_size_per_layer_input=V, hidden_size_per_layer_input=8,
@@ -151,7 +151,7 @@ def gemma4():
 
 
 def qwen2_5_vl():
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig  # lazy: heavy (transformers)
     text = _text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]})
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H, patch_size=4,
@@ -161,7 +161,7 @@ def qwen2_5_vl():
 
 
 def qwen3_vl():
-    from transformers import Qwen3VLConfig
+    from transformers import Qwen3VLConfig  # lazy: heavy (transformers)
     text = _text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
                                   "mrope_interleaved": True})

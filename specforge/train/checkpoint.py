@@ -29,13 +29,17 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from specforge.files import read_safetensors, read_torch
+from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, is_first_rank
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
@@ -159,8 +163,6 @@ class CheckpointNotSaved(OSError):
 def rescue_roots(root: Path) -> list[Path]:
     """Where a save that cannot be written under ``root`` goes instead, in order: a sibling
     folder, then the temp folder (the state must not be lost because one disk is full or read-only)."""
-    import time
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return [root.with_name(f"{root.name}.rescue-{stamp}"), Path(tempfile.gettempdir()) / f"specforge-rescue-{stamp}-{os.getpid()}"]
 
@@ -185,8 +187,6 @@ def save_or_rescue(root: Path, step: int, *args, **kwargs) -> Path:
 def set_aside(root: str | Path) -> Optional[Path]:
     """Move the checkpoints under ``root`` (step folders and ``latest``) into ``root/previous-<time>``
     so that a fresh run (``checkpoint.resume=false``) never overwrites them; that folder, or None."""
-    import time
-
     root = Path(root)
     old = list_checkpoints(root)
     if not old:
@@ -258,8 +258,6 @@ def resume_refusal(path: str | Path, saved: dict[str, Any], current: dict[str, A
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG a step may draw from (torch CPU + accelerator, Python, NumPy)."""
-    import numpy as np
-
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -267,8 +265,6 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: Any) -> None:
-    import numpy as np
-
     if isinstance(state, torch.Tensor):  # written before the RNG dict: torch CPU only
         torch.set_rng_state(state)
         return
@@ -302,8 +298,6 @@ class CheckpointManager:
     def save(self, trainer, rows: Sequence[dict] = ()) -> Optional[Path]:
         """Write the trainer's current step; the folder on the writer, None elsewhere or if saved.
         ``rows``: the newest metric rows (``recorded_rows`` reads them back when resuming)."""
-        from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, is_first_rank
-
         if trainer.step_count == self.saved_step:
             return None
         draft = trainer.draft
@@ -336,12 +330,6 @@ class CheckpointManager:
     def load(self, trainer, path: Optional[str | Path] = None) -> int:
         """Restore ``path`` (default: the latest checkpoint) into the trainer; returns the step to
         continue from (0 when there is nothing to resume)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         path = path or latest_checkpoint(self.root)
         if path is None:
             return 0

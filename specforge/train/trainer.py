@@ -23,7 +23,7 @@ from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.features import TrainBatch
 from specforge.models.target import TargetModel, capture
 from specforge.train.batch import collate, pad_id
-from specforge.train.checkpoint import tensor_digest
+from specforge.train.checkpoint import set_aside, tensor_digest
 from specforge.train.optim import build_optimizer
 
 # ---------------------------------------------------------------- building
@@ -36,8 +36,6 @@ def checkpoint_root(cfg: Config) -> Path:
 def keep_old_checkpoints(cfg: Config) -> None:
     """A fresh start (``checkpoint.resume=false``) in a folder holding checkpoints moves them aside
     first, and says where: its saves would otherwise replace step folders of the same number."""
-    from specforge.train.checkpoint import set_aside
-
     if not cfg.checkpoint.resume and (moved := set_aside(checkpoint_root(cfg))):
         print(f"checkpoint.resume=false: moved the existing checkpoints of {checkpoint_root(cfg)} aside to {moved}")
 

@@ -14,13 +14,32 @@ process); the context's keys/values travel the ring. Ulysses is refused.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from specforge.config import DraftConfig, layer_ids_or_default
+from specforge.algorithms.dflash.export import export, llamacpp_config
+from specforge.algorithms.dflash.loss import (
+    block_loss,
+    block_targets,
+    build_block_ids,
+    decay_weights,
+    local_anchors,
+    metrics_from_counts,
+    next_token_labels,
+    sample_anchors,
+)
+from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
+from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft, default_target_layer_ids
+from specforge.algorithms.dflash.propose import DFlashProposer
+from specforge.algorithms.dflash.sp import RingBlocks, gather_rows, ring_comm
+from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
+from specforge.files import read_safetensors_folder
 
 CHUNK_BLOCKS = 16  # blocks whose full-vocab logits exist at once (recomputed in backward)
 EVAL_STEP = -1  # held-out metrics draw the same anchors at every periodic eval
@@ -66,13 +85,9 @@ class DFlash:
     def _module(self, part: str):
         """This algorithm's ``export`` / ``propose`` / ... module: a subclass (DSpark) that keeps
         DFlash's hooks gets its own package's functions through it."""
-        import importlib
-
         return importlib.import_module(f"specforge.algorithms.{self.name}.{part}")
 
     def config_errors(self, cfg) -> list[str]:
-        from specforge.config import aux_layer_errors
-
         errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
         w = getattr(cfg.draft, "sliding_window", None)
         if w is not None and w < cfg.draft.block_size:
@@ -84,8 +99,6 @@ class DFlash:
         return errors
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
-        from specforge.algorithms.dflash.model import default_target_layer_ids
-
         return layer_ids_or_default(cfg, num_layers, default_target_layer_ids(num_layers, cfg.draft.num_layers))
 
     def draft_vocab_size(self, cfg, target_vocab_size: int) -> int:
@@ -122,8 +135,6 @@ class DFlash:
                              f"({target_config.vocab_size} tokens)")
 
     def _draft_config(self, cfg, target, vocab):
-        from specforge.algorithms.dflash.model import DFlashConfig
-
         d = cfg.draft
         mask = d.mask_token_id
         if mask is None:  # the highest id outside the draft vocab: never a frequent assistant token
@@ -135,8 +146,6 @@ class DFlash:
                                         sliding_window=d.sliding_window, **shape)
 
     def _new_draft(self, dcfg):
-        from specforge.algorithms.dflash.model import DFlashDraft
-
         return DFlashDraft(dcfg)
 
     def build_draft(self, cfg, target, vocab):
@@ -153,9 +162,6 @@ class DFlash:
         """``(anchors, keep, ring)``: the micro-batch's anchors, as indices into this rank's rows; ``ring``
         (``sp.RingBlocks``) on a ring rank (the anchors drawn over the whole micro-batch, whose ids and
         loss mask the ranks all-gather, then those in its rows kept), else None."""
-        from specforge.algorithms.dflash.loss import local_anchors, sample_anchors
-        from specforge.algorithms.dflash.sp import RingBlocks, gather_rows, ring_comm
-
         step = step if torch.is_grad_enabled() else EVAL_STEP
         comm = ring_comm(draft) if hasattr(batch, "num_rows") else None
         if comm is None:
@@ -172,8 +178,6 @@ class DFlash:
         return anchors.to(dev), keep.to(dev), ring
 
     def _blocks(self, draft, batch, cfg, step: int):
-        from specforge.algorithms.dflash.loss import block_targets, next_token_labels
-
         c = draft.config
         anchors, keep, ring = self._anchors(draft, batch, cfg, step)
         labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
@@ -181,14 +185,10 @@ class DFlash:
         return anchors, keep, labels_BNK, valid, ring
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
-        from specforge.algorithms.dflash.loss import decay_weights
-
         valid = self._blocks(draft, batch, cfg, step)[3]
         return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma, valid.device)).sum())
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        from specforge.algorithms.dflash.loss import block_loss, build_block_ids
-
         c = draft.config
         anchors, keep, labels, valid, ring = self._blocks(draft, batch, cfg, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
@@ -203,10 +203,6 @@ class DFlash:
         return (cfg.draft.block_size, 4)
 
     def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
-        import re
-
-        from specforge.algorithms.dflash.loss import metrics_from_counts
-
         # block row k drafts the k-th token after the anchor: logged as position k-1, as EAGLE-3's
         # acc_0 is its first drafted token, so dashboards and the end-of-run line read both alike
         out = {}
@@ -216,8 +212,6 @@ class DFlash:
         return out
 
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
-
         # ring SP: a rank holds R = T / ring context rows, and in the worst case every block of the
         # micro-batch is anchored in its rows; the ring kernel's held/received K/V blocks, per-row
         # visibility and score chunks are counted as the single process's SDPA terms over R rows
@@ -251,10 +245,6 @@ class DFlash:
     def read_published(self, path):
         """config.json and every safetensors file; the target's embedding and lm_head, which a z-lab
         folder may carry, are the run's target's (frozen), not loaded."""
-        import json
-
-        from specforge.files import read_safetensors_folder
-
         weights = read_safetensors_folder(path, "draft weights file", "give a complete draft folder (copy it again)")
         return (json.loads((Path(path) / "config.json").read_text()),
                 {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))})
@@ -268,18 +258,12 @@ class DFlash:
         return self.tokens_per_round(hf_config)
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        from specforge.algorithms.dflash.export import export
-
         return export(engine, draft_dir, out_dir, req)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        from specforge.algorithms.dflash.export import llamacpp_config
-
         return llamacpp_config(draft_config, target_config, layer_ids)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        from specforge.algorithms.dflash.propose import DFlashProposer
-
         return DFlashProposer(draft, dtype)
 
 

@@ -38,7 +38,9 @@ from typing import Callable, Mapping, Optional
 import torch
 from safetensors.torch import save_file
 
+from specforge.engines import sglang
 from specforge.files import open_safetensors, read_safetensors
+from specforge.train.checkpoint import load_draft_folder
 
 from .model import DFlashConfig, DFlashDraft
 
@@ -172,8 +174,6 @@ def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algor
     """The check of a block draft's folder (DFlash and its refinements): ``parse`` reads config.json
     into the model config, ``model_cls`` (built on meta) says which tensors and shapes must be there."""
 
-    from specforge.train.checkpoint import load_draft_folder
-
     draft_dir = Path(draft_dir)
     config, _ = load_draft_folder(draft_dir)  # a missing or truncated file is named, as for every checkpoint
     try:
@@ -198,8 +198,6 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     """SGLang (``--speculative-algorithm DFLASH``) and vLLM (``"method": "dflash"``) both serve z-lab's
     folder as it is: config.json and model.safetensors, copied (checked by :func:`check_checkpoint`).
     A draft with a sliding window is refused for SGLang (the module docstring)."""
-    from specforge.engines import sglang
-
     w = json.loads((Path(draft_dir) / "config.json").read_text()).get("sliding_window")
     if engine == "sglang" and w is not None:
         raise ValueError(f"draft.sliding_window={w}: SGLang serves a DFlash draft's sliding_attention layers as causal "

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from specforge.device import loop_chunk, matmul_dtype
 from specforge.parallel.ring import RingComm, ring_grad_pass
+from specforge.parallel.sp import RingAttention, UlyssesAttention
 
 __all__ = ["RingBlocks", "ring_comm", "gather_rows", "visible_context", "merge_parts"]
 
@@ -47,8 +48,6 @@ CHUNK_CPU, CHUNK_GPU = 128, 512  # block rows per iteration of the context kerne
 def ring_comm(draft) -> Optional[RingComm]:
     """The ring of a draft that ``parallelize_draft`` gave sequence parallelism (the wrapper that
     ``apply_sp`` put on ``draft.sp_attention``, the slot ``DFlash.sp_cores`` names), else None."""
-    from specforge.parallel.sp import RingAttention, UlyssesAttention
-
     slot = getattr(draft, "sp_attention", None)
     if isinstance(slot, UlyssesAttention):
         raise ValueError("DFlash has no Ulysses sequence parallelism (parallel.sp_ulysses must be 1)")

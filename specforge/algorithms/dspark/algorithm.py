@@ -17,6 +17,11 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, EVAL_STEP, DFlash, DFlashOptions, _generator
+from specforge.algorithms.dflash.loss import build_block_ids, decay_weights, sample_anchors
+from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
+from specforge.algorithms.dspark.memory import dspark_step
+from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
+from specforge.algorithms.dspark.propose import DSparkProposer
 
 
 @dataclass
@@ -66,8 +71,6 @@ class DSpark(DFlash):
     # ---------------------------------------------------------------- training
 
     def _draft_config(self, cfg, target, vocab):
-        from specforge.algorithms.dspark.model import DSparkConfig
-
         base = super()._draft_config(cfg, target, vocab)
         d = cfg.draft
         return DSparkConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
@@ -75,14 +78,9 @@ class DSpark(DFlash):
                             sample_from_anchor=d.sample_from_anchor)
 
     def _new_draft(self, dcfg):
-        from specforge.algorithms.dspark.model import DSparkDraft
-
         return DSparkDraft(dcfg)
 
     def _targets(self, draft, batch, cfg, step: int):
-        from specforge.algorithms.dflash.loss import sample_anchors
-        from specforge.algorithms.dspark.loss import dspark_targets
-
         c = draft.config
         gen = _generator(batch, cfg, step if torch.is_grad_enabled() else EVAL_STEP)
         anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, gen)
@@ -92,15 +90,10 @@ class DSpark(DFlash):
         return anchors, keep, labels, valid, prev_pos
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
-        from specforge.algorithms.dflash.loss import decay_weights
-
         valid = self._targets(draft, batch, cfg, step)[3]
         return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma, valid.device)).sum())
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        from specforge.algorithms.dflash.loss import build_block_ids
-        from specforge.algorithms.dspark.loss import dspark_block_loss
-
         c, d = draft.config, cfg.draft
         anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, cfg, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
@@ -117,15 +110,11 @@ class DSpark(DFlash):
         return (cfg.draft.block_size + int(cfg.draft.sample_from_anchor), 7)
 
     def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
-        from specforge.algorithms.dspark.loss import dspark_metrics
-
         d = cfg.draft
         return dspark_metrics(counts, d.loss_gamma, d.confidence_weight, d.confidence_head,
                               teacher=bool(d.kl_weight) or d.confidence_head)
 
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        from specforge.algorithms.dspark.memory import dspark_step
-
         return dspark_step(draft.config, shape.B, shape.T, min(cfg.draft.num_anchors, shape.T - 1), precision,
                            CHUNK_BLOCKS)
 
@@ -140,8 +129,6 @@ class DSpark(DFlash):
                          "(--engine llama.cpp)")
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        from specforge.algorithms.dspark.propose import DSparkProposer
-
         return DSparkProposer(draft, dtype)
 
 

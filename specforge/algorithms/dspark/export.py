@@ -28,6 +28,7 @@ from typing import Mapping, Optional
 import torch
 
 from specforge.algorithms.dflash import export as dflash_export
+from specforge.algorithms.dflash.export import check_block_checkpoint
 
 from .model import DSparkConfig, DSparkDraft
 
@@ -84,7 +85,5 @@ def load_dspark(path, embed_VH: Optional[torch.Tensor] = None, lm_head_VH: Optio
 def check_checkpoint(draft_dir) -> tuple[dict, None]:
     """(config.json, None) of a valid DSpark checkpoint: every tensor present and shaped as its config
     says, the mask token set; one ValueError naming what is wrong."""
-    from specforge.algorithms.dflash.export import check_block_checkpoint
-
     return check_block_checkpoint(draft_dir, from_hf_config, DSparkDraft, ARCHITECTURE, "dspark",
                                   "llama.cpp drafts with it")

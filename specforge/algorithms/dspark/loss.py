@@ -36,6 +36,7 @@ them into ``loss_k`` / ``acc_k`` / ``tau`` unchanged, plus the BCE sum, the sum 
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 import torch
@@ -138,8 +139,6 @@ def dspark_metrics(counts_R7: torch.Tensor, gamma: Optional[float], confidence_w
     position k-1, the first drafted token's being position 0), ``loss`` as trained (main +
     confidence term), ``loss_main``, ``accept_rate`` (mean c*; only when the teacher was computed:
     a KL term or a confidence head), ``conf_bce`` and ``conf_error``."""
-    import re
-
     c = counts_R7.double().cpu()
     out = {}
     for key, v in metrics_from_counts(c[:, :4], gamma).items():

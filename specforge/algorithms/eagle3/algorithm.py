@@ -10,11 +10,33 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal, Optional
 
 import torch
 
+from specforge.algorithms.eagle3.export import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    check_checkpoint,
+    export,
+    llamacpp_config,
+    load_eagle3,
+)
+from specforge.algorithms.eagle3.loss import (
+    TeacherHead,
+    loss_chunk,
+    metrics_from_counts,
+    num_valid_rows,
+    teacher_weight_from_target,
+    ttt_loss,
+)
+from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
+from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
+from specforge.algorithms.eagle3.propose import EagleProposer
+from specforge.algorithms.eagle3.published import as_ours, is_speculators, read_published
 from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
+from specforge.models.target import _decoder_layers
+from specforge.targets import logit_softcap
 
 
 @dataclass
@@ -48,8 +70,6 @@ def default_layers(num_layers: int) -> list[int]:
 def aux_layer_ids(model_cfg, num_layers: int) -> list[int]:
     """The target layer outputs an EAGLE-3 draft fuses (``model.aux_layer_ids`` of ``model_cfg``, a
     ``ModelConfig``, or the default); a ValueError naming the key unless 3 sorted unique ids in 0..L-2."""
-    from types import SimpleNamespace
-
     return layer_ids_or_default(SimpleNamespace(model=model_cfg), num_layers, default_layers(num_layers),
                                 AUX_LAYERS, "an EAGLE-3 draft")
 
@@ -107,9 +127,6 @@ class Eagle3:
 
     def build_draft(self, cfg, target, vocab):
         """A fresh draft shaped from the target, embedding copied (frozen), lm_head warm-started."""
-        from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
-        from specforge.models.target import _decoder_layers
-
         dcfg = draft_config_from_target(target.config, cfg.draft, target.aux_layer_ids)
         with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone, whatever ran before
             torch.manual_seed(cfg.train.seed)
@@ -129,9 +146,6 @@ class Eagle3:
     def train_state(self, cfg, target, vocab):
         """The teacher over the draft vocab (a ``TeacherHead``): the target's lm_head rows of the
         draft vocab (N x H) and its family's final logit soft-cap, if its HF class applies one."""
-        from specforge.algorithms.eagle3.loss import TeacherHead, teacher_weight_from_target
-        from specforge.targets import logit_softcap
-
         return TeacherHead(teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone(),
                            logit_softcap(target.model.config))
 
@@ -141,13 +155,9 @@ class Eagle3:
         return 1 if training and step < cfg.draft.ttt_warmup_steps else cfg.draft.ttt_length
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
-        from specforge.algorithms.eagle3.loss import num_valid_rows
-
         return float(num_valid_rows(batch, draft.t2d, cfg.draft.ttt_length))
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        from specforge.algorithms.eagle3.loss import TeacherHead, ttt_loss
-
         steps = self.unroll_length(cfg, step, torch.is_grad_enabled())
         total = None if normalizer is None else max(normalizer, 1.0)  # no valid row anywhere: a zero loss
         head = state if isinstance(state, TeacherHead) else TeacherHead(state)  # a bare N x H tensor: no soft-cap
@@ -158,14 +168,9 @@ class Eagle3:
         return (cfg.draft.ttt_length, 4)
 
     def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
-        from specforge.algorithms.eagle3.loss import metrics_from_counts
-
         return metrics_from_counts(counts, cfg.draft.ttt_decay)
 
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        from specforge.algorithms.eagle3.loss import loss_chunk
-        from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
-
         d = Eagle3Dims.of(draft.config)
         # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities
         precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash")
@@ -186,48 +191,32 @@ class Eagle3:
         return arch == self.gguf_architecture
 
     def check_checkpoint(self, path):
-        from specforge.algorithms.eagle3.export import check_checkpoint
-
         return check_checkpoint(path)
 
     def load(self, path, target):
-        from specforge.algorithms.eagle3.export import load_eagle3
-
         return load_eagle3(path, target)
 
     def owns_published(self, hf_config: dict) -> bool:
         """Its own folders (SGLang's format), and a speculators EAGLE-3 export whose flags make it
         this algorithm's (``owns_checkpoint`` of those fields named as ours)."""
-        from specforge.algorithms.eagle3.published import as_ours, is_speculators
-
         return self.owns_checkpoint(hf_config) or (is_speculators(hf_config) and self.owns_checkpoint(as_ours(hf_config)))
 
     def read_published(self, path):
-        from specforge.algorithms.eagle3.published import read_published
-
         return read_published(path)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        from specforge.algorithms.eagle3.propose import EagleProposer
-
         return EagleProposer(draft, dtype)
 
     def tokens_per_round(self, hf_config: dict) -> int:
-        from specforge.algorithms.eagle3.export import DEFAULT_SPECULATIVE_TOKENS
-
         return DEFAULT_SPECULATIVE_TOKENS
 
     def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
         return None  # a chain: one forward a token, as many as asked
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        from specforge.algorithms.eagle3.export import export
-
         return export(engine, draft_dir, out_dir, req)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        from specforge.algorithms.eagle3.export import llamacpp_config
-
         return llamacpp_config(draft_config, target_config, layer_ids)
 
 

@@ -28,7 +28,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig, window_of
+from specforge.engines import sglang
 from specforge.engines.vllm import quiet_speculators
+from specforge.files import read_safetensors_folder
 from specforge.train.checkpoint import load_draft_folder
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -135,7 +137,7 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, target_
     speculators' converter. ``target`` is the verifier's HF folder or hub id (recorded as
     ``verifier.name_or_path``; the converter reads its config.json), ``target_config`` its
     transformers config (that it is the draft's target: ``specforge.compat``, checked by the CLI)."""
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter  # lazy: optional (speculators)
 
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens is {speculative_tokens}, expected at least 1")
@@ -155,7 +157,7 @@ def finish_config(out: Path, speculative_tokens: Optional[int], window: Optional
     the tokens per round, and the sliding window where the transformer layer's config carries it
     (``sliding_window`` + ``layer_types`` ["sliding_attention"]: what speculators' Eagle3 model and
     vLLM's Llama layers read; the converter drops it)."""
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig  # lazy: optional (speculators)
 
     if speculative_tokens is None and window is None:
         return
@@ -184,8 +186,6 @@ WINDOW_DROPPED = {"sglang": "LlamaForCausalLMEagle3", "llama.cpp": "eagle3 graph
 
 def read_written(out: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an export folder's safetensors files (one or sharded)."""
-    from specforge.files import read_safetensors_folder
-
     return read_safetensors_folder(out, "draft weights file", "give a complete draft folder (copy or export it again)")
 
 
@@ -217,8 +217,6 @@ def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], fl
 def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     """SGLang: the checkpoint's served files as they are; vLLM: speculators' converter. Returns the
     serve command. ``req``: the ``ExportRequest`` (``specforge.algorithms``)."""
-    from specforge.engines import sglang
-
     refuse_window(engine, json.loads((Path(draft_dir) / "config.json").read_text()), repr(str(draft_dir)))
     if engine == "sglang":
         sglang.copy_served(draft_dir, out_dir)

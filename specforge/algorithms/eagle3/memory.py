@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from specforge.algorithms.eagle3 import attention
+from specforge.algorithms.eagle3.attention import window_start
 from specforge.memory import SeqShape, StepPrecision, Term, norm_saved
 
 
 def attention_chunk(gpu: bool) -> int:
     """Query rows per iteration of the fast TTT core on that device (algorithms/eagle3/attention.py)."""
-    from specforge.algorithms.eagle3 import attention
-
     return int(attention.CHUNK_GPU if gpu else attention.CHUNK_CPU)
 
 
@@ -23,8 +23,6 @@ def _probs_bytes(B: int, heads: int, rows: int, q_offset: int, c: int, chunk: in
     """The fast core's saved causal-block probabilities: chunk [c0, c1) of the queries keeps
     ``B x heads x (c1 - c0) x (q_offset + c1 - lo)`` values in the compute dtype, ``lo`` the first key
     its band reaches at TTT step ``step`` (0 without a sliding ``window``; algorithms/eagle3/attention.py)."""
-    from specforge.algorithms.eagle3.attention import window_start
-
     total, c0 = 0, 0
     while c0 < rows:
         c1 = min(rows, c0 + chunk)

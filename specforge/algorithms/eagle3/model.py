@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from specforge.algorithms.eagle3.attention import TTTAttentionCore, ttt_attention_fast
 from specforge.models.layers import GatedMLP, RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
+from specforge.targets import draft_attention, draft_rope, text_config
 
 __all__ = [
     "Eagle3DraftConfig",
@@ -196,8 +197,6 @@ def draft_config_from_target(target_hf_config: Any, draft_cfg: Any, aux_layer_id
     differs per target family (the text tower of an image-text target, MLA head dims, RoPE
     variants) comes from ``specforge.targets`` (``draft_attention``, ``draft_rope``).
     """
-    from specforge.targets import draft_attention, draft_rope, text_config
-
     t = text_config(target_hf_config)  # an image-text target: its text tower
     Ht = int(_cfg_get(t, "hidden_size"))
     t_heads, t_kv, t_hd = draft_attention(target_hf_config)

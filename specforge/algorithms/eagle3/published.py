@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specforge.algorithms.eagle3.export import ARCHITECTURE, read_written
+from specforge.engines.vllm import quiet_speculators
 
 FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")  # speculators' keys = ours
 
@@ -44,9 +45,7 @@ def read_published(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def from_speculators(path: Path) -> dict:
     """Our config.json's fields of a speculators export (sizes, vocabularies, layer ids, flags)."""
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-
-    from specforge.engines.vllm import quiet_speculators
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig  # lazy: optional (speculators)
 
     with quiet_speculators():
         spec = Eagle3SpeculatorConfig.from_pretrained(str(path))

@@ -14,7 +14,19 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.eagle3.algorithm import Eagle3, Eagle3Options
-from specforge.algorithms.eagle31.model import FLAGS, flag_conflict
+from specforge.algorithms.eagle3.memory import Eagle3Dims
+from specforge.algorithms.eagle31.export import (
+    check_checkpoint,
+    export,
+    is_eagle31,
+    llamacpp_config,
+    load_eagle31,
+    owns_gguf,
+)
+from specforge.algorithms.eagle31.loss import for_loss
+from specforge.algorithms.eagle31.memory import eagle31_terms
+from specforge.algorithms.eagle31.model import FLAGS, Eagle31Draft, Eagle31DraftConfig, flag_conflict
+from specforge.algorithms.eagle31.propose import Eagle31Proposer
 
 
 @dataclass
@@ -44,58 +56,37 @@ class Eagle31(Eagle3):
     def build_draft(self, cfg, target, vocab):
         """EAGLE-3's draft, initialised as EAGLE-3 initialises it (the same seed, the same numbers),
         made an EAGLE-3.1 draft with the fc-side norms its flags ask for (at 1)."""
-        from specforge.algorithms.eagle31.model import Eagle31Draft, Eagle31DraftConfig
-
         draft = super().build_draft(cfg, target, vocab)
         return Eagle31Draft.adopt(draft, Eagle31DraftConfig.of(draft.config, **flags_of(cfg.draft)))
 
     def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        from specforge.algorithms.eagle31.loss import for_loss
-
         return super().loss(for_loss(draft), batch, state, cfg, step, normalizer)
 
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        from specforge.algorithms.eagle3.memory import Eagle3Dims
-        from specforge.algorithms.eagle31.memory import eagle31_terms
-
         step = super().memory_step(cfg, draft, shape, precision, gpu)
         extra = eagle31_terms(Eagle3Dims.of(draft.config), shape, precision, flags_of(cfg.draft))
         return {phase: terms + extra for phase, terms in step.items()}
 
     def owns_checkpoint(self, hf_config: dict) -> bool:
         """EAGLE-3's architecture with a flag set; with none set the folder is EAGLE-3's (same math)."""
-        from specforge.algorithms.eagle31.export import is_eagle31
-
         return is_eagle31(hf_config)
 
     def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
-        from specforge.algorithms.eagle31.export import owns_gguf
-
         return owns_gguf(arch, tensor_names, self.gguf_architecture)
 
     def check_checkpoint(self, path):
-        from specforge.algorithms.eagle31.export import check_checkpoint
-
         return check_checkpoint(path)
 
     def load(self, path, target):
-        from specforge.algorithms.eagle31.export import load_eagle31
-
         return load_eagle31(path, target)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        from specforge.algorithms.eagle31.propose import Eagle31Proposer
-
         return Eagle31Proposer(draft, dtype)
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        from specforge.algorithms.eagle31.export import export
-
         return export(engine, draft_dir, out_dir, req)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        from specforge.algorithms.eagle31.export import llamacpp_config
-
         return llamacpp_config(draft_config, target_config, layer_ids)
 
 

@@ -39,11 +39,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from safetensors.torch import save_file
 
 from specforge.algorithms.eagle3 import export as eagle3_export
 from specforge.algorithms.eagle3.model import window_of
 from specforge.algorithms.eagle31.model import FLAGS, Eagle31Draft, Eagle31DraftConfig, flag_conflict
 from specforge.engines.vllm import quiet_speculators
+from specforge.files import open_safetensors, read_safetensors
 from specforge.train.checkpoint import load_draft_folder
 
 ARCHITECTURE = eagle3_export.ARCHITECTURE
@@ -129,7 +131,7 @@ def load_eagle31(path: str | Path, target=None) -> Eagle31Draft:
 def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, speculative_tokens: Optional[int] = None) -> Path:
     """EAGLE-3's vLLM export (speculators' converter, our layer ids renumbered) told all four flags,
     then the fc-side norms it drops added to the written safetensors, then everything checked."""
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter  # lazy: optional (speculators)
 
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens is {speculative_tokens}, expected at least 1")
@@ -150,10 +152,6 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
 def add_tensors(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write ``tensors`` into the export's safetensors (in the dtype of its ``fc.weight``): into
     model.safetensors, or, for a sharded export, a file of their own registered in the index."""
-    from safetensors.torch import save_file
-
-    from specforge.files import open_safetensors, read_safetensors
-
     if not tensors:
         return
     index = out / "model.safetensors.index.json"

@@ -23,6 +23,11 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.eagle3.algorithm import Eagle3, Eagle3Options
+from specforge.algorithms.eagle3.loss import num_valid_rows
+from specforge.algorithms.peagle.export import ONLY_VLLM, check_checkpoint, export, load_peagle, parallel_tokens
+from specforge.algorithms.peagle.model import PEagleDraft
+from specforge.algorithms.peagle.propose import PEagleProposer
+from specforge.algorithms.peagle.published import is_speculators, read_published
 
 __all__ = ["PEagleOptions", "PEagle", "ALGORITHM", "resolve_mask_token_id"]
 
@@ -96,8 +101,6 @@ class PEagle(Eagle3):
     def build_draft(self, cfg, target, vocab):
         """EAGLE-3's draft as EAGLE-3 builds it (the same tensors), with the mask: its embedding the
         target's row of the mask token, ``mask_hidden`` random (a function of the seed alone)."""
-        from specforge.algorithms.peagle.model import PEagleDraft
-
         base = super().build_draft(cfg, target, vocab)
         if base.config.hidden_size != base.config.target_hidden_size:  # check() names the key first
             raise ValueError(f"config key 'draft.hidden_size'={cfg.draft.hidden_size}: a P-EAGLE draft has the "
@@ -113,8 +116,6 @@ class PEagle(Eagle3):
         return cfg.draft.parallel_tokens  # no chain, no warmup: every depth from the first step
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
-        from specforge.algorithms.eagle3.loss import num_valid_rows
-
         return float(num_valid_rows(batch, draft.t2d, cfg.draft.parallel_tokens))
 
     def counts_shape(self, cfg) -> tuple[int, int]:
@@ -135,46 +136,30 @@ class PEagle(Eagle3):
 
     def owns_published(self, hf_config: dict) -> bool:
         """Its own folders and speculators' P-EAGLE format (what its vLLM export writes)."""
-        from specforge.algorithms.peagle.published import is_speculators
-
         return self.owns_checkpoint(hf_config) or is_speculators(hf_config)
 
     def read_published(self, path):
-        from specforge.algorithms.peagle.published import read_published
-
         return read_published(path)
 
     def check_checkpoint(self, path):
-        from specforge.algorithms.peagle.export import check_checkpoint
-
         return check_checkpoint(path)
 
     def load(self, path, target):
-        from specforge.algorithms.peagle.export import load_peagle
-
         return load_peagle(path, target)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        from specforge.algorithms.peagle.propose import PEagleProposer
-
         return PEagleProposer(draft, dtype)
 
     def tokens_per_round(self, hf_config: dict) -> int:
-        from specforge.algorithms.peagle.export import parallel_tokens
-
         return parallel_tokens(hf_config)
 
     def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
         return self.tokens_per_round(hf_config)  # one block a round
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        from specforge.algorithms.peagle.export import export
-
         return export(engine, draft_dir, out_dir, req)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        from specforge.algorithms.peagle.export import ONLY_VLLM
-
         raise ValueError(ONLY_VLLM)
 
 

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import save_file
 
+from specforge.algorithms import read_draft_config
 from specforge.algorithms.eagle3 import export as eagle3_export
 from specforge.algorithms.peagle.model import ARCHITECTURE, PEagleDraft, PEagleDraftConfig
 from specforge.engines.vllm import quiet_speculators
@@ -111,7 +113,7 @@ def load_peagle(path: str | Path, target) -> PEagleDraft:
 
 def target_embedding(target: str, V: int, H: int) -> torch.Tensor:
     """The target's input embedding (``V x H``), read from its safetensors alone (no model load)."""
-    from speculators.utils.loading import load_model_layers
+    from speculators.utils.loading import load_model_layers  # lazy: optional (speculators)
 
     try:
         with quiet_speculators():
@@ -141,10 +143,10 @@ def served_tensors(hf_config: dict, weights: dict[str, torch.Tensor], embed_VH: 
 def speculators_config(hf_config: dict, target: str, speculative_tokens: int):
     """speculators' ``PEagleSpeculatorConfig`` of our checkpoint (decoder-layer config and verifier
     entry built by speculators' EAGLE-3 converter, as the EAGLE-3 export's are)."""
-    from speculators.config import SpeculatorsConfig
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
-    from speculators.models.peagle import PEagleSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.config import SpeculatorsConfig  # lazy: optional (speculators)
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter  # lazy: optional (speculators)
+    from speculators.models.peagle import PEagleSpeculatorConfig  # lazy: optional (speculators)
+    from speculators.proposals.greedy import GreedyTokenProposalConfig  # lazy: optional (speculators)
 
     conv = Eagle3Converter()
     with quiet_speculators():
@@ -164,8 +166,6 @@ def speculators_config(hf_config: dict, target: str, speculative_tokens: int):
 def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, speculative_tokens: Optional[int] = None) -> Path:
     """Write speculators' P-EAGLE folder into ``out_dir`` (which must exist) from the (validated)
     checkpoint; ``target`` is the verifier's HF folder or hub id (its embedding is read from it)."""
-    from safetensors.torch import save_file
-
     hf_config, weights = check_checkpoint(draft_dir)
     K = parallel_tokens(hf_config)
     n = K if speculative_tokens is None else int(speculative_tokens)
@@ -185,7 +185,7 @@ def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, specula
 def check_written(want: dict[str, torch.Tensor], out: Path, hf_config: dict, speculative_tokens: int) -> None:
     """Reread ``out`` with speculators' config class and safetensors: every tensor present and equal,
     no other tensor, and the conventions vLLM reads as written."""
-    from speculators.models.peagle import PEagleSpeculatorConfig
+    from speculators.models.peagle import PEagleSpeculatorConfig  # lazy: optional (speculators)
 
     written = eagle3_export.read_written(out)
     errors = [f"{k} missing" for k in sorted(set(want) - set(written))]
@@ -223,7 +223,6 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
         raise ValueError(f"--engine {engine}: {ONLY_VLLM}")
     if req.target is None:
         raise ValueError("--target: the vLLM export of a P-EAGLE draft reads the target's embedding; pass its HF folder")
-    from specforge.algorithms import read_draft_config
 
     export_vllm(draft_dir, out_dir, req.target, req.num_speculative_tokens)
     return serve_command(req.target, req.out, req.num_speculative_tokens or parallel_tokens(read_draft_config(draft_dir)))

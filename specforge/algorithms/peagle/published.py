@@ -19,6 +19,7 @@ from specforge.algorithms.eagle3 import published as eagle3_published
 from specforge.algorithms.eagle3.export import read_written
 from specforge.algorithms.eagle3.published import window_keys
 from specforge.algorithms.peagle.model import ARCHITECTURE
+from specforge.engines.vllm import quiet_speculators
 
 
 def is_speculators(hf_config: dict) -> bool:
@@ -28,9 +29,7 @@ def is_speculators(hf_config: dict) -> bool:
 def read_published(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not is_speculators(json.loads((Path(path) / "config.json").read_text())):
         return eagle3_published.read_published(path)
-    from speculators.models.peagle import PEagleSpeculatorConfig
-
-    from specforge.engines.vllm import quiet_speculators
+    from speculators.models.peagle import PEagleSpeculatorConfig  # lazy: optional (speculators)
 
     with quiet_speculators():
         spec = PEagleSpeculatorConfig.from_pretrained(str(path))
