@@ -299,10 +299,9 @@ def _amx_crash(*ggufs: Optional[Path]) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def _quantized(path: str, mtime_ns: int) -> bool:
-    from gguf import (
-        GGUFReader,  # lazy: optional (gguf); the venv's gguf (transformers' GGUF loader): headers, memory-mapped
-    )
+    from gguf import GGUFReader  # lazy: optional (gguf)
 
+    # the venv's gguf (transformers' GGUF loader): headers, memory-mapped
     try:
         tensors = GGUFReader(path).tensors
     except Exception:  # not a GGUF this reader knows: llama-server will say what is wrong with it
