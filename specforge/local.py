@@ -19,29 +19,20 @@ from specforge.tracking import MetricsLogger
 
 def run(cfg: Config) -> Optional[Path]:
     """Train in this process; returns the newest checkpoint folder."""
-    from specforge.device import pick_device  # lazy: keeps specforge.local torch-free
-    from specforge.preflight import check_memory, check_run, check_target_gpus  # lazy: keeps specforge.local torch-free
+    from specforge.preflight import check_single_process  # lazy: keeps specforge.local torch-free
     from specforge.runtime.loop import (  # lazy: keeps specforge.local torch-free
         LocalCluster,
-        check,
         not_applied,
         restore_rows,
-        single_process,
         train_loop,
     )
     from specforge.runtime.plan import Planner, prepare  # lazy: keeps specforge.local torch-free
     from specforge.train.checkpoint import latest_checkpoint  # lazy: keeps specforge.local torch-free
     from specforge.train.trainer import checkpoint_root, keep_old_checkpoints  # lazy: keeps specforge.local torch-free
 
-    check(cfg)
-    pick_device(cfg.model.device)  # model.device=cuda without CUDA: said first, before the target's config is read
-    check_run(cfg)  # the config against the target's config.json, before the target loads
-    check_memory(single_process(cfg))  # the single process's predicted peak against one GPU (none: no check)
+    local, use_gpu = check_single_process(cfg)  # every check, before anything loads
     if skipped := not_applied(cfg, "single"):
         print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
-    local = single_process(cfg)
-    use_gpu = pick_device(cfg.model.device).type == "cuda"
-    check_target_gpus(local, use_gpu)
     data = prepare(local, use_gpu=use_gpu)
     cluster = LocalCluster(local, data)
     plan = Planner(local, data, cluster.layout)

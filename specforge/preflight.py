@@ -23,21 +23,37 @@ from specforge import memory
 from specforge.algorithms import get_algorithm
 from specforge.config import Config
 from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_root
-from specforge.device import wants_gpu
+from specforge.device import pick_device, wants_gpu
 from specforge.dryrun import memory_plan
 from specforge.models.target import load_target_config, resolve_target_path
 from specforge.parallel.dims import ParallelDims
+from specforge.runtime.loop import check, single_process
 from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
 from specforge.targets import check_target, read_config_json, text_config
 from specforge.train.init_from import check_init_from
 from specforge.train.trainer import checkpoint_root
 
 
+def check_single_process(cfg: Config) -> tuple[Config, bool]:
+    """Every check of ``python -m specforge.train`` (``local.run``) before anything loads, in one
+    call: ``(the single process's config, whether it trains on a GPU)``."""
+    check(cfg)
+    pick_device(cfg.model.device)  # model.device=cuda without CUDA: said first, before the target's config is read
+    check_run(cfg)  # the config against the target's config.json, before the target loads
+    local = single_process(cfg)
+    check_memory(local)  # the single process's predicted peak against one GPU (none: no check)
+    use_gpu = pick_device(cfg.model.device).type == "cuda"
+    check_target_gpus(local, use_gpu)
+    return local, use_gpu
+
+
 def check_placement(cfg: Config) -> None:
-    """The Ray driver's checks before ``start_ray``: ``check_run``, and when this process is about
+    """Every check of the Ray driver before ``start_ray``, in one call: what no placement runs yet
+    (``runtime.loop.check``), ``check_run``, and when this process is about
     to start Ray itself, the workers against this machine. (Ray prestarts a worker process per
     CPU it is given, so checking after it started would be too late.) A run that needs GPUs this
     machine lacks is told so first, in seconds: before the target's config is read, before the CPUs."""
+    check(cfg)
     local = before_local_ray(cfg)
     if local is not None:
         check_gpus(cfg, *local)

@@ -58,7 +58,7 @@ from specforge.runtime.actors import (
 )
 from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox
-from specforge.runtime.loop import check, not_applied, restore_rows, run_deadline, train_loop
+from specforge.runtime.loop import not_applied, restore_rows, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
 from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
 from specforge.tracking import MetricsLogger
@@ -233,8 +233,7 @@ def collect(refs: list, labels: list[str], timeout_s: float, what: str) -> list:
 
 def fit(cfg: Config) -> Optional[str]:
     """Train; returns the newest checkpoint folder."""
-    check(cfg)
-    check_placement(cfg)  # the config against the target's config.json and, if Ray starts here, the cores
+    check_placement(cfg)  # every check: the keys, the target's config.json and, if Ray starts here, the machine
     if skipped := not_applied(cfg, cfg.placement.mode):
         print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
     started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
