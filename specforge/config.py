@@ -119,6 +119,9 @@ class TrainConfig:
     epochs: Optional[float] = None  # passes over the train split
     seed: int = 0
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # pack this rank's samples of a step end to end in rows of at most this many tokens (no padding;
+    # positions, attention and loss stay each sample's own: specforge/train/packing.py); None = pad
+    pack_tokens: Optional[int] = None
     num_threads: Optional[int] = None  # torch intra-op threads (None = leave as is)
     num_workers: int = 1  # train workers (Ray); one process (specforge.train) trains their global batch
     log_every: int = 10
@@ -513,12 +516,31 @@ def validate(cfg: Config) -> None:
                       "no scaling needed), or 'fp32' on a GPU without bf16")
     errors += get_algorithm(cfg.draft.algorithm).config_errors(cfg)
     errors += replay_errors(cfg)
+    errors += packing_errors(cfg)
     endpoint = cfg.regenerate.endpoint
     if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
         errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
                       f"'http://{endpoint.split('://')[-1].lstrip('/') or '127.0.0.1:30000'}/v1'")
     if errors:
         raise ValueError(errors[0])
+
+
+def packing_errors(cfg: Config) -> list[str]:
+    """``train.pack_tokens``: a sample must fit one row; what cannot pack yet is refused."""
+    n = cfg.train.pack_tokens
+    if n is None:
+        return []
+    if n < cfg.data.max_length:
+        return [f"config key 'train.pack_tokens'={n} is below data.max_length={cfg.data.max_length}: the longest "
+                f"sample must fit one row; set train.pack_tokens to at least {cfg.data.max_length}"]
+    if not getattr(get_algorithm(cfg.draft.algorithm), "packs", False):
+        return [f"config key 'train.pack_tokens' is refused for draft.algorithm={cfg.draft.algorithm}: its loss "
+                "cannot keep packed samples apart yet (EAGLE-3 and EAGLE-3.1 can); unset train.pack_tokens"]
+    if cfg.parallel.sp_ulysses * cfg.parallel.sp_ring > 1:
+        return ["config key 'train.pack_tokens' is refused with sequence parallelism (parallel.sp_ulysses="
+                f"{cfg.parallel.sp_ulysses}, parallel.sp_ring={cfg.parallel.sp_ring}): packed rows are not sliced "
+                "across ranks yet; unset train.pack_tokens or set both to 1"]
+    return []
 
 
 def replay_errors(cfg: Config) -> list[str]:

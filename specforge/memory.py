@@ -30,6 +30,7 @@ V target vocab, c compute bytes (2 under bf16 autocast, 4 in fp32).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -333,7 +334,10 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo(cfg) - 1, 0))
     params = DraftParams.of(draft)
-    step = algo.memory_step(cfg, draft, s, p, gpu)
+    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1); the
+    # samples still arrive padded (features below), and the packed rows are a second copy of them
+    packed = tr.pack_tokens is not None
+    step = algo.memory_step(cfg, draft, dataclasses.replace(s, B=1, T=tr.pack_tokens) if packed else s, p, gpu)
     wire = wire_dtype(cfg.model.dtype, gpu)
     wb = DTYPE_BYTES[wire]
     aux_rows = s.R if s.sp > 1 else s.T
@@ -342,6 +346,8 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     upcast = s.B * (aux_rows * layers + s.window) * Ht * 4 if compute == 4 and wb < 4 else 0
     comms = int(tr.num_workers > 1) + int(s.ulysses > 1) + int(s.ring > 1) + int(mode == "disaggregated")
     extra = context_terms(gpu, comms)
+    if packed:  # at most all the step's real tokens, in packed rows (no padding)
+        extra.append(Term("packed rows (train.pack_tokens: a copy of the step's samples)", features))
     spec = FeatureSpec.hidden_states(Ht, wire, layers)
     if mode == "disaggregated":
         step_bytes = tr.grad_accum * s.B * s.window * spec.bytes_per_token()

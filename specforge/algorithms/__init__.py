@@ -115,6 +115,7 @@ class DraftAlgorithm(Protocol):
     options: type  # a ``config.DraftConfig`` subclass: the ``draft.*`` keys this algorithm reads
     architecture: str  # config.json ``architectures`` entry of its saved folder
     dynamic_drafting: bool  # whether the eval also runs it with cost-based early stops (a chain, not a block)
+    packs: bool  # whether its loss keeps the samples of a packed row apart (``train.pack_tokens``; else refused)
     llamacpp_spec_type: Optional[str]  # ``llama-server --spec-type`` (None: llama.cpp cannot serve it)
     gguf_architecture: Optional[str]  # ``general.architecture`` of its draft GGUF
     engines: tuple[str, ...]  # the engines whose export it writes (``specforge.export.ENGINES``)

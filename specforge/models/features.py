@@ -9,7 +9,8 @@ Legend: B batch, T tokens, K fused target layers, H target hidden.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 
@@ -32,13 +33,16 @@ class TrainBatch:
     aux_hidden_BTKH: torch.Tensor
     last_hidden_BTH: torch.Tensor
     target_ids_BT: torch.Tensor
+    # tokens of each row before its right padding (``train.pack_tokens`` packs by it); None: not recorded
+    length_B: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
     @classmethod
     def from_features(cls, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, feats: Features) -> "TrainBatch":
         return cls(input_ids_BT, loss_mask_BT, feats.aux_hidden_BTKH, feats.last_hidden_BTH, feats.target_ids_BT)
 
     def to(self, device: torch.device) -> "TrainBatch":
-        return type(self)(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return type(self)(**{f.name: getattr(self, f.name) if getattr(self, f.name) is None else
+                             getattr(self, f.name).to(device) for f in fields(self)})
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ from specforge.models.target import TargetModel, capture
 from specforge.train.batch import collate, pad_id
 from specforge.train.checkpoint import set_aside, tensor_digest
 from specforge.train.optim import build_optimizer
+from specforge.train.packing import pack_micro_batches
 
 # ---------------------------------------------------------------- building
 
@@ -117,6 +118,11 @@ class DraftTrainer:
         loss mask on the host while its capture wrote the features on the GPU)."""
         return [mb.to(self.device) for mb in micro_batches]
 
+    def packed(self, micro_batches: Sequence[TrainBatch]) -> list[TrainBatch]:
+        """``train.pack_tokens``: this rank's samples end to end in rows (``train/packing.py``); as is otherwise."""
+        budget = self.cfg.train.pack_tokens
+        return list(micro_batches) if budget is None else pack_micro_batches(micro_batches, budget)
+
     def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
         on the trainer's device (summed there: no host sync per micro-batch)."""
@@ -136,7 +142,8 @@ class DraftTrainer:
         denominator (EAGLE-3: valid rows) of all micro-batches of all train ranks."""
         cfg = self.cfg
         self.draft.train()
-        micro_batches = self.on_device(micro_batches)
+        useful = _useful_tokens(micro_batches)
+        micro_batches = self.packed(self.on_device(micro_batches))
         local = sum(self.algorithm.normalizer(self.draft, mb, cfg, self.step_count) for mb in micro_batches)
         total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device)).item()
         self.optimizer.zero_grad(set_to_none=True)
@@ -157,7 +164,8 @@ class DraftTrainer:
         out.update(
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=host[-1].item(),
-            tokens=float(sum(mb.num_tokens for mb in micro_batches)),
+            tokens=float(sum(mb.num_tokens for mb in micro_batches)),  # padding included
+            **({} if useful is None else {"useful_tokens": float(useful)}),  # padding left out
             train_ms=train_ms,
         )
         return out
@@ -167,7 +175,7 @@ class DraftTrainer:
         """Metrics of ``batches`` (summed over all train ranks), no update."""
         self.draft.eval()
         # the metrics hooks read host counters, as step's do (one copy to the host)
-        return self.algorithm.metrics(self._counts(self.on_device(batches), None).cpu(), self.cfg)
+        return self.algorithm.metrics(self._counts(self.packed(self.on_device(batches)), None).cpu(), self.cfg)
 
 
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int) -> list[TrainBatch]:
@@ -176,8 +184,16 @@ def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, ch
     out = []
     for s in range(0, len(rows), batch_size):
         ids, mask, attn = collate(rows[s : s + batch_size], pad)
-        out.append(TrainBatch.from_features(ids, mask, capture(target, ids, attn, chunk_tokens)))
+        batch = TrainBatch.from_features(ids, mask, capture(target, ids, attn, chunk_tokens))
+        out.append(dataclasses.replace(batch, length_B=attn.sum(dim=1)))
     return out
+
+
+def _useful_tokens(micro_batches: Sequence[TrainBatch]) -> Optional[int]:
+    """The tokens of the samples, padding left out (None where a source did not record lengths)."""
+    if any(mb.length_B is None for mb in micro_batches):
+        return None
+    return int(sum(int(mb.length_B.sum()) for mb in micro_batches))
 
 
 def _compute_dtype(mb: TrainBatch, amp_dtype: Optional[torch.dtype]) -> TrainBatch:

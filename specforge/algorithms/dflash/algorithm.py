@@ -76,6 +76,7 @@ class DFlash:
     options = DFlashOptions
     architecture = "DFlashDraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward
+    packs = False  # train.pack_tokens refused: its blocks and anchors do not yet stay inside a packed sample
     llamacpp_spec_type = "draft-dflash"
     gguf_architecture = "dflash"
     engines = ("sglang", "vllm", "llama.cpp")

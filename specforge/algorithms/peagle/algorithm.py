@@ -63,6 +63,7 @@ class PEagle(Eagle3):
     options = PEagleOptions
     architecture = "LlamaForCausalLMPEagle"
     dynamic_drafting = False  # a block is drafted whole, in one forward
+    packs = False  # train.pack_tokens refused: its parallel-drafting attention does not yet keep samples apart
     llamacpp_spec_type = None  # llama.cpp has no parallel drafting
     gguf_architecture = None
     engines = ("vllm",)
