@@ -1,5 +1,7 @@
 """A single-process EAGLE-3 trainer on the tiny target (from tests/test_trainer.py, shared by tests/test_resume.py)."""
 
+import dataclasses
+
 import torch
 
 from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
@@ -39,7 +41,7 @@ def setup_trainer(seed=0, **train):
 def feature_batch(target, rows):
     """The TrainBatch of ``rows`` with ``target``'s captured features."""
     ids, mask, attn = collate(rows, 0)
-    return TrainBatch.from_features(ids, mask, capture(target, ids, attn))
+    return dataclasses.replace(TrainBatch.from_features(ids, mask, capture(target, ids, attn)), length_B=attn.sum(dim=1))
 
 
 def trainable_params(trainer):

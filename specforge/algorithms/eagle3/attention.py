@@ -20,6 +20,9 @@ Interface (see docs/ARCHITECTURE.md)::
   its diagonal keys (positions ``t + 1 .. t + n``) stay inside the window as long as ``W > n``
   (the config requires ``W > ttt_length``). speculators' trainer windows by row, ignoring the step
   shift: the two differ at the window's edge by at most ``n`` keys, and ours is what is served.
+* ``doc`` (``B x T0`` integer ids, None = one sample per row): packed rows (``train/packing.py``):
+  a query sees only step-0 keys of its own sample (``doc[b, key] == doc[b, q_offset + t]``); its
+  diagonal keys are its own row's, so always its own sample's.
 
 Implementations (all exact up to rounding, all differentiable on CPU):
 
@@ -89,16 +92,20 @@ def check_window(window: Optional[int], num_diag: int) -> None:
 
 
 def build_ttt_mask(T: int, T0: int, num_diag: int, q_offset: int = 0, device=None,
-                   window: Optional[int] = None) -> torch.Tensor:
+                   window: Optional[int] = None, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The full boolean TTT mask ``T x (T0 + num_diag * T)``: causal block (banded by ``window``),
-    then diagonals."""
+    then diagonals; with ``doc`` (``B x T0``) ``B x T x (T0 + num_diag * T)``, the causal block
+    kept to each query's own sample."""
     t = torch.arange(T, device=device)
     j = torch.arange(T0, device=device)[None, :]
     causal = j <= (q_offset + t)[:, None]
     if window is not None:
         causal &= j > (q_offset + t + num_diag - window)[:, None]
     eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [eye] * num_diag, dim=1)
+    if doc is not None:
+        causal = causal & (doc[:, q_offset : q_offset + T, None] == doc[:, None, :])
+        eye = eye.expand(doc.shape[0], T, T)
+    return torch.cat([causal] + [eye] * num_diag, dim=-1)
 
 
 # ------------------------------------------------------------------------------ eager reference
@@ -111,6 +118,7 @@ def ttt_attention_eager(
     q_offset: int = 0,
     scale: Optional[float] = None,
     window: Optional[int] = None,
+    doc: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference: concatenated keys + materialized full mask, softmax in fp32."""
     B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
@@ -119,7 +127,9 @@ def ttt_attention_eager(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     K = torch.cat(list(keys), dim=2).repeat_interleave(G, dim=1)
     V = torch.cat(list(values), dim=2).repeat_interleave(G, dim=1)
-    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device, window)
+    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device, window, doc)
+    if doc is not None:
+        mask = mask[:, None]  # B x 1 x T x K: every head
     f32 = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q, K.transpose(-1, -2)).to(f32) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -144,7 +154,8 @@ class _TTTAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, q_offset: int, scale: float, chunk: int, window: Optional[int] = None):
+    def forward(ctx, q, k0, v0, kd, vd, q_offset: int, scale: float, chunk: int, window: Optional[int] = None,
+                doc: Optional[torch.Tensor] = None):
         B, Hkv, G, T, D = q.shape
         f32 = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64 (gradcheck)
         n = 0 if kd is None else kd.shape[2]
@@ -161,6 +172,9 @@ class _TTTAttentionFn(torch.autograd.Function):
             s = torch.matmul(qc, k0[:, :, lo:L].transpose(-1, -2)).view(B, Hkv, G, C, L - lo).to(f32)
             s.mul_(scale)
             _mask_span(s, q_offset, c0, lo, n, window)
+            if doc is not None:  # packed rows: another sample's keys are never seen (own key always is)
+                other = doc[:, q_offset + c0 : q_offset + c1, None] != doc[:, None, lo:L]
+                s.masked_fill_(other[:, None, None], float("-inf"))
             m = s.amax(dim=-1)
             if kd is not None:
                 sdc = sd[:, :, :, c0:c1]
@@ -218,7 +232,8 @@ class _TTTAttentionFn(torch.autograd.Function):
             dq = (dq.to(f32) + torch.einsum("bkgtn,bkntd->bkgtd", dsd, kd.to(f32))).to(q.dtype)
             dkd = torch.einsum("bkgtn,bkgtd->bkntd", dsd, qf).to(kd.dtype)
             dvd = torch.einsum("bkgtn,bkgtd->bkntd", pd, dof).to(vd.dtype)
-        return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None
+        # the saved probabilities are exact zeros where doc masked: backward needs nothing more
+        return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None, None
 
 
 def _span(q_offset: int, c0: int, c1: int, n: int, window: Optional[int]) -> tuple[int, int]:
@@ -246,6 +261,7 @@ def ttt_attention_fast(
     scale: Optional[float] = None,
     chunk: Optional[int] = None,
     window: Optional[int] = None,
+    doc: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """TTT attention without materialized masks (see module docstring). ``chunk``: query rows per
     iteration, by default ``CHUNK_CPU`` on the CPU and ``CHUNK_GPU`` on a GPU (``device.loop_chunk``).
@@ -266,7 +282,7 @@ def ttt_attention_fast(
         kd = vd = None
     with torch.autocast(q.device.type, enabled=False):
         out = _TTTAttentionFn.apply(qg, k0, v0, kd, vd, int(q_offset), float(scale), int(chunk),
-                                    None if window is None else int(window))
+                                    None if window is None else int(window), doc)
     return out.reshape(B, Hq, T, D)
 
 
@@ -277,15 +293,17 @@ def ttt_attention_sdpa(
     q_offset: int = 0,
     scale: Optional[float] = None,
     window: Optional[int] = None,
+    doc: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Fused SDPA for plain causal attention (step 0, no offset, no window); the fast path otherwise."""
-    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2] and window is None:
+    """Fused SDPA for plain causal attention (step 0, no offset, no window, one sample per row); the
+    fast path otherwise."""
+    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2] and window is None and doc is None:
         dt = matmul_dtype(q, keys[0], values[0])
         return F.scaled_dot_product_attention(
             q.to(dt), keys[0].to(dt), values[0].to(dt), is_causal=True, scale=scale,
             enable_gqa=q.shape[1] != keys[0].shape[1],
         )
-    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale, window=window)
+    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale, window=window, doc=doc)
 
 
 IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_attention_sdpa}
@@ -318,12 +336,13 @@ class TTTAttentionCore(nn.Module):
             raise ValueError(f"attention impl {value!r}: expected 'auto' or one of {sorted(IMPLS)}")
         self._impl = value
 
-    def forward(self, q_BHTD, keys, values, q_offset: int = 0):
+    def forward(self, q_BHTD, keys, values, q_offset: int = 0, doc: Optional[torch.Tensor] = None):
         impl = self._impl
         if impl == "auto":
             impl = "fast" if q_BHTD.device.type == "cpu" else "sdpa"
         fn = IMPLS[impl]
-        return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale, window=self.window)
+        kw = {} if doc is None else {"doc": doc}  # packed rows (module docstring)
+        return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale, window=self.window, **kw)
 
     def extra_repr(self) -> str:
         return f"impl={self._impl!r}" + ("" if self.window is None else f", window={self.window}")

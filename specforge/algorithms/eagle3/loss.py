@@ -131,8 +131,11 @@ def teacher_probs(last_hidden_NH: torch.Tensor, teacher_weight_NH: torch.Tensor,
     return torch.softmax(z, dim=-1)
 
 
-def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: torch.Tensor, ttt_length: int) -> torch.Tensor:
-    """``ttt_length x B x T`` bool: does row t of step i count? (see the module docstring)."""
+def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: torch.Tensor, ttt_length: int,
+               doc_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``ttt_length x B x T`` bool: does row t of step i count? (see the module docstring). Packed
+    rows (``doc_BT``): only if the predicted token ``t+2+i`` is in row t's own sample (then so are
+    the input token and the teacher's position between them)."""
     B, T = loss_mask_BT.shape
     lm = loss_mask_BT.bool()
     # cond[p]: the token after position p is an assistant token and the target argmax at p is
@@ -143,6 +146,8 @@ def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: t
     for i in range(ttt_length):
         if T - 1 - i > 0:
             out[i, :, : T - 1 - i] = cond[:, 1 + i :]
+            if doc_BT is not None:
+                out[i, :, : T - 2 - i] &= doc_BT[:, 2 + i :] == doc_BT[:, : T - 2 - i]
     return out
 
 
@@ -154,7 +159,8 @@ def _owned_rows(batch: Any, num_rows: Optional[int]) -> Optional[int]:
 def num_valid_rows(batch: Any, t2d_V: torch.Tensor, ttt_length: int, num_rows: Optional[int] = None) -> int:
     """Rows that count at TTT step 0 (the loss normalizer); only owned rows of an SP slice."""
     loss_mask = _get(batch, "loss_mask_BT")
-    valid0 = valid_rows(loss_mask, _get(batch, "target_ids_BT"), t2d_V.to(loss_mask.device), 1)[0]
+    valid0 = valid_rows(loss_mask, _get(batch, "target_ids_BT"), t2d_V.to(loss_mask.device), 1,
+                        _get(batch, "doc_ids_BT", None))[0]
     n = _owned_rows(batch, num_rows)
     return int((valid0 if n is None else valid0[:, :n]).sum())
 
@@ -347,7 +353,8 @@ def ttt_loss(
     if sp_rows is not None and T < sp_rows + L + 1:
         raise ValueError(f"SP slice: {T} window rows, need num_rows + ttt_length + 1 = {sp_rows + L + 1}")
     R = T if sp_rows is None else sp_rows  # rows this call computes
-    valid = valid_rows(loss_mask, target_ids, draft.t2d, L)[:, :, :R]  # L,B,R
+    doc = _get(batch, "doc_ids_BT", None)  # packed rows (train/packing.py)
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc)[:, :, :R]  # L,B,R
     teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH, softcap)
     # SP: the same shapes on every rank (collectives inside the attention core)
     t_len, step_rows = _step_rows(valid, sp_rows)
@@ -371,7 +378,8 @@ def ttt_loss(
         return ce_sum * (decay**i)
 
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
-    return sum(draft(ids, aux, pos, t_len, head)) / max(normalizer, 1.0), counts
+    kw = {} if doc is None else {"doc_BT": doc}
+    return sum(draft(ids, aux, pos, t_len, head, **kw)) / max(normalizer, 1.0), counts
 
 
 def ttt_loss_reference(
@@ -394,7 +402,8 @@ def ttt_loss_reference(
     B, T = ids.shape
     dev = ids.device
     L = int(ttt_length)
-    valid = valid_rows(loss_mask, target_ids, draft.t2d, L).float()
+    doc = _get(batch, "doc_ids_BT", None)  # packed rows
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc).float()
     teacher_all = teacher_probs(last_hidden, teacher_weight_NH, softcap)  # B,T,N
     layer = draft.midlayer
     attn_mod = layer.self_attn
@@ -413,7 +422,7 @@ def ttt_loss_reference(
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys.append(k)
         values.append(v)
-        attn = ttt_attention_eager(q, keys, values)
+        attn = ttt_attention_eager(q, keys, values, doc=doc)
         hidden = draft.layer_finish(attn, hidden)
         z = draft.logits(hidden)
         logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)  # B,T,N

@@ -504,7 +504,8 @@ class Eagle3Draft(nn.Module):
     # ---------------------------------------------------------------- training: the TTT unroll
 
     def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BTKH: torch.Tensor, position_ids_BT: torch.Tensor,
-                t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None) -> list:
+                t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None,
+                doc_BT: Optional[torch.Tensor] = None) -> list:
         """The training forward: ``[head(i, hidden_out_B_Ti_H) for TTT steps i]`` (default head: the
         hidden itself). The head runs inside this forward because it reads ``norm``/``lm_head``,
         which FSDP2 unshards only around a forward.
@@ -513,6 +514,7 @@ class Eagle3Draft(nn.Module):
         x_{t+1+i} (zeros past the end), the previous step's hidden, RoPE position ``pos[t] + i``,
         and attends to step-0 keys ``<= t`` and to its own row's keys of steps ``1..i``. The
         embedding half of q/k/v is projected once for the whole sequence and shifted per step.
+        ``doc_BT``: packed rows (``train/packing.py``): a query attends only to its own sample's keys.
         """
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
@@ -532,7 +534,8 @@ class Eagle3Draft(nn.Module):
             # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti
             # (passed as the same tensor objects when not cut: SP cores cache their collectives by identity)
             cut = lambda x: x if x.shape[2] == Ti else x[:, :, :Ti]  # noqa: E731
-            attn = core(q, [keys[0]] + [cut(kk) for kk in keys[1:]], [values[0]] + [cut(vv) for vv in values[1:]])
+            kw = {} if doc_BT is None else {"doc": doc_BT[:, : keys[0].shape[2]]}
+            attn = core(q, [keys[0]] + [cut(kk) for kk in keys[1:]], [values[0]] + [cut(vv) for vv in values[1:]], **kw)
             hidden = self.layer_finish(attn, hidden)
             out.append(hidden if head is None else head(i, hidden))
         return out

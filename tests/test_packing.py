@@ -1,0 +1,236 @@
+"""train.pack_tokens: samples end to end in rows, each keeping its positions, attention and loss.
+
+The reference is the unpacked run: the same samples right-padded, one per batch row. Packed must
+equal it (fp64 to rounding, fp32 tightly), in the attention cores, the TTT loss (EAGLE-3, EAGLE-3.1)
+and the trainer's step; a control shows what the doc masks prevent (without them the losses differ)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from specforge.algorithms import get_algorithm
+from specforge.algorithms.eagle3.attention import ttt_attention_eager, ttt_attention_fast
+from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference, valid_rows
+from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from specforge.config import load_config
+from specforge.data.vocab import DraftVocab
+from specforge.models.features import TrainBatch
+from specforge.train.packing import PackedBatch, pack_micro_batches, pack_rows
+from specforge.train.trainer import DraftTrainer
+from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
+
+V, N, HT = 300, 100, 48
+LENGTHS = (13, 21, 9, 17)  # samples of uneven length (two micro-batches of two)
+
+
+def _draft(dtype=torch.float64):
+    cfg = Eagle3DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, vocab_size=V, draft_vocab_size=N, target_hidden_size=HT)
+    torch.manual_seed(0)
+    d = Eagle3Draft(cfg).to(dtype)
+    d.reset_parameters(std=0.1)
+    d.set_vocab(torch.sort(torch.randperm(V)[:N]).values - torch.arange(N))
+    return d
+
+
+def _samples(draft, dtype=torch.float64, lengths=LENGTHS, seed=1):
+    """Per-sample fields (no padding): ids, a loss mask with an assistant span reaching the end (the
+    case where a shifted target would cross into the next sample), features, targets mostly in vocab."""
+    g = torch.Generator().manual_seed(seed)
+    inv = draft.draft_to_target_ids()
+    out = []
+    for n in lengths:
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[3:] = 1
+        tgt = torch.where(torch.rand(n, generator=g) < 0.8, inv[torch.randint(0, N, (n,), generator=g)],
+                          torch.randint(0, V, (n,), generator=g))
+        out.append({"input_ids_BT": torch.randint(0, V, (n,), generator=g), "loss_mask_BT": mask,
+                    "aux_hidden_BTKH": torch.randn(n, 3 * HT, generator=g, dtype=dtype),
+                    "last_hidden_BTH": torch.randn(n, HT, generator=g, dtype=dtype), "target_ids_BT": tgt})
+    return out
+
+
+def _padded(samples) -> TrainBatch:
+    """The samples right-padded into one batch (pad id 0, mask 0, zero features), lengths recorded."""
+    T = max(s["input_ids_BT"].shape[0] for s in samples)
+    fields = {}
+    for name, first in samples[0].items():
+        out = torch.zeros((len(samples), T, *first.shape[1:]), dtype=first.dtype)
+        for b, s in enumerate(samples):
+            out[b, : s[name].shape[0]] = s[name]
+        fields[name] = out
+    return TrainBatch(**fields, length_B=torch.tensor([s["input_ids_BT"].shape[0] for s in samples]))
+
+
+# ---------------------------------------------------------------- the packing itself
+
+
+def test_rows_in_order_within_the_budget():
+    assert pack_rows([5, 4, 3, 6, 2], 9) == [[0, 1], [2, 3], [4]]
+    assert pack_rows([9, 9], 9) == [[0], [1]]
+    with pytest.raises(ValueError, match="train.pack_tokens.*does not fit"):
+        pack_rows([4, 10], 9)
+
+
+def test_packed_rows_keep_every_token_and_restart_positions():
+    d = _draft()
+    s = _samples(d)
+    mbs = [_padded(s[:2]), _padded(s[2:])]
+    packed = pack_micro_batches(mbs, budget=40)
+    assert [p.input_ids_BT.shape for p in packed] == [torch.Size([1, 34]), torch.Size([1, 26])]
+    assert all(isinstance(p, PackedBatch) for p in packed)
+    first = packed[0]
+    assert first.position_ids_BT[0].tolist() == list(range(13)) + list(range(21))
+    assert first.doc_ids_BT[0].tolist() == [0] * 13 + [1] * 21
+    assert torch.equal(first.aux_hidden_BTKH[0, 13:], s[1]["aux_hidden_BTKH"])
+    assert int(first.length_B) == 34 and first.to(torch.device("cpu")).doc_ids_BT is not None
+
+
+# ---------------------------------------------------------------- attention: no query sees another sample
+
+
+def _split_qkv(T_list, Hq=4, Hkv=2, D=8, n=2, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(T_list)
+    q = torch.randn(1, Hq, T, D, generator=g, dtype=dtype, requires_grad=True)
+    keys = [torch.randn(1, Hkv, T, D, generator=g, dtype=dtype, requires_grad=True) for _ in range(n + 1)]
+    values = [torch.randn(1, Hkv, T, D, generator=g, dtype=dtype, requires_grad=True) for _ in range(n + 1)]
+    doc = torch.cat([torch.full((t,), i) for i, t in enumerate(T_list)])[None]
+    return q, keys, values, doc
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_packed_attention_is_each_samples_own(window):
+    """Each sample's rows of the packed attention equal the attention of that sample alone (eager
+    reference and the fast core, forward and every gradient)."""
+    T_list = [7, 12, 5]
+    q, keys, values, doc = _split_qkv(T_list)
+    for core in (ttt_attention_eager, lambda *a, **k: ttt_attention_fast(*a, chunk=4, **k)):
+        out = core(q, keys, values, window=window, doc=doc)
+        alone, start = [], 0
+        for t in T_list:
+            cut = lambda xs: [x[:, :, start : start + t] for x in xs]  # noqa: E731
+            alone.append(ttt_attention_eager(q[:, :, start : start + t], cut(keys), cut(values), window=window))
+            start += t
+        torch.testing.assert_close(out, torch.cat(alone, dim=2), rtol=1e-12, atol=1e-12)
+        w = torch.randn_like(out)
+        grads = torch.autograd.grad((out * w).sum(), [q, *keys, *values])
+        ref = torch.autograd.grad((torch.cat(alone, dim=2) * w).sum(), [q, *keys, *values])
+        for a, b in zip(grads, ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_doc_mask_is_what_keeps_samples_apart():
+    """Control: the same packed row without its doc ids mixes the samples."""
+    T_list = [7, 12]
+    q, keys, values, doc = _split_qkv(T_list)
+    with_doc = ttt_attention_fast(q, keys, values, doc=doc)
+    without = ttt_attention_fast(q, keys, values)
+    assert torch.equal(with_doc[:, :, :7], without[:, :, :7])  # the first sample sees nothing before it
+    assert not torch.allclose(with_doc[:, :, 7:], without[:, :, 7:])
+
+
+def test_no_counted_row_predicts_across_a_boundary():
+    mask = torch.ones(1, 8, dtype=torch.long)
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    v = valid_rows(mask, torch.zeros(1, 8, dtype=torch.long), torch.ones(4, dtype=torch.bool), 2, doc)
+    # step i, row t predicts x_{t+2+i}: in its own sample only
+    assert v[0, 0].nonzero().flatten().tolist() == [0, 1, 4, 5]
+    assert v[1, 0].nonzero().flatten().tolist() == [0, 4]
+    unpacked = valid_rows(mask, torch.zeros(1, 8, dtype=torch.long), torch.ones(4, dtype=torch.bool), 2)
+    assert unpacked[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]  # control: rows 2, 3 would count
+
+
+# ---------------------------------------------------------------- the TTT loss and the train step
+
+
+def _loss_and_grads(draft, batches, W, loss_fn=ttt_loss, L=4):
+    params = [p for p in draft.parameters() if p.requires_grad]
+    total = sum(float(valid_rows(b.loss_mask_BT, b.target_ids_BT, draft.t2d, 1, getattr(b, "doc_ids_BT", None))[0].sum())
+                for b in batches)
+    losses, counts = zip(*(loss_fn(draft, b, W, ttt_length=L, num_valid_global=total) for b in batches))
+    loss = sum(losses)
+    return loss, sum(counts), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+def test_packed_ttt_loss_equals_unpacked(dtype, tol):
+    d = _draft(dtype)
+    s = _samples(d, dtype)
+    W = torch.randn(N, HT, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    mbs = [_padded(s[:2]), _padded(s[2:])]
+    l0, c0, g0 = _loss_and_grads(d, mbs, W)
+    packed = pack_micro_batches(mbs, budget=40)
+    l1, c1, g1 = _loss_and_grads(d, packed, W)
+    torch.testing.assert_close(l1, l0, rtol=tol, atol=tol)
+    assert torch.equal(c1[:, 0], c0[:, 0])  # the same rows count at every step
+    torch.testing.assert_close(c1, c0, rtol=tol, atol=tol)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol)
+    if dtype == torch.float64:  # the reference (eager attention, all rows) agrees on the packed rows
+        l2, c2, _ = _loss_and_grads(d, packed, W, ttt_loss_reference)
+        torch.testing.assert_close(l2, l0, rtol=1e-11, atol=1e-11)
+
+
+def test_a_packed_row_without_its_doc_ids_gives_another_loss():
+    """Control: the packing alone (positions restarting) is not enough; the doc masks matter."""
+    d = _draft()
+    s = _samples(d)
+    W = torch.randn(N, HT, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    mbs = [_padded(s[:2]), _padded(s[2:])]
+    l0, _, _ = _loss_and_grads(d, mbs, W)
+    packed = pack_micro_batches(mbs, budget=40)
+    no_doc = [{"input_ids_BT": p.input_ids_BT, "loss_mask_BT": p.loss_mask_BT, "aux_hidden_BTKH": p.aux_hidden_BTKH,
+               "last_hidden_BTH": p.last_hidden_BTH, "target_ids_BT": p.target_ids_BT,
+               "position_ids_BT": p.position_ids_BT} for p in packed]
+    total = sum(float(valid_rows(b["loss_mask_BT"], b["target_ids_BT"], d.t2d, 1)[0].sum()) for b in no_doc)
+    l1 = sum(ttt_loss(d, b, W, ttt_length=4, num_valid_global=total)[0] for b in no_doc)
+    assert not torch.allclose(l1 / l0, torch.ones((), dtype=l0.dtype), rtol=1e-3)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle31"])
+def test_trainer_step_packed_equals_unpacked(algorithm):
+    """Two optimizer steps of the trainer, packed and unpacked, on the same micro-batches: the same
+    losses, counters and weights (fp32)."""
+    runs = {}
+    for budget in (None, 64):
+        target, rows, trainer = setup_trainer(seed=0, pack_tokens=budget)
+        if algorithm != "eagle3":
+            algo = get_algorithm(algorithm)
+            cfg = dataclasses.replace(trainer.cfg, draft=algo.options(
+                **{f.name: getattr(trainer.cfg.draft, f.name) for f in dataclasses.fields(trainer.cfg.draft)
+                   if f.name != "algorithm"}, algorithm="eagle31", norm_output=True))
+            draft = algo.build_draft(cfg, target, _vocab_of(trainer))
+            trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, _vocab_of(trainer)), cfg,
+                                   torch.device("cpu"))
+        mbs = [feature_batch(target, rows[:2]), feature_batch(target, rows[2:])]
+        metrics = [trainer.step(mbs) for _ in range(2)]
+        runs[budget] = (metrics, trainable_params(trainer))
+    (m0, p0), (m1, p1) = runs[None], runs[64]
+    for a, b in zip(m0, m1):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["valid_tokens"] == a["valid_tokens"]
+        assert b["useful_tokens"] == a["useful_tokens"] == sum(len(r["input_ids"]) for r in rows)
+        assert b["tokens"] < a["tokens"]  # no padding when packed
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-6)
+
+
+def _vocab_of(trainer):
+    return DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
+
+
+# ---------------------------------------------------------------- what is refused
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["train.pack_tokens=100"], "below data.max_length=512"),
+    (["train.pack_tokens=4096", "draft.algorithm=dflash"], "refused for draft.algorithm=dflash"),
+    (["train.pack_tokens=4096", "draft.algorithm=peagle"], "refused for draft.algorithm=peagle"),
+    (["train.pack_tokens=4096", "parallel.sp_ulysses=2", "train.num_workers=2"], "sequence parallelism"),
+])
+def test_what_cannot_pack_is_refused_in_one_line(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, ["data.max_length=512", *overrides])
+    load_config(None, ["data.max_length=512", "train.pack_tokens=4096"])  # control: EAGLE-3 packs
