@@ -93,3 +93,18 @@ def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):
     with pytest.raises(ValueError, match="store"):
         run(_offline(assets, tmp_path / "c", tmp_path / "missing"))
     assert load_config(None, ["placement.mode=offline"]).placement.mode == "offline"
+
+
+def test_packed_store_training_equals_online_training(assets, store, tmp_path):
+    """train.pack_tokens over the store: each step's two samples in one packed row train as the
+    online run's two unpacked micro-batches do."""
+    from specforge.local import run
+
+    online, packed = tmp_path / "online", tmp_path / "packed"
+    run(make_cfg(assets, online, "model.dtype=bfloat16", "train.grad_accum=2", "train.num_workers=1"))
+    run(_offline(assets, packed, store, "train.batch_size=2", "train.num_workers=1", "train.pack_tokens=128"))
+    want, got = _losses(online), _losses(packed)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["valid_tokens"] == a["valid_tokens"]

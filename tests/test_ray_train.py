@@ -191,3 +191,20 @@ def test_check_rejects_indivisible_sp_and_a_target_split_on_cpu(tmp_path):
     with pytest.raises(ValueError, match=r"model.num_gpus"):
         check(make_cfg(tmp_path, tmp_path / "o", "model.num_gpus=2", "model.device=cpu"))
     check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=4", "parallel.sp_ring=2"))  # dp = 2
+
+
+@pytest.mark.parametrize("mode", ["single", "colocated", "disaggregated"])
+def test_packed_rows_give_the_unpacked_losses(assets, reference, ray_session, tmp_path, mode):
+    """train.pack_tokens: a rank's two samples of a step in one packed row (batch 2, rows of up to
+    128 tokens, data.max_length 64) train as the reference's two unpacked micro-batches do: the same
+    global batch, the same per-step losses, in one process and in both Ray placements."""
+    from specforge.local import run
+    from specforge.ray_train import fit
+
+    packed = ("train.batch_size=2", "train.grad_accum=1", "train.num_workers=1", "train.pack_tokens=128")
+    out = tmp_path / mode
+    if mode == "single":
+        run(make_cfg(assets, out, *packed))
+    else:
+        fit(make_cfg(assets, out, *packed, f"placement.mode={mode}", "rollout.num_workers=1"))
+    assert_same_losses(reference, out)
