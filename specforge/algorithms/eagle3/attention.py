@@ -165,9 +165,11 @@ class _TTTAttentionFn(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(B, Hkv, G, T, dtype=f32, device=q.device)
         probs = []  # normalized causal-block probabilities per chunk, saved for backward
-        for c0, c1 in row_chunks(T, chunk):
+        firsts = _first_keys(doc, q_offset, T, chunk)  # packed rows: keys before a chunk's samples are skipped
+        for ci, (c0, c1) in enumerate(row_chunks(T, chunk)):
             C = c1 - c0
             lo, L = _span(q_offset, c0, c1, n, window)  # step-0 keys this chunk may see
+            lo = max(lo, firsts[ci]) if firsts else lo
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
             s = torch.matmul(qc, k0[:, :, lo:L].transpose(-1, -2)).view(B, Hkv, G, C, L - lo).to(f32)
             s.mul_(scale)
@@ -193,7 +195,7 @@ class _TTTAttentionFn(torch.autograd.Function):
             out[:, :, :, c0:c1] = o.to(out.dtype)
             lse[:, :, :, c0:c1] = m + torch.log(l)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse, *probs)
-        ctx.q_offset, ctx.scale, ctx.chunk, ctx.window = q_offset, scale, chunk, window
+        ctx.q_offset, ctx.scale, ctx.chunk, ctx.window, ctx.firsts = q_offset, scale, chunk, window, firsts
         return out
 
     @staticmethod
@@ -211,6 +213,7 @@ class _TTTAttentionFn(torch.autograd.Function):
         for ci, (c0, c1) in enumerate(row_chunks(T, chunk)):
             C = c1 - c0
             lo, L = _span(q_offset, c0, c1, n, window)
+            lo = max(lo, ctx.firsts[ci]) if ctx.firsts else lo
             W = L - lo
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
             doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
@@ -234,6 +237,19 @@ class _TTTAttentionFn(torch.autograd.Function):
             dvd = torch.einsum("bkgtn,bkgtd->bkntd", pd, dof).to(vd.dtype)
         # the saved probabilities are exact zeros where doc masked: backward needs nothing more
         return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None, None
+
+
+def _first_keys(doc: Optional[torch.Tensor], q_offset: int, T: int, chunk: int) -> list[int]:
+    """Packed rows: per query chunk, the first step-0 key any of its rows may see (the start of the
+    earliest sample among its rows, over the batch); one host read for all chunks. [] without ``doc``."""
+    if doc is None:
+        return []
+    idx = torch.arange(doc.shape[1], device=doc.device)
+    new = torch.ones(doc.shape, dtype=torch.bool, device=doc.device)
+    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    starts = torch.where(new, idx, 0).cummax(dim=1).values  # each key's sample start
+    rows = torch.tensor([q_offset + c0 for c0, _ in row_chunks(T, chunk)], device=doc.device)
+    return starts[:, rows].amin(dim=0).tolist()
 
 
 def _span(q_offset: int, c0: int, c1: int, n: int, window: Optional[int]) -> tuple[int, int]:
