@@ -153,3 +153,70 @@ def test_the_config_accepts_flex_and_refuses_it_with_ring_attention():
     assert load_config(None, ["draft.attention=flex", "parallel.sp_ulysses=2"]).draft.attention == "flex"
     with pytest.raises(ValueError, match=r"'draft\.attention'='flex' does not apply with parallel\.sp_ring=2"):
         load_config(None, ["draft.attention=flex", "parallel.sp_ring=2"])
+
+
+# ----------------------------------------------------------------------------- the memory model
+
+
+def _saved_bytes(draft, batch, W, ttt_length) -> int:
+    """Bytes autograd keeps for one ttt_loss (each storage once, parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in draft.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ttt_loss(draft, batch, W, ttt_length=ttt_length)
+    return sum(seen.values())
+
+
+def test_the_memory_model_counts_what_the_flex_core_keeps(cpu_flex_backward):
+    """fp32 on the CPU: the model's saved activations (+ the fused q/k/v weight) within 20% (the memory
+    tests' tolerance; measured 0.5%) of what autograd keeps, for both cores; flex keeps less."""
+    from specforge import memory
+    from specforge.algorithms.eagle3.memory import Eagle3Dims, eagle3_step
+
+    B, T, L, Vt, Nd, Ht = 2, 96, 4, 500, 200, 64
+    measured, predicted = {}, {}
+    for impl in ("fast", "flex"):
+        cfg = Eagle3DraftConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=32, vocab_size=Vt, draft_vocab_size=Nd, target_hidden_size=Ht, attention=impl)
+        torch.manual_seed(0)
+        d = Eagle3Draft(cfg)
+        b = {"input_ids_BT": torch.randint(0, Vt, (B, T)), "loss_mask_BT": torch.ones(B, T, dtype=torch.long),
+             "target_ids_BT": d.draft_to_target_ids()[torch.randint(0, Nd, (B, T))],
+             "aux_hidden_BTKH": torch.randn(B, T, 3 * Ht), "last_hidden_BTH": torch.randn(B, T, Ht)}
+        measured[impl] = _saved_bytes(d, b, torch.randn(Nd, Ht), L)
+        step = eagle3_step(Eagle3Dims.of(cfg), memory.SeqShape(B, T, 1, 1, L), memory.StepPrecision(compute=4),
+                           attention.CHUNK_CPU, 64, None, impl)
+        predicted[impl] = sum(t.nbytes for t in step["forward"]
+                              if t.name.startswith("activations") or "fused q/k/v" in t.name)
+        assert abs(predicted[impl] / measured[impl] - 1) < 0.20, (impl, predicted[impl], measured[impl])
+    assert measured["flex"] < measured["fast"] and predicted["flex"] < predicted["fast"]
+
+
+def test_flex_is_predicted_below_the_gpu_default_at_8b_shapes_and_4096_tokens():
+    from types import SimpleNamespace
+
+    from specforge import memory
+    from specforge.algorithms.eagle3.algorithm import ALGORITHM
+    from specforge.config import load_config
+
+    draft = SimpleNamespace(config=Eagle3DraftConfig(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096))
+    shape, p = memory.SeqShape(1, 4096, 1, 1, 7), memory.StepPrecision(compute=2)
+    peak, attn = {}, {}
+    for impl in ("auto", "flex"):
+        step = ALGORITHM.memory_step(load_config(None, [f"draft.attention={impl}"]), draft, shape, p, gpu=True)
+        peak[impl] = max(sum(t.nbytes for t in terms) for terms in step.values())
+        attn[impl] = sum(t.nbytes for t in step["forward"] if "probabilities" in t.name or "attention core" in t.name)
+        probs = [t.nbytes for t in step["forward"] if "probabilities" in t.name]
+        assert (impl == "flex") == (not probs), (impl, probs)  # flex keeps no probabilities
+    # auto on a GPU: SDPA for step 0, the fast core's T^2/2 probabilities for steps 1..6 (3.4 GiB);
+    # flex: O(T) per head (cat(keys), out, lse): the whole step's peak drops by about a fifth
+    assert attn["flex"] < attn["auto"] / 4 and peak["flex"] < 0.85 * peak["auto"], (attn, peak)

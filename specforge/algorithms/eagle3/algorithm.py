@@ -172,11 +172,13 @@ class Eagle3:
         from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
 
         d = Eagle3Dims.of(draft.config)
-        # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities
+        # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities;
+        # flex (every step fused, no probabilities) is counted by its own terms
         precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash")
                                         and cfg.draft.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
-        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, cfg.draft.sliding_window)
+        core = "flex" if cfg.draft.attention == "flex" else "fast"
+        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, cfg.draft.sliding_window, core)
 
     def memory_keys(self, cfg) -> list[str]:
         return ["parallel.sp_ulysses / parallel.sp_ring (split T)", "draft.sliding_window (bounds the keys a row scores)"]
