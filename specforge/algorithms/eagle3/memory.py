@@ -170,10 +170,10 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
 def _weight_copies(d: Eagle3Dims, p: StepPrecision, L: int) -> list[Term]:
     """Weights the step reads besides the parameters themselves. Under a 16-bit autocast of fp32
     weights (``p.cast``), the copies autograd keeps: leaf weights once (autocast's cache), the fused
-    q/k/v halves and the lm_head once per TTT step (not leaves). Else the fused q/k/v weight (cat)."""
+    q/k/v halves and the lm_head once per unroll (``models.layers.cast_once``: not leaves, cast once for
+    all ``L`` steps). Else the fused q/k/v weight (cat)."""
     if not p.cast:
         return [Term("fused q/k/v weight (cat, kept for backward)", d.Fqkv * 2 * d.H * p.unsharded_param)]
     leaves = (3 * d.Ht * d.H + d.Fq * d.H + 3 * d.I * d.H) * 2
-    per_step = (d.Fqkv * d.H + d.N * d.H) * 2
-    return [Term("16-bit weight copies (autocast; q/k/v and lm_head once per TTT step)",
-                 leaves + d.Fqkv * d.H * 2 + L * per_step)]
+    return [Term("16-bit weight copies (autocast; q/k/v halves and lm_head once per unroll)",
+                 leaves + 2 * d.Fqkv * d.H * 2 + d.N * d.H * 2)]
