@@ -36,7 +36,8 @@ NOT_KERNELS = frozenset("aten::" + n for n in (
     "permute", "slice", "select", "unsqueeze", "squeeze", "detach", "detach_", "alias", "lift_fresh", "empty",
     "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "split", "split_with_sizes",
     "chunk", "narrow", "unbind", "view_as", "unflatten", "flatten", "contiguous", "to", "_to_copy", "set_",
-    "is_nonzero", "result_type", "size", "stride", "numel", "dim", "is_same_size", "_has_compatible_shallow_copy_type"))
+    "is_nonzero", "result_type", "resolve_conj", "resolve_neg", "conj", "_conj", "size", "stride", "numel", "dim",
+    "is_same_size", "_has_compatible_shallow_copy_type"))
 FUSED = ("scaled_dot_product", "flex_attention", "FlexAttention")  # one kernel on CUDA, whatever runs below
 
 
@@ -49,7 +50,8 @@ def kind(name: str) -> str:
 
 
 def count(events) -> Counter:
-    """Launches under ``events`` (profiler events, each with ``cpu_children``), by kind."""
+    """Launches under ``events`` (profiler events, each with ``cpu_children``), by op name (a fused
+    attention call as ``fused attention``)."""
     out = Counter()
     for ev in events:
         if any(f in ev.name for f in FUSED):
@@ -57,8 +59,15 @@ def count(events) -> Counter:
             continue
         below = count(ev.cpu_children)
         if not below and ev.name.startswith("aten::") and ev.name not in NOT_KERNELS:
-            below[kind(ev.name)] += 1
+            below[ev.name] += 1
         out += below
+    return out
+
+
+def by_kind(names: Counter) -> Counter:
+    out = Counter()
+    for name, n in names.items():
+        out[name if name == "fused attention" else kind(name)] += n
     return out
 
 
@@ -123,11 +132,14 @@ def step_launches(impl: str, hoisted: bool) -> Counter:
 
 def section(info: dict, threads: int) -> str:
     kinds = ["copies / casts", "matmuls", "fused attention", "other (elementwise, reductions, indexing)"]
-    rows = []
+    rows, top = [], ""
     for impl, what in (("fast", "fast (chunked core every step)"), ("sdpa", "sdpa (as `auto` on a GPU)"),
                        ("flex", "flex (flex_attention every step)")):
         for hoisted in (False, True):
-            c = step_launches(impl, hoisted)
+            names = step_launches(impl, hoisted)
+            c = by_kind(names)
+            if impl == "fast" and hoisted:
+                top = ", ".join(f"`{n}` {k}" for n, k in names.most_common(10))
             rows.append([what, "once per unroll" if hoisted else "per TTT step", sum(c.values())]
                         + [c.get(k, 0) for k in kinds])
             print(" | ".join(str(x) for x in rows[-1]), flush=True)
@@ -142,4 +154,4 @@ def section(info: dict, threads: int) -> str:
             "each on CUDA; the CPU runs a dense reference for flex). Method and limits: `benchmarks/launches.py`. "
             "The GPU profile in issue 35 counted 4,442 launches per step for this codebase and 1,068 for "
             "upstream SpecForge v0.2.0 (other shapes and batch); only the differences between rows here mean "
-            "something.\n\n" + table)
+            "something.\n\n" + table + f"\n\nMost frequent launches, fast core, casts once: {top}.")
