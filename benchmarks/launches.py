@@ -36,7 +36,7 @@ NOT_KERNELS = frozenset("aten::" + n for n in (
     "permute", "slice", "select", "unsqueeze", "squeeze", "detach", "detach_", "alias", "lift_fresh", "empty",
     "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "split", "split_with_sizes",
     "chunk", "narrow", "unbind", "view_as", "unflatten", "flatten", "contiguous", "to", "_to_copy", "set_",
-    "is_nonzero", "result_type", "resolve_conj", "resolve_neg", "conj", "_conj", "size", "stride", "numel", "dim",
+    "is_nonzero", "result_type", "promote_types", "can_cast", "resolve_conj", "resolve_neg", "conj", "_conj", "size", "stride", "numel", "dim",
     "is_same_size", "_has_compatible_shallow_copy_type"))
 FUSED = ("scaled_dot_product", "flex_attention", "FlexAttention")  # one kernel on CUDA, whatever runs below
 
