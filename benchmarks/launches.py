@@ -36,8 +36,8 @@ NOT_KERNELS = frozenset("aten::" + n for n in (
     "permute", "slice", "select", "unsqueeze", "squeeze", "detach", "detach_", "alias", "lift_fresh", "empty",
     "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "split", "split_with_sizes",
     "chunk", "narrow", "unbind", "view_as", "unflatten", "flatten", "contiguous", "to", "_to_copy", "set_",
-    "is_nonzero", "result_type", "promote_types", "can_cast", "resolve_conj", "resolve_neg", "conj", "_conj", "size", "stride", "numel", "dim",
-    "is_same_size", "_has_compatible_shallow_copy_type"))
+    "is_nonzero", "result_type", "promote_types", "can_cast", "resolve_conj", "resolve_neg", "conj", "_conj",
+    "size", "stride", "numel", "dim", "is_same_size", "_has_compatible_shallow_copy_type"))
 FUSED = ("scaled_dot_product", "flex_attention", "FlexAttention")  # one kernel on CUDA, whatever runs below
 
 
@@ -147,8 +147,8 @@ def section(info: dict, threads: int) -> str:
     return (f"`python benchmarks/bench_ttt.py --launches` -- {header_markdown(info)}\n\n"
             "**A CPU proxy, not a GPU measurement**: one EAGLE-3 train step (7 TTT steps, backward, fused "
             f"AdamW) under bf16 autocast, B={B} T={T}, the 8B draft's draft vocab {N}, target vocab 128256 and "
-            "GQA ratio with narrow widths and fewer heads (8/2 heads x 16, hidden 512, intermediate 1792), the loops chunked as "
-            "on a GPU (512 attention rows, 256 MiB loss chunks), profiled with torch.profiler on this CPU "
+            "GQA ratio with narrow widths and fewer heads (8/2 heads x 16, hidden 512, intermediate 1792), "
+            "the loops chunked as on a GPU (512 attention rows, 256 MiB loss chunks), profiled with torch.profiler on this CPU "
             f"({threads} threads). Launches = aten ops with no counted descendant, less views, metadata and "
             "allocations; SDPA and flex_attention count one launch forward and one backward (one fused kernel "
             "each on CUDA; the CPU runs a dense reference for flex). Method and limits: `benchmarks/launches.py`. "
