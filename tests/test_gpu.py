@@ -153,7 +153,7 @@ def test_bf16_fsdp_on_gpus_matches_fp32_within_tolerance(tmp_path):
 # ----------------------------------------------------------------------------- kernels
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "fast"])
+@pytest.mark.parametrize("impl", ["sdpa", "fast", "flex"])
 @pytest.mark.parametrize("num_keys", [1, 3])
 def test_ttt_cores_match_eager_on_gpu(impl, num_keys):
     """fp32 forward and backward within 1e-4 (TF32 off); bf16 within 2e-2 of the fp32 reference."""

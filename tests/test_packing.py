@@ -234,3 +234,24 @@ def test_what_cannot_pack_is_refused_in_one_line(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, ["data.max_length=512", *overrides])
     load_config(None, ["data.max_length=512", "train.pack_tokens=4096"])  # control: EAGLE-3 packs
+
+
+def test_packed_flex_attention_is_each_samples_own(monkeypatch):
+    """The flex core (draft.attention=flex) on packed rows: its per-call block mask keeps the samples
+    apart (the CPU backward guard lifted, as tests/test_attention_flex.py does)."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from specforge.algorithms.eagle3.attention import ttt_attention_flex
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    T_list = [7, 12, 5]
+    q, keys, values, doc = _split_qkv(T_list)
+    out = ttt_attention_flex(q, keys, values, window=6, doc=doc)
+    ref = ttt_attention_eager(q, keys, values, window=6, doc=doc)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    w = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), [q, *keys, *values]),
+                    torch.autograd.grad((ref * w).sum(), [q, *keys, *values])):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    without = ttt_attention_flex(q, keys, values, window=6)  # control: no doc ids, the samples mix
+    assert not torch.allclose(out[:, :, 7:], without[:, :, 7:])

@@ -1,4 +1,5 @@
-"""Layers every draft algorithm shares: RMSNorm, the gated (SwiGLU) MLP, and ONE rotary embedding.
+"""Layers every draft algorithm shares: RMSNorm, the gated (SwiGLU) MLP, ONE rotary embedding, and
+``cast_once`` (a weight read by every step of an unroll cast to the autocast dtype once, not per use).
 
 Legend: B batch, T tokens, H hidden, D head dim, I the MLP's inner width.
 
@@ -13,7 +14,7 @@ powers in fp32: the two differ by at most one fp32 rounding per frequency, ~1e-7
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -92,3 +93,31 @@ def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Ten
     """Rotate heads ``[B, heads, T, D]`` by ``cos``/``sin`` ``[B, T, D]`` (cast to ``x``'s dtype)."""
     cos, sin = cos_BTD.unsqueeze(1).to(x_BHTD.dtype), sin_BTD.unsqueeze(1).to(x_BHTD.dtype)
     return x_BHTD * cos + rotate_half(x_BHTD) * sin
+
+
+class _UseOfCast(torch.autograd.Function):
+    """One use of ``Wc``, a graph-free cast of ``W``: forward returns ``Wc``; backward hands ``W`` the
+    use's gradient in ``W``'s dtype, as a per-use ``W.to(dtype)`` would (so the uses' gradients are
+    summed in ``W``'s dtype, fp32, never in the 16-bit copy's)."""
+
+    @staticmethod
+    def forward(ctx, W, Wc):
+        ctx.dtype = W.dtype
+        return Wc.view_as(Wc)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None
+
+
+def cast_once(W: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Under autocast, ``W`` (fp32/fp16/bf16) cast to the autocast dtype ONCE; each call returns a use of
+    that copy: the same values and gradients, bit for bit, as casting at every use (what autocast does
+    to a weight that is not a leaf, and what an explicit ``W.to(dt)`` per TTT step did), without the
+    per-use cast kernels and copies. Elsewhere (no autocast, fp64, already that dtype): ``W`` itself."""
+    dev = W.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    if dt is None or W.dtype == dt or W.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return lambda: W
+    Wc = W.detach().to(dt)
+    return lambda: _UseOfCast.apply(W, Wc)

@@ -50,7 +50,8 @@ class Eagle3Options(DraftConfig):
     ttt_decay: float = field(default=0.8, metadata={"unit": "(0, 1]"})
     # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
     ttt_warmup_steps: int = field(default=0, metadata={"at_least": 0})
-    attention: Literal["auto", "sdpa", "eager", "flash"] = "auto"
+    # TTT attention core (attention.py IMPLS); flex: compiled flex_attention on CUDA, opt-in until measured
+    attention: Literal["auto", "sdpa", "eager", "flash", "flex"] = "auto"
     # sliding-window attention (tokens; None = full): a draft query at position p sees the keys at
     # positions > p - sliding_window, in training and drafting (attention.py); served by vLLM
     sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
@@ -92,6 +93,10 @@ class Eagle3:
             errors.append(f"config key 'draft.sliding_window'={w} must exceed {self.diagonal_keys(cfg)} (a drafted "
                           f"token must see the {self.diagonal_keys(cfg)} drafted before it); choose at least "
                           f"{self.diagonal_keys(cfg) + 1}, typically 1024 or more")
+        if cfg.draft.attention == "flex" and cfg.parallel.sp_ring > 1:
+            errors.append(f"config key 'draft.attention'='flex' does not apply with parallel.sp_ring="
+                          f"{cfg.parallel.sp_ring}: ring attention runs its own block kernels (parallel/ring.py); "
+                          "use draft.attention=auto, or parallel.sp_ulysses instead of the ring")
         return errors
 
     def diagonal_keys(self, cfg) -> int:
@@ -173,11 +178,13 @@ class Eagle3:
 
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
         d = Eagle3Dims.of(draft.config)
-        # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities
+        # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities;
+        # flex (every step fused, no probabilities) is counted by its own terms
         precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash")
                                         and cfg.draft.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
-        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, cfg.draft.sliding_window)
+        core = "flex" if cfg.draft.attention == "flex" else "fast"
+        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, cfg.draft.sliding_window, core)
 
     def memory_keys(self, cfg) -> list[str]:
         return ["parallel.sp_ulysses / parallel.sp_ring (split T)", "draft.sliding_window (bounds the keys a row scores)"]

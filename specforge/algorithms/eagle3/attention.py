@@ -39,18 +39,32 @@ Implementations (all exact up to rounding, all differentiable on CPU):
 * :func:`ttt_attention_sdpa` -- step 0 with ``q_offset == 0`` (plain causal attention) goes to
   ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (fused kernels on CPU and
   GPU); everything else falls back to the fast path.
+* :func:`ttt_attention_flex` -- ``torch.nn.attention.flex_attention`` over the concatenated keys
+  ``cat(keys)`` with a block mask whose ``mask_mod`` is :func:`build_ttt_mask`'s rule (causal +
+  window on the ``T0`` step-0 keys, then one diagonal per later step), ``enable_gqa``. On CUDA it
+  runs ``torch.compile(flex_attention, dynamic=False)`` (one fused kernel forward, one backward;
+  autograd keeps q, the concatenated K/V, out and the row log-sum-exp/max, no probabilities: O(T)
+  per head). Unmeasured on a GPU; ``auto`` stays the measured path. Every new shape compiles anew
+  (``dynamic=False``), and the TTT steps' row counts vary per batch: the GPU check must watch
+  recompiles. Elsewhere eager: torch 2.13 runs its forward on the CPU as a dense reference (full
+  scores materialized) and refuses its backward there (``NotImplementedError`` from
+  ``flex_attention._validate_device``, re-raised here as a ValueError naming ``draft.attention``);
+  the dense reference backward under that guard is exact, so the tests lift the guard to check the
+  block mask and the gradients on the CPU.
 
 :class:`TTTAttentionCore` wraps them as the module ``midlayer.self_attn.core``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from specforge.device import loop_chunk, matmul_dtype, row_chunks
 
@@ -59,6 +73,8 @@ __all__ = [
     "ttt_attention_eager",
     "ttt_attention_fast",
     "ttt_attention_sdpa",
+    "ttt_attention_flex",
+    "ttt_mask_mod",
     "build_ttt_mask",
     "window_start",
     "IMPLS",
@@ -322,14 +338,84 @@ def ttt_attention_sdpa(
     return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale, window=window, doc=doc)
 
 
-IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_attention_sdpa}
+# ------------------------------------------------------------------------------ flex_attention
+
+
+def ttt_mask_mod(T: int, T0: int, q_offset: int = 0, window: Optional[int] = None, num_diag: int = 0,
+                 doc: Optional[torch.Tensor] = None) -> Callable:
+    """``mask_mod(b, h, q, kv)`` of :func:`build_ttt_mask` over ``cat(keys)``: key ``kv < T0`` is step 0's
+    (causal at ``q_offset + q``, banded by ``window`` with the step shift ``num_diag``, and with ``doc``
+    (``B x T0``, packed rows) of the query's own sample); key ``kv >= T0`` belongs to diagonal step
+    ``1 + (kv - T0) // T`` and is seen only by its own row."""
+    last = None if window is None else num_diag - window  # step-0 key kv visible iff kv > q_offset + q + last
+
+    def mask_mod(b, h, q, kv):
+        row = q + q_offset
+        causal = (kv < T0) & (kv <= row)
+        if last is not None:
+            causal = causal & (kv > row + last)
+        if doc is not None:
+            causal = causal & (doc[b, kv.clamp(max=T0 - 1)] == doc[b, row])
+        return causal | ((kv >= T0) & ((kv - T0) % T == q))
+
+    return mask_mod
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(T: int, T0: int, n: int, q_offset: int, window: Optional[int], device: torch.device):
+    """The block mask of one TTT step's shape (cached: the same shapes recur every batch)."""
+    return create_block_mask(ttt_mask_mod(T, T0, q_offset, window, n), None, None, T, T0 + n * T, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_fn(device_type: str) -> Callable:
+    """``flex_attention`` compiled once per process on CUDA (fused kernels), eager elsewhere."""
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def ttt_attention_flex(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    q_offset: int = 0,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    doc: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """TTT attention as one ``flex_attention`` call over ``cat(keys)`` (see the module docstring);
+    packed rows (``doc``) build their block mask per call (it depends on the samples' lengths)."""
+    B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
+    check_window(window, len(keys) - 1)
+    dt = matmul_dtype(q, keys[0], values[0])
+    K = torch.cat([k.to(dt) for k in keys], dim=2) if len(keys) > 1 else keys[0].to(dt)
+    V = torch.cat([v.to(dt) for v in values], dim=2) if len(values) > 1 else values[0].to(dt)
+    w = None if window is None else int(window)
+    if doc is None:
+        mask = _block_mask(T, keys[0].shape[2], len(keys) - 1, int(q_offset), w, q.device)
+    else:
+        T0 = keys[0].shape[2]
+        mask = create_block_mask(ttt_mask_mod(T, T0, int(q_offset), w, len(keys) - 1, doc), B, None, T,
+                                 T0 + (len(keys) - 1) * T, device=q.device)
+    try:
+        with torch.autocast(q.device.type, enabled=False):
+            return _flex_fn(q.device.type)(q.to(dt), K, V, block_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+    except NotImplementedError as e:
+        if "backward" not in str(e):
+            raise
+        raise ValueError(f"config key 'draft.attention'='flex': torch {torch.__version__} has no flex_attention "
+                         f"backward on {q.device.type} ({e}); use draft.attention=auto there") from e
+
+
+IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_attention_sdpa,
+         "flex": ttt_attention_flex}
 
 
 class TTTAttentionCore(nn.Module):
-    """``midlayer.self_attn.core``: no parameters; ``impl`` in {"auto", "sdpa", "fast", "eager"}.
+    """``midlayer.self_attn.core``: no parameters; ``impl`` in {"auto", "sdpa", "fast", "eager", "flex"}.
 
     ``auto`` = ``fast`` on CPU (measured faster than the fused CPU SDPA kernel even for plain
     causal attention, see benchmarks/README.md) and ``sdpa`` on GPUs (fused kernel for step 0).
+    ``flex`` (compiled flex_attention for every step) is opt-in until a GPU run measures it faster.
     Sequence parallel wrappers replace this module or call it from outside; it holds no state.
     ``window``: sliding-window attention (module docstring); the ring wrapper reads it from here.
     """

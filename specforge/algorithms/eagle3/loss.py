@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import apply_rotary
 from specforge.device import loop_chunk
+from specforge.models.layers import cast_once
 
 __all__ = [
     "ttt_loss",
@@ -245,7 +246,8 @@ def loss_chunk(device: torch.device, vocab: int) -> int:
 def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None):
     """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``.
 
-    Under autocast the matmuls run in the autocast dtype (h and W are cast once here). ``chunk``:
+    Under autocast the matmuls run in the autocast dtype (h and W are cast here unless already in it;
+    ``ttt_loss`` hands W in cast once for all its steps: ``models.layers.cast_once``). ``chunk``:
     rows per iteration, by default ``loss_chunk`` (device-aware).
     """
     chunk = chunk or loss_chunk(h_MH.device, W_NH.shape[0])
@@ -360,6 +362,7 @@ def ttt_loss(
     t_len, step_rows = _step_rows(valid, sp_rows)
     target_flat = target_ids.reshape(-1)
     counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)
+    lm_head = []  # cast_once of lm_head.weight, made at the first step: inside the forward (FSDP2 unshards it there)
 
     def head(i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Step i's decayed loss sum over its counted rows; runs inside the draft's forward, and
@@ -369,7 +372,9 @@ def ttt_loss(
         rows_bt = b_idx * Ti + t_idx  # in (B, Ti) flat, the order valid[i, :, :Ti].nonzero() gives
         flat_p = rows_bt // Ti * T + rows_bt % Ti + 1 + i  # position of the teacher / target argmax
         h_rows = draft.norm(hidden.reshape(B * Ti, -1)[rows_bt])
-        ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, draft.lm_head.weight, teacher, pos_map[flat_p])
+        if not lm_head:
+            lm_head.append(cast_once(draft.lm_head.weight))
+        ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, lm_head[0](), teacher, pos_map[flat_p])
         with torch.no_grad():
             counts[i, 0] = rows_bt.numel()
             counts[i, 1] = ((pred + draft.d2t[pred]) == target_flat[flat_p]).sum()

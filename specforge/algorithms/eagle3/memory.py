@@ -1,6 +1,7 @@
 """EAGLE-3's terms of the memory model (``specforge.memory``): what one micro-batch's TTT unroll
 keeps, read off ``model.py``, ``attention.py`` and ``loss.py`` (the fast core keeps the causal-block
-probabilities, ``B x Hq x ~T^2/2`` in the compute dtype; the fused loss's chunks) and, with ring
+probabilities, ``B x Hq x ~T^2/2`` in the compute dtype; the flex core keeps the concatenated keys and
+values, out and the row log-sum-exp and max, no probabilities; the fused loss's chunks) and, with ring
 sequence parallelism, ``parallel/ring.py`` (no probabilities kept, K/V blocks in flight)."""
 
 from __future__ import annotations
@@ -79,20 +80,25 @@ def _core_heads(d: Eagle3Dims, u: int) -> tuple[int, int]:
 
 
 def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
-                loss_rows: int = 64, window: Optional[int] = None) -> dict[str, list[Term]]:
+                loss_rows: int = 64, window: Optional[int] = None, core: str = "fast") -> dict[str, list[Term]]:
     """One EAGLE-3 micro-batch (the TTT unroll of ``algorithms/eagle3/loss.py`` through ``Eagle3Draft.forward``):
     ``{"forward": ..., "backward": ...}``, the transient terms at the forward's end (everything autograd
     saved for the L steps, the teacher distribution, what only the forward still holds) and at the
     backward's peak (the last step's attention backward: the saved tensors less that step's MLP and
     loss head, plus the core's fp32 working set). Worst case: every row counts. ``chunk``: the fast
     core's query rows per iteration; ``loss_rows``: the fused loss's rows per chunk; ``window``: the
-    draft's sliding window (its chunks keep and compute only the keys their band reaches)."""
+    draft's sliding window (its chunks keep and compute only the keys their band reaches); ``core``:
+    ``"fast"`` (the chunked core, or SDPA for step 0 with ``p.step0_fused``) or ``"flex"``
+    (``ttt_attention_flex``: every step keeps ``cat(keys)``, ``cat(values)``, out and the fp32 row
+    log-sum-exp and max; its compiled backward's working set is the key gradients)."""
     c, B, L = p.compute, s.B, s.ttt
     hq, hkv = _core_heads(d, s.ulysses)
     sp = s.sp > 1
     rows = [s.R if sp else max(s.T - 2 - i, 1) for i in range(L)]  # rows step i computes (ttt._step_rows)
     uly = s.ulysses > 1
     ring = s.ring > 1  # parallel/ring.py: step-0 K/V blocks passed around, nothing gathered, no probabilities kept
+    flex = core == "flex" and not ring  # the ring runs its own kernels whatever the core (config refuses the pair)
+    k0rows = s.ulysses * rows[0] if uly else rows[0]  # step-0 keys inside the core
     saved = dict.fromkeys(("norms (fp32 copies) + RoPE", "layer inputs (16-bit)", "q/k/v", "attention core (q, out, "
                            "diagonal k/v)", "causal-block probabilities", "MLP (gate, up, act, product)",
                            "loss head (rows, logit gradients)"), 0)
@@ -115,7 +121,9 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
             fwd_only += (d.Fqkv + d.Fk) * c * n
         core = (2 * hq * d.D * c + 4 * hq) * B * qrows  # q (rotated), out, lse (fp32)
         fused = i == 0 and p.step0_fused and not ring
-        if not fused:
+        if flex:  # the row max too (fp32); later steps: the concatenated keys and values (step 0's are k, v)
+            core += 4 * hq * B * qrows + (2 * hkv * d.D * c * B * (k0rows + i * qrows) if i else 0)
+        elif not fused:
             core += 2 * i * hkv * d.D * c * B * qrows  # the stacked diagonal keys and values
             if not ring:  # the ring recomputes its blocks' probabilities in backward
                 saved["causal-block probabilities"] += _probs_bytes(B, hq, qrows, 0, c, chunk, window, i)
@@ -137,6 +145,12 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     n, Fq, Fk = last["n"], hq * d.D, hkv * d.D
     keys = n if window is None else min(n, B * (window + chunk))  # keys one chunk of rows scores
     common = (2 * c * Fq + c * d.H) * n + 4 * hq * n  # dout, dq, dhidden; delta (fp32)
+    if flex:  # the fused backward's dK, dV of the concatenated keys (compute dtype), no score blocks
+        common += 2 * c * Fk * B * (k0rows + last["i"] * last["n"] // B)
+        backward = acts + weights + [
+            Term("freed before the peak: the last step's MLP, loss head, post-attention norm", -last["free"]),
+            Term("attention backward working set (flex: dK, dV of the concatenated keys)", common)]
+        return {"forward": forward, "backward": backward}
     if ring:  # a K/V block is Fk x n: the held and the received K/V (compute dtype); the block's dK/dV, its
         # stacked copy, the received accumulator and the sum (fp32); dq accumulated over the blocks (fp32)
         common += (4 * c + 32) * Fk * n + 4 * Fq * n
@@ -154,10 +168,10 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
 def _weight_copies(d: Eagle3Dims, p: StepPrecision, L: int) -> list[Term]:
     """Weights the step reads besides the parameters themselves. Under a 16-bit autocast of fp32
     weights (``p.cast``), the copies autograd keeps: leaf weights once (autocast's cache), the fused
-    q/k/v halves and the lm_head once per TTT step (not leaves). Else the fused q/k/v weight (cat)."""
+    q/k/v halves and the lm_head once per unroll (``models.layers.cast_once``: not leaves, cast once for
+    all ``L`` steps). Else the fused q/k/v weight (cat)."""
     if not p.cast:
         return [Term("fused q/k/v weight (cat, kept for backward)", d.Fqkv * 2 * d.H * p.unsharded_param)]
     leaves = (3 * d.Ht * d.H + d.Fq * d.H + 3 * d.I * d.H) * 2
-    per_step = (d.Fqkv * d.H + d.N * d.H) * 2
-    return [Term("16-bit weight copies (autocast; q/k/v and lm_head once per TTT step)",
-                 leaves + d.Fqkv * d.H * 2 + L * per_step)]
+    return [Term("16-bit weight copies (autocast; q/k/v halves and lm_head once per unroll)",
+                 leaves + 2 * d.Fqkv * d.H * 2 + d.N * d.H * 2)]

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specforge.algorithms.eagle3.attention import TTTAttentionCore, ttt_attention_fast
-from specforge.models.layers import GatedMLP, RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
+from specforge.models.layers import GatedMLP, RMSNorm, apply_rotary, cast_once, rope_cos_sin, rope_inv_freq, rotate_half
 from specforge.targets import draft_attention, draft_rope, text_config
 
 __all__ = [
@@ -518,6 +518,7 @@ class Eagle3Draft(nn.Module):
         """
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
+        w_hid = cast_once(w_hid)  # read by every step: cast to the autocast dtype once (bit-identical)
         e_full = self.embed_part(self.embed(input_ids_BT), w_emb)  # (B,T,F) for x_0..x_{T-1}
         hidden = self.project_aux(aux_hidden_BTKH)
         keys: list[torch.Tensor] = []
@@ -528,7 +529,7 @@ class Eagle3Draft(nn.Module):
             e_i = e_full[:, 1 + i : 1 + i + Ti]
             if e_i.shape[1] < Ti:
                 e_i = F.pad(e_i, (0, 0, 0, Ti - e_i.shape[1]))
-            q, k, v = self.layer_qkv(e_i, hidden, position_ids_BT[:, :Ti] + i, w_hid)
+            q, k, v = self.layer_qkv(e_i, hidden, position_ids_BT[:, :Ti] + i, w_hid())
             keys.append(k)
             values.append(v)
             # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+from specforge.models.layers import cast_once
 
 __all__ = ["ARCHITECTURE", "PEagleDraftConfig", "PEagleDraft"]
 
@@ -145,6 +146,7 @@ class PEagleDraft(Eagle3Draft):
         ``Eagle3Draft.forward``: depth ``d`` computes rows ``t < t_len[d]`` (non-increasing)."""
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
+        w_hid = cast_once(w_hid)  # read by every depth: cast to the autocast dtype once (bit-identical)
         B = input_ids_BT.shape[0]
         e_full = self.embed_part(self.embed(input_ids_BT), w_emb)  # x_0..x_{T-1}, projected once
         h_real = self.project_aux(aux_hidden_BTKH)
@@ -161,7 +163,7 @@ class PEagleDraft(Eagle3Draft):
                     e = F.pad(e, (0, 0, 0, Td - e.shape[1]))
             else:  # the d-th mask row after anchor t: constant inputs
                 e, hidden = e_mask.expand(B, Td, -1), h_mask.expand(B, Td, -1)
-            q, k, v = self.layer_qkv(e, hidden, position_ids_BT[:, :Td] + d, w_hid)
+            q, k, v = self.layer_qkv(e, hidden, position_ids_BT[:, :Td] + d, w_hid())
             keys.append(k)
             values.append(v)
             # as Eagle3Draft.forward: depth-0 keys whole, diagonal keys cut to Td (the same objects when not cut)
