@@ -280,6 +280,9 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
           f"{cfg.train.grad_accum} x dp {dims.dp}) of up to {r.max_tokens:,} tokens; features "
           f"{r.feature_bytes_per_token:,} B/token = up to {r.feature_bytes_per_step:,} bytes "
           f"({_gib(r.feature_bytes_per_step)}) per step")
+    if cfg.train.pack_tokens is not None:
+        print(f"        packed (train.pack_tokens): each train rank's samples of a step end to end in rows of up to "
+              f"{cfg.train.pack_tokens:,} tokens, one row per micro-batch, no padding (memory below: one such row)")
     _print_memory(cfg, r)
 
 

@@ -5,6 +5,7 @@ equal it (fp64 to rounding, fp32 tightly), in the attention cores, the TTT loss 
 and the trainer's step; a control shows what the doc masks prevent (without them the losses differ)."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from specforge.train.trainer import DraftTrainer
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 V, N, HT = 300, 100, 48
+CONFIGS = Path(__file__).parent.parent / "configs"
 LENGTHS = (13, 21, 9, 17)  # samples of uneven length (two micro-batches of two)
 
 
@@ -255,3 +257,19 @@ def test_packed_flex_attention_is_each_samples_own(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
     without = ttt_attention_flex(q, keys, values, window=6)  # control: no doc ids, the samples mix
     assert not torch.allclose(out[:, :, 7:], without[:, :, 7:])
+
+
+def test_the_memory_model_and_the_dry_run_count_packed_rows(capsys):
+    """One packed row of train.pack_tokens per micro-batch, plus the packed copy of the samples."""
+    from specforge.dryrun import dry_run, memory_plan
+
+    base = ["data.max_length=512", "train.batch_size=4"]
+    plain = memory_plan(load_config(CONFIGS / "smollm2-135m-cpu.yaml", base))[0]
+    packed_cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", [*base, "train.pack_tokens=4096"])
+    packed = memory_plan(packed_cfg)[0]
+    names = [t.name for t in packed.held + [t for ts in packed.phases.values() for t in ts]]
+    assert any(n.startswith("packed rows") for n in names)
+    assert not any(n.startswith("packed rows") for n in [t.name for t in plain.held])
+    assert packed.peak > plain.peak  # a 4096-token row against 4 x 512 padded: the attention grows with the row
+    dry_run(packed_cfg, None, single_process=True)
+    assert "packed (train.pack_tokens)" in capsys.readouterr().out

@@ -120,6 +120,10 @@ def step_metrics(rollout: list[StepReport], train: list[StepReport], seconds: fl
     m = dict(train[0].metrics)
     tokens = sum(r.metrics["tokens_local"] for r in train)
     m.pop("tokens_local", None)
+    if all("useful_tokens_local" in r.metrics for r in train):  # the samples' own tokens (padding left out)
+        m.pop("useful_tokens_local")
+        m["useful_tokens"] = sum(r.metrics["useful_tokens_local"] for r in train)
+        m["useful_tokens_per_s"] = m["useful_tokens"] / max(seconds, 1e-9)
     features_ms = max(r.timings_ms["features"] for r in train)
     m.update(
         tokens=tokens,

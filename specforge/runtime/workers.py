@@ -225,6 +225,8 @@ class TrainWorker(DistributedWorker):
         timings = {"features": (t1 - t0) * 1e3, "train": metrics.pop("train_ms"),
                    "train_wait": self.source.wait_ms - wait0, "step": (time.perf_counter() - t0) * 1e3}
         metrics["tokens_local"] = metrics.pop("tokens")
+        if "useful_tokens" in metrics:
+            metrics["useful_tokens_local"] = metrics.pop("useful_tokens")
         return StepReport(self.rank, plan.step, metrics=metrics, timings_ms=timings,
                           bytes_recv=self.source.bytes_recv - recv0)
 
