@@ -5,9 +5,10 @@
 
 Each ``--run`` is a finished ``scripts/train_eagle3.sh`` output folder (its ``metrics.jsonl``), each
 ``--log`` that script's printed output (its eval table gives the chain-7 acceptance). Useful tokens
-are the samples' own tokens, padding left out (``useful_tokens`` of each train step); "train step"
-counts the step's own time (``train_ms``: forward, backward, optimizer), "run" the loop's wall time
-per step (``step_s``: the features' reading from the store included). Both runs are the same recipe,
+are the samples' own tokens, padding left out (``useful_tokens`` of each logged train step, one row
+every ``train.log_every`` steps: a sample of the steps, scaled to all of them for the run's total);
+"train step" counts the step's own time (``train_ms``: forward, backward, optimizer), "run" the
+loop's wall time to its last step (``time_s``: feature reads, periodic evals and saves included). Both runs are the same recipe,
 data and seed; only ``train.pack_tokens`` differs.
 """
 
@@ -28,12 +29,15 @@ def summarize(run: Path, log: Path | None) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
+    # the logged rows (every train.log_every steps) sample the steps: rates from them, totals scaled to all steps
     useful = sum(r.get("useful_tokens", 0.0) for r in train)
     tokens = sum(r["tokens"] for r in train)
-    train_s = sum(r["train_ms"] for r in train) / 1e3
-    wall_s = sum(r["step_s"] for r in train)
-    out = {"steps": int(train[-1]["step"]), "minutes": wall_s / 60, "useful": useful, "padding": 1 - useful / tokens,
-           "step_tps": useful / train_s, "run_tps": useful / wall_s, "eval_loss": evals[-1]["loss"] if evals else None,
+    steps = int(train[-1]["step"])
+    wall_s = train[-1]["time_s"]  # the loop's time at the last step (evals and saves included)
+    total_useful = useful / len(train) * steps
+    out = {"steps": steps, "minutes": wall_s / 60, "useful": total_useful, "padding": 1 - useful / tokens,
+           "step_tps": useful / (sum(r["train_ms"] for r in train) / 1e3), "run_tps": total_useful / wall_s,
+           "eval_loss": evals[-1]["loss"] if evals else None,
            "eval_acc0": evals[-1].get("acc_0") if evals else None, "acceptance": None}
     if log is not None and log.is_file():
         rows = re.findall(r"\| [^|]*checkpoints[^|]* \| chain 7 fixed \| \d+ \| ([0-9.]+) \|", log.read_text())

@@ -184,7 +184,7 @@ def test_sequence_parallel_disaggregated_matches_single_process(assets, referenc
 
 
 def test_check_rejects_indivisible_sp_and_a_target_split_on_cpu(tmp_path):
-    from specforge.ray_train import check
+    from specforge.runtime.loop import check  # what no placement runs yet (preflight.check_placement calls it first)
 
     with pytest.raises(ValueError, match=r"multiple of the sequence-parallel degree 4"):
         check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=2", "parallel.sp_ulysses=2", "parallel.sp_ring=2"))
