@@ -502,7 +502,7 @@ class FeatureStore:
         return TrainBatch(input_ids_BT=stack("input_ids", pad_id), loss_mask_BT=stack("loss_mask", 0),
                           aux_hidden_BTKH=stack("aux_hidden", 0), last_hidden_BTH=stack("last_hidden", 0),
                           target_ids_BT=stack("target_ids", 0),
-                          length_B=torch.tensor([r["input_ids"].shape[0] for r in rows], device=rows[0]["input_ids"].device))
+                          length_B=torch.tensor([r["input_ids"].shape[0] for r in rows]))  # device: host (metadata)
 
     def verify(self) -> None:
         """Check every shard's sha256 against the index (reads the whole store once)."""

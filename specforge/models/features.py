@@ -33,7 +33,8 @@ class TrainBatch:
     aux_hidden_BTKH: torch.Tensor
     last_hidden_BTH: torch.Tensor
     target_ids_BT: torch.Tensor
-    # tokens of each row before its right padding (``train.pack_tokens`` packs by it); None: not recorded
+    # tokens of each row before its right padding (``train.pack_tokens`` packs by it); None: not recorded.
+    # Host metadata: ``to`` leaves it on the host, so reading it never waits for a device
     length_B: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
     @classmethod
@@ -41,7 +42,7 @@ class TrainBatch:
         return cls(input_ids_BT, loss_mask_BT, feats.aux_hidden_BTKH, feats.last_hidden_BTH, feats.target_ids_BT)
 
     def to(self, device: torch.device) -> "TrainBatch":
-        return type(self)(**{f.name: getattr(self, f.name) if getattr(self, f.name) is None else
+        return type(self)(**{f.name: getattr(self, f.name) if f.name == "length_B" else
                              getattr(self, f.name).to(device) for f in fields(self)})
 
     @property

@@ -43,7 +43,7 @@ class PackedBatch(TrainBatch):
     doc_ids_BT: torch.Tensor
 
     def to(self, device: torch.device) -> "PackedBatch":
-        return PackedBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+        return PackedBatch(**{f.name: getattr(self, f.name) if f.name == "length_B" else getattr(self, f.name).to(device)
                               for f in fields(self)})
 
 
@@ -81,5 +81,5 @@ def pack_micro_batches(micro_batches: Sequence[TrainBatch], budget: int) -> list
         doc = torch.cat([torch.full((n,), d, dtype=torch.long, device=device) for d, (_, _, n) in enumerate(parts)])[None]
         total = sum(n for _, _, n in parts)
         out.append(PackedBatch(**cat, position_ids_BT=pos, doc_ids_BT=doc,
-                               length_B=torch.tensor([total], device=device)))
+                               length_B=torch.tensor([total])))  # device: host (metadata, TrainBatch.length_B)
     return out

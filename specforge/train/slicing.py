@@ -81,7 +81,7 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
     if sp_size == 1:
         lengths = [min(s.start + s["input_ids"].shape[0], T) for s in samples]
         return TrainBatch(**_fields(samples, T, pad_id, 0, T, T),
-                          length_B=torch.tensor(lengths, device=samples[0]["input_ids"].device))
+                          length_B=torch.tensor(lengths))  # device: host (metadata, TrainBatch.length_B)
     return _sp_batch(samples, T, pad_id, sp_rank, sp_size, halo)
 
 

@@ -185,7 +185,7 @@ def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, ch
     for s in range(0, len(rows), batch_size):
         ids, mask, attn = collate(rows[s : s + batch_size], pad)
         batch = TrainBatch.from_features(ids, mask, capture(target, ids, attn, chunk_tokens))
-        out.append(dataclasses.replace(batch, length_B=attn.sum(dim=1)))
+        out.append(dataclasses.replace(batch, length_B=attn.sum(dim=1).cpu()))  # host metadata (TrainBatch.length_B)
     return out
 
 
