@@ -23,7 +23,7 @@ so exact resume is unaffected; the planner, the data plane and the store still m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -40,11 +40,7 @@ class PackedBatch(TrainBatch):
     """One packed row (B = 1): samples end to end, each with positions from 0 and its own doc id."""
 
     position_ids_BT: torch.Tensor
-    doc_ids_BT: torch.Tensor
-
-    def to(self, device: torch.device) -> "PackedBatch":
-        return PackedBatch(**{f.name: getattr(self, f.name) if f.name == "length_B" else getattr(self, f.name).to(device)
-                              for f in fields(self)})
+    doc_ids_BT: torch.Tensor  # (TrainBatch.to moves these two as well: it rebuilds type(self) from its fields)
 
 
 def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
