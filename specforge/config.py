@@ -536,10 +536,12 @@ def packing_errors(cfg: Config) -> list[str]:
     if not getattr(get_algorithm(cfg.draft.algorithm), "packs", False):
         return [f"config key 'train.pack_tokens' is refused for draft.algorithm={cfg.draft.algorithm}: its loss "
                 "cannot keep packed samples apart yet (EAGLE-3 and EAGLE-3.1 can); unset train.pack_tokens"]
-    if cfg.parallel.sp_ulysses * cfg.parallel.sp_ring > 1:
-        return ["config key 'train.pack_tokens' is refused with sequence parallelism (parallel.sp_ulysses="
-                f"{cfg.parallel.sp_ulysses}, parallel.sp_ring={cfg.parallel.sp_ring}): packed rows are not sliced "
-                "across ranks yet; unset train.pack_tokens or set both to 1"]
+    if cfg.parallel.sp_ulysses * cfg.parallel.sp_ring > 1 and not getattr(get_algorithm(cfg.draft.algorithm),
+                                                                           "packs_sp", False):
+        return [f"config key 'train.pack_tokens' is refused for draft.algorithm={cfg.draft.algorithm} with sequence "
+                f"parallelism (parallel.sp_ulysses={cfg.parallel.sp_ulysses}, parallel.sp_ring={cfg.parallel.sp_ring}): "
+                "its SP cores do not keep packed samples apart yet (EAGLE-3 and EAGLE-3.1 do); unset "
+                "train.pack_tokens or set both to 1"]
     return []
 
 

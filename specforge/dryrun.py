@@ -282,7 +282,8 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
           f"({_gib(r.feature_bytes_per_step)}) per step")
     if cfg.train.pack_tokens is not None:
         print(f"        packed (train.pack_tokens): each train rank's samples of a step end to end in rows of up to "
-              f"{cfg.train.pack_tokens:,} tokens, one row per micro-batch, no padding (memory below: one such row)")
+              f"{cfg.train.pack_tokens:,} tokens, one row per micro-batch, no padding (memory below: one such row"
+              + ("; each row sliced over the SP group" if dims.sp > 1 else "") + ")")
     _print_memory(cfg, r)
 
 

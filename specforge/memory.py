@@ -334,8 +334,9 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo(cfg) - 1, 0))
     params = DraftParams.of(draft)
-    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1); the
-    # samples still arrive padded (features below), and the packed rows are a second copy of them
+    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). The Ray
+    # placements' plans carry packed rows (runtime/contracts.plan_step); the single process packs its padded
+    # micro-batches, a second copy: counted for every placement (an upper bound by one copy of the features)
     packed = tr.pack_tokens is not None
     step = algo.memory_step(cfg, draft, dataclasses.replace(s, B=1, T=tr.pack_tokens) if packed else s, p, gpu)
     wire = wire_dtype(cfg.model.dtype, gpu)
@@ -347,7 +348,7 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     comms = int(tr.num_workers > 1) + int(s.ulysses > 1) + int(s.ring > 1) + int(mode == "disaggregated")
     extra = context_terms(gpu, comms)
     if packed:  # at most all the step's real tokens, in packed rows (no padding)
-        extra.append(Term("packed rows (train.pack_tokens: a copy of the step's samples)", features))
+        extra.append(Term("packed rows (train.pack_tokens: a copy of the step's samples; single process)", features))
     spec = FeatureSpec.hidden_states(Ht, wire, layers)
     if mode == "disaggregated":
         step_bytes = tr.grad_accum * s.B * s.window * spec.bytes_per_token()

@@ -31,7 +31,7 @@ def _rows():
              "loss_mask": [0] * 2 + [1] * (n - 2)} for n in LENGTHS]
 
 
-def _rank(rank, world):
+def _rank(rank, world, packed):
     from specforge.config import load_config
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.sources import CaptureSource
@@ -42,22 +42,23 @@ def _rank(rank, world):
     groups = ParallelDims(1, 2, 1).build([0, 1], rank, "gloo", 60)
     target, rows = _target(), _rows()
     source = CaptureSource(target, types.SimpleNamespace(train=rows), groups, cfg, peers=[0, 1])
-    plan = types.SimpleNamespace(split="train", step=0, micro_batches=[MICRO])
+    plan = types.SimpleNamespace(split="train", step=0, micro_batches=[MICRO], packed=packed)
     got = source.next_batches(plan)
     assert source.captured == len([m for m in range(len(MICRO)) if m % 2 == rank])  # its share only
     for ids, b in zip(MICRO, got):
         (full,) = local_batches(target, [rows[i] for i in ids], len(ids), 1024)
-        want = sp_slice_batch(full, rank, 2, 4)  # halo: ttt_length 3 + 1
+        lengths = [LENGTHS[i] for i in ids] if packed else None  # a packed plan: the micro-batch is one row
+        want = sp_slice_batch(full, rank, 2, 4, lengths)  # halo: ttt_length 3 + 1
         for name in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT",
-                     "position_ids_BT"):
+                     "position_ids_BT", *(("doc_ids_BT",) if packed else ())):
             assert torch.equal(getattr(b, name), getattr(want, name)), (ids, name)
         assert (b.num_rows, b.start) == (want.num_rows, want.start)
 
 
-@pytest.mark.parametrize("semantics", ["gloo", "nccl-semantics"])
-def test_sp_ranks_share_the_capture_and_get_their_slices(tmp_path, monkeypatch, semantics):
+@pytest.mark.parametrize("semantics, packed", [("gloo", False), ("nccl-semantics", False), ("gloo", True)])
+def test_sp_ranks_share_the_capture_and_get_their_slices(tmp_path, monkeypatch, semantics, packed):
     from specforge.device import EMULATE_NCCL_ENV
 
     if semantics == "nccl-semantics":
         monkeypatch.setenv(EMULATE_NCCL_ENV, "1")  # the spawned ranks inherit it
-    run_ranks(_rank, 2, workdir=tmp_path, backend="gloo", timeout_s=120)
+    run_ranks(_rank, 2, packed, workdir=tmp_path, backend="gloo", timeout_s=120)

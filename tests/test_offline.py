@@ -77,6 +77,10 @@ def test_store_with_ring_sequence_parallelism_equals_one_process(assets, store, 
     run(_offline(assets, one, store, "train.grad_accum=2", "train.num_workers=1"))
     fit(_offline(assets, ring, store, "parallel.sp_ring=2", "train.batch_size=2", "train.grad_accum=1"))
     assert_same_losses(one, ring)
+    packed = tmp_path / "packed-ring"  # the two samples in one packed row, cut over the ring
+    fit(_offline(assets, packed, store, "parallel.sp_ring=2", "train.batch_size=2", "train.grad_accum=1",
+                 "train.pack_tokens=128"))
+    assert_same_losses(one, packed)
 
 def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):
     from specforge.local import run

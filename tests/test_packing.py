@@ -230,12 +230,13 @@ def _vocab_of(trainer):
     (["train.pack_tokens=100"], "below data.max_length=512"),
     (["train.pack_tokens=4096", "draft.algorithm=dflash"], "refused for draft.algorithm=dflash"),
     (["train.pack_tokens=4096", "draft.algorithm=peagle"], "refused for draft.algorithm=peagle"),
-    (["train.pack_tokens=4096", "parallel.sp_ulysses=2", "train.num_workers=2"], "sequence parallelism"),
 ])
 def test_what_cannot_pack_is_refused_in_one_line(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, ["data.max_length=512", *overrides])
     load_config(None, ["data.max_length=512", "train.pack_tokens=4096"])  # control: EAGLE-3 packs
+    load_config(None, ["data.max_length=512", "train.pack_tokens=4096", "parallel.sp_ulysses=2",
+                       "train.num_workers=2"])  # with SP too (tests/test_packing_sp.py)
 
 
 def test_packed_flex_attention_is_each_samples_own(monkeypatch):

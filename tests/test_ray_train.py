@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from specforge.runtime.contracts import assert_no_tensors
+from tests.helpers.plan import planner
 from tests.helpers.ray_run import STEPS, assert_same_losses, assert_same_weights, losses, make_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -193,18 +194,25 @@ def test_check_rejects_indivisible_sp_and_a_target_split_on_cpu(tmp_path):
     check(make_cfg(tmp_path, tmp_path / "o", "train.num_workers=4", "parallel.sp_ring=2"))  # dp = 2
 
 
-@pytest.mark.parametrize("mode", ["single", "colocated", "disaggregated"])
-def test_packed_rows_give_the_unpacked_losses(assets, reference, ray_session, tmp_path, mode):
+@pytest.mark.parametrize("mode, sp", [("single", None), ("colocated", None), ("disaggregated", None),
+                                      ("colocated", "sp_ulysses"), ("disaggregated", "sp_ring")])
+def test_packed_rows_give_the_unpacked_losses(assets, reference, ray_session, tmp_path, mode, sp):
     """train.pack_tokens: a rank's two samples of a step in one packed row (batch 2, rows of up to
     128 tokens, data.max_length 64) train as the reference's two unpacked micro-batches do: the same
-    global batch, the same per-step losses, in one process and in both Ray placements."""
+    global batch, the same per-step losses, in one process and in both Ray placements; with SP 2 the
+    packed row is sliced over the group's two ranks (Ulysses colocated, ring disaggregated)."""
     from specforge.local import run
     from specforge.ray_train import fit
 
-    packed = ("train.batch_size=2", "train.grad_accum=1", "train.num_workers=1", "train.pack_tokens=128")
-    out = tmp_path / mode
+    packed = ("train.batch_size=2", "train.grad_accum=1", "train.pack_tokens=128")
+    workers = "train.num_workers=1" if sp is None else "train.num_workers=2"  # one DP group either way
+    out = tmp_path / f"{mode}-{sp}"
     if mode == "single":
-        run(make_cfg(assets, out, *packed))
+        run(make_cfg(assets, out, *packed, workers))
     else:
-        fit(make_cfg(assets, out, *packed, f"placement.mode={mode}", "rollout.num_workers=1"))
+        cfg = make_cfg(assets, out, *packed, workers, f"placement.mode={mode}", "rollout.num_workers=1",
+                       *(() if sp is None else (f"parallel.{sp}=2",)))
+        plan = planner(cfg, train_ranks=(1, 2) if sp else (1,))(0)
+        assert plan.packed and all(len(mb) == 1 for mb in plan.micro_batches)  # one row per DP group
+        fit(cfg)
     assert_same_losses(reference, out)

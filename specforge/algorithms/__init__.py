@@ -116,6 +116,7 @@ class DraftAlgorithm(Protocol):
     architecture: str  # config.json ``architectures`` entry of its saved folder
     dynamic_drafting: bool  # whether the eval also runs it with cost-based early stops (a chain, not a block)
     packs: bool  # whether its loss keeps the samples of a packed row apart (``train.pack_tokens``; else refused)
+    packs_sp: bool  # whether it does so with sequence parallelism too (its SP cores take the rows' sample ids)
     llamacpp_spec_type: Optional[str]  # ``llama-server --spec-type`` (None: llama.cpp cannot serve it)
     gguf_architecture: Optional[str]  # ``general.architecture`` of its draft GGUF
     engines: tuple[str, ...]  # the engines whose export it writes (``specforge.export.ENGINES``)

@@ -1,5 +1,6 @@
-"""THE slice rule of sequence parallelism, stdlib arithmetic: the data plane's planner
-(``runtime/contracts.plan_step``) and the train side (``train/slicing.py``) both import it.
+"""THE slice rule of sequence parallelism, and the packing rule (``train.pack_tokens``), stdlib
+arithmetic: the data plane's planner (``runtime/contracts.plan_step``) and the train side
+(``train/slicing.py``, ``train/packing.py``) both import them.
 
 A sequence is padded to a multiple of the parts; slice r owns ``[r*C, (r+1)*C)`` and reads a right
 halo of rows past it (how many: the algorithm's ``sp_halo``; EAGLE-3's TTT shifts need
@@ -7,6 +8,9 @@ halo of rows past it (how many: the algorithm's ``sp_halo``; EAGLE-3's TTT shift
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
+from typing import Sequence
 
 
 def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[int, int, int]:
@@ -24,16 +28,41 @@ def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[in
     return start, start + C, start + C + halo
 
 
-def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | None = None) -> list[tuple[int, int, int]]:
-    """The ``parts`` slices ``(start, end, stop)`` of a sample of ``length`` tokens that sits in a
-    micro-batch padded to ``padded_length`` (default: ``length``): :func:`slice_bounds` over the
-    padded length, clipped to the tokens that exist (a slice in the padding is empty,
-    ``start == stop == length``). ``stop = min(end + halo, length)``."""
-    T = length if padded_length is None else padded_length
-    if T < length:
-        raise ValueError(f"split_slices: padded_length {T} < length {length}")
+def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | None = None,
+                 offset: int = 0) -> list[tuple[int, int, int]]:
+    """The ``parts`` slices ``(start, end, stop)``, in the sample's own tokens, of a sample of
+    ``length`` tokens that sits at ``offset`` of a row of ``padded_length`` tokens (default:
+    ``offset + length``; a padded micro-batch: offset 0; a packed row, ``train.pack_tokens``: the
+    tokens of the samples before it): :func:`slice_bounds` over the row, clipped to the sample's
+    tokens (a slice past it is empty, ``start == stop == length``; one before it, ``0 == 0``).
+    ``stop = min(end + halo, length)``."""
+    T = offset + length if padded_length is None else padded_length
+    if T < offset + length or offset < 0:
+        raise ValueError(f"split_slices: a sample of {length} tokens at offset {offset} does not fit "
+                         f"padded_length {T}")
     out = []
     for r in range(parts):
-        start, end, wend = slice_bounds(T, r, parts, halo)
-        out.append((min(start, length), min(end, length), min(wend, length)))
+        out.append(tuple(min(max(x - offset, 0), length) for x in slice_bounds(T, r, parts, halo)))
     return out
+
+
+def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """THE packing rule (``train.pack_tokens``): sample indices per row, in order; a new row starts
+    when the next sample would not fit ``budget`` tokens."""
+    rows: list[list[int]] = []
+    used = budget
+    for i, n in enumerate(lengths):
+        if n > budget:
+            raise ValueError(f"config key 'train.pack_tokens'={budget}: a sample of {n} tokens does not fit one row; "
+                             "raise train.pack_tokens to at least data.max_length")
+        if used + n > budget:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def row_offsets(lengths: Sequence[int]) -> list[int]:
+    """Where each of the samples of a packed row starts (the tokens of those before it)."""
+    return list(accumulate(lengths, initial=0))[:-1]

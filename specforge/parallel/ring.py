@@ -117,7 +117,8 @@ class TorchKernel:
     ``band = (d, left)`` (a sliding window; overrides ``causal``): key ``a`` is visible to row ``t``
     iff ``d - left <= a - t <= d`` (``d``: how many rows the query block starts after the key
     block; ``left``: the keys a row sees before its own position). Each chunk of rows computes
-    only the keys its band reaches."""
+    only the keys its band reaches. ``docs = (q_doc, k_doc)`` (packed rows, ``train.pack_tokens``:
+    ``B x C`` and ``B x Ck`` sample ids of the query and key rows): a key of another sample is masked."""
 
     name = "torch"
 
@@ -136,7 +137,7 @@ class TorchKernel:
         return max(0, c0 + d - left), min(Ck, c1 + d)
 
     @staticmethod
-    def _scores(qc, k, c0, lo, hi, causal, band, scale, f32):
+    def _scores(qc, k, c0, lo, hi, causal, band, scale, f32, docs=None):
         B, Hkv, G, n = qc.shape[:4]
         L = hi - lo
         s = torch.matmul(qc.reshape(B, Hkv, G * n, -1), k[:, :, lo:hi].transpose(-1, -2)).view(B, Hkv, G, n, L)
@@ -147,9 +148,12 @@ class TorchKernel:
             s.masked_fill_((rel > d) | (rel < d - left), float("-inf"))
         elif causal:  # the chunk's last n keys: key L-n+a visible to chunk row a' iff a <= a'
             s[..., L - n:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+        if docs is not None:
+            q_doc, k_doc = docs
+            s.masked_fill_((q_doc[:, c0 : c0 + n, None] != k_doc[:, None, lo:hi])[:, None, None], float("-inf"))
         return s
 
-    def forward(self, q, k, v, causal: bool, scale: float, band=None):
+    def forward(self, q, k, v, causal: bool, scale: float, band=None, docs=None):
         """-> ``out`` (fp32, normalized over this block), ``lse`` (fp32, B,Hkv,G,C)."""
         B, Hkv, G, C, D = q.shape
         f32 = torch.promote_types(q.dtype, torch.float32)
@@ -161,9 +165,9 @@ class TorchKernel:
             if hi <= lo:  # (a band) no row of the chunk sees a key of this block: an empty part
                 out[:, :, :, c0:c1], lse[:, :, :, c0:c1] = 0.0, float("-inf")
                 continue
-            s = self._scores(q[:, :, :, c0:c1], k, c0, lo, hi, causal, band, scale, f32)
+            s = self._scores(q[:, :, :, c0:c1], k, c0, lo, hi, causal, band, scale, f32, docs)
             m = s.amax(dim=-1)
-            if band is not None:  # rows that see no key here: p = 0, l = 0, out 0, lse -inf
+            if band is not None or docs is not None:  # rows that see no key here: p = 0, l = 0, out 0, lse -inf
                 m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = torch.exp(s - m.unsqueeze(-1))
             l = p.sum(dim=-1)
@@ -172,7 +176,7 @@ class TorchKernel:
             lse[:, :, :, c0:c1] = m + torch.log(l)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None):
+    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None, docs=None):
         """Gradients of this block's keys given the FINAL ``lse`` and ``delta = rowsum(dout * out)``
         (fp32): -> ``dq`` (B,Hkv,G,C,D), ``dk``, ``dv`` (B,Hkv,Ck,D), all fp32."""
         B, Hkv, G, C, D = q.shape
@@ -189,8 +193,8 @@ class TorchKernel:
             L = hi - lo
             qc = q[:, :, :, c0:c1]
             doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * n, D)
-            s = self._scores(qc, k, c0, lo, hi, causal, band, scale, f32)
-            p = torch.exp(s - lse[:, :, :, c0:c1].unsqueeze(-1))  # a row with no key here (a band): all 0
+            s = self._scores(qc, k, c0, lo, hi, causal, band, scale, f32, docs)
+            p = torch.exp(s - lse[:, :, :, c0:c1].unsqueeze(-1))  # a row with no key here (band, doc): all 0
             dv[:, :, lo:hi] += torch.matmul(p.to(q.dtype).view(B, Hkv, G * n, L).transpose(-1, -2), doc).to(f32)
             dp = torch.matmul(doc, v[:, :, lo:hi].transpose(-1, -2)).view(B, Hkv, G, n, L).to(f32)
             ds = (p * (dp - delta[:, :, :, c0:c1].unsqueeze(-1)) * scale).to(q.dtype).view(B, Hkv, G * n, L)
@@ -225,18 +229,18 @@ class FlashKernel:
         B, Hkv, G, C, D = shape
         return x.view(B, C, Hkv, G, D).permute(0, 2, 3, 1, 4)
 
-    def forward(self, q, k, v, causal: bool, scale: float, band=None):
+    def forward(self, q, k, v, causal: bool, scale: float, band=None, docs=None):
         from yunchang.kernels.attention import flash_attn_forward  # lazy: optional (yunchang)
 
-        _no_band(band)
+        _no_band(band, docs)
         out, lse = flash_attn_forward(self._q(q), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
                                       0.0, scale, causal, (-1, -1), 0.0, None, False)
         return self._unq(out, q.shape).float(), lse.float().view(q.shape[:4])
 
-    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None):
+    def backward(self, dout, q, k, v, out, lse, delta, causal: bool, scale: float, band=None, docs=None):
         from yunchang.kernels.attention import flash_attn_backward  # lazy: optional (yunchang)
 
-        _no_band(band)
+        _no_band(band, docs)
         qf, kf, vf = self._q(q), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
         B, Hkv, G, C, _ = q.shape
@@ -245,23 +249,27 @@ class FlashKernel:
         return self._unq(dq, q.shape).float(), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
 
 
-def _no_band(band) -> None:
+def _no_band(band, docs=None) -> None:
+    if docs is not None:
+        raise ValueError("the flash block kernel takes no packed rows here (its masks are causal only); ring "
+                         "attention with train.pack_tokens uses kernel 'torch'")
     if band is not None:
         raise ValueError("the flash block kernel takes no sliding window here (flash-attn's window cannot mask "
                          "a block that starts a whole window back); ring attention with a window uses kernel 'torch'")
 
 
-def pick_kernel(kernel, q: torch.Tensor, window: Optional[int] = None):
+def pick_kernel(kernel, q: torch.Tensor, window: Optional[int] = None, packed: bool = False):
     """``"auto"`` | ``"torch"`` | ``"flash"`` (or a kernel object, used as is) for queries ``q``.
     A sliding ``window`` runs the torch kernel (on any device): flash-attn's ``window_size`` is
     relative to the block's own diagonal and cannot express a band that starts beyond a whole
-    block; a flash path for windows would split such blocks."""
+    block; a flash path for windows would split such blocks. ``packed`` rows (sample masks) too:
+    a flash path would cut each block at its samples' bounds (varlen), not written yet."""
     if not isinstance(kernel, str):
         return kernel
     if kernel == "auto":
-        kernel = "flash" if FlashKernel.available(q) and window is None else "torch"
+        kernel = "flash" if FlashKernel.available(q) and window is None and not packed else "torch"
     if kernel == "flash":
-        _no_band(None if window is None else (0, window))
+        _no_band(None if window is None else (0, window), True if packed else None)
         return FlashKernel()
     if kernel == "torch":
         return TorchKernel()
@@ -298,16 +306,18 @@ class _RingTTTAttention(torch.autograd.Function):
     (B,Hkv,n,C,D) the diagonal keys or None. Returns ``out`` (B,Hkv,G,C,D) in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, comm: RingComm, kernel, scale: float, window: Optional[int] = None):
+    def forward(ctx, q, k0, v0, kd, vd, comm: RingComm, kernel, scale: float, window: Optional[int] = None,
+                doc: Optional[torch.Tensor] = None):
         P, r = comm.size, comm.rank
         left = _left(window, kd)
         kv = torch.stack((k0, v0))
         out = lse = None
         for s in range(P):
             pending = comm.start(kv) if s + 1 < P else None  # pass the held block on, receive the next
-            role, band = _role((r - s) % P, r, q.shape[3], left)
+            src = (r - s) % P
+            role, band = _role(src, r, q.shape[3], left)
             if role is not None:
-                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band)
+                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band, _docs(doc, src, r, q.shape[3]))
                 out, lse = (o, l) if out is None else _merge(out, lse, o, l)
             if pending is not None:
                 kv = pending.wait()
@@ -321,13 +331,13 @@ class _RingTTTAttention(torch.autograd.Function):
             out, lse = _merge(out, lse, od, ld)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
-        ctx.comm, ctx.kernel, ctx.scale, ctx.left = comm, kernel, scale, left
+        ctx.comm, ctx.kernel, ctx.scale, ctx.left, ctx.doc = comm, kernel, scale, left, doc
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
-        comm, kernel, scale, left = ctx.comm, ctx.kernel, ctx.scale, ctx.left
+        comm, kernel, scale, left, doc = ctx.comm, ctx.kernel, ctx.scale, ctx.left, ctx.doc
         r = comm.rank
         f32 = lse.dtype
         dout = dout.to(q.dtype).contiguous()
@@ -346,12 +356,13 @@ class _RingTTTAttention(torch.autograd.Function):
             role, band = _role(src, r, q.shape[3], left)
             if role is None:
                 return None
-            dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, delta, role == "causal", scale, band)
+            dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, delta, role == "causal", scale, band,
+                                               _docs(doc, src, r, q.shape[3]))
             dq.add_(dq_b)
             return dk_b, dv_b
 
         dk0, dv0 = ring_grad_pass(comm, k0, v0, block_grads, f32)
-        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None
+        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None, None
 
 
 def ring_grad_pass(comm: RingComm, k: torch.Tensor, v: torch.Tensor, block_grads, f32: torch.dtype):
@@ -391,6 +402,13 @@ def _left(window: Optional[int], kd: Optional[torch.Tensor]) -> Optional[int]:
     return window - 1 - n
 
 
+def _docs(doc: Optional[torch.Tensor], src: int, rank: int, C: int):
+    """Packed rows: (the query block's, key block ``src``'s) sample ids, cut from the ring's whole ``doc``."""
+    if doc is None:
+        return None
+    return doc[:, rank * C : (rank + 1) * C], doc[:, src * C : (src + 1) * C]
+
+
 def _role(src: int, rank: int, C: int, left: Optional[int]) -> tuple[Optional[str], Optional[tuple[int, int]]]:
     """``block_role``, and with a window the block's band (a block the band misses: skipped)."""
     role = block_role(src, rank)
@@ -402,12 +420,14 @@ def _role(src: int, rank: int, C: int, left: Optional[int]) -> tuple[Optional[st
 
 def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                        comm: RingComm, scale: Optional[float] = None, kernel: str = "auto",
-                       window: Optional[int] = None) -> torch.Tensor:
+                       window: Optional[int] = None, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The TTT core's attention (``algorithms/eagle3/attention.py`` interface, ``q_offset`` implied by
     the ring rank) over ``comm``'s ring: ``keys[0]``/``values[0]`` this rank's step-0 block (as many
     rows as ``q``), ``keys[j >= 1]`` the diagonal keys, row-aligned with ``q``. GQA inside.
     ``window``: the core's sliding window (blocks wholly outside every row's band are not computed;
-    they still pass through the ring)."""
+    they still pass through the ring). ``doc`` (packed rows, ``train.pack_tokens``): ``B x (P*C)``
+    sample ids of the ring's whole row (every rank's block in ring order); a query sees only keys
+    of its own sample (the diagonal keys are its own row's)."""
     B, Hq, C, D = q_BHCD.shape
     Hkv = keys[0].shape[1]
     if Hq % Hkv:
@@ -415,6 +435,8 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
     for j, k in enumerate(keys):
         if k.shape[2] != C:
             raise ValueError(f"ring attention: keys[{j}] has {k.shape[2]} rows, expected this rank's block of {C}")
+    if doc is not None and tuple(doc.shape) != (B, comm.size * C):
+        raise ValueError(f"ring attention: doc is {tuple(doc.shape)}, expected the whole row ({B}, {comm.size * C})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dt = matmul_dtype(q_BHCD, keys[0], values[0])
     q = q_BHCD.to(dt).reshape(B, Hkv, Hq // Hkv, C, D)
@@ -424,5 +446,6 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
         kd = torch.stack([k.to(dt) for k in keys[1:]], dim=2)
         vd = torch.stack([v.to(dt) for v in values[1:]], dim=2)
     with torch.autocast(q.device.type, enabled=False):
-        out = _RingTTTAttention.apply(q, k0, v0, kd, vd, comm, pick_kernel(kernel, q, window), scale, window)
+        kern = pick_kernel(kernel, q, window, doc is not None)
+        out = _RingTTTAttention.apply(q, k0, v0, kd, vd, comm, kern, scale, window, doc)
     return out.reshape(B, Hq, C, D)

@@ -34,7 +34,9 @@ per step): results are cached while ``keys[0]`` is the same tensor (a new unroll
 ``keys[0]``). The ring passes the step-0 block around once per TTT step (forward and backward):
 holding the passed blocks for the next step would be the gather it avoids.
 The wrappers take ``q_offset == 0`` (the local slice is aligned with the local keys) and find
-global offsets from their group rank.
+global offsets from their group rank. Packed rows (``train.pack_tokens``): ``doc`` holds the sample
+ids of this rank's rows; each wrapper all-gathers them (once per unroll) and hands the inner core
+those of the rows it attends over, which masks keys of other samples.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ __all__ = [
     "seq_to_heads",
     "heads_to_seq",
     "gather_seq",
+    "gather_ids",
 ]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -132,6 +135,16 @@ def gather_seq(x_BHCD: torch.Tensor, group) -> torch.Tensor:
     return _GatherSeq.apply(x_BHCD, group)
 
 
+def gather_ids(ids_BC: torch.Tensor, group) -> torch.Tensor:
+    """All-gather of per-row ids (``B x C`` -> ``B x P*C``, rank order; no gradient): packed rows'
+    sample ids, which every rank of an SP core needs for the whole sequence it attends over."""
+    P = dist.get_world_size(group)
+    B, C = ids_BC.shape
+    out = ids_BC.new_empty(P * B, C)
+    _all_gather(out, ids_BC.contiguous(), group=group)
+    return out.view(P, B, C).transpose(0, 1).reshape(B, P * C)
+
+
 # ------------------------------------------------------------------------------ wrappers
 
 
@@ -173,7 +186,8 @@ class UlyssesAttention(nn.Module):
         self.group = group
         self._cache = _PerUnrollCache()
 
-    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
+    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0,
+                doc: Optional[torch.Tensor] = None):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
         P = dist.get_world_size(self.group)
@@ -193,7 +207,8 @@ class UlyssesAttention(nn.Module):
         q = prep(q_BHTD, False)
         ks = [self._cache.get(k, lambda x: prep(x, True)) for k in keys]
         vs = [self._cache.get(v, lambda x: prep(x, True)) for v in values]
-        out = heads_to_seq(self.inner(q, ks, vs, q_offset=0), self.group)
+        kw = {} if doc is None else {"doc": self._cache.get(doc, lambda x: gather_ids(x, self.group))}
+        out = heads_to_seq(self.inner(q, ks, vs, q_offset=0, **kw), self.group)
         return out[:, :Hq] if pad else out
 
 
@@ -208,12 +223,17 @@ class RingAttention(nn.Module):
         self.group = group
         self.kernel = kernel
         self.comm = RingComm(group)
+        self._cache = _PerUnrollCache()
 
-    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
+    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0,
+                doc: Optional[torch.Tensor] = None):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
+        if doc is not None:
+            self._cache.start(keys[0])
+            doc = self._cache.get(doc, lambda x: gather_ids(x, self.group))
         return ring_ttt_attention(q_BHTD, keys, values, self.comm, getattr(self.inner, "scale", None), self.kernel,
-                                  getattr(self.inner, "window", None))
+                                  getattr(self.inner, "window", None), doc)
 
 
 class AllGatherRingAttention(nn.Module):
@@ -226,14 +246,16 @@ class AllGatherRingAttention(nn.Module):
         self.group = group
         self._cache = _PerUnrollCache()
 
-    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0):
+    def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0,
+                doc: Optional[torch.Tensor] = None):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
         offset = dist.get_rank(self.group) * q_BHTD.shape[2]  # all ranks hold equal slices
         self._cache.start(keys[0])
         k0 = self._cache.get(keys[0], lambda x: gather_seq(x, self.group))
         v0 = self._cache.get(values[0], lambda x: gather_seq(x, self.group))
-        return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset)
+        kw = {} if doc is None else {"doc": self._cache.get(doc, lambda x: gather_ids(x, self.group))}
+        return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset, **kw)
 
 
 def apply_sp(draft: nn.Module, cores, ulysses_group=None, ring_group=None, ring_cls=None) -> nn.Module:

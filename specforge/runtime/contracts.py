@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
-from specforge.parallel.bounds import split_slices  # the slice rule (stdlib), which train/slicing.py imports too
+from specforge.parallel.bounds import pack_rows, row_offsets, split_slices  # the slice rule (stdlib), which train/slicing.py imports too
 
 # Plans the driver keeps submitted but not yet collected (and so not yet logged), whatever the byte
 # budget allows. Train workers record this many recent metric rows in every checkpoint, so a driver
@@ -145,6 +145,16 @@ class StepPlan:
     transfers: tuple[Transfer, ...]  # the order both ends execute
     feature_spec: FeatureSpec
     split: str = "train"  # the data split the sample ids index ("train" | "eval")
+    # train.pack_tokens: each micro-batch is ONE packed row, its samples end to end in order
+    # (``row_offsets``), padded_lengths its tokens; else the samples are rows padded to it
+    packed: bool = False
+
+    def row_offsets(self, ids: Sequence[int]) -> Optional[list[int]]:
+        """Where each sample of micro-batch ``ids`` starts in its packed row; None unless ``packed``."""
+        if not self.packed:
+            return None
+        length = dict(self.lengths)
+        return row_offsets([length[i] for i in ids])
 
     def batch_of(self, rollout_rank: int) -> tuple[int, ...]:
         return self.rollout_batches[self.rollout_ranks.index(rollout_rank)]
@@ -208,6 +218,7 @@ def plan_step(
     halo: int = 0,
     micro_batch_size: int = 1,
     split: str = "train",
+    pack_tokens: Optional[int] = None,
 ) -> StepPlan:
     """Plan one step.
 
@@ -218,6 +229,9 @@ def plan_step(
     each rollout batch is the union of its groups' samples. Every sample goes to every rank of
     each group that lists it; with several ranks per group (sequence parallelism) rank j gets the
     j-th slice of the micro-batch's padded length plus ``halo`` (:func:`split_slices`).
+    ``pack_tokens`` (``train.pack_tokens``): instead, each DP group's samples are packed, in order,
+    into rows of at most that many tokens (``pack_rows``); a row is one micro-batch whose samples sit
+    end to end, and rank j of a group gets the part of each sample that lies in its slice of the row.
     Transfers are ordered by (source, position in its batch, group, slice), a pure function of
     the inputs, so all ranks derive the same order.
     """
@@ -232,8 +246,14 @@ def plan_step(
         for ref in group:
             if lengths.setdefault(ref.sample_id, ref.length) != ref.length:
                 raise ValueError(f"sample {ref.sample_id} listed with two lengths")
-    micro = [[group[s : s + micro_batch_size] for s in range(0, len(group), micro_batch_size)] for group in dp_groups_samples]
-    padded = [[max(r.length for r in mb) for mb in group] for group in micro]
+    if pack_tokens is None:
+        micro = [[group[s : s + micro_batch_size] for s in range(0, len(group), micro_batch_size)]
+                 for group in dp_groups_samples]
+        padded = [[max(r.length for r in mb) for mb in group] for group in micro]
+    else:
+        micro = [[[group[i] for i in row] for row in pack_rows([r.length for r in group], pack_tokens)]
+                 for group in dp_groups_samples]
+        padded = [[sum(r.length for r in mb) for mb in group] for group in micro]
 
     source: dict[int, int] = {}  # sample id -> rollout worker index
     batches: list[list[int]] = [[] for _ in rollout_ranks]
@@ -245,17 +265,18 @@ def plan_step(
                 source[ref.sample_id] = owner[g]
                 batches[owner[g]].append(ref.sample_id)
 
-    receivers: dict[int, list[tuple[int, int]]] = {}  # sample id -> (group, padded length) that train on it
+    receivers: dict[int, list[tuple[int, int, int]]] = {}  # sample id -> (group, padded length, offset in the row)
     for g, group in enumerate(micro):
         for mb, T in zip(group, padded[g]):
-            for ref in mb:
-                receivers.setdefault(ref.sample_id, []).append((g, T))
+            offsets = row_offsets([r.length for r in mb]) if pack_tokens is not None else [0] * len(mb)
+            for ref, o in zip(mb, offsets):
+                receivers.setdefault(ref.sample_id, []).append((g, T, o))
     transfers = []
     for w, batch in enumerate(batches):
         for sid in batch:
-            for g, T in receivers[sid]:
+            for g, T, o in receivers[sid]:
                 ranks = dp_dst_ranks[g]
-                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo, T)):
+                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo, T, o)):
                     transfers.append(Transfer(sid, rollout_ranks[w], dst, start, end, stop))
     return StepPlan(
         step=step,
@@ -268,6 +289,7 @@ def plan_step(
         transfers=tuple(transfers),
         feature_spec=feature_spec,
         split=split,
+        packed=pack_tokens is not None,
     )
 
 

@@ -276,7 +276,8 @@ class Planner:
         P = len(self.layout.train_ranks) // self.dp
         ranks = [self.layout.train_ranks[g * P : (g + 1) * P] for g in range(self.dp)]
         return plan_step(step, groups, self.layout.rollout_ranks, ranks, self.spec, halo=self.halo,
-                         micro_batch_size=self.cfg.train.batch_size, split=split)
+                         micro_batch_size=self.cfg.train.batch_size, split=split,
+                         pack_tokens=self.cfg.train.pack_tokens)
 
     def recv_bytes(self, plan: StepPlan) -> int:
         """Feature bytes the train ranks receive for ``plan`` (0 when they compute their own)."""

@@ -90,7 +90,7 @@ class StoreSource:
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
         ids, g = self.split[plan.split], self.groups
         return [batch_from_samples([WholeSample(self.store.read(ids[i])) for i in micro], T, self.pad, g.sp_rank,
-                                   g.sp_size, self.halo)
+                                   g.sp_size, self.halo, plan.row_offsets(micro))
                 for micro, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]
 
 
@@ -116,13 +116,17 @@ class CaptureSource:
 
     def next_batches(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> list[TrainBatch]:
         rows, g = getattr(self.data, plan.split), self.groups
-        micro = [[rows[i] for i in ids] for ids in plan.micro_batches[g.dp_rank]]
+        ids_m = plan.micro_batches[g.dp_rank]
+        micro = [[rows[i] for i in ids] for ids in ids_m]
+        # a packed plan: each micro-batch's samples end to end in one row (captured padded, then laid out)
+        packed = [[len(rows[i]["input_ids"]) for i in ids] if plan.packed else None for ids in ids_m]
         if g.sp_size == 1:
             self.captured += len(micro)
-            return [local_batches(self.target, r, len(r), self.chunk)[0] for r in micro]
-        return self._sp_exchange(plan, micro)
+            full = [local_batches(self.target, r, len(r), self.chunk)[0] for r in micro]
+            return [b if p is None else sp_slice_batch(b, 0, 1, 0, p) for b, p in zip(full, packed)]
+        return self._sp_exchange(plan, micro, packed)
 
-    def _sp_exchange(self, plan: StepPlan, micro: list) -> list[TrainBatch]:
+    def _sp_exchange(self, plan: StepPlan, micro: list, packed: list) -> list[TrainBatch]:
         S, me = self.groups.sp_size, self.groups.sp_rank
         out, ops = [], []
         for m, rows_m in enumerate(micro):
@@ -132,11 +136,11 @@ class CaptureSource:
                 self.captured += 1
                 shapes = self._meta_batch(rows_m)
                 for r in range(S):
-                    part = sp_slice_batch(full, r, S, self.halo)
+                    part = sp_slice_batch(full, r, S, self.halo, packed[m])
                     if r == me:
                         out.append(part)
                         continue
-                    want = sp_slice_batch(shapes, r, S, self.halo)
+                    want = sp_slice_batch(shapes, r, S, self.halo, packed[m])
                     for name in _FEATURES:  # the receiver's buffers are made from the same shapes
                         t, w = getattr(part, name), getattr(want, name)
                         if t.shape != w.shape or t.dtype != w.dtype:
@@ -144,7 +148,7 @@ class CaptureSource:
                                                f"receivers expect {w.dtype} {tuple(w.shape)}")
                         ops.append(dist.P2POp(dist.isend, t.contiguous(), self.peers[r]))
             else:
-                shell = sp_slice_batch(self._meta_batch(rows_m), me, S, self.halo)
+                shell = sp_slice_batch(self._meta_batch(rows_m), me, S, self.halo, packed[m])
                 bufs = {name: torch.empty(getattr(shell, name).shape, dtype=getattr(shell, name).dtype,
                                           device=self.target.device) for name in _FEATURES}
                 ops += [dist.P2POp(dist.irecv, bufs[name], self.peers[owner]) for name in _FEATURES]
@@ -223,5 +227,6 @@ class ReceiveSource:
         got, fbs = next(self.prefetcher)
         assert (got.split, got.step) == (plan.split, plan.step), (got.split, got.step, plan.split, plan.step)
         g = self.groups
-        return [batch_from_samples([fbs[s] for s in ids], T, self.pad, g.sp_rank, g.sp_size, self.halo)
+        return [batch_from_samples([fbs[s] for s in ids], T, self.pad, g.sp_rank, g.sp_size, self.halo,
+                                   plan.row_offsets(ids))
                 for ids, T in zip(plan.micro_batches[g.dp_rank], plan.padded_lengths[g.dp_rank])]

@@ -20,14 +20,23 @@ Legend: B batch, T tokens, H target hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specforge.models.features import TrainBatch
-from specforge.parallel.bounds import slice_bounds
+from specforge.parallel.bounds import row_offsets, slice_bounds
 
-__all__ = ["SPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
+__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
+
+
+@dataclass
+class PackedBatch(TrainBatch):
+    """One packed row (B = 1, ``train.pack_tokens``; ``train/packing.py``): samples end to end, each
+    with positions from 0 and its own doc id."""
+
+    position_ids_BT: torch.Tensor
+    doc_ids_BT: torch.Tensor  # (TrainBatch.to moves these two as well: it rebuilds type(self) from its fields)
 
 
 @dataclass
@@ -41,14 +50,23 @@ class SPTrainBatch(TrainBatch):
     def to(self, device: torch.device) -> "SPTrainBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         moved.update({k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
-        return SPTrainBatch(**moved)
+        return type(self)(**moved)
 
     @property
     def num_tokens(self) -> int:  # owned tokens (padding rows included)
         return int(self.input_ids_BT.shape[0] * self.num_rows)
 
 
-_FIELDS = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BTKH",
+@dataclass
+class PackedSPTrainBatch(SPTrainBatch):
+    """One SP rank's slice of a packed row (``train.pack_tokens``; B = 1): ``position_ids_BT`` restart
+    at 0 per sample, ``doc_ids_BT`` (rows ``[start, start + len(input_ids))``, owned + halo) say
+    which sample a row belongs to (rows past the row's tokens: one more id, a padding sample)."""
+
+    doc_ids_BT: torch.Tensor
+
+
+SAMPLE_FIELDS = {"input_ids": "input_ids_BT", "loss_mask": "loss_mask_BT", "aux_hidden": "aux_hidden_BTKH",
            "last_hidden": "last_hidden_BTH", "target_ids": "target_ids_BT"}  # sample field -> batch field
 
 
@@ -59,16 +77,22 @@ class WholeSample(dict):
     start = 0
 
 
-def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, halo: int) -> SPTrainBatch:
+def sp_slice_batch(batch: TrainBatch, sp_rank: int, sp_size: int, halo: int,
+                   packed: Optional[Sequence[int]] = None) -> SPTrainBatch:
     """This SP rank's :class:`SPTrainBatch` of a full right-padded ``batch`` (batch size any):
-    each row is a whole sample of the padded length, assembled like any other."""
+    each row is a whole sample of the padded length, assembled like any other. ``packed``: the
+    rows' lengths, whose samples a packed plan lays end to end in ONE row (``PackedSPTrainBatch``;
+    ``sp_size`` 1: the whole ``PackedBatch``)."""
     B, T = batch.input_ids_BT.shape
-    rows = [WholeSample({k: getattr(batch, f)[b] for k, f in _FIELDS.items()}) for b in range(B)]
-    return _sp_batch(rows, T, 0, sp_rank, sp_size, halo)
+    cut = [T] * B if packed is None else packed
+    rows = [WholeSample({k: getattr(batch, f)[b, :n] for k, f in SAMPLE_FIELDS.items()}) for b, n in enumerate(cut)]
+    if packed is None:
+        return _sp_batch(rows, T, 0, sp_rank, sp_size, halo)
+    return _packed_batch(rows, row_offsets(cut), sum(cut), 0, sp_rank, sp_size, halo)
 
 
 def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_rank: int = 0, sp_size: int = 1,
-                       halo: int = 0) -> TrainBatch:
+                       halo: int = 0, offsets: Optional[Sequence[int]] = None) -> TrainBatch:
     """One micro-batch of samples padded to ``padded_length`` tokens, as SP rank ``sp_rank`` of
     ``sp_size`` holds it: a plain ``TrainBatch`` without SP, else this rank's ``SPTrainBatch``.
 
@@ -76,8 +100,14 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
     ``[s.start, s.start + n)`` (e.g. a received ``FeatureBatch``: a slice + halo; or a whole
     sample, start 0). Equal to ``sp_slice_batch`` of the full right-padded micro-batch: pad id
     inside the padded length, zeros past it. The tensors are copied (receive buffers are reused).
+
+    ``offsets`` (a packed plan, ``StepPlan.row_offsets``): the samples are ONE row of
+    ``padded_length`` tokens, sample d starting at ``offsets[d]`` (its ``s.start`` counts from
+    there): a ``PackedBatch`` without SP, else this rank's ``PackedSPTrainBatch``.
     """
     T = padded_length
+    if offsets is not None:
+        return _packed_batch(samples, offsets, T, pad_id, sp_rank, sp_size, halo)
     if sp_size == 1:
         lengths = [min(s.start + s["input_ids"].shape[0], T) for s in samples]
         return TrainBatch(**_fields(samples, T, pad_id, 0, T, T),
@@ -92,9 +122,33 @@ def _sp_batch(samples: Sequence, T: int, pad_id: int, sp_rank: int, sp_size: int
                         start=start)
 
 
-def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: int) -> dict[str, torch.Tensor]:
-    """Batch rows ``[start, end)`` (aux) and ``[start, wend)`` (the rest) of the samples padded to ``T``."""
-    B = len(samples)
+def _packed_batch(samples: Sequence, offsets: Sequence[int], T: int, pad_id: int, sp_rank: int, sp_size: int,
+                  halo: int) -> TrainBatch:
+    """The samples end to end in one row of ``T`` tokens (``batch_from_samples`` with ``offsets``)."""
+    if len(offsets) != len(samples):
+        raise ValueError(f"batch_from_samples: {len(offsets)} offsets for {len(samples)} samples")
+    start, end, wend = slice_bounds(T, sp_rank, sp_size, halo) if sp_size > 1 else (0, T, T)
+    place = [(0, o) for o in offsets]
+    got = _fields(samples, T, pad_id, start, end, wend, place)
+    device = got["input_ids_BT"].device
+    rows = torch.arange(start, start + got["input_ids_BT"].shape[1], device=device)
+    # sample d holds rows [offsets[d], offsets[d + 1]); rows past T get id len(samples) (padding)
+    firsts = torch.tensor([*offsets, T], device=device)
+    doc = torch.searchsorted(firsts[1:], rows, right=True)
+    pos = rows - firsts[doc]
+    if sp_size == 1:
+        return PackedBatch(**got, position_ids_BT=pos[None], doc_ids_BT=doc[None],
+                           length_B=torch.tensor([T]))  # device: host (metadata, TrainBatch.length_B)
+    return PackedSPTrainBatch(**got, position_ids_BT=pos[None, : end - start], num_rows=end - start, start=start,
+                              doc_ids_BT=doc[None])
+
+
+def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: int,
+            place: Optional[Sequence[tuple[int, int]]] = None) -> dict[str, torch.Tensor]:
+    """Batch rows ``[start, end)`` (aux) and ``[start, wend)`` (the rest) of the samples padded to ``T``.
+    ``place[i] = (batch row, offset)`` of sample i (default: row i, offset 0; packed: row 0, its offset)."""
+    place = [(b, 0) for b in range(len(samples))] if place is None else place
+    B = 1 + max(b for b, _ in place)
 
     def stack(name: str, stop: int, fill) -> torch.Tensor:
         first = samples[0][name]
@@ -102,10 +156,11 @@ def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: 
         out = torch.zeros((B, stop - start, *first.shape[1:]), dtype=dtype, device=first.device)
         if fill:
             out[:, : max(0, T - start)] = fill
-        for b, s in enumerate(samples):
-            lo, hi = max(s.start, start), min(s.start + s[name].shape[0], stop)
+        for (b, o), s in zip(place, samples):
+            first_row = o + s.start  # the row position of the sample's first received token
+            lo, hi = max(first_row, start), min(first_row + s[name].shape[0], stop)
             if hi > lo:
-                out[b, lo - start : hi - start] = s[name][lo - s.start : hi - s.start]
+                out[b, lo - start : hi - start] = s[name][lo - first_row : hi - first_row]
         return out
 
-    return {f: stack(k, end if k == "aux_hidden" else wend, pad_id if k == "input_ids" else 0) for k, f in _FIELDS.items()}
+    return {f: stack(k, end if k == "aux_hidden" else wend, pad_id if k == "input_ids" else 0) for k, f in SAMPLE_FIELDS.items()}

@@ -121,7 +121,9 @@ class DraftTrainer:
     def packed(self, micro_batches: Sequence[TrainBatch]) -> list[TrainBatch]:
         """``train.pack_tokens``: this rank's samples end to end in rows (``train/packing.py``); as is otherwise."""
         budget = self.cfg.train.pack_tokens
-        return list(micro_batches) if budget is None else pack_micro_batches(micro_batches, budget)
+        if budget is None or all(getattr(mb, "doc_ids_BT", None) is not None for mb in micro_batches):
+            return list(micro_batches)  # a packed plan's sources hand over packed rows (runtime/contracts.plan_step)
+        return pack_micro_batches(micro_batches, budget)
 
     def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters,

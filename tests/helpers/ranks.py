@@ -24,6 +24,7 @@ from specforge.train.slicing import sp_slice_batch
 from specforge.train.trainer import DraftTrainer
 
 V, N, H, T, L, STEPS = 300, 100, 64, 29, 4, 3
+SAMPLE_LENGTHS = (T, 21)  # the two samples of every batch of draft_and_batches (row 1 right-padded)
 
 
 def sp_cfg() -> Config:
@@ -50,7 +51,7 @@ def draft_and_batches(make_draft, mask_token_id=None):
         ids = torch.randint(0, V, (2, T), generator=g)
         if mask_token_id is not None:
             ids[0, 7] = mask_token_id  # the mask token as an input: its trained row
-        ids[1, 21:] = 0  # right padding of row 1
+        ids[1, SAMPLE_LENGTHS[1] :] = 0  # right padding of row 1
         tgt = torch.where(torch.rand(2, T, generator=g) < 0.8, inv[torch.randint(0, N, (2, T), generator=g)],
                           torch.randint(0, V, (2, T), generator=g))
         batches.append(TrainBatch(ids, mask, torch.randn(2, T, 3 * H, generator=g), torch.randn(2, T, H, generator=g), tgt))
@@ -108,8 +109,10 @@ def _check_ulysses_head_plans(groups):
             assert torch.allclose(a, b, atol=1e-10), (Hq, Hkv, (a - b).abs().max())
 
 
-def sp_rank(rank, world, dims_tuple, ref_path):
-    """One train rank of an SP (x DP) run; rank 0 compares with the reference every step."""
+def sp_rank(rank, world, dims_tuple, ref_path, packed=False):
+    """One train rank of an SP (x DP) run; rank 0 compares with the reference every step.
+    ``packed``: each rank's samples of a step laid end to end in ONE row (``train.pack_tokens``),
+    sliced over the SP ranks; the reference is the unpacked single process all the same."""
     dims = ParallelDims(*dims_tuple)
     groups = dims.build(list(range(world)), rank, timeout_s=90)
     cfg = sp_cfg()
@@ -124,7 +127,9 @@ def sp_rank(rank, world, dims_tuple, ref_path):
             per = full.input_ids_BT.shape[0] // dims.dp
             full = TrainBatch(*(getattr(full, f)[groups.dp_rank * per : (groups.dp_rank + 1) * per]
                                 for f in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")))
-        local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L + 1) if groups.sp_size > 1 else full]
+        lengths = list(SAMPLE_LENGTHS) if packed else None
+        local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L + 1, lengths)
+                 if groups.sp_size > 1 or packed else full]
         m = trainer.step(local)
         grads = grads_full(draft)  # all-gather of every gradient shard
         if rank == 0:
@@ -141,12 +146,13 @@ def sp_rank(rank, world, dims_tuple, ref_path):
             check_close(f"param {k}", state[k], v)
 
 
-def run_sp(tmp_path, dims_tuple, rank_fn=sp_rank, setup=setup_sp, cfg=sp_cfg):
+def run_sp(tmp_path, dims_tuple, rank_fn=sp_rank, setup=setup_sp, cfg=sp_cfg, *extra):
     """The single-process reference of ``setup``/``cfg`` saved, then ``rank_fn(rank, world, dims_tuple,
-    ref_path)`` on the ranks of ``ParallelDims(*dims_tuple)``."""
+    ref_path, *extra)`` on the ranks of ``ParallelDims(*dims_tuple)``."""
     ref_path = tmp_path / "ref.pt"
     torch.save(sp_reference(setup, cfg), ref_path)
-    run_ranks(rank_fn, ParallelDims(*dims_tuple).world, dims_tuple, str(ref_path), workdir=tmp_path, timeout_s=150)
+    run_ranks(rank_fn, ParallelDims(*dims_tuple).world, dims_tuple, str(ref_path), *extra, workdir=tmp_path,
+              timeout_s=150)
 
 
 # ------------------------------------------------ one sample per rank (tests/test_parallel_fsdp.py)

@@ -81,6 +81,7 @@ class Eagle3:
     architecture = "LlamaForCausalLMEagle3"
     dynamic_drafting = True  # the eval also runs its chain with cost-based early stops
     packs = True  # train.pack_tokens: its loss keeps packed samples apart (doc_ids_BT, position_ids_BT)
+    packs_sp = True  # ... with SP too: the Ulysses and ring wrappers gather the rows' sample ids (parallel/sp.py)
     llamacpp_spec_type = "draft-eagle3"
     gguf_architecture = "eagle3"
     engines = ("sglang", "vllm", "llama.cpp")

@@ -524,6 +524,8 @@ class Eagle3Draft(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out = []
+        # the step-0 keys' rows (one tensor for the unroll: SP cores cache their gather of it by identity)
+        kw = {} if doc_BT is None else {"doc": doc_BT[:, : t_len[0]]}
         for i, Ti in enumerate(t_len):
             hidden = hidden[:, :Ti]
             e_i = e_full[:, 1 + i : 1 + i + Ti]
@@ -535,7 +537,6 @@ class Eagle3Draft(nn.Module):
             # step-0 keys stay whole (causal, may be longer than Ti); diagonal keys are cut to Ti
             # (passed as the same tensor objects when not cut: SP cores cache their collectives by identity)
             cut = lambda x: x if x.shape[2] == Ti else x[:, :, :Ti]  # noqa: E731
-            kw = {} if doc_BT is None else {"doc": doc_BT[:, : keys[0].shape[2]]}
             attn = core(q, [keys[0]] + [cut(kk) for kk in keys[1:]], [values[0]] + [cut(vv) for vv in values[1:]], **kw)
             hidden = self.layer_finish(attn, hidden)
             out.append(hidden if head is None else head(i, hidden))
