@@ -11,7 +11,7 @@ from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.parallel.bounds import row_offsets, split_slices
 from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
 from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
-from tests.helpers.ranks import L, SAMPLE_LENGTHS, run_sp, setup_sp, sp_cfg, sp_rank
+from tests.helpers.ranks import SAMPLE_LENGTHS, L, run_sp, setup_sp, sp_cfg, sp_rank
 
 
 @pytest.mark.slow
