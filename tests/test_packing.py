@@ -274,3 +274,33 @@ def test_the_memory_model_and_the_dry_run_count_packed_rows(capsys):
     assert packed.peak > plain.peak  # a 4096-token row against 4 x 512 padded: the attention grows with the row
     dry_run(packed_cfg, None, single_process=True)
     assert "packed (train.pack_tokens)" in capsys.readouterr().out
+
+
+def test_a_packed_run_resumes_exactly(assets, tmp_path, monkeypatch):
+    """Exact resume with packing: a packed run stopped after step 3 (its checkpoint at step 2) and
+    rerun with the same command trains steps 3-4 on the same packed rows: every logged loss equals
+    the uninterrupted run's."""
+    from specforge.local import run
+    from tests.helpers.ray_run import losses, make_cfg
+
+    common = ("train.batch_size=2", "train.grad_accum=1", "train.num_workers=1", "train.pack_tokens=128",
+              "train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true")
+    run(make_cfg(assets, tmp_path / "straight", *common))
+    real = DraftTrainer.step
+
+    def stop_at_step_3(self, micro_batches):
+        if self.step_count == 3:
+            raise RuntimeError("stopped before step 4")
+        return real(self, micro_batches)
+
+    monkeypatch.setattr(DraftTrainer, "step", stop_at_step_3)
+    with pytest.raises(RuntimeError, match="stopped before step 4"):
+        run(make_cfg(assets, tmp_path / "cut", *common))
+    trained = []
+    monkeypatch.setattr(DraftTrainer, "step", lambda self, mbs: (trained.append(self.step_count), real(self, mbs))[1])
+    run(make_cfg(assets, tmp_path / "cut", *common))  # the same command resumes from step 2
+    assert trained == [2, 3]  # steps 3 and 4 only: resumed, not retrained from scratch
+    want = {r["step"]: r["loss"] for r in losses(tmp_path / "straight")}
+    got = losses(tmp_path / "cut")
+    assert sorted({r["step"] for r in got}) == [1, 2, 3, 4]
+    assert all(r["loss"] == want[r["step"]] for r in got), (got, want)
