@@ -102,6 +102,25 @@ def _split_qkv(T_list, Hq=4, Hkv=2, D=8, n=2, dtype=torch.float64, seed=0):
     return q, keys, values, doc
 
 
+def test_fast_core_reads_the_sample_starts_once_per_unroll(monkeypatch):
+    """The fast core's chunk skip (keys before a chunk's samples) reads the sample starts from the
+    device once per doc tensor: a TTT unroll's steps (fewer rows each) reuse it, equal to the eager
+    core at every step; a new doc tensor (the next micro-batch) reads again."""
+    import specforge.algorithms.eagle3.attention as attention
+
+    calls = []
+    real = attention._chunk_firsts
+    monkeypatch.setattr(attention, "_chunk_firsts", lambda *a: (calls.append(a[1:]), real(*a))[1])
+    q, keys, values, doc = _split_qkv([7, 12, 5])
+    for T in (24, 21, 18):  # the steps of one unroll: the same step-0 keys and doc, fewer query rows
+        cut = [keys[0]] + [k[:, :, :T] for k in keys[1:]], [values[0]] + [v[:, :, :T] for v in values[1:]]
+        out = ttt_attention_fast(q[:, :, :T], *cut, chunk=4, doc=doc)
+        torch.testing.assert_close(out, ttt_attention_eager(q[:, :, :T], *cut, doc=doc), rtol=1e-10, atol=1e-12)
+    assert calls == [(0, 4)]
+    ttt_attention_fast(q, keys, values, chunk=4, doc=doc.clone())
+    assert calls == [(0, 4), (0, 4)]
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_packed_attention_is_each_samples_own(window):
     """Each sample's rows of the packed attention equal the attention of that sample alone (eager

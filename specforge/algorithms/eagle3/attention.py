@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -257,14 +258,30 @@ class _TTTAttentionFn(torch.autograd.Function):
 
 def _first_keys(doc: Optional[torch.Tensor], q_offset: int, T: int, chunk: int) -> list[int]:
     """Packed rows: per query chunk, the first step-0 key any of its rows may see (the start of the
-    earliest sample among its rows, over the batch); one host read for all chunks. [] without ``doc``."""
+    earliest sample among its rows, over the batch). [] without ``doc``. One host read per ``doc``
+    tensor: the model hands every TTT step of an unroll the same one (the steps differ only in how
+    many chunks they run), so a GPU waits once per unroll, not once per step."""
     if doc is None:
         return []
+    n = -(-T // chunk)
+    hit = _FIRSTS_CACHE[0]
+    if hit is not None and hit[0]() is doc and hit[1] == (q_offset, chunk) and len(hit[2]) >= n:
+        return hit[2][:n]
+    firsts = _chunk_firsts(doc, q_offset, chunk)
+    _FIRSTS_CACHE[0] = (weakref.ref(doc), (q_offset, chunk), firsts)
+    return firsts[:n]
+
+
+_FIRSTS_CACHE: list = [None]  # (weak reference to the last doc, (q_offset, chunk), its firsts)
+
+
+def _chunk_firsts(doc: torch.Tensor, q_offset: int, chunk: int) -> list[int]:
+    """``_first_keys`` of every chunk start up to the end of ``doc`` (the one host read)."""
     idx = torch.arange(doc.shape[1], device=doc.device)
     new = torch.ones(doc.shape, dtype=torch.bool, device=doc.device)
     new[:, 1:] = doc[:, 1:] != doc[:, :-1]
     starts = torch.where(new, idx, 0).cummax(dim=1).values  # each key's sample start
-    rows = torch.tensor([q_offset + c0 for c0, _ in row_chunks(T, chunk)], device=doc.device)
+    rows = torch.arange(q_offset, doc.shape[1], chunk, device=doc.device)
     return starts[:, rows].amin(dim=0).tolist()
 
 
