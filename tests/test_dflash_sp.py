@@ -200,22 +200,22 @@ def test_ring_equals_the_single_process_with_negative_controls(tmp_path, ring):
 
 def test_right_padding_moves_no_anchor():
     """What lets a ring rank draw the single process's anchors from the ids and loss mask of its
-    micro-batch padded to a multiple of the ring: the same anchors at any padded length; a changed
-    token (the control) draws others."""
-    from specforge.algorithms.dflash.algorithm import _generator
-    from specforge.algorithms.dflash.loss import sample_anchors
-    from specforge.models.features import TrainBatch
+    micro-batch padded to a multiple of the ring: the same anchors at any padded length (any pad id);
+    a changed assistant token (the control) draws others."""
+    from specforge.algorithms.dflash.algorithm import anchor_seed
+    from specforge.algorithms.dflash.loss import anchor_keys, sample_anchors
 
     cfg = _cfg()
     b = _batches(8)[0]
 
     def anchors(ids, mask):
-        return sample_anchors(mask, 6, _generator(TrainBatch(ids, mask, None, None, None), cfg, 3))
+        return sample_anchors(mask, 6, keys_BT=anchor_keys(ids, mask, anchor_seed(cfg, 3)))
 
     a0, k0 = anchors(b.input_ids_BT, b.loss_mask_BT)
-    for pad in (1, 3, 40):
-        a, k = anchors(torch.nn.functional.pad(b.input_ids_BT, (0, pad)), torch.nn.functional.pad(b.loss_mask_BT, (0, pad)))
+    for pad, value in ((1, 0), (3, 7), (40, 0)):
+        ids = torch.nn.functional.pad(b.input_ids_BT, (0, pad), value=value)
+        a, k = anchors(ids, torch.nn.functional.pad(b.loss_mask_BT, (0, pad)))
         assert torch.equal(a, a0) and torch.equal(k, k0), pad
     ids = b.input_ids_BT.clone()
-    ids[0, 0] += 1
+    ids[0, 5] += 1
     assert not torch.equal(anchors(ids, b.loss_mask_BT)[0], a0)

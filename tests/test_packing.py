@@ -247,8 +247,9 @@ def _vocab_of(trainer):
 
 @pytest.mark.parametrize("overrides, match", [
     (["train.pack_tokens=100"], "below data.max_length=512"),
-    (["train.pack_tokens=4096", "draft.algorithm=dflash"], "refused for draft.algorithm=dflash"),
-    (["train.pack_tokens=4096", "draft.algorithm=peagle"], "refused for draft.algorithm=peagle"),
+    # every shipped algorithm packs; the block and parallel drafts not with SP (tests/test_packing_blocks.py)
+    (["train.pack_tokens=4096", "draft.algorithm=dflash", "parallel.sp_ring=2", "train.num_workers=2"],
+     "refused for draft.algorithm=dflash with sequence parallelism"),
 ])
 def test_what_cannot_pack_is_refused_in_one_line(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -3,9 +3,13 @@
 Features: ``draft.num_layers`` target layer outputs by default (``model.aux_layer_ids`` sets them),
 concatenated as the aux feature, plus the target argmax (labels = the target's greedy next token,
 what greedy verification accepts; the data are not always the target's own answers). The last
-hidden state travels but is not used. Anchors are random (``loss.sample_anchors``) but a function of
-(train.seed, step, the micro-batch's tokens): a rank and the single process draw the same anchors
-for the same samples, and the normalizer pass and the loss pass agree without keeping state.
+hidden state travels but is not used. Anchors are random (``loss.sample_anchors``) but, per sample, a
+function of (train.seed, step, the sample's tokens; ``loss.anchor_keys``): a rank and the single
+process, a packed row and a padded one, draw the same anchors for the same sample, and the
+normalizer pass and the loss pass agree without keeping state.
+Packing (``train.pack_tokens``): a packed row's samples keep their positions (RoPE restarts), their
+anchors and blocks (a block and its labels stay inside its sample) and their context (a block sees
+its own sample's context only: ``model.build_block_mask`` with the doc ids).
 Sequence parallelism: ring (``parallel.sp_ring``; ``sp.py``): each ring rank holds a contiguous
 share of the context and computes the blocks anchored in it (the same global anchors as one
 process); the context's keys/values travel the ring. Ulysses is refused.
@@ -25,6 +29,7 @@ import torch
 
 from specforge.algorithms.dflash.export import export, llamacpp_config
 from specforge.algorithms.dflash.loss import (
+    anchor_keys,
     block_loss,
     block_targets,
     build_block_ids,
@@ -45,14 +50,10 @@ CHUNK_BLOCKS = 16  # blocks whose full-vocab logits exist at once (recomputed in
 EVAL_STEP = -1  # held-out metrics draw the same anchors at every periodic eval
 
 
-def _generator(batch, cfg, step: int, input_ids_BT: Optional[torch.Tensor] = None) -> torch.Generator:
-    """The anchors' random stream: a function of (train.seed, step, the tokens, the batch size), not of
-    the padded length (zeros past it add nothing), so a sequence-parallel rank that gathered the ids
-    of its padded micro-batch (``input_ids_BT``) seeds it as the single process does."""
-    ids = (batch.input_ids_BT if input_ids_BT is None else input_ids_BT).detach().to("cpu", torch.int64)
-    weights = torch.arange(1, ids.shape[-1] + 1, dtype=torch.int64, device=ids.device)
-    content = int((ids * weights).sum()) % (2**31)
-    return torch.Generator().manual_seed(hash((cfg.train.seed, step, content, ids.shape[0])) % (2**63))
+def anchor_seed(cfg, step: int) -> int:
+    """The anchors' seed of a step: a function of (train.seed, step) alone; each sample's draw adds
+    its own tokens (``loss.anchor_keys``), so packed and unpacked rows draw the same anchors per sample."""
+    return hash((cfg.train.seed, step)) & 0xFFFFFFFF
 
 
 @dataclass
@@ -76,7 +77,7 @@ class DFlash:
     options = DFlashOptions
     architecture = "DFlashDraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward
-    packs = False  # train.pack_tokens refused: its blocks and anchors do not yet stay inside a packed sample
+    packs = True  # train.pack_tokens: anchors, blocks, labels and block attention stay inside each packed sample
     llamacpp_spec_type = "draft-dflash"
     gguf_architecture = "dflash"
     engines = ("sglang", "vllm", "llama.cpp")
@@ -166,23 +167,26 @@ class DFlash:
         step = step if torch.is_grad_enabled() else EVAL_STEP
         comm = ring_comm(draft) if hasattr(batch, "num_rows") else None
         if comm is None:
-            anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, _generator(batch, cfg, step))
+            doc = getattr(batch, "doc_ids_BT", None)  # packed rows (train/packing.py): anchors per sample
+            keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(cfg, step), doc)
+            anchors, keep = sample_anchors(batch.loss_mask_BT, cfg.draft.num_anchors, document_ids_BT=doc, keys_BT=keys)
             ring = None
         else:
             C = batch.num_rows
-            ids = gather_rows(batch.input_ids_BT[:, :C], comm).cpu()
-            mask = gather_rows(batch.loss_mask_BT[:, :C], comm).cpu()
-            anchors, keep = sample_anchors(mask, cfg.draft.num_anchors, _generator(batch, cfg, step, ids))
+            ids = gather_rows(batch.input_ids_BT[:, :C], comm)
+            mask = gather_rows(batch.loss_mask_BT[:, :C], comm)
+            keys = anchor_keys(ids, mask, anchor_seed(cfg, step))
+            anchors, keep = sample_anchors(mask, cfg.draft.num_anchors, keys_BT=keys)
             anchors, keep = local_anchors(anchors, keep, batch.start, batch.start + C)
             ring = RingBlocks(comm, batch.start)
-        dev = batch.input_ids_BT.device
-        return anchors.to(dev), keep.to(dev), ring
+        return anchors, keep, ring
 
     def _blocks(self, draft, batch, cfg, step: int):
         c = draft.config
         anchors, keep, ring = self._anchors(draft, batch, cfg, step)
         labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
-        labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size)
+        labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size,
+                                          getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels_BNK, valid, ring
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
@@ -193,8 +197,9 @@ class DFlash:
         c = draft.config
         anchors, keep, labels, valid, ring = self._blocks(draft, batch, cfg, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
-        if ring is None:
-            hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep)
+        if ring is None:  # packed rows: positions restart per sample, a block sees its own sample only
+            hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
+                           getattr(batch, "doc_ids_BT", None))
         else:
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, batch.position_ids_BT, ring=ring)
         norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)

@@ -34,34 +34,76 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["COUNTERS", "sample_anchors", "local_anchors", "build_block_ids", "next_token_labels", "block_targets",
-           "decay_weights", "block_loss", "dflash_loss", "metrics_from_counts"]
+__all__ = ["COUNTERS", "anchor_keys", "positions_in_sample", "sample_anchors", "local_anchors", "build_block_ids",
+           "next_token_labels", "block_targets", "decay_weights", "block_loss", "dflash_loss", "metrics_from_counts"]
 
 COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in ``[0, 2^32)`` (every product stays below 2^59: exact
+    and alike on every device)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def positions_in_sample(document_ids_BT: Optional[torch.Tensor], like_BT: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: each position's index within its sample (``document_ids_BT`` None: the row is one)."""
+    idx = torch.arange(like_BT.shape[1], device=like_BT.device).expand(like_BT.shape)
+    if document_ids_BT is None:
+        return idx
+    new = torch.ones_like(document_ids_BT, dtype=torch.bool)
+    new[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+    return idx - torch.where(new, idx, 0).cummax(dim=1).values
+
+
+def anchor_keys(input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, seed: int,
+                document_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Random keys ``[B, T]`` (int64 in ``[0, 2^32)``) for :func:`sample_anchors`: a hash of ``seed``,
+    the sample's loss-masked tokens at their positions within the sample, and the position within
+    the sample. So a sample draws the same keys wherever it lies (alone in a padded row, packed
+    after others, its row gathered by a ring's ranks) and whatever pads it (padding has mask 0)."""
+    local = positions_in_sample(document_ids_BT, input_ids_BT)
+    doc = torch.zeros_like(input_ids_BT) if document_ids_BT is None else document_ids_BT.long()
+    terms = input_ids_BT.long() * loss_mask_BT.long() * (local + 1)
+    content = torch.zeros_like(terms).scatter_add_(1, doc, terms).gather(1, doc) & _M32
+    sample = _mix32(_mix32(content) ^ (seed & _M32))
+    return _mix32(_mix32(sample ^ local))
+
+
 def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
-                   document_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``; N = the most any row has
-    (at least 1: a batch without two consecutive assistant tokens gets one dropped anchor per row).
-    Right padding (positions with loss mask 0 past the end) changes nothing."""
+                   document_ids_BT: Optional[torch.Tensor] = None,
+                   keys_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``: up to ``num_anchors``
+    per sample (a row, or each of a packed row's ``document_ids_BT``), uniformly among its
+    candidates; N = the most any row has (at least 1: a batch without two consecutive assistant
+    tokens gets one dropped anchor per row). ``keys_BT`` (:func:`anchor_keys`): the lowest keys
+    win; else keys drawn from ``generator``. Right padding (loss mask 0) changes nothing."""
     m = loss_mask_BT.bool()
     valid = m[:, :-1] & m[:, 1:]
-    if document_ids_BT is not None:
-        valid &= document_ids_BT[:, :-1] == document_ids_BT[:, 1:]
-    counts = valid.sum(1)
+    doc = torch.zeros_like(m, dtype=torch.long) if document_ids_BT is None else document_ids_BT.long()
+    valid &= doc[:, :-1] == doc[:, 1:]
+    B, S = valid.shape
+    if keys_BT is None:
+        # drawn position-major: position t of row b takes draw t*B + b of the stream, whatever T is, so
+        # right padding moves no anchor; 24-bit floats times 2^32 are exact integers
+        keys = (torch.rand((S, B), generator=generator, device=valid.device).T * 2**32).long()
+    else:
+        keys = keys_BT[:, :S]
+    # one sort: by sample, then key (invalid last), ties by position; the first num_anchors of each sample win
+    order, perm = (torch.where(valid, keys, 1 << 32) + doc[:, :S] * (1 << 33)).sort(dim=1, stable=True)
+    sorted_doc = order >> 33
+    rank = torch.arange(S, device=valid.device) - torch.searchsorted(sorted_doc, sorted_doc)
+    chosen = torch.zeros_like(valid).scatter(1, perm, (rank < num_anchors) & valid.gather(1, perm))
     # at least one (dropped) anchor: a micro-batch with nothing to train still runs the forward,
     # so every FSDP rank runs the same collectives
-    width = max(1, min(int(num_anchors), int(counts.max()) if counts.numel() else 0))
-    # drawn position-major: position t of row b takes draw t*B + b of the stream, whatever T is, so
-    # right padding (a sequence-parallel batch padded to a multiple of its ranks) moves no anchor
-    r = torch.rand(valid.shape[::-1], generator=generator, device=valid.device).T
-    r = r.masked_fill(~valid, 2.0)
-    picked = r.argsort(dim=1)[:, :width]
-    keep = torch.arange(width, device=valid.device) < counts.clamp(max=width).unsqueeze(1)
-    sentinel = valid.shape[1]
-    anchors = torch.where(keep, picked, sentinel).sort(dim=1).values
-    keep = anchors < sentinel
+    width = max(1, int(chosen.sum(1).max()) if chosen.numel() else 0)
+    anchors = torch.where(chosen, torch.arange(S, device=valid.device), S).sort(dim=1).values[:, :width]
+    keep = anchors < S
     return torch.where(keep, anchors, 0), keep
 
 

@@ -4,7 +4,9 @@ runtime's view of a block draft) with the Markov and confidence heads, their los
 Features: DFlash's (``draft.num_layers`` target layer outputs by default, ``model.aux_layer_ids``
 sets them), the target argmax (greedy labels, the CE term and the accuracy metrics) and the target's
 last hidden state (the teacher of the KL term and of the confidence target). Anchors are DFlash's
-(a function of train.seed, the step and the micro-batch's tokens). Sequence parallelism is refused.
+(per sample, a function of train.seed, the step and the sample's tokens). Packing keeps samples apart
+as DFlash's does (a Markov head's previous token and a teacher row of a counted row lie in its own
+sample). Sequence parallelism is refused.
 Engines: llama.cpp (``--spec-type draft-dspark``); this project writes no SGLang or vLLM export for it.
 """
 
@@ -16,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, EVAL_STEP, DFlash, DFlashOptions, _generator
-from specforge.algorithms.dflash.loss import build_block_ids, decay_weights, sample_anchors
+from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
+from specforge.algorithms.dflash.loss import build_block_ids, decay_weights
 from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
 from specforge.algorithms.dspark.memory import dspark_step
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
@@ -82,11 +84,10 @@ class DSpark(DFlash):
 
     def _targets(self, draft, batch, cfg, step: int):
         c = draft.config
-        gen = _generator(batch, cfg, step if torch.is_grad_enabled() else EVAL_STEP)
-        anchors, keep = sample_anchors(batch.loss_mask_BT.cpu(), cfg.draft.num_anchors, gen)
-        anchors, keep = anchors.to(batch.input_ids_BT.device), keep.to(batch.input_ids_BT.device)
+        anchors, keep, _ = self._anchors(draft, batch, cfg, step)  # DFlash's, per sample (no ring: refused)
         labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
-                                                 anchors, keep, c.block_size, c.shift)
+                                                 anchors, keep, c.block_size, c.shift,
+                                                 getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels, valid, prev_pos
 
     def normalizer(self, draft, batch, cfg, step: int) -> float:
@@ -104,7 +105,9 @@ class DSpark(DFlash):
                                      kl_weight=d.kl_weight, ce_weight=d.ce_weight,
                                      confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
 
-        return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, heads=heads)
+        # packed rows: positions restart per sample, a block sees its own sample only
+        return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
+                     getattr(batch, "doc_ids_BT", None), heads=heads)
 
     def counts_shape(self, cfg) -> tuple[int, int]:
         return (cfg.draft.block_size + int(cfg.draft.sample_from_anchor), 7)
