@@ -63,7 +63,8 @@ class PEagle(Eagle3):
     options = PEagleOptions
     architecture = "LlamaForCausalLMPEagle"
     dynamic_drafting = False  # a block is drafted whole, in one forward
-    packs = False  # train.pack_tokens refused: its parallel-drafting attention does not yet keep samples apart
+    packs = True  # train.pack_tokens: EAGLE-3's loss and cores keep packed samples apart (its forward passes doc ids)
+    packs_sp = False  # ... but not with sequence parallelism: not checked against the single process yet
     llamacpp_spec_type = None  # llama.cpp has no parallel drafting
     gguf_architecture = None
     engines = ("vllm",)

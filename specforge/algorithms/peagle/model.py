@@ -141,9 +141,12 @@ class PEagleDraft(Eagle3Draft):
     # ---------------------------------------------------------------- training: all depths at once
 
     def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BTKH: torch.Tensor, position_ids_BT: torch.Tensor,
-                t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None) -> list:
+                t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None,
+                doc_BT: Optional[torch.Tensor] = None) -> list:
         """``[head(d, hidden_out_B_Td_H) for depths d]`` (see the module docstring); the arguments of
-        ``Eagle3Draft.forward``: depth ``d`` computes rows ``t < t_len[d]`` (non-increasing)."""
+        ``Eagle3Draft.forward``: depth ``d`` computes rows ``t < t_len[d]`` (non-increasing).
+        ``doc_BT``: packed rows (``train/packing.py``): a row of any depth attends only to its own
+        sample's depth-0 keys (its own anchor's mask rows are of its sample already)."""
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
         w_hid = cast_once(w_hid)  # read by every depth: cast to the autocast dtype once (bit-identical)
@@ -156,6 +159,7 @@ class PEagleDraft(Eagle3Draft):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out = []
+        kw = {} if doc_BT is None else {"doc": doc_BT[:, : t_len[0]]}  # one tensor for every depth (as EAGLE-3's)
         for d, Td in enumerate(t_len):
             if d == 0:  # EAGLE-3's step 0: target features of row t, the embedding of x_{t+1}
                 e, hidden = e_full[:, 1 : 1 + Td], h_real[:, :Td]
@@ -169,7 +173,7 @@ class PEagleDraft(Eagle3Draft):
             # as Eagle3Draft.forward: depth-0 keys whole, diagonal keys cut to Td (the same objects when not cut)
             diag_k = [kk if kk.shape[2] == Td else kk[:, :, :Td] for kk in keys[1:]]
             diag_v = [vv if vv.shape[2] == Td else vv[:, :, :Td] for vv in values[1:]]
-            attn = core(q, [keys[0], *diag_k], [values[0], *diag_v])
+            attn = core(q, [keys[0], *diag_k], [values[0], *diag_v], **kw)
             h_out = self.layer_finish(attn, hidden)  # residual: the row's own input (fc(mask_hidden) at d >= 1)
             out.append(h_out if head is None else head(d, h_out))
         return out
