@@ -535,7 +535,8 @@ def packing_errors(cfg: Config) -> list[str]:
                 f"sample must fit one row; set train.pack_tokens to at least {cfg.data.max_length}"]
     if not getattr(get_algorithm(cfg.draft.algorithm), "packs", False):
         return [f"config key 'train.pack_tokens' is refused for draft.algorithm={cfg.draft.algorithm}: its loss "
-                "cannot keep packed samples apart yet (EAGLE-3 and EAGLE-3.1 can); unset train.pack_tokens"]
+                "cannot keep packed samples apart yet (EAGLE-3, EAGLE-3.1, P-EAGLE, DFlash and DSpark can); unset "
+                "train.pack_tokens"]
     if cfg.parallel.sp_ulysses * cfg.parallel.sp_ring > 1 and not getattr(get_algorithm(cfg.draft.algorithm),
                                                                            "packs_sp", False):
         return [f"config key 'train.pack_tokens' is refused for draft.algorithm={cfg.draft.algorithm} with sequence "

@@ -21,9 +21,16 @@ Each sample keeps what makes its loss its own (the algorithm's loss reads these 
   input token) lies in the next sample;
 * its loss mask, ids and features, copied as they were.
 
+Every algorithm packs (its ``packs`` flag): EAGLE-3, EAGLE-3.1 and P-EAGLE through the TTT loss and
+attention cores above; DFlash and DSpark keep a block, its labels and its anchor inside one sample,
+let a block see its own sample's context only, and draw each sample's random anchors as a function
+of the sample (``algorithms/dflash/loss.anchor_keys``), so a sample draws the same anchors packed or
+not. With sequence parallelism only EAGLE-3 and EAGLE-3.1 pack (``packs_sp``).
+
 The loss is a sum over samples normalized by the global count of counted rows, so regrouping the
 same samples into other micro-batches leaves it unchanged: packed equals unpacked (exact up to the
-order of float sums; ``tests/test_packing.py``, with SP ``tests/test_packing_sp.py``). Packing is a
+order of float sums; ``tests/test_packing.py``, ``tests/test_packing_blocks.py``, with SP
+``tests/test_packing_sp.py``). Packing is a
 pure function of the step's samples in order, so exact resume is unaffected; the store keeps samples.
 """
 

@@ -1,0 +1,257 @@
+"""train.pack_tokens for the block and parallel drafts: DFlash, DSpark, P-EAGLE.
+
+As tests/test_packing.py does for EAGLE-3: the reference is the unpacked run (the same samples
+right-padded, one per row). Through each algorithm's hooks (``normalizer``, ``loss``) the packed
+rows give its loss, counters and gradients (fp64 to rounding, fp32 tightly), and the trainer's two
+steps its metrics and weights. DFlash's and DSpark's random anchors are a function of the sample
+(``dflash.loss.anchor_keys``): each sample draws the same anchors packed and unpacked. Controls: a
+packed row without its doc ids (treated as one sample) gives another loss."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from specforge.algorithms import get_algorithm
+from specforge.algorithms.dflash.algorithm import DFlashOptions
+from specforge.algorithms.dflash.loss import anchor_keys, sample_anchors
+from specforge.algorithms.dflash.model import DFlashDraft
+from specforge.algorithms.dspark.algorithm import DSparkOptions
+from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
+from specforge.algorithms.peagle.algorithm import PEagleOptions
+from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
+from specforge.config import Config, TrainConfig, load_config
+from specforge.models.features import TrainBatch
+from specforge.train.packing import pack_micro_batches
+from specforge.train.trainer import DraftTrainer
+from tests.helpers.dflash import tiny_cfg
+
+LENGTHS = (13, 21, 9, 17)  # samples of uneven length (two micro-batches of two)
+BUDGET = 40  # rows of 34 and 26 tokens
+STEP = 3
+PV, PN, PH = 300, 100, 64  # P-EAGLE: target vocab, draft vocab, hidden (the target's)
+ALGOS = ["dflash", "dflash_window", "dspark", "peagle"]
+
+
+def _cfg(name, **train):
+    """The algorithm, its config (few anchors: a sample's anchors are a random subset of its candidates)."""
+    if name.startswith("dflash"):
+        window = 5 if name == "dflash_window" else None
+        d = DFlashOptions(algorithm="dflash", block_size=4, num_anchors=3, num_layers=2, sliding_window=window)
+    elif name == "dspark":
+        d = DSparkOptions(algorithm="dspark", block_size=4, num_anchors=3, num_layers=2, markov_rank=8, ce_weight=0.5)
+    else:
+        d = PEagleOptions(algorithm="peagle", parallel_tokens=3)
+    cfg = Config(draft=d, train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
+    return get_algorithm(d.algorithm), cfg
+
+
+def _draft(name, dtype):
+    """(draft, the loss's state: P-EAGLE's teacher, else None), built under seed 0."""
+    torch.manual_seed(0)
+    if name == "peagle":
+        cfg = PEagleDraftConfig(hidden_size=PH, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16, vocab_size=PV, draft_vocab_size=PN, mask_token_id=PV - 1,
+                                parallel_tokens=3)
+        d = PEagleDraft(cfg).to(dtype)
+        d.reset_parameters(std=0.1)
+        d.set_vocab(torch.sort(torch.randperm(PV)[:PN]).values - torch.arange(PN))
+        return d, torch.randn(PN, PH, dtype=dtype) * 0.5
+    window = 5 if name == "dflash_window" else None
+    if name == "dspark":
+        base = tiny_cfg()
+        d = DSparkDraft(DSparkConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                     markov_rank=8))
+    else:
+        d = DFlashDraft(tiny_cfg(sliding_window=window))
+    with torch.no_grad():  # non-trivial norms and a lm_head that is not near uniform
+        for pname, p in d.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        d.embed_tokens.weight.normal_()
+        d.lm_head.weight.normal_(std=2.0)
+    return d.to(dtype), None
+
+
+def _counted(name: str) -> int:
+    """The counters' column of counted rows (EAGLE-3's first, DFlash's second)."""
+    return 0 if name == "peagle" else 1
+
+
+def _samples(name, dtype, lengths=LENGTHS, seed=1, draft=None):
+    """Per-sample fields (no padding): an assistant span reaching the sample's end (where a block or
+    a shifted target would cross into the next sample) with a user gap in the longer ones; P-EAGLE's
+    targets mostly in ``draft``'s vocab."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "peagle":
+        V, F, H = PV, 3 * PH, PH
+    else:
+        c = tiny_cfg()
+        V, F, H = c.vocab_size - 1, c.context_width, c.hidden_size  # ids below the mask token
+    out = []
+    for n in lengths:
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[3:] = 1
+        if n > 15:
+            mask[9:11] = 0
+        tgt = torch.randint(0, V, (n,), generator=g)
+        if draft is not None:
+            inv = draft.draft_to_target_ids()
+            tgt = torch.where(torch.rand(n, generator=g) < 0.8, inv[torch.randint(0, PN, (n,), generator=g)], tgt)
+        out.append({"input_ids_BT": torch.randint(0, V, (n,), generator=g), "loss_mask_BT": mask,
+                    "aux_hidden_BTKH": torch.randn(n, F, generator=g, dtype=dtype),
+                    "last_hidden_BTH": torch.randn(n, H, generator=g, dtype=dtype), "target_ids_BT": tgt})
+    return out
+
+
+def _padded(samples, pad_id=5) -> TrainBatch:
+    """The samples right-padded into one batch (a pad id that is a real token, mask 0, zero
+    features), lengths recorded."""
+    T = max(s["input_ids_BT"].shape[0] for s in samples)
+    fields = {}
+    for name, first in samples[0].items():
+        out = torch.full((len(samples), T, *first.shape[1:]), pad_id if name == "input_ids_BT" else 0,
+                         dtype=first.dtype)
+        for b, s in enumerate(samples):
+            out[b, : s[name].shape[0]] = s[name]
+        fields[name] = out
+    return TrainBatch(**fields, length_B=torch.tensor([s["input_ids_BT"].shape[0] for s in samples]))
+
+
+def _micro_batches(name, dtype, draft=None):
+    s = _samples(name, dtype, draft=draft if name == "peagle" else None)
+    mbs = [_padded(s[:2]), _padded(s[2:])]
+    return mbs, pack_micro_batches(mbs, BUDGET)
+
+
+def _loss_counts_grads(algo, cfg, draft, state, batches):
+    """The step's loss over ``batches`` as the trainer computes it (the global normalizer first)."""
+    total = sum(algo.normalizer(draft, b, cfg, STEP) for b in batches)
+    losses, counts = zip(*(algo.loss(draft, b, state, cfg, STEP, total) for b in batches))
+    loss = sum(losses)
+    return loss, sum(counts), torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad])
+
+
+# ---------------------------------------------------------------- the anchors: a function of the sample
+
+
+def test_each_sample_draws_its_anchors_packed_or_padded():
+    """The same (sample, position) anchors from a packed row as from the padded rows (another pad id
+    too), up to num_anchors per sample; a changed assistant token draws others."""
+    algo, cfg = _cfg("dflash")
+    mbs, packed = _micro_batches("dflash", torch.float64)
+
+    def per_sample(batches):
+        out = []
+        for b in batches:
+            anchors, keep, _ = algo._anchors(None, b, cfg, STEP)
+            doc = getattr(b, "doc_ids_BT", None)
+            pos = getattr(b, "position_ids_BT", None)
+            for r in range(anchors.shape[0]):
+                a = anchors[r][keep[r]]
+                d = torch.zeros_like(a) if doc is None else doc[r, a]
+                local = a if pos is None else pos[r, a]
+                for i in range(int(d.max()) + 1 if a.numel() else 0):
+                    out.append(local[d == i].tolist())
+        return out
+
+    want = per_sample(mbs)
+    assert [len(a) for a in want] == [3, 3, 3, 3]
+    assert per_sample(packed) == want
+    assert per_sample([_padded(_samples("dflash", torch.float64)[:2], pad_id=0)]) == want[:2]
+    s = _samples("dflash", torch.float64)
+    s[0]["input_ids_BT"][5] += 1
+    assert per_sample([_padded(s[:2])])[0] != want[0]
+
+
+def test_anchors_are_uniform_over_a_samples_candidates():
+    """Over many steps every candidate of a sample is drawn about equally often (the keys are a hash,
+    not a generator: check they carry no visible bias)."""
+    mask = torch.zeros(1, 30, dtype=torch.long)
+    mask[0, 4:24] = 1  # candidates 4..22
+    ids = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(0))
+    seen = torch.zeros(30)
+    for step in range(400):
+        a, k = sample_anchors(mask, 5, keys_BT=anchor_keys(ids, mask, hash((0, step)) & 0xFFFFFFFF))
+        assert int(k.sum()) == 5
+        seen[a[k]] += 1
+    assert seen[:4].sum() == 0 and seen[23:].sum() == 0
+    freq = seen[4:23] / (400 * 5 / 19)
+    assert freq.min() > 0.7 and freq.max() < 1.3, freq
+
+
+# ---------------------------------------------------------------- the loss: packed equals unpacked
+
+
+@pytest.mark.parametrize("name", ALGOS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+def test_packed_loss_equals_unpacked(name, dtype, tol):
+    algo, cfg = _cfg(name)
+    draft, state = _draft(name, dtype)
+    mbs, packed = _micro_batches(name, dtype, draft)
+    assert [p.input_ids_BT.shape[1] for p in packed] == [34, 26]
+    l0, c0, g0 = _loss_counts_grads(algo, cfg, draft, state, mbs)
+    l1, c1, g1 = _loss_counts_grads(algo, cfg, draft, state, packed)
+    col = _counted(name)
+    assert c0[int(col == 1):, col].min() > 0  # something counts at every depth / drafted block row
+    torch.testing.assert_close(l1, l0, rtol=tol, atol=tol)
+    assert torch.equal(c1[:, col], c0[:, col])  # the same rows count at every block position / depth
+    torch.testing.assert_close(c1, c0, rtol=tol, atol=tol)
+    assert algo.metrics(c1.double(), cfg).keys() == algo.metrics(c0.double(), cfg).keys()
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol)
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_a_packed_row_without_its_doc_ids_gives_another_loss(name):
+    """Control: the packed rows as one sample each (positions restarting, no doc ids) train another loss."""
+    algo, cfg = _cfg(name)
+    draft, state = _draft(name, torch.float64)
+    mbs, packed = _micro_batches(name, torch.float64, draft)
+    l0 = _loss_counts_grads(algo, cfg, draft, state, mbs)[0]
+    no_doc = [TrainBatch(p.input_ids_BT, p.loss_mask_BT, p.aux_hidden_BTKH, p.last_hidden_BTH, p.target_ids_BT)
+              for p in packed]
+    for b, p in zip(no_doc, packed):
+        object.__setattr__(b, "position_ids_BT", p.position_ids_BT)
+    l1 = _loss_counts_grads(algo, cfg, draft, state, no_doc)[0]
+    assert not torch.allclose(l1, l0, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- the trainer's step
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark", "peagle"])
+def test_trainer_steps_packed_equal_unpacked(name):
+    """Two optimizer steps of the trainer, packed and unpacked, on the same micro-batches: the same
+    metrics and weights (fp32)."""
+    runs = {}
+    for budget in (None, BUDGET):
+        algo, cfg = _cfg(name, pack_tokens=budget)
+        draft, state = _draft(name, torch.float32)
+        trainer = DraftTrainer(algo, draft, state, cfg, torch.device("cpu"))
+        mbs = _micro_batches(name, torch.float32, draft)[0]
+        metrics = [trainer.step(mbs) for _ in range(2)]
+        runs[budget] = metrics, {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
+    (m0, p0), (m1, p1) = runs[None], runs[BUDGET]
+    for a, b in zip(m0, m1):
+        assert b["valid_tokens"] == a["valid_tokens"] > 0
+        assert b["tokens"] < a["tokens"]  # no padding when packed
+        for key in a:
+            if key not in ("tokens", "train_ms", "lr") and a[key] == a[key]:  # nan: a position nothing reached
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    for k in p0:
+        # AdamW turns fp32 rounding of a gradient entry near its epsilon (~1e-8) into a different step
+        # of up to ~lr: an odd entry may move 1e-4 (P-EAGLE's, seen); every other one agrees to 1e-6
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-4)
+        assert ((p1[k] - p0[k]).abs() > 1e-6).float().mean() < 1e-3, k
+
+
+# ---------------------------------------------------------------- what is refused
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "peagle"])
+def test_block_and_parallel_drafts_pack_but_not_with_sp(algorithm):
+    base = ["data.max_length=512", "train.pack_tokens=4096", f"draft.algorithm={algorithm}"]
+    load_config(None, base)
+    with pytest.raises(ValueError, match="refused for draft.algorithm=.*with sequence parallelism"):
+        load_config(None, [*base, "parallel.sp_ring=2", "train.num_workers=2"])
