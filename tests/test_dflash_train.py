@@ -2,7 +2,7 @@
 placements, feature sources, store and checkpoints as EAGLE-3, and evaluated losslessly beside it.
 
 Multi-rank runs are checked against the single process (same global batch, same anchors: they are a
-function of the seed, the step and the micro-batch's tokens), as for EAGLE-3 in test_ray_train.py.
+function of the seed, the step and each sample's tokens), as for EAGLE-3 in test_ray_train.py.
 """
 
 import json
