@@ -73,7 +73,9 @@ def test_training_lowers_the_block_loss(assets, tmp_path):
     # ring SP 2 (one DP group, both micro-batches of the global batch on it): each rank its context share
     ("colocated", ("parallel.sp_ring=2", "train.grad_accum=2")),
     ("disaggregated", ("parallel.sp_ring=2", "train.grad_accum=2")),
-], ids=["colocated-dp2", "disaggregated-dp2", "colocated-ring2", "disaggregated-ring2"])
+    # packed (train.pack_tokens): one rank, the global batch's two samples in one row of the plan
+    ("disaggregated", ("train.num_workers=1", "train.batch_size=2", "train.pack_tokens=128")),
+], ids=["colocated-dp2", "disaggregated-dp2", "colocated-ring2", "disaggregated-ring2", "disaggregated-packed"])
 def test_two_ranks_equal_the_single_process(assets, single, ray_session, tmp_path, mode, extra):
     from specforge.ray_train import fit
 
@@ -90,8 +92,28 @@ def test_two_ranks_equal_the_single_process(assets, single, ray_session, tmp_pat
 
     # ring attention sums each softmax in another order: gradients differ by ~1e-7 (test_dflash_sp.py), which
     # AdamW turns into up to 2.3e-5 (measured) on the few weights whose gradient is near 0, over 4 steps at lr 1e-2
-    atol = 1e-4 if extra else 1e-5
+    atol = 1e-4 if extra else 1e-5  # packed: as the ring (test_a_packed_run_equals_the_single_process)
     assert_same_weights(ref_ckpt, got_ckpt, load_draft_folder(got_ckpt)[1], load_draft_folder(ref_ckpt)[1], atol)
+
+
+def test_a_packed_run_equals_the_single_process(assets, single, tmp_path):
+    """train.pack_tokens in one process: the global batch's two samples in one packed row train (and
+    evaluate) as the reference's two padded micro-batches: the same losses and weights."""
+    from specforge.local import run
+    from specforge.train.checkpoint import load_draft_folder
+
+    ref_out, ref_ckpt = single
+    got_ckpt = Path(run(dflash_cfg(assets, tmp_path, "train.num_workers=1", "train.batch_size=2",
+                                   "train.pack_tokens=128", "train.eval_every=2")))
+    for kind in ("train", "eval"):
+        want, got = _losses(ref_out, kind), _losses(tmp_path, kind)
+        assert [r["step"] for r in got] == [r["step"] for r in want]
+        for a, b in zip(want, got):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (kind, a["step"])
+            assert b["valid_tokens"] == a["valid_tokens"]
+    # a packed row's sums run in another order (fp32 ~1e-7, tests/test_packing_blocks.py), which AdamW turns
+    # into up to 3.2e-5 (measured) on the few weights whose gradient is near 0, as the ring's (below)
+    assert_same_weights(ref_ckpt, got_ckpt, load_draft_folder(got_ckpt)[1], load_draft_folder(ref_ckpt)[1], 1e-4)
 
 
 def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):
