@@ -246,6 +246,37 @@ def test_trainer_steps_packed_equal_unpacked(name):
         assert ((p1[k] - p0[k]).abs() > 1e-6).float().mean() < 1e-3, k
 
 
+# ---------------------------------------------------------------- the memory model
+
+
+def test_a_packed_row_counts_the_anchors_of_all_its_samples():
+    """A packed row draws num_anchors per sample (up to the rank's samples of a step), never more
+    than its tokens allow. In the dry run a row of 4 samples holds as many block rows as 4 padded
+    rows, and a block mask 4 times theirs (every block of the row against every other)."""
+    from pathlib import Path
+
+    from specforge.algorithms.dflash.memory import anchors_per_row
+    from specforge.dryrun import memory_plan
+
+    def cfg(*over):
+        return load_config(None, ["draft.algorithm=dflash", "draft.num_anchors=64", "data.max_length=512", *over])
+
+    assert anchors_per_row(cfg(), 512) == 64 and anchors_per_row(cfg(), 40) == 39  # one sample a row
+    packed = cfg("train.pack_tokens=4096", "train.batch_size=4", "train.grad_accum=2")
+    assert anchors_per_row(packed, 4096) == 8 * 64
+    assert anchors_per_row(cfg("draft.num_anchors=3", "train.pack_tokens=512", "train.batch_size=64"), 10) == 7
+    configs = Path(__file__).parent.parent / "configs"
+    base = ["data.max_length=512", "train.batch_size=4"]
+    plain = memory_plan(load_config(configs / "smollm2-135m-dflash-cpu.yaml", base))[0]
+    rows = memory_plan(load_config(configs / "smollm2-135m-dflash-cpu.yaml", [*base, "train.pack_tokens=2048"]))[0]
+
+    def term(plan, name):
+        return max(t.nbytes for ts in plan.phases.values() for t in ts if t.name.startswith(name))
+
+    assert term(rows, "activations: block rows") == term(plain, "activations: block rows")
+    assert term(rows, "block mask") == pytest.approx(4 * term(plain, "block mask"), rel=0.05)
+
+
 # ---------------------------------------------------------------- what is refused
 
 

@@ -39,7 +39,7 @@ from specforge.algorithms.dflash.loss import (
     next_token_labels,
     sample_anchors,
 )
-from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
+from specforge.algorithms.dflash.memory import DFlashDims, anchors_per_row, dflash_step
 from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft, default_target_layer_ids
 from specforge.algorithms.dflash.propose import DFlashProposer
 from specforge.algorithms.dflash.sp import RingBlocks, gather_rows, ring_comm
@@ -78,6 +78,7 @@ class DFlash:
     architecture = "DFlashDraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward
     packs = True  # train.pack_tokens: anchors, blocks, labels and block attention stay inside each packed sample
+    packs_sp = False  # ... but not with ring SP: its ring kernel takes no sample ids (sp.py)
     llamacpp_spec_type = "draft-dflash"
     gguf_architecture = "dflash"
     engines = ("sglang", "vllm", "llama.cpp")
@@ -222,7 +223,7 @@ class DFlash:
         # micro-batch is anchored in its rows; the ring kernel's held/received K/V blocks, per-row
         # visibility and score chunks are counted as the single process's SDPA terms over R rows
         rows = shape.R if shape.sp > 1 else shape.T
-        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, min(cfg.draft.num_anchors, shape.T - 1),
+        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, anchors_per_row(cfg, shape.T),
                            precision)
 
     def memory_keys(self, cfg) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.loss import build_block_ids, decay_weights
 from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
+from specforge.algorithms.dflash.memory import anchors_per_row
 from specforge.algorithms.dspark.memory import dspark_step
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
 from specforge.algorithms.dspark.propose import DSparkProposer
@@ -118,7 +119,7 @@ class DSpark(DFlash):
                               teacher=bool(d.kl_weight) or d.confidence_head)
 
     def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        return dspark_step(draft.config, shape.B, shape.T, min(cfg.draft.num_anchors, shape.T - 1), precision,
+        return dspark_step(draft.config, shape.B, shape.T, anchors_per_row(cfg, shape.T), precision,
                            CHUNK_BLOCKS)
 
     # ---------------------------------------------------------------- a saved draft
