@@ -7,7 +7,9 @@ What the public implementations do, and what we do:
 * Anchors (SpecForge PR #463, ``OnlineDFlashModel``): up to ``num_anchors`` positions per row,
   drawn uniformly without replacement among positions ``a`` where token ``a`` AND token ``a+1``
   are loss-masked (assistant) tokens; sorted. Rows with fewer candidates keep fewer blocks
-  (``keep`` False for the rest). A block is ``[x_a, mask, ..., mask]``.
+  (``keep`` False for the rest). A block is ``[x_a, mask, ..., mask]``. Ours: per sample (a packed
+  row's samples each draw up to ``num_anchors``, a and a+1 in the sample), the draw a hash of the
+  sample (:func:`anchor_keys`), so a sample draws the same anchors packed or padded.
 * Labels: block row k (k >= 1) of anchor a predicts the token at ``a + k``. The reference trains
   hard cross-entropy against the DATA token ``x_{a+k}`` (its data are target-generated answers);
   speculators trains KL against the target's distribution. :func:`next_token_labels` gives either
