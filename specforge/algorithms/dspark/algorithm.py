@@ -20,8 +20,8 @@ import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.loss import build_block_ids, decay_weights
-from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
 from specforge.algorithms.dflash.memory import anchors_per_row
+from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
 from specforge.algorithms.dspark.memory import dspark_step
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
 from specforge.algorithms.dspark.propose import DSparkProposer
