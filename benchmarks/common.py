@@ -36,6 +36,8 @@ def git_commit(repo: Path = REPO) -> str:
         if not head.startswith("ref: "):
             return head[:12]
         ref = head[5:]
+        if (git / "commondir").is_file():  # a worktree's branch refs live in the main git dir
+            git = (git / (git / "commondir").read_text().strip()).resolve()
         if (git / ref).is_file():
             return (git / ref).read_text().strip()[:12]
         for line in (git / "packed-refs").read_text().splitlines():
