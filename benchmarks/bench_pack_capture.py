@@ -33,6 +33,7 @@ from specforge.data.prepare import prepare_dataset  # noqa: E402
 from specforge.device import set_threads  # noqa: E402
 from specforge.models.target import capture, load_target  # noqa: E402
 from specforge.train.batch import collate, global_batch_ids  # noqa: E402
+from specforge.train.packing import target_packs  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-cpu.yaml"
 
@@ -58,7 +59,7 @@ def run_case(target, batches: list[list[dict]], pack_tokens: int, pad: int) -> d
         for out, pack, impl in order if rep % 2 == 0 else order[::-1]:
             target.model.set_attn_implementation(impl)
             t0 = time.perf_counter()
-            capture(target, ids, attn, pack_tokens=pack)
+            capture(target, ids, attn, packs=target_packs(attn, pack))
             if rep:
                 out.append(time.perf_counter() - t0)
         target.model.set_attn_implementation(sdpa)

@@ -34,6 +34,7 @@ from specforge.data.store import (
 from specforge.device import set_threads
 from specforge.models.target import capture, load_target
 from specforge.train.batch import collate, pad_id
+from specforge.train.packing import target_packs
 
 CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)
 
@@ -62,7 +63,7 @@ def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: 
     for ids in batches:
         sub = [rows[i] for i in ids]
         input_ids_BT, loss_mask_BT, attn_BT = collate(sub, pad)
-        f = capture(target, input_ids_BT, attn_BT, chunk_tokens, pack_tokens)
+        f = capture(target, input_ids_BT, attn_BT, chunk_tokens, target_packs(attn_BT, pack_tokens))
         for b, sid in enumerate(ids):
             n = len(sub[b]["input_ids"])
             yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],

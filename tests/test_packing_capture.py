@@ -12,11 +12,12 @@ import torch
 from specforge.capture import iter_features, main, plan_batches
 from specforge.config import load_config
 from specforge.data.store import FeatureStore
-from specforge.models.target import TargetModel, capture, forward_aux, plan_packs
+from specforge.models.target import TargetModel, capture, forward_aux
 from specforge.runtime.contracts import FeatureField, FeatureSpec
 from specforge.runtime.workers import RolloutWorker
 from specforge.targets import FAMILIES, check_packing
 from specforge.train.batch import collate
+from specforge.train.packing import target_packs
 from specforge.train.trainer import local_batches
 from tests.helpers.models import tiny_target
 from tests.helpers.targets import NAMES, build_family, overrides, target_folder
@@ -51,7 +52,7 @@ def assert_same_samples(a, b, lengths, tol=1e-5):
 def test_packed_capture_equals_the_padded_one(target, rows, pack_tokens):
     ids, _, attn = collate(rows, 0)
     padded = capture(target, ids, attn)
-    packed = capture(target, ids, attn, pack_tokens=pack_tokens)
+    packed = capture(target, ids, attn, packs=target_packs(attn, pack_tokens))
     assert_same_samples(packed, padded, LENGTHS)
     for name in FIELDS:  # the padded layout, zeros where the padding is
         got = getattr(packed, name)
@@ -59,11 +60,13 @@ def test_packed_capture_equals_the_padded_one(target, rows, pack_tokens):
         assert all(not got[j, n:].any() for j, n in enumerate(LENGTHS))
 
 
-def test_plan_packs_keeps_order_and_refuses_a_sample_longer_than_a_row():
-    assert plan_packs(LENGTHS, 24) == [[0, 1, 2], [3, 4], [5]]
-    assert plan_packs(LENGTHS, 100) == [list(range(6))]
-    with pytest.raises(ValueError, match="rollout.pack_tokens=14"):
-        plan_packs(LENGTHS, 14)
+def test_target_packs_keep_order_and_refuse_a_sample_longer_than_a_row(rows):
+    _, _, attn = collate(rows, 0)
+    assert target_packs(attn, None) is None
+    assert target_packs(attn, 24) == [[0, 1, 2], [3, 4], [5]]
+    assert target_packs(attn, 100) == [list(range(6))]
+    with pytest.raises(ValueError, match=r"'rollout\.pack_tokens'=14: a sample of 15 tokens"):
+        target_packs(attn, 14)
 
 
 def test_negative_control_one_position_run_lets_samples_see_each_other(target, rows):
@@ -95,10 +98,10 @@ def test_family_packs_exactly_where_the_table_says(name):
     padded = capture(t, ids, attn)
     if not fam.no_pack_reason:
         # 1e-4: deeper stacks (MoE, 4 norms per layer) round differently over other matmul shapes
-        assert_same_samples(capture(t, ids, attn, pack_tokens=64), padded, lengths, tol=1e-4)
+        assert_same_samples(capture(t, ids, attn, packs=target_packs(attn, 64)), padded, lengths, tol=1e-4)
         return
     with pytest.raises(ValueError, match=r"'rollout\.pack_tokens' is refused for a " + name):
-        capture(t, ids, attn, pack_tokens=64)
+        capture(t, ids, attn, packs=target_packs(attn, 64))
     ids_1N = torch.cat([ids[j, :n] for j, n in enumerate(lengths)])[None]
     pos_1N = torch.cat([torch.arange(n) for n in lengths])[None]
     raw = forward_aux(t, ids_1N, position_ids_BT=pos_1N)[1][0].split(lengths)

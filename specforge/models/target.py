@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -367,14 +367,15 @@ def capture(
     input_ids_BT: torch.Tensor,
     attention_mask_BT: Optional[torch.Tensor] = None,
     chunk_tokens: int = 1024,
-    pack_tokens: Optional[int] = None,
+    packs: Optional[Sequence[Sequence[int]]] = None,
 ) -> Features:
     """Run the target once: aux layer outputs, final hidden state, and the argmax at every position.
-    ``pack_tokens`` (``rollout.pack_tokens``): the right-padded rows' samples go end to end into
-    packed rows of at most that many tokens, one forward each, and come back in the padded layout
-    (zeros where the padding is): no compute on padding, equal features where the samples are."""
-    if pack_tokens is not None and attention_mask_BT is not None:
-        return _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, pack_tokens)
+    ``packs`` (``rollout.pack_tokens``; ``train.packing.target_packs``): the right-padded rows per
+    packed row, each packed row one forward with its samples end to end, and the features come back
+    in the padded layout (zeros where the padding is): no compute on padding, equal features where
+    the samples are."""
+    if packs is not None:
+        return _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs)
     return _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens)
 
 
@@ -385,28 +386,12 @@ def _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens, positio
     return Features(aux_hidden_BTKH=aux_BTKH, last_hidden_BTH=last_BTH, target_ids_BT=ids)
 
 
-def plan_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
-    """Row indices per packed row, in order, a new row whenever the next sample would pass ``pack_tokens``."""
-    packs: list[list[int]] = []
-    used = pack_tokens
-    for b, n in enumerate(lengths):
-        if n > pack_tokens:
-            raise ValueError(f"a {n}-token sample does not fit rollout.pack_tokens={pack_tokens}; "
-                             "set rollout.pack_tokens to at least data.max_length")
-        if used + n > pack_tokens:
-            packs.append([])
-            used = 0
-        packs[-1].append(b)
-        used += n
-    return packs
-
-
-def _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, pack_tokens) -> Features:
+def _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs) -> Features:
     check_packing(target.model.config)
     lengths = [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]  # one read of the host mask
     B, T = input_ids_BT.shape
     out: Optional[Features] = None
-    for rows in plan_packs(lengths, pack_tokens):
+    for rows in packs:
         ids_1N = torch.cat([input_ids_BT[b, : lengths[b]] for b in rows])[None]
         pos_1N = torch.cat([torch.arange(lengths[b], device=input_ids_BT.device) for b in rows])[None]
         f = _capture_rows(target, ids_1N, None, chunk_tokens, position_ids_BT=pos_1N)
