@@ -22,20 +22,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    append_section,
+    default_cpu_run,
+    header_markdown,
+    machine_info,
+    markdown_table,
+)
 from specforge.capture import CAPTURE_TOKENS, plan_batches  # noqa: E402
-from specforge.config import load_config  # noqa: E402
-from specforge.data.prepare import prepare_dataset  # noqa: E402
-from specforge.device import set_threads  # noqa: E402
-from specforge.models.target import capture, load_target  # noqa: E402
+from specforge.models.target import capture  # noqa: E402
 from specforge.train.batch import collate, global_batch_ids  # noqa: E402
 from specforge.train.packing import target_packs  # noqa: E402
-
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-cpu.yaml"
 
 
 def rollout_batches(rows, batch_size: int, reps: int) -> list[list[dict]]:
@@ -79,10 +78,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
-    set_threads(args.threads)
-    cfg = load_config(CONFIG)
-    target = load_target(cfg.model, torch.device("cpu"))
-    data = prepare_dataset(cfg.data, target.tokenizer, cache_dir=cfg.model.cache_dir, progress=False)
+    cfg, target, data = default_cpu_run(args.threads)
     rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in data.train]
     pad = target.tokenizer.pad_token_id or 0
     L, B = cfg.data.max_length, cfg.train.batch_size

@@ -69,6 +69,23 @@ def machine_info() -> dict[str, str]:
     return info
 
 
+def default_cpu_run(threads: int):
+    """(config, target, tokenized data) of the embedded default run (configs/smollm2-135m-cpu.yaml),
+    the target on the CPU, ``threads`` torch threads: what the target-forward benchmarks time."""
+    # lazy: heavy (torch, transformers, datasets); every benchmark imports this module, most for its tables
+    import torch
+
+    from specforge.config import load_config
+    from specforge.data.prepare import prepare_dataset
+    from specforge.device import set_threads
+    from specforge.models.target import load_target
+
+    set_threads(threads)
+    cfg = load_config(REPO / "configs" / "smollm2-135m-cpu.yaml")
+    target = load_target(cfg.model, torch.device("cpu"))
+    return cfg, target, prepare_dataset(cfg.data, target.tokenizer, cache_dir=cfg.model.cache_dir, progress=False)
+
+
 def header_markdown(info: Optional[dict[str, str]] = None) -> str:
     info = info or machine_info()
     return " | ".join(f"**{k}** {v}" for k, v in info.items())
