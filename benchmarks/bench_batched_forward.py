@@ -19,18 +19,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
-from specforge.config import load_config  # noqa: E402
-from specforge.data.prepare import prepare_dataset  # noqa: E402
-from specforge.device import set_threads  # noqa: E402
-from specforge.models.target import capture, load_target  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    append_section,
+    default_cpu_run,
+    header_markdown,
+    machine_info,
+    markdown_table,
+)
+from specforge.models.target import capture  # noqa: E402
 from specforge.train.batch import collate, global_batch_ids, split_for_ranks  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-cpu.yaml"
 DP_GROUPS = 4
 # (samples per DP group, token cap per sample): the default config's shape, then shorter ones
 CASES = [(2, 512), (1, 512), (2, 128), (1, 64)]
@@ -106,10 +106,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
-    set_threads(args.threads)
-    cfg = load_config(CONFIG)
-    target = load_target(cfg.model, torch.device("cpu"))
-    data = prepare_dataset(cfg.data, target.tokenizer, cache_dir=cfg.model.cache_dir, progress=False)
+    cfg, target, data = default_cpu_run(args.threads)
     pad = target.tokenizer.pad_token_id or 0
     results = [run_case(target, data, g, cap, args.reps, pad) for g, cap in CASES]
     rows = [[f"{r['per_group']} x {DP_GROUPS}", r["cap"], f"{r['tokens']:.0f}", f"{100 * r['pad_frac']:.0f}%",

@@ -36,6 +36,8 @@ def git_commit(repo: Path = REPO) -> str:
         if not head.startswith("ref: "):
             return head[:12]
         ref = head[5:]
+        if (git / "commondir").is_file():  # a worktree's branch refs live in the main git dir
+            git = (git / (git / "commondir").read_text().strip()).resolve()
         if (git / ref).is_file():
             return (git / ref).read_text().strip()[:12]
         for line in (git / "packed-refs").read_text().splitlines():
@@ -65,6 +67,23 @@ def machine_info() -> dict[str, str]:
     except ImportError:
         pass
     return info
+
+
+def default_cpu_run(threads: int):
+    """(config, target, tokenized data) of the embedded default run (configs/smollm2-135m-cpu.yaml),
+    the target on the CPU, ``threads`` torch threads: what the target-forward benchmarks time."""
+    # lazy: heavy (torch, transformers, datasets); every benchmark imports this module, most for its tables
+    import torch
+
+    from specforge.config import load_config
+    from specforge.data.prepare import prepare_dataset
+    from specforge.device import set_threads
+    from specforge.models.target import load_target
+
+    set_threads(threads)
+    cfg = load_config(REPO / "configs" / "smollm2-135m-cpu.yaml")
+    target = load_target(cfg.model, torch.device("cpu"))
+    return cfg, target, prepare_dataset(cfg.data, target.tokenizer, cache_dir=cfg.model.cache_dir, progress=False)
 
 
 def header_markdown(info: Optional[dict[str, str]] = None) -> str:

@@ -34,6 +34,7 @@ from specforge.data.store import (
 from specforge.device import set_threads
 from specforge.models.target import capture, load_target
 from specforge.train.batch import collate, pad_id
+from specforge.train.packing import target_packs
 
 CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)
 
@@ -54,13 +55,15 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = CAPT
 
 
 @torch.no_grad()
-def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: int) -> Iterator[tuple[int, dict]]:
-    """(row index, per-sample features) for every row of ``batches``, one target forward per batch."""
+def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: int,
+                  pack_tokens: Optional[int] = None) -> Iterator[tuple[int, dict]]:
+    """(row index, per-sample features) for every row of ``batches``, one target forward per batch
+    (``pack_tokens``: per packed row of the batch, ``capture``'s)."""
     pad = pad_id(target.tokenizer)
     for ids in batches:
         sub = [rows[i] for i in ids]
         input_ids_BT, loss_mask_BT, attn_BT = collate(sub, pad)
-        f = capture(target, input_ids_BT, attn_BT, chunk_tokens)
+        f = capture(target, input_ids_BT, attn_BT, chunk_tokens, target_packs(attn_BT, pack_tokens))
         for b, sid in enumerate(ids):
             n = len(sub[b]["input_ids"])
             yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],
@@ -76,9 +79,10 @@ def _lengths(rows) -> list[int]:
 
 def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", shard_mb: float = 256.0,
                 batch_size: int = 1, chunk_tokens: int = 1024, progress: bool = True,
-                max_tokens: int = CAPTURE_TOKENS) -> Path:
+                max_tokens: int = CAPTURE_TOKENS, pack_tokens: Optional[int] = None) -> Path:
     """Capture the features of ``rows`` (sample id = row index) into the store at ``root``,
-    skipping the samples already in complete shards."""
+    skipping the samples already in complete shards. ``pack_tokens`` (``rollout.pack_tokens``): each
+    batch's samples run in packed rows; the stored features are the padded capture's."""
     lengths = _lengths(rows)
     bpt = bytes_per_token(meta.hidden_size, dtype, len(meta.aux_layer_ids))
     t0 = time.perf_counter()
@@ -92,7 +96,7 @@ def write_store(target, rows, root, meta: StoreMeta, dtype: str = "bfloat16", sh
         batches = [b for b in plan_batches(lengths, batch_size, max_tokens) if not done.issuperset(b)]
         bar = tqdm(total=left, unit="tok", unit_scale=True, desc="capture", disable=not progress, mininterval=1.0)
         with bar:
-            for sid, feats in iter_features(target, rows, batches, chunk_tokens):
+            for sid, feats in iter_features(target, rows, batches, chunk_tokens, pack_tokens):
                 if sid not in done:  # a batch straddling a complete shard is recomputed whole (same numbers)
                     writer.add(sid, **feats)
                     bar.update(lengths[sid])
@@ -118,7 +122,8 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
                            cache_dir=cfg.model.cache_dir, progress=progress)
     meta = store_meta(cfg, target, source=source or data.cache_key)
     return write_store(target, data.train, store_root(cfg), meta, cfg.store.dtype, cfg.store.shard_mb,
-                       cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress)
+                       cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress,
+                       max_tokens=max(CAPTURE_TOKENS, cfg.rollout.pack_tokens or 0), pack_tokens=cfg.rollout.pack_tokens)
 
 
 def main(argv=None) -> int:

@@ -133,6 +133,11 @@ class TrainConfig:
 class RolloutConfig:
     num_workers: int = 1  # target workers in disaggregated mode
     max_restarts: int = 3  # rollout workers that died and were replaced, per run, before it gives up
+    # Packed target forwards: a batch's samples go end to end into rows of at most this many tokens
+    # (position ids restart at 0 per sample, HF's masks keep samples apart), then come back per sample:
+    # no compute on padding. Used wherever the target runs: rollout workers, the single process and
+    # python -m specforge.capture. None = right-padded batches. At least data.max_length.
+    pack_tokens: Optional[int] = None
 
 
 @dataclass
@@ -517,6 +522,7 @@ def validate(cfg: Config) -> None:
     errors += get_algorithm(cfg.draft.algorithm).config_errors(cfg)
     errors += replay_errors(cfg)
     errors += packing_errors(cfg)
+    errors += capture_packing_errors(cfg)
     endpoint = cfg.regenerate.endpoint
     if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
         errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
@@ -544,6 +550,16 @@ def packing_errors(cfg: Config) -> list[str]:
                 "its SP cores do not keep packed samples apart yet (EAGLE-3 and EAGLE-3.1 do); unset "
                 "train.pack_tokens or set both to 1"]
     return []
+
+
+def capture_packing_errors(cfg: Config) -> list[str]:
+    """``rollout.pack_tokens``: a sample must fit one packed target row (the family is checked by
+    ``targets.check_packing`` where the target config is read)."""
+    n = cfg.rollout.pack_tokens
+    if n is None or n >= cfg.data.max_length:
+        return []
+    return [f"config key 'rollout.pack_tokens'={n} is below data.max_length={cfg.data.max_length}: the longest "
+            f"sample must fit one packed target row; set rollout.pack_tokens to at least {cfg.data.max_length}"]
 
 
 def replay_errors(cfg: Config) -> list[str]:

@@ -29,7 +29,7 @@ from specforge.models.target import load_target_config, resolve_target_path
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.loop import check, single_process
 from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
-from specforge.targets import check_target, read_config_json, text_config
+from specforge.targets import check_packing, check_target, read_config_json, text_config
 from specforge.train.init_from import check_init_from
 from specforge.train.trainer import checkpoint_root
 
@@ -114,6 +114,8 @@ def check_run(cfg: Config) -> None:
     algo = get_algorithm(cfg.draft.algorithm)
     layers = algo.feature_layers(cfg, target.num_hidden_layers)
     check_target(read_config_json(resolve_target_path(cfg.model)) or full, layers)  # the family table's checks
+    if cfg.rollout.pack_tokens is not None:
+        check_packing(full)
     algo.check(cfg, target)
     heads = cfg.draft.num_attention_heads or target.num_attention_heads
     ParallelDims.from_config(cfg).check_heads(heads)

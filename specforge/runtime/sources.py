@@ -106,7 +106,7 @@ class CaptureSource:
 
     def __init__(self, target, data, groups, cfg: Config, peers: Sequence[int] = ()):
         self.target, self.data, self.groups = target, data, groups
-        self.halo, self.chunk = _halo(cfg), cfg.model.argmax_chunk_tokens
+        self.halo, self.chunk, self.pack = _halo(cfg), cfg.model.argmax_chunk_tokens, cfg.rollout.pack_tokens
         self.peers = list(peers)  # global rank of each SP rank of this rank's group
         self.captured = 0  # micro-batches this rank ran the target over
         if groups is not None and groups.sp_size > 1:
@@ -122,7 +122,7 @@ class CaptureSource:
         packed = [[len(rows[i]["input_ids"]) for i in ids] if plan.packed else None for ids in ids_m]
         if g.sp_size == 1:
             self.captured += len(micro)
-            full = [local_batches(self.target, r, len(r), self.chunk)[0] for r in micro]
+            full = [local_batches(self.target, r, len(r), self.chunk, self.pack)[0] for r in micro]
             return [b if p is None else sp_slice_batch(b, 0, 1, 0, p) for b, p in zip(full, packed)]
         return self._sp_exchange(plan, micro, packed)
 
@@ -132,7 +132,7 @@ class CaptureSource:
         for m, rows_m in enumerate(micro):
             owner = m % S
             if owner == me:
-                (full,) = local_batches(self.target, rows_m, len(rows_m), self.chunk)
+                (full,) = local_batches(self.target, rows_m, len(rows_m), self.chunk, self.pack)
                 self.captured += 1
                 shapes = self._meta_batch(rows_m)
                 for r in range(S):

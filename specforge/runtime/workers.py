@@ -42,6 +42,7 @@ from specforge.runtime.sources import build_source, build_transport, open_data
 from specforge.train.batch import collate, pad_id
 from specforge.train.checkpoint import CheckpointManager
 from specforge.train.init_from import apply_init_from, resumed_checkpoint
+from specforge.train.packing import target_packs
 from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
 
 
@@ -106,15 +107,16 @@ class RolloutWorker(DistributedWorker):
 
     @torch.no_grad()
     def _forward(self, plan: StepPlan) -> dict[int, dict[str, torch.Tensor]]:
-        """ONE right-padded target forward over this worker's batch of ``plan``; per-sample
-        full-length wire tensors (none when the batch is empty)."""
+        """ONE right-padded target forward over this worker's batch of ``plan`` (packed rows with
+        ``rollout.pack_tokens``); per-sample full-length wire tensors (none when the batch is empty)."""
         ids = plan.batch_of(self.rank)
         if not ids:
             return {}
         rows = getattr(self.data, plan.split)[list(ids)]
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
         input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.target.tokenizer))
-        f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens)
+        f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens,
+                    target_packs(attn_BT, self.cfg.rollout.pack_tokens))
         fields = {"aux_hidden": f.aux_hidden_BTKH, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
                   "input_ids": input_ids_BT, "loss_mask": loss_mask_BT}
         per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows], self.transport.device)

@@ -59,6 +59,9 @@ class Family:
     # checkpoints ship (our draft replaces it; a checkpoint re-saved by transformers has lost its tensors
     # while its config still counts them, and the converter asserts they exist)
     llamacpp_target_args: tuple[str, ...] = ()
+    # why a packed target forward (``rollout.pack_tokens``: samples end to end in one row, positions
+    # restarting at 0) would let samples see each other; "" = HF's masks keep them apart (tests/test_packing_capture.py)
+    no_pack_reason: str = ""
 
     @property
     def loader(self) -> str:
@@ -88,12 +91,14 @@ FAMILIES: tuple[Family, ...] = (
            f"linear-attention (gated DeltaNet) layers between gated full-attention ones; {_MOE} + shared expert; "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0, rollback=RESTORE, engines=_ALL, llamacpp_target_args=("--no-mtp",)),
+           norm_offset=1.0, rollback=RESTORE, engines=_ALL, llamacpp_target_args=("--no-mtp",),
+           no_pack_reason="its linear-attention layers carry one recurrent state along the whole row"),
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), "Qwen3_5ForCausalLM", "Qwen/Qwen3.5-9B",
            "image-text checkpoint, loaded as its text tower; linear-attention layers; M-RoPE (interleaved), "
            "partial rotary; zero-centred RMSNorm (1 + w)",
            generation=HF_FALLBACK, fallback_reason="linear-attention layers keep a recurrent state, not a KV cache",
-           norm_offset=1.0, rollback=RESTORE, engines=_ALL, llamacpp_target_args=("--no-mtp",)),
+           norm_offset=1.0, rollback=RESTORE, engines=_ALL, llamacpp_target_args=("--no-mtp",),
+           no_pack_reason="its linear-attention layers carry one recurrent state along the whole row"),
     Family("gemma3_text", ("gemma3_text",), "Gemma3ForCausalLM", "google/gemma-3-1b-it",
            "embeddings scaled by sqrt(H); 4 norms per layer, (1 + w) RMSNorm; q/k norm; sliding + full layers "
            "with their own RoPE; query_pre_attn_scalar; final logit soft-cap when set; tied head",
@@ -114,7 +119,8 @@ FAMILIES: tuple[Family, ...] = (
            generation=HF_FALLBACK, fallback_reason="fused projections and partial rotary"),
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", "openai/gpt-oss-20b",
            f"attention sinks; alternating sliding/full layers; {_MOE} with clamped SwiGLU; YaRN RoPE",
-           generation=HF_FALLBACK, fallback_reason="attention sinks", engines=_ALL),
+           generation=HF_FALLBACK, fallback_reason="attention sinks", engines=_ALL,
+           no_pack_reason="its model builds its masks without the position ids (transformers 5.x)"),
     Family("deepseek_v3", ("deepseek_v3",), "DeepseekV3ForCausalLM", "deepseek-ai/DeepSeek-V3",
            "MLA (low-rank q/kv, qk_nope + qk_rope head dims, v_head_dim); grouped top-k MoE + shared expert "
            "after first_k_dense_replace dense layers; YaRN RoPE with mscale",
@@ -127,7 +133,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2_5_vl", ("qwen2_5_vl", "qwen2_5_vl_text"), "Qwen2_5_VLForConditionalGeneration",
            "Qwen/Qwen2.5-VL-7B-Instruct",
            "image-text: the target is the text tower (model.language_model); M-RoPE (text-only: 1-D positions)",
-           image_text=True, generation=HF_FALLBACK, fallback_reason="M-RoPE position ids"),
+           image_text=True, generation=HF_FALLBACK, fallback_reason="M-RoPE position ids",
+           no_pack_reason="its masks read packed positions only from a 4-row M-RoPE position tensor"),
     Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_text"), "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-8B-Instruct",
            "image-text: the target is the text tower (model.language_model); interleaved M-RoPE; q/k norm",
            image_text=True, generation=HF_FALLBACK, fallback_reason="M-RoPE position ids"),
@@ -268,6 +275,14 @@ def target_head_dim(config: Any) -> Optional[int]:
         dims = [_get(cfg, "head_dim")]
     dims = [int(d) for d in dims if d]
     return max(dims) if dims else None
+
+
+def check_packing(config: Any) -> None:
+    """``rollout.pack_tokens`` needs a family whose masks keep packed samples apart (``no_pack_reason``)."""
+    fam = family_of(config)
+    if fam.no_pack_reason:
+        raise ValueError(f"config key 'rollout.pack_tokens' is refused for a {fam.name} target: {fam.no_pack_reason}, "
+                         "so packed samples would see each other; unset rollout.pack_tokens (padded batches)")
 
 
 def check_aux_layers(config: Any, aux_ids: list[int]) -> None:

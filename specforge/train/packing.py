@@ -36,13 +36,23 @@ pure function of the step's samples in order, so exact resume is unaffected; the
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
+
+import torch
 
 from specforge.models.features import TrainBatch
 from specforge.parallel.bounds import pack_rows, row_offsets
 from specforge.train.slicing import SAMPLE_FIELDS, PackedBatch, WholeSample, batch_from_samples
 
-__all__ = ["PackedBatch", "pack_micro_batches", "pack_rows"]
+__all__ = ["PackedBatch", "pack_micro_batches", "pack_rows", "target_packs"]
+
+
+def target_packs(attention_mask_BT: torch.Tensor, pack_tokens: Optional[int]) -> Optional[list[list[int]]]:
+    """``rollout.pack_tokens``: the rows of a right-padded batch per packed target forward, by the
+    same rule as the train rows (what ``models.target.capture`` takes as ``packs``); None: padded."""
+    if pack_tokens is None:
+        return None
+    return pack_rows(attention_mask_BT.sum(dim=1).tolist(), pack_tokens, key="rollout.pack_tokens")
 
 
 def pack_micro_batches(micro_batches: Sequence[TrainBatch], budget: int) -> list[PackedBatch]:

@@ -25,7 +25,7 @@ from specforge.models.target import TargetModel, capture
 from specforge.train.batch import collate, pad_id
 from specforge.train.checkpoint import set_aside, tensor_digest
 from specforge.train.optim import build_optimizer
-from specforge.train.packing import pack_micro_batches
+from specforge.train.packing import pack_micro_batches, target_packs
 
 # ---------------------------------------------------------------- building
 
@@ -180,13 +180,16 @@ class DraftTrainer:
         return self.algorithm.metrics(self._counts(self.packed(self.on_device(batches)), None).cpu(), self.cfg)
 
 
-def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int) -> list[TrainBatch]:
-    """Features for ``rows`` computed by the in-process target, ``batch_size`` rows at a time."""
+def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int,
+                  pack_tokens: Optional[int] = None) -> list[TrainBatch]:
+    """Features for ``rows`` computed by the in-process target, ``batch_size`` rows at a time
+    (``pack_tokens``: in packed target rows, ``capture``'s)."""
     pad = pad_id(target.tokenizer)
     out = []
     for s in range(0, len(rows), batch_size):
         ids, mask, attn = collate(rows[s : s + batch_size], pad)
-        batch = TrainBatch.from_features(ids, mask, capture(target, ids, attn, chunk_tokens))
+        feats = capture(target, ids, attn, chunk_tokens, target_packs(attn, pack_tokens))
+        batch = TrainBatch.from_features(ids, mask, feats)
         out.append(dataclasses.replace(batch, length_B=attn.sum(dim=1).cpu()))  # host metadata (TrainBatch.length_B)
     return out
 

@@ -1,0 +1,202 @@
+"""Packed target forwards (``rollout.pack_tokens``): a batch's samples end to end in one row, position
+ids restarting at 0 per sample, no padding; HF's masks keep the samples apart. The features that come
+back per sample equal the right-padded capture's (fp32, tiny random targets) at every caller: the
+rollout worker, the store capture (and ``python -m specforge.capture``), ``local_batches``."""
+
+import functools
+import types
+
+import pytest
+import torch
+
+from specforge.capture import iter_features, main, plan_batches
+from specforge.config import load_config
+from specforge.data.store import FeatureStore
+from specforge.models.target import TargetModel, capture, forward_aux
+from specforge.runtime.contracts import FeatureField, FeatureSpec
+from specforge.runtime.workers import RolloutWorker
+from specforge.targets import FAMILIES, check_packing
+from specforge.train.batch import collate
+from specforge.train.packing import target_packs
+from specforge.train.trainer import local_batches
+from tests.helpers.models import tiny_target
+from tests.helpers.targets import NAMES, build_family, overrides, target_folder
+
+LENGTHS = [7, 12, 3, 9, 1, 15]
+K, H = 3, 48  # aux layers, tiny target hidden
+FIELDS = ("aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(model=tiny_target(), tokenizer=types.SimpleNamespace(pad_token_id=0),
+                       aux_layer_ids=[1, 2, 3], device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(3, 320, (n,), generator=g).tolist(), "loss_mask": [0] + [1] * (n - 1)}
+            for n in LENGTHS]
+
+
+def assert_same_samples(a, b, lengths, tol=1e-5):
+    """Equal features at every sample's tokens (fp32 rounding apart), argmax ids exactly."""
+    for j, n in enumerate(lengths):
+        torch.testing.assert_close(a.aux_hidden_BTKH[j, :n], b.aux_hidden_BTKH[j, :n], atol=tol, rtol=tol)
+        torch.testing.assert_close(a.last_hidden_BTH[j, :n], b.last_hidden_BTH[j, :n], atol=tol, rtol=tol)
+        assert torch.equal(a.target_ids_BT[j, :n], b.target_ids_BT[j, :n])
+
+
+@pytest.mark.parametrize("pack_tokens", [15, 24, 100])  # one sample per row up to all in one row
+def test_packed_capture_equals_the_padded_one(target, rows, pack_tokens):
+    ids, _, attn = collate(rows, 0)
+    padded = capture(target, ids, attn)
+    packed = capture(target, ids, attn, packs=target_packs(attn, pack_tokens))
+    assert_same_samples(packed, padded, LENGTHS)
+    for name in FIELDS:  # the padded layout, zeros where the padding is
+        got = getattr(packed, name)
+        assert got.shape == getattr(padded, name).shape
+        assert all(not got[j, n:].any() for j, n in enumerate(LENGTHS))
+
+
+def test_target_packs_keep_order_and_refuse_a_sample_longer_than_a_row(rows):
+    _, _, attn = collate(rows, 0)
+    assert target_packs(attn, None) is None
+    assert target_packs(attn, 24) == [[0, 1, 2], [3, 4], [5]]
+    assert target_packs(attn, 100) == [list(range(6))]
+    with pytest.raises(ValueError, match=r"'rollout\.pack_tokens'=14: a sample of 15 tokens"):
+        target_packs(attn, 14)
+
+
+def test_negative_control_one_position_run_lets_samples_see_each_other(target, rows):
+    """The same packed row with positions 0..N-1 (no restart) is one sequence: features differ."""
+    ids_1N = torch.cat([torch.tensor(r["input_ids"]) for r in rows])[None]
+    alone = [forward_aux(target, torch.tensor([r["input_ids"]]))[1][0] for r in rows]
+    restart = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    for pos, same in ((restart, True), (torch.arange(sum(LENGTHS))[None], False), (None, False)):
+        got = forward_aux(target, ids_1N, position_ids_BT=pos)[1][0].split(LENGTHS)
+        close = [torch.allclose(a, b, atol=1e-4) for a, b in zip(got[1:], alone[1:])]  # the first sees no other
+        assert all(close) if same else not any(close)
+
+
+# ---------------------------------------------------------------- families
+
+built = functools.lru_cache(maxsize=None)(build_family)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_packs_exactly_where_the_table_says(name):
+    """Every family without ``no_pack_reason`` packs to the padded features; every family with one
+    would mix samples (so the table's refusal is needed) and is refused naming the key."""
+    fam = next(f for f in FAMILIES if f.name == name)
+    t = built(name)
+    g = torch.Generator().manual_seed(2)
+    lengths = [6, 11, 4]
+    ids, _, attn = collate([{"input_ids": torch.randint(3, 200, (n,), generator=g).tolist(),
+                             "loss_mask": [1] * n} for n in lengths], 0)
+    padded = capture(t, ids, attn)
+    if not fam.no_pack_reason:
+        # 1e-4: deeper stacks (MoE, 4 norms per layer) round differently over other matmul shapes
+        assert_same_samples(capture(t, ids, attn, packs=target_packs(attn, 64)), padded, lengths, tol=1e-4)
+        return
+    with pytest.raises(ValueError, match=r"'rollout\.pack_tokens' is refused for a " + name):
+        capture(t, ids, attn, packs=target_packs(attn, 64))
+    ids_1N = torch.cat([ids[j, :n] for j, n in enumerate(lengths)])[None]
+    pos_1N = torch.cat([torch.arange(n) for n in lengths])[None]
+    raw = forward_aux(t, ids_1N, position_ids_BT=pos_1N)[1][0].split(lengths)
+    assert not all(torch.allclose(raw[j], padded.last_hidden_BTH[j, :n], atol=1e-4) for j, n in enumerate(lengths))
+
+
+def test_check_packing_names_the_key_and_the_fix():
+    from specforge.targets import tiny
+
+    check_packing(tiny.llama())
+    with pytest.raises(ValueError, match=r"rollout\.pack_tokens.*qwen3_next.*recurrent state.*unset rollout"):
+        check_packing(tiny.qwen3_next())
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_refuses_a_row_shorter_than_the_longest_sample():
+    assert load_config(None, ["rollout.pack_tokens=64", "data.max_length=64"]).rollout.pack_tokens == 64
+    assert load_config(None, []).rollout.pack_tokens is None  # off by default
+    with pytest.raises(ValueError, match=r"'rollout\.pack_tokens'=32 is below data\.max_length=64.*"
+                                         r"set rollout\.pack_tokens to at least 64"):
+        load_config(None, ["rollout.pack_tokens=32", "data.max_length=64"])
+
+
+# ---------------------------------------------------------------- callers
+
+
+def test_store_capture_features_equal(target, rows):
+    batches = plan_batches(LENGTHS, 2, 40)
+    padded = dict(iter_features(target, rows, batches, 1024))
+    packed = dict(iter_features(target, rows, batches, 1024, pack_tokens=20))
+    assert padded.keys() == packed.keys() == set(range(len(rows)))
+    for sid, want in padded.items():
+        got = packed[sid]
+        assert torch.equal(got["input_ids_T"], want["input_ids_T"]) and torch.equal(got["loss_mask_T"], want["loss_mask_T"])
+        torch.testing.assert_close(got["aux_hidden_TKH"], want["aux_hidden_TKH"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["last_hidden_TH"], want["last_hidden_TH"], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got["target_ids_T"], want["target_ids_T"])
+
+
+def test_local_batches_equal(target, rows):
+    padded = local_batches(target, rows, 4, 1024)
+    packed = local_batches(target, rows, 4, 1024, pack_tokens=20)
+    assert len(padded) == len(packed) == 2
+    for a, b in zip(packed, padded):
+        assert torch.equal(a.input_ids_BT, b.input_ids_BT) and torch.equal(a.loss_mask_BT, b.loss_mask_BT)
+        assert torch.equal(a.length_B, b.length_B)
+        assert_same_samples(a, b, b.length_B.tolist())
+
+
+class _Split:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __getitem__(self, ids):
+        return {k: [self.rows[i][k] for i in ids] for k in ("input_ids", "loss_mask")}
+
+
+def test_rollout_worker_features_equal(target, rows):
+    spec = FeatureSpec((FeatureField("aux_hidden", K * H, "float32"), FeatureField("last_hidden", H, "float32"),
+                        FeatureField("target_ids", 1, "int64"), FeatureField("input_ids", 1, "int64"),
+                        FeatureField("loss_mask", 1, "int64")))
+    plan = types.SimpleNamespace(batch_of=lambda rank: (5, 0, 3, 2), split="train", feature_spec=spec)
+
+    def forward(pack_tokens):
+        w = RolloutWorker.__new__(RolloutWorker)  # the forward alone: no process group, no transport
+        w.rank, w.target, w.data = 0, target, types.SimpleNamespace(train=_Split(rows))
+        w.cfg = load_config(None, ["data.max_length=16"] + ([f"rollout.pack_tokens={pack_tokens}"] if pack_tokens else []))
+        w.transport = types.SimpleNamespace(device=torch.device("cpu"))
+        return w._forward(plan)
+
+    padded, packed = forward(None), forward(16)
+    assert list(packed) == list(padded) == [5, 0, 3, 2]
+    for sid, want in padded.items():
+        got = packed[sid]
+        assert got["aux_hidden"].shape == (LENGTHS[sid], K * H)
+        for name in ("target_ids", "input_ids", "loss_mask"):
+            assert torch.equal(got[name], want[name])
+        torch.testing.assert_close(got["aux_hidden"], want["aux_hidden"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["last_hidden"], want["last_hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_capture_cli_writes_equal_stores(tmp_path):
+    """``python -m specforge.capture`` with and without ``rollout.pack_tokens``: the same samples,
+    ids and argmax, features equal up to the store's bf16 rounding."""
+    target_folder("llama", tmp_path)
+    base = overrides(tmp_path) + ["data.max_samples=8"]
+    assert main(["--no-progress", *base, f"store.dir={tmp_path / 'padded'}"]) == 0
+    assert main(["--no-progress", *base, f"store.dir={tmp_path / 'packed'}", "rollout.pack_tokens=64"]) == 0
+    a, b = FeatureStore(tmp_path / "padded"), FeatureStore(tmp_path / "packed")
+    assert len(a) == len(b) > 0 and a.lengths == b.lengths
+    for sid in range(len(a)):
+        x, y = a.read(sid), b.read(sid)
+        for name in ("input_ids", "loss_mask", "target_ids"):
+            assert torch.equal(x[name], y[name]), name
+        for name in ("aux_hidden", "last_hidden"):
+            torch.testing.assert_close(x[name].float(), y[name].float(), atol=2e-2, rtol=1e-2)
