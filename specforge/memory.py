@@ -215,6 +215,20 @@ def capture_terms(t: TargetDims, B: int, T: int, aux_layers: int, chunk_tokens: 
             Term("capture: last hidden state, one argmax chunk of logits", after - 2 * kept)]
 
 
+def forward_terms(t: TargetDims, B: int, T: int, aux_layers: int, chunk_tokens: int,
+                  pack_tokens: Optional[int]) -> list[Term]:
+    """A capture of ``B`` padded samples of ``T`` tokens: one forward (``capture_terms``), or with
+    ``rollout.pack_tokens`` forwards of one packed row of at most that many (and no more than the
+    batch's) tokens each, plus the batch's features in the padded layout they are copied into."""
+    if pack_tokens is None:
+        return capture_terms(t, B, T, aux_layers, chunk_tokens)
+    row = min(pack_tokens, B * T)
+    padded = B * T * ((aux_layers + 1) * t.H * t.dtype_bytes + 8)
+    return ([Term("capture: the batch's features in the padded layout (rollout.pack_tokens)", padded)]
+            + [dataclasses.replace(x, name=f"{x.name}, one packed row of {row:,} tokens")
+               for x in capture_terms(t, 1, row, aux_layers, chunk_tokens)])
+
+
 # ---------------------------------------------------------------- a device, assembled
 
 
@@ -361,8 +375,8 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
         train.held.insert(0, Term("target weights" + (" (its first share)" if len(target_shares) > 1 else ""),
                                   target_shares[0]))
         before = Term("features of the micro-batches captured before it", features)
-        train.phases["capture (one micro-batch)"] = [before] + capture_terms(tdims, s.B, s.T, layers,
-                                                                             cfg.model.argmax_chunk_tokens)
+        train.phases["capture (one micro-batch)"] = [before] + forward_terms(
+            tdims, s.B, s.T, layers, cfg.model.argmax_chunk_tokens, cfg.rollout.pack_tokens)
     out = [with_fragmentation(train) if gpu else train]
     if mode == "disaggregated":
         roll = -(-dims.dp // cfg.rollout.num_workers) * tr.grad_accum * s.B  # samples of one batched forward
@@ -373,7 +387,7 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
                  Term("features sent, not yet received (SendWindow: <= placement.max_inflight_mb, <= 8 steps)",
                       min(budget, MAX_STEPS_AHEAD * roll_step))] + context_terms(gpu, 1)
         rphases = {"capture (one step's batched forward)": [Term("this step's features (wire copies)", roll_step)]
-                   + capture_terms(tdims, roll, s.T, layers, cfg.model.argmax_chunk_tokens)}
+                   + forward_terms(tdims, roll, s.T, layers, cfg.model.argmax_chunk_tokens, cfg.rollout.pack_tokens)}
         rollout = DeviceMemory(f"rollout {gpu_word}", cfg.rollout.num_workers, rheld, rphases)
         out.append(with_fragmentation(rollout) if gpu else rollout)
     return out

@@ -200,3 +200,22 @@ def test_capture_cli_writes_equal_stores(tmp_path):
             assert torch.equal(x[name], y[name]), name
         for name in ("aux_hidden", "last_hidden"):
             torch.testing.assert_close(x[name].float(), y[name].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_memory_model_counts_a_packed_target_forward():
+    """The memory model's capture phase with rollout.pack_tokens: one packed row's forward (its
+    sample mask is row x row, not batch x T x T) plus the batch's features in the padded layout;
+    without the key, the padded forward as before."""
+    from specforge.memory import TargetDims, capture_terms, forward_terms
+
+    t = TargetDims(H=4096, I=14336, Hq=32, Hkv=8, D=128, V=128256, dtype_bytes=2, eager=False, sliding=False)
+    B, T, layers = 8, 4096, 3  # argmax chunks of 16 rows: the forward, not the logits, is the peak
+    assert forward_terms(t, B, T, layers, 16, None) == capture_terms(t, B, T, layers, 16)
+    packed = {x.name: x.nbytes for x in forward_terms(t, B, T, layers, 16, 8192)}
+    padded = {x.name: x.nbytes for x in capture_terms(t, B, T, layers, 16)}
+    assert packed["capture: attention masks (4D), one packed row of 8,192 tokens"] == 8192**2  # bool, B = 1
+    assert padded["capture: attention masks (4D)"] == B * T * T
+    assert packed["capture: the batch's features in the padded layout (rollout.pack_tokens)"] == B * T * (4 * 4096 * 2 + 8)
+    # a row never holds more than the batch's tokens
+    assert "capture: attention masks (4D), one packed row of 4,096 tokens" in {
+        x.name for x in forward_terms(t, 1, T, layers, 16, 65536)}
