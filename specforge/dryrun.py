@@ -284,6 +284,9 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
         print(f"        packed (train.pack_tokens): each train rank's samples of a step end to end in rows of up to "
               f"{cfg.train.pack_tokens:,} tokens, one row per micro-batch, no padding (memory below: one such row"
               + ("; each row sliced over the SP group" if dims.sp > 1 else "") + ")")
+    if cfg.rollout.pack_tokens is not None:
+        print(f"        packed target forwards (rollout.pack_tokens): a capture's samples end to end in rows of up "
+              f"to {cfg.rollout.pack_tokens:,} tokens, one forward per row (memory below: one such row)")
     _print_memory(cfg, r)
 
 

@@ -219,3 +219,19 @@ def test_memory_model_counts_a_packed_target_forward():
     # a row never holds more than the batch's tokens
     assert "capture: attention masks (4D), one packed row of 4,096 tokens" in {
         x.name for x in forward_terms(t, 1, T, layers, 16, 65536)}
+
+
+def test_the_dry_run_names_packed_target_forwards(capsys):
+    """The dry run says the target forward is packed and its memory is one packed row's forward."""
+    from pathlib import Path
+
+    from specforge.config import load_config
+    from specforge.dryrun import dry_run, memory_plan
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "smollm2-135m-cpu.yaml",
+                      ["data.max_length=512", "train.batch_size=4", "rollout.pack_tokens=2048",
+                       "placement.mode=colocated"])
+    names = [t.name for d in memory_plan(cfg) for ts in d.phases.values() for t in ts]
+    assert any("one packed row of 2,048 tokens" in n for n in names)
+    dry_run(cfg, None, single_process=True)
+    assert "packed target forwards (rollout.pack_tokens)" in capsys.readouterr().out
