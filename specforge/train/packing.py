@@ -30,8 +30,8 @@ not. With sequence parallelism only EAGLE-3 and EAGLE-3.1 pack (``packs_sp``).
 The loss is a sum over samples normalized by the global count of counted rows, so regrouping the
 same samples into other micro-batches leaves it unchanged: packed equals unpacked (exact up to the
 order of float sums; ``tests/test_packing.py``, ``tests/test_packing_blocks.py``, with SP
-``tests/test_packing_sp.py``). Packing is a
-pure function of the step's samples in order, so exact resume is unaffected; the store keeps samples.
+``tests/test_packing_sp.py``). Packing is a pure function of the step's samples in order, so exact
+resume is unaffected (``test_a_packed_run_resumes_exactly``); the store keeps samples.
 """
 
 from __future__ import annotations
