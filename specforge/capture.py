@@ -117,7 +117,8 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
         from transformers.utils import logging as hf_logging  # lazy: heavy (transformers)
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
-    target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
+    target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
+                                   packed=cfg.rollout.pack_tokens is not None)
     data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
                            cache_dir=cfg.model.cache_dir, progress=progress)
     meta = store_meta(cfg, target, source=source or data.cache_key)

@@ -235,3 +235,24 @@ def test_the_dry_run_names_packed_target_forwards(capsys):
     assert any("one packed row of 2,048 tokens" in n for n in names)
     dry_run(cfg, None, single_process=True)
     assert "packed target forwards (rollout.pack_tokens)" in capsys.readouterr().out
+
+
+def test_packed_forwards_pick_an_attention_that_skips_cross_sample_scores(monkeypatch):
+    """rollout.pack_tokens on CUDA: flash-attention 2 (variable length, from the restarting position
+    ids) where flash-attn is installed and the dtype is 16-bit, else flex attention; SDPA (masked, every
+    score of the row computed) stays for padded captures and on the CPU. Decided from the class, no GPU
+    needed."""
+    import importlib.util
+
+    from specforge.models.target import capture_attention
+
+    llama = next(f for f in FAMILIES if f.name == "llama")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    assert capture_attention(llama, cuda, packed=True, dtype=torch.bfloat16) == "flex_attention"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    assert capture_attention(llama, cuda, packed=True, dtype=torch.bfloat16) == "flash_attention_2"
+    assert capture_attention(llama, cuda, packed=True, dtype=torch.float32) == "flex_attention"  # flash: 16-bit only
+    assert capture_attention(llama, cuda, packed=False, dtype=torch.bfloat16) == "default"  # control: padded
+    assert capture_attention(llama, cpu, packed=True, dtype=torch.bfloat16) == "default"  # the CPU keeps SDPA

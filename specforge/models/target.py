@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -214,14 +215,16 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
-                layers: Optional[Callable[[int], list[int]]] = None, on_host: bool = False) -> TargetModel:
+                layers: Optional[Callable[[int], list[int]]] = None, on_host: bool = False,
+                packed: bool = False) -> TargetModel:
     """Load the frozen target in eval mode. Where: ``device`` if given, else the config's devices
     (``model.device``; over ``model.num_gpus`` GPUs its layers are split by ``split_plan``).
     ``on_host``: keep the weights in host memory in the dtype ``device`` would hold them in, for a
     process that only copies a few target tensors (a train worker fed by rollout workers or a store):
     the safetensors stay memory-mapped, so only the pages it reads are ever resident.
     ``layers(num_layers)`` picks the captured layers (default: EAGLE-3's, ``model.aux_layer_ids``);
-    runs pass ``specforge.algorithms.feature_layers`` so the draft algorithm decides."""
+    runs pass ``specforge.algorithms.feature_layers`` so the draft algorithm decides. ``packed``: its
+    captures run packed rows (``rollout.pack_tokens``), which picks the attention (``capture_attention``)."""
     devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
     dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
@@ -229,7 +232,7 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     hf_config = load_target_config(cfg)
     family = family_of(hf_config)
     placed: dict = {}
-    if (impl := capture_attention(family, devices[0])) != "default":
+    if (impl := capture_attention(family, devices[0], packed, dtype)) != "default":
         placed["attn_implementation"] = impl
     if on_host:
         devices = [host_device()]
@@ -246,15 +249,28 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
 
 
-def capture_attention(family, device: torch.device) -> str:
+def capture_attention(family, device: torch.device, packed: bool = False, dtype: Optional[torch.dtype] = None) -> str:
     """The attention implementation the target captures with: ``default`` (transformers' choice:
     SDPA where the class has it, which never materializes B x H x T x T scores) unless the class
     lacks SDPA (gpt-oss: its attention sinks) and flex attention can stand in: on CUDA,
     ``flex_attention`` (sinks folded in through the log-sum-exp); on the CPU transformers' flex
-    cannot take sinks, so ``eager``, whose B x H x T x T scores the dry run counts."""
+    cannot take sinks, so ``eager``, whose B x H x T x T scores the dry run counts.
+
+    ``packed`` rows (``rollout.pack_tokens``) on CUDA: an implementation that skips the cross-sample
+    scores instead of masking them (SDPA computes every score of the row under a row x row mask):
+    flash-attention 2's variable-length path (transformers reads the samples' bounds from the restarting
+    position ids) where flash-attn is installed, the class has it and ``dtype`` is 16-bit, else flex attention (a block mask
+    per sample) where the class has it. On the CPU SDPA stays (benchmarks/README.md, "Packing: the
+    target forward": flex only broke even there). Not measured on a GPU yet."""
     import transformers  # lazy: heavy (transformers)
 
     cls = getattr(transformers, family.hf_class, None)
+    if packed and cls is not None and device.type == "cuda":
+        half = dtype in (torch.float16, torch.bfloat16)
+        if half and getattr(cls, "_supports_flash_attn", False) and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        if getattr(cls, "_supports_flex_attn", False):
+            return "flex_attention"
     if cls is None or getattr(cls, "_supports_sdpa", True):
         return "default"
     if device.type == "cuda" and getattr(cls, "_supports_flex_attn", False):

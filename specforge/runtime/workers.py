@@ -77,7 +77,8 @@ class RolloutWorker(DistributedWorker):
         build_groups(cfg, layout, self.rank, device)  # collective: this rank is in none of them
         self.data = open_data(cfg)
         # over model.num_gpus GPUs when one cannot hold it; device (the first of them) gets the features
-        self.target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
+        self.target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
+                                  packed=cfg.rollout.pack_tokens is not None)
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
         self.device = self.target.device
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
@@ -167,7 +168,7 @@ class TrainWorker(DistributedWorker):
         # tensors it copies (and the fingerprint's samples), and no GPU holds the target.
         colocated = layout.mode == "colocated"
         target = load_target(cfg.model, None if colocated else device, layers=lambda n: feature_layers(cfg, n),
-                             on_host=not colocated)
+                             on_host=not colocated, packed=colocated and cfg.rollout.pack_tokens is not None)
         vocab = load_draft_vocab(layout.vocab_path)
         algo = get_algorithm(cfg.draft.algorithm)
         draft = algo.build_draft(cfg, target, vocab)
