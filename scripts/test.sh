@@ -28,6 +28,9 @@ bash scripts/install.sh
 # llama.cpp (llama-server + its GGUF converter), built once per version and CPU into ~/.cache/specforge:
 # tests/test_engine_llamacpp.py serves drafts with it (and fails, not skips, without it)
 VENV="$VENV" bash scripts/install_llamacpp.sh
+# vLLM in its own venv (~/.cache/specforge/vllm, once): tests/test_vllm_backend.py captures through it
+# (and fails, not skips, without it)
+bash scripts/install_vllm.sh
 # lint first (seconds): the ruff configuration in pyproject.toml, clean on the whole tree
 "$VENV/bin/ruff" check --no-cache . || { echo "ruff found the problems above: fix them (ruff check --fix fixes most)" >&2; exit 1; }
 pytest_with "$VENV/bin/python" "$@"

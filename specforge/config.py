@@ -138,6 +138,21 @@ class RolloutConfig:
     # no compute on padding. Used wherever the target runs: rollout workers, the single process and
     # python -m specforge.capture. None = right-padded batches. At least data.max_length.
     pack_tokens: Optional[int] = None
+    # What computes the target's features wherever the target runs for them (rollout workers,
+    # colocated and single-process trainers, python -m specforge.capture, adapt's capture):
+    # hf = a transformers forward in this process; vllm = a vLLM engine (its own venv, made by
+    # scripts/install_vllm.sh) with vLLM's extract_hidden_states method, tensor/expert parallel inside it
+    backend: Literal["hf", "vllm"] = "hf"
+    tp_size: int = 1  # vllm: tensor-parallel size inside the engine (GPUs, or CPU ranks, per rollout worker)
+    expert_parallel: bool = False  # vllm: experts spread over the tp_size ranks (--enable-expert-parallel)
+    # vllm: an engine the user runs (http://host:port), started with the command
+    # `python -m specforge.capture --config ... --vllm-command` prints; None = each process starts its own
+    vllm_endpoint: Optional[str] = None
+    vllm_python: Optional[str] = None  # the vLLM venv's python (None = ~/.cache/specforge/vllm/bin/python)
+    vllm_gpu_memory_utilization: float = 0.85  # vllm on a GPU: its share of each GPU (colocated: beside the draft)
+    vllm_cpu_kvcache_gib: float = 1.0  # vllm on the CPU: its KV-cache (and hidden-states cache) space
+    vllm_startup_timeout_s: float = 600.0  # the engine's start, weights loaded and compiled
+    vllm_args: list[str] = field(default_factory=list)  # more `vllm serve` flags, passed as they are
 
 
 @dataclass
@@ -342,8 +357,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 # Keys a config may still carry from an older specforge: what to write instead.
 _REPLACED = {
     "train.ttt_warmup_steps": "it is an EAGLE-3 key now: write draft.ttt_warmup_steps",
-    "rollout.tp_size": "set model.num_gpus to the GPUs one copy of the target spans (its layers are split over "
-                       "them; tensor parallelism is not implemented) and remove rollout.tp_size",
 }
 
 
@@ -523,6 +536,7 @@ def validate(cfg: Config) -> None:
     errors += replay_errors(cfg)
     errors += packing_errors(cfg)
     errors += capture_packing_errors(cfg)
+    errors += backend_errors(cfg)
     endpoint = cfg.regenerate.endpoint
     if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
         errors.append(f"config key 'regenerate.endpoint'={endpoint!r} must be an http(s) URL, e.g. "
@@ -560,6 +574,34 @@ def capture_packing_errors(cfg: Config) -> list[str]:
         return []
     return [f"config key 'rollout.pack_tokens'={n} is below data.max_length={cfg.data.max_length}: the longest "
             f"sample must fit one packed target row; set rollout.pack_tokens to at least {cfg.data.max_length}"]
+
+
+def backend_errors(cfg: Config) -> list[str]:
+    """``rollout.backend`` and the keys only one backend reads."""
+    r = cfg.rollout
+    if r.backend == "hf":
+        if r.tp_size != 1 or r.expert_parallel:
+            key = "rollout.tp_size" if r.tp_size != 1 else "rollout.expert_parallel"
+            return [f"config key {key!r} needs rollout.backend=vllm (tensor and expert parallelism run inside vLLM); "
+                    "with the hf backend a target one GPU cannot hold is split by layers over model.num_gpus"]
+        return []
+    if r.tp_size < 1:
+        return [f"config key 'rollout.tp_size'={r.tp_size} must be at least 1"]
+    if cfg.model.num_gpus > 1:
+        return [f"config key 'model.num_gpus'={cfg.model.num_gpus} splits a transformers target by layers; with "
+                "rollout.backend=vllm set rollout.tp_size instead (the engine's tensor parallelism) and model.num_gpus=1"]
+    if r.pack_tokens is not None:
+        return ["config key 'rollout.pack_tokens' is for rollout.backend=hf: vLLM batches the samples its own way "
+                "(no padding is computed); unset rollout.pack_tokens"]
+    if r.vllm_endpoint is not None and not re.match(r"^https?://[^/\s]+$", r.vllm_endpoint.rstrip("/")):
+        return [f"config key 'rollout.vllm_endpoint'={r.vllm_endpoint!r} must be the engine's http(s) address, "
+                "e.g. 'http://127.0.0.1:8000'"]
+    if not 0 < r.vllm_gpu_memory_utilization <= 1:
+        return [f"config key 'rollout.vllm_gpu_memory_utilization'={r.vllm_gpu_memory_utilization} must be in (0, 1]"]
+    if r.vllm_cpu_kvcache_gib <= 0 or r.vllm_startup_timeout_s <= 0:
+        key = "rollout.vllm_cpu_kvcache_gib" if r.vllm_cpu_kvcache_gib <= 0 else "rollout.vllm_startup_timeout_s"
+        return [f"config key {key!r} must be positive"]
+    return []
 
 
 def replay_errors(cfg: Config) -> list[str]:

@@ -37,6 +37,9 @@ class TargetModel:
     tokenizer: object
     aux_layer_ids: list[int]
     device: torch.device
+    # rollout.backend=vllm (models/vllm_engine.VllmEngine): the engine that computes the hidden states;
+    # this process then holds the target's weights memory-mapped and computes only the final norm and argmax
+    engine: Optional[object] = None
 
     @property
     def config(self):
@@ -216,7 +219,7 @@ def load_tokenizer(cfg: ModelConfig):
 
 def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
                 layers: Optional[Callable[[int], list[int]]] = None, on_host: bool = False,
-                packed: bool = False) -> TargetModel:
+                packed: bool = False, engine_for: Optional[Callable] = None) -> TargetModel:
     """Load the frozen target in eval mode. Where: ``device`` if given, else the config's devices
     (``model.device``; over ``model.num_gpus`` GPUs its layers are split by ``split_plan``).
     ``on_host``: keep the weights in host memory in the dtype ``device`` would hold them in, for a
@@ -224,7 +227,10 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     the safetensors stay memory-mapped, so only the pages it reads are ever resident.
     ``layers(num_layers)`` picks the captured layers (default: EAGLE-3's, ``model.aux_layer_ids``);
     runs pass ``specforge.algorithms.feature_layers`` so the draft algorithm decides. ``packed``: its
-    captures run packed rows (``rollout.pack_tokens``), which picks the attention (``capture_attention``)."""
+    captures run packed rows (``rollout.pack_tokens``), which picks the attention (``capture_attention``).
+    ``engine_for(path, num_layers, layer_ids, dtype, device)`` (``models/vllm_engine.engine_factory``):
+    an engine computes the hidden states; the weights stay memory-mapped in host memory and only the
+    final norm and the lm_head (what ``capture`` applies to the engine's last layer) go to ``device``."""
     devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
     dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
@@ -234,7 +240,8 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     placed: dict = {}
     if (impl := capture_attention(family, devices[0], packed, dtype)) != "default":
         placed["attn_implementation"] = impl
-    if on_host:
+    home = devices[0]
+    if on_host or engine_for is not None:
         devices = [host_device()]
     elif len(devices) > 1:
         placed = {"device_map": split_plan(hf_config, len(devices), dtype)[0]}
@@ -246,7 +253,12 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     if layers is None:  # no run says which: the default algorithm's layers
         layers = functools.partial(default_feature_layers, cfg)
     ids = layers(num_layers)
-    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
+    if engine_for is None:
+        return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
+    text_tower(model).norm.to(home)
+    model.get_output_embeddings().to(home)
+    engine = engine_for(path, num_layers, ids, dtype, home)
+    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=home, engine=engine)
 
 
 def capture_attention(family, device: torch.device, packed: bool = False, dtype: Optional[torch.dtype] = None) -> str:
@@ -390,9 +402,56 @@ def capture(
     packed row, each packed row one forward with its samples end to end, and the features come back
     in the padded layout (zeros where the padding is): no compute on padding, equal features where
     the samples are."""
-    if packs is not None:
-        return _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs)
-    return _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens)
+    if target.engine is not None:
+        feats = _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens)
+    elif packs is not None:
+        feats = _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs)
+    else:
+        feats = _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens)
+    check_features(feats.aux_hidden_BTKH, attention_mask_BT, target.aux_layer_ids)
+    return feats
+
+
+def check_features(aux_BTKH: torch.Tensor, attention_mask_BT: Optional[torch.Tensor], layer_ids: Sequence[int]) -> None:
+    """Refuse hidden states an engine can produce silently on some targets (hybrid ones): a captured
+    layer that is all zeros over a batch's tokens, or holds NaN or inf. One host read per batch."""
+    B, T, KH = aux_BTKH.shape
+    x = aux_BTKH.view(B, T, len(layer_ids), KH // len(layer_ids))
+    if attention_mask_BT is not None:
+        x = x[attention_mask_BT.to(x.device).bool()]  # the samples' tokens (padding is zeros)
+    x = x.reshape(-1, len(layer_ids), KH // len(layer_ids))
+    if x.shape[0] == 0:
+        return
+    finite = torch.isfinite(x).all(dim=2).all(dim=0)
+    nonzero = (x != 0).any(dim=2).any(dim=0)
+    ok = torch.stack([finite, nonzero]).cpu()
+    for k, layer in enumerate(layer_ids):
+        if not ok[0, k]:
+            raise ValueError(f"captured target layer {layer} (model.aux_layer_ids) holds NaN or inf hidden states: "
+                             "the target computes garbage there (its dtype, or the engine's kernels for this family)")
+        if not ok[1, k]:
+            raise ValueError(f"captured target layer {layer} (model.aux_layer_ids) is all zeros: the engine returned "
+                             "no hidden states for it (a hybrid target's layer it does not capture); pick other layers")
+
+
+def _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens) -> Features:
+    """The engine's hidden states (``models/vllm_engine``), in the padded layout; the last hidden state
+    is the final norm of its last layer, as the transformers forward computes it."""
+    B, T = input_ids_BT.shape
+    lengths = [T] * B if attention_mask_BT is None else [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]
+    rows = [input_ids_BT[b, : lengths[b]].tolist() for b in range(B)]
+    per_row = target.engine.hidden_states(rows)  # [T_b, K + 1, H] each, in the engine's dtype
+    K, H = len(target.aux_layer_ids), per_row[0].shape[-1]
+    aux = per_row[0].new_zeros(B, T, K * H, device=target.device)
+    pre = per_row[0].new_zeros(B, T, H, device=target.device)
+    for b, hs in enumerate(per_row):
+        hs = hs.to(target.device)
+        aux[b, : lengths[b]] = hs[:, :K].reshape(lengths[b], K * H)
+        pre[b, : lengths[b]] = hs[:, K]
+    norm = text_tower(target.model).norm
+    last = norm(pre.to(norm.weight.dtype)).to(pre.dtype)
+    ids = argmax_chunked(last.reshape(B * T, H), target.lm_head_weight_VH, chunk_tokens).view(B, T)
+    return Features(aux_hidden_BTKH=aux, last_hidden_BTH=last, target_ids_BT=ids)
 
 
 def _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens, position_ids_BT=None) -> Features:

@@ -1,0 +1,79 @@
+"""The KV-transfer connector our vLLM engines load (``kv_connector_module_path``): it runs INSIDE the
+vLLM server process, in vLLM's own venv (``scripts/install_vllm.sh``), and imports nothing of
+specforge. With vLLM's ``extract_hidden_states`` speculative method, the hidden states of the
+layers we ask for are cached per token beside the KV cache; when a request finishes this connector
+writes them (``[tokens, layers, hidden]``, the model dtype, plus ``token_ids``) to
+``<shared_storage_path>/<request id>.safetensors`` and vLLM returns that path in the response's
+``kv_transfer_params["hidden_states_path"]``. ``specforge.models.vllm_engine`` reads and deletes it.
+
+What it changes in vLLM's reference ``ExampleHiddenStatesConnector``:
+
+* On a CPU the reference cannot run (pinned host memory, CUDA streams and events): the rows are
+  gathered from the cache and written synchronously in the engine step that extracts them.
+  On a GPU the reference's asynchronous device-to-host copy and writer threads stay as they are.
+* A file appears complete or not at all (written under a temporary name, then renamed), so a client
+  polls for the path alone, without the reference's lock files (``use_synchronization_lock: false``).
+* ``shared_storage_path`` is a shared-memory folder (``/dev/shm``) where one exists: nothing
+  round-trips through a disk.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+
+class _Done:
+    """Stands in for the reference's CUDA event where nothing is in flight (the CPU path)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+def _save_atomically(tensors: dict, filename: str) -> None:
+    tmp = f"{filename}.{os.getpid()}.part"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    os.replace(tmp, filename)
+
+
+class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """vLLM's hidden-states connector, working on a CPU too, writing each file atomically."""
+
+    @staticmethod
+    def _write_tensors(tensors, event, filename, lock_fd) -> None:  # the GPU path's writer thread
+        try:
+            event.synchronize()
+            _save_atomically(tensors, filename)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if self._kv_cache is not None and self._kv_cache.device.type == "cuda":
+            return super()._submit_async_write(pending)
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None, "the hidden-states cache was never registered"
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        slots = (torch.arange(self._block_size, dtype=torch.long)[None, :]
+                 + blocks[:, None] * self._block_size).flatten()
+        num_tokens = int(pending.token_ids.shape[0])
+        hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        _save_atomically({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is not None:
+            os.close(lock_fd)
+        self._req_copy_events[pending.req_id] = _Done()

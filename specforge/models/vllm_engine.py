@@ -1,0 +1,306 @@
+"""``rollout.backend=vllm``: the target's hidden states computed by a vLLM engine.
+
+The engine is vLLM's OpenAI server (``vllm serve``), run from vLLM's own venv
+(``scripts/install_vllm.sh``: vLLM pins its own transformers), with vLLM's ``extract_hidden_states``
+speculative method and our connector (``models/vllm_connector.py``), which writes each request's
+hidden states to a shared-memory folder (``/dev/shm``: no disk round trip). A capture sends every
+sample of a batch at once as a token-id prompt with ``max_tokens=1`` (vLLM batches them, with its
+tensor/expert parallelism inside), reads each file back and deletes it. Why a server and not an
+in-process engine: vLLM cannot share our venv; the server is what users already run (so
+``rollout.vllm_endpoint`` points at theirs with the same code path), and a crashed engine is a dead
+process the rollout worker sees, not a corrupted interpreter.
+
+THE layer-numbering convention (written once, here). Our layer id k (``model.aux_layer_ids``,
+SGLang's) is the OUTPUT of decoder layer k, i.e. transformers' ``hidden_states[k + 1]``. vLLM's
+``eagle_aux_hidden_state_layer_ids`` count layers done: id j is the residual stream after j layers
+(``hidden_states + residual`` at the input of layer j). So ours k = vLLM's k + 1, and vLLM's id
+``num_hidden_layers`` is the last layer's output before the final norm, which we also ask for: the
+final norm (``TargetModel``'s, applied in this process) gives the last hidden state, the lm_head its
+argmax. ``vllm_layer_ids`` is the one function that converts.
+
+Bytes: what vLLM writes per token is (K + 1) x hidden in the model dtype, the same as the
+transformers capture keeps; the server's own memory is ``rollout.vllm_*`` (the dry run counts it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+INSTALL = "bash scripts/install_vllm.sh"
+SERVED_NAME = "target"
+CONNECTOR = "SpecforgeHiddenStatesConnector"
+CONNECTOR_MODULE = "specforge.models.vllm_connector"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where `specforge` imports from in the engine's venv
+REQUEST_TIMEOUT_S = 600.0  # one request (a whole batch is in flight at once on a slow CPU)
+
+
+class EngineError(RuntimeError):
+    """The engine could not start, or stopped answering: the message says why in one line."""
+
+
+def vllm_layer_ids(our_ids: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM's ``eagle_aux_hidden_state_layer_ids`` for our layer ids, plus the final pre-norm layer."""
+    bad = [k for k in our_ids if not 0 <= k < num_layers]
+    if bad:
+        raise ValueError(f"config key 'model.aux_layer_ids': layer {bad[0]} is not a layer of this target "
+                         f"(0..{num_layers - 1})")
+    return [k + 1 for k in our_ids] + [num_layers]
+
+
+def default_python() -> Path:
+    return Path(os.environ.get("SPECFORGE_VLLM_PYTHON") or Path("~/.cache/specforge/vllm/bin/python").expanduser())
+
+
+def engine_python(configured: Optional[str]) -> Path:
+    """The vLLM venv's python, or EngineError naming the install script."""
+    py = Path(configured).expanduser() if configured else default_python()
+    if not py.exists():
+        raise EngineError(f"rollout.backend=vllm: vLLM is not installed ({py} does not exist): run {INSTALL} "
+                          "(or set rollout.vllm_python to the python of a venv that has vllm)")
+    return py
+
+
+@dataclass
+class EngineSpec:
+    """Everything that decides the engine's command line (a run's ``rollout.*`` keys, resolved)."""
+
+    model_path: str
+    layer_ids: list[int]  # vLLM's (``vllm_layer_ids``)
+    dtype: torch.dtype
+    max_model_len: int
+    device: str = "cpu"  # "cpu" or "cuda"
+    tp_size: int = 1
+    expert_parallel: bool = False
+    gpu_memory_utilization: float = 0.85
+    cpu_kvcache_gib: float = 1.0
+    startup_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+    trust_remote_code: bool = False
+    python: Optional[str] = None
+
+    def command(self, port: int, storage: str, python: str = "python") -> list[str]:
+        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
+        kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": storage, "use_synchronization_lock": False}}
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", str(self.dtype).removeprefix("torch."), "--max-model-len", str(self.max_model_len),
+               "--no-enable-prefix-caching", "--skip-tokenizer-init", "--tensor-parallel-size", str(self.tp_size),
+               "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+        if self.expert_parallel:
+            cmd.append("--enable-expert-parallel")
+        if self.device == "cuda":
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+        if self.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.cpu_kvcache_gib))))
+            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_dir() -> str:
+    """A private folder in shared memory where there is one (Linux), else the temp folder."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="specforge-vllm-", dir=base)
+
+
+def _die_with_parent() -> None:  # the engine goes when the process that started it goes (Linux)
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class VllmEngine:
+    """A vLLM server this process started (``spec``), or one the user runs (``endpoint``)."""
+
+    def __init__(self, spec: EngineSpec, endpoint: Optional[str] = None, log_dir: Optional[str] = None):
+        self.spec = spec
+        self.proc: Optional[subprocess.Popen] = None
+        self.storage: Optional[str] = None
+        self.log_path: Optional[Path] = None
+        if endpoint is not None:
+            self.url = endpoint.rstrip("/")
+            self._wait_ready(deadline=time.monotonic() + 30)
+            return
+        python = engine_python(spec.python)
+        self.storage = shm_dir()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        logs = Path(log_dir) if log_dir else Path(self.storage)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"vllm-{port}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(spec.command(port, self.storage, str(python)), env=spec.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
+                                         preexec_fn=_die_with_parent)
+        try:
+            self._wait_ready(deadline=time.monotonic() + spec.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ life
+
+    def _why_dead(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "no log"
+        lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        return (errors or lines or ["empty log"])[-1][-300:] + f" (log: {self.log_path})"
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineError(f"rollout.backend=vllm: the vLLM engine for {self.spec.model_path} exited "
+                                  f"({self.proc.returncode}) while starting: {self._why_dead()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                where = self._why_dead() if self.proc is not None else f"no answer from {self.url}/health"
+                raise EngineError(f"rollout.backend=vllm: the vLLM engine did not become ready in time "
+                                  f"(rollout.vllm_startup_timeout_s): {where}")
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
+                with _quiet():
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc = None
+        if self.storage is not None:
+            shutil.rmtree(self.storage, ignore_errors=True)
+            self.storage = None
+
+    def __del__(self):
+        with _quiet():
+            self.close()
+
+    # ------------------------------------------------------------------ capture
+
+    def _one(self, ids: list[int]) -> torch.Tensor:
+        body = json.dumps({"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"rollout.backend=vllm: the engine refused a request ({e.code}: "
+                              f"{e.read()[:300].decode(errors='replace')})") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineError(f"rollout.backend=vllm: the vLLM engine at {self.url} stopped answering ({e}); "
+                              f"{self._why_dead() if self.proc is not None else 'the endpoint is down'}") from None
+        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path is None:
+            raise EngineError("rollout.backend=vllm: the engine returned no hidden states: it was not started with "
+                              f"the {CONNECTOR} connector and extract_hidden_states (start it with the command "
+                              "`python -m specforge.capture --config ... --vllm-command` prints)")
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while not os.path.exists(path):  # the connector writes it in the step after the request finished
+            if time.monotonic() > deadline or not self.alive():
+                raise EngineError(f"rollout.backend=vllm: the engine never wrote {path}: {self._why_dead()}")
+            time.sleep(0.002)
+        try:
+            data = load_file(path)
+        finally:
+            with _quiet():
+                os.remove(path)
+        if data["token_ids"].tolist() != ids:
+            raise EngineError("rollout.backend=vllm: the engine's hidden states belong to other tokens than sent")
+        return data["hidden_states"]
+
+    def hidden_states(self, rows: Sequence[list[int]]) -> list[torch.Tensor]:
+        """Per row: ``[T, K + 1, H]`` (our K layers, then the final pre-norm), all rows in flight at once."""
+        if not rows:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(rows))) as pool:
+            return list(pool.map(self._one, [list(map(int, r)) for r in rows]))
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], Exception)
+
+
+def server_command(spec: EngineSpec, port: int) -> str:
+    """The shell command that starts an engine for ``spec`` by hand (``rollout.vllm_endpoint``; same host:
+    the hidden states come back through a shared-memory folder)."""
+    import shlex  # lazy: keeps the import of this module light
+
+    cmd = spec.command(port, "/dev/shm/specforge-vllm", str(engine_python(spec.python)))
+    env = f"PYTHONPATH={REPO_ROOT}" + (f" VLLM_CPU_KVCACHE_SPACE={spec.env()['VLLM_CPU_KVCACHE_SPACE']}"
+                                       if spec.device == "cpu" else "")
+    return env + " " + " ".join(shlex.quote(c) for c in cmd)
+
+
+def spec_for(cfg, model_path: str, num_layers: int, our_ids: Sequence[int], dtype: torch.dtype,
+             device: torch.device) -> EngineSpec:
+    """The engine a run's config asks for (``cfg``: the run ``Config``)."""
+    r = cfg.rollout
+    return EngineSpec(model_path=model_path, layer_ids=vllm_layer_ids(our_ids, num_layers), dtype=dtype,
+                      max_model_len=cfg.data.max_length + 1, device=device.type, tp_size=r.tp_size,
+                      expert_parallel=r.expert_parallel, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                      cpu_kvcache_gib=r.vllm_cpu_kvcache_gib, startup_timeout_s=r.vllm_startup_timeout_s,
+                      extra_args=list(r.vllm_args), trust_remote_code=cfg.model.trust_remote_code,
+                      python=r.vllm_python)
+
+
+
+
+def engine_factory(cfg, log_dir: Optional[str] = None):
+    """``load_target``'s ``engine_for`` for a run (``cfg``: the run ``Config``): None with the hf backend,
+    else a function that starts (or joins, ``rollout.vllm_endpoint``) the engine for a loaded target."""
+    if cfg.rollout.backend != "vllm":
+        return None
+
+    def start(model_path: str, num_layers: int, our_ids: Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> VllmEngine:
+        return VllmEngine(spec_for(cfg, model_path, num_layers, our_ids, dtype, device),
+                          endpoint=cfg.rollout.vllm_endpoint, log_dir=log_dir)
+
+    return start
