@@ -31,8 +31,10 @@ from specforge.data.store import (
     store_meta,
     store_root,
 )
-from specforge.device import set_threads
-from specforge.models.target import capture, load_target
+from specforge.device import pick_device, pick_dtype, set_threads
+from specforge.models.target import capture, load_target, load_target_config, load_tokenizer, resolve_target_path
+from specforge.models.vllm_engine import engine_factory, server_command, spec_for
+from specforge.targets import text_config
 from specforge.train.batch import collate, pad_id
 from specforge.train.packing import target_packs
 
@@ -117,25 +119,50 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
         from transformers.utils import logging as hf_logging  # lazy: heavy (transformers)
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
+    # the data first (the tokenizer alone): a data error is said before the target (or its engine) starts
+    data = prepare_dataset(cfg.data, target.tokenizer if target else load_tokenizer(cfg.model),
+                           chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir, progress=progress)
+    own = target is None
     target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
-                                   packed=cfg.rollout.pack_tokens is not None)
-    data = prepare_dataset(cfg.data, target.tokenizer, chat_template=cfg.model.chat_template,
-                           cache_dir=cfg.model.cache_dir, progress=progress)
+                                   packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg))
+    try:
+        return _capture(cfg, target, data, progress, source)
+    finally:
+        if own and target.engine is not None:
+            target.engine.close()
+
+
+def _capture(cfg, target, data, progress: bool, source: Optional[str]) -> Path:
     meta = store_meta(cfg, target, source=source or data.cache_key)
     return write_store(target, data.train, store_root(cfg), meta, cfg.store.dtype, cfg.store.shard_mb,
                        cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress,
                        max_tokens=max(CAPTURE_TOKENS, cfg.rollout.pack_tokens or 0), pack_tokens=cfg.rollout.pack_tokens)
 
 
+def vllm_command(cfg, port: int) -> str:
+    """``--vllm-command``: the engine ``rollout.backend=vllm`` would start for ``cfg``, as a shell command."""
+    n = text_config(load_target_config(cfg.model)).num_hidden_layers
+    device = pick_device(cfg.model.device)
+    spec = spec_for(cfg, resolve_target_path(cfg.model), n, feature_layers(cfg, n), pick_dtype(cfg.model.dtype, device),
+                    device)
+    return server_command(spec, port)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specforge.capture", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--vllm-command", type=int, metavar="PORT", default=None,
+                    help="print the command that starts a vLLM engine this config can use as rollout.vllm_endpoint "
+                         "(http://127.0.0.1:PORT, on this host), and exit")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_samples=100")
     args, extra = ap.parse_known_args(argv)
     bad = [e for e in extra if e.startswith("-") or "=" not in e]
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.vllm_command is not None:
+        print(vllm_command(load_config(args.config, list(args.overrides) + extra), args.vllm_command))
+        return 0
     try:
         root = capture_store(load_config(args.config, list(args.overrides) + extra), progress=not args.no_progress)
     except ValueError as err:

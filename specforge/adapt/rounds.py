@@ -68,6 +68,7 @@ from specforge.engines.llamacpp import (
 from specforge.eval import Setting, evaluate_settings
 from specforge.files import open_safetensors
 from specforge.models.target import load_target, resolve_target_path
+from specforge.models.vllm_engine import engine_factory
 from specforge.preflight import check_writable
 from specforge.runtime.plan import replayable_ids
 from specforge.tracking import MetricsLogger
@@ -526,7 +527,8 @@ class Adapter:
     def target(self):
         if self._target is None:
             set_threads(self.cfg.train.num_threads)
-            self._target = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n))
+            self._target = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n),
+                                       engine_for=engine_factory(self.cfg))
         return self._target
 
     def capture(self) -> None:

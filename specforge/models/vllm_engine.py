@@ -32,6 +32,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -51,8 +52,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # where `specforge` imports fro
 REQUEST_TIMEOUT_S = 600.0  # one request (a whole batch is in flight at once on a slow CPU)
 
 
-class EngineError(RuntimeError):
-    """The engine could not start, or stopped answering: the message says why in one line."""
+class EngineError(ValueError):
+    """The engine could not start, or stopped answering: the message says why in one line (a ValueError:
+    every entry point prints it as its one ``error:`` line)."""
 
 
 def vllm_layer_ids(our_ids: Sequence[int], num_layers: int) -> list[int]:
@@ -304,3 +306,12 @@ def engine_factory(cfg, log_dir: Optional[str] = None):
                           endpoint=cfg.rollout.vllm_endpoint, log_dir=log_dir)
 
     return start
+
+
+def die_with_engine(engine: Optional[VllmEngine], err: Exception) -> None:
+    """A rollout worker whose engine died exits, so the driver replaces it as it replaces any dead
+    rollout worker (a new worker starts a new engine; the train ranks resume at a consistent step)."""
+    print(f"error: {err}; this rollout worker exits so that it is replaced", file=sys.stderr, flush=True)
+    if engine is not None:
+        engine.close()
+    os._exit(3)

@@ -33,6 +33,7 @@ from specforge.data.vocab import load_draft_vocab
 from specforge.device import bind, pick_device, set_threads, synchronize
 from specforge.models.features import TrainBatch
 from specforge.models.target import capture, load_target
+from specforge.models.vllm_engine import EngineError, die_with_engine, engine_factory
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.runtime.actors import DistributedWorker, control
@@ -78,7 +79,7 @@ class RolloutWorker(DistributedWorker):
         self.data = open_data(cfg)
         # over model.num_gpus GPUs when one cannot hold it; device (the first of them) gets the features
         self.target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
-                                  packed=cfg.rollout.pack_tokens is not None)
+                                  packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg))
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
         self.device = self.target.device
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
@@ -116,8 +117,11 @@ class RolloutWorker(DistributedWorker):
         rows = getattr(self.data, plan.split)[list(ids)]
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
         input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.target.tokenizer))
-        f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens,
-                    target_packs(attn_BT, self.cfg.rollout.pack_tokens))
+        try:
+            f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens,
+                        target_packs(attn_BT, self.cfg.rollout.pack_tokens))
+        except EngineError as e:  # its engine is gone: this worker goes too, and is replaced as a dead one is
+            die_with_engine(self.target.engine, e)
         fields = {"aux_hidden": f.aux_hidden_BTKH, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
                   "input_ids": input_ids_BT, "loss_mask": loss_mask_BT}
         per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows], self.transport.device)
@@ -168,7 +172,8 @@ class TrainWorker(DistributedWorker):
         # tensors it copies (and the fingerprint's samples), and no GPU holds the target.
         colocated = layout.mode == "colocated"
         target = load_target(cfg.model, None if colocated else device, layers=lambda n: feature_layers(cfg, n),
-                             on_host=not colocated, packed=colocated and cfg.rollout.pack_tokens is not None)
+                             on_host=not colocated, packed=colocated and cfg.rollout.pack_tokens is not None,
+                             engine_for=engine_factory(cfg) if colocated else None)
         vocab = load_draft_vocab(layout.vocab_path)
         algo = get_algorithm(cfg.draft.algorithm)
         draft = algo.build_draft(cfg, target, vocab)
