@@ -590,6 +590,9 @@ def backend_errors(cfg: Config) -> list[str]:
     if cfg.model.num_gpus > 1:
         return [f"config key 'model.num_gpus'={cfg.model.num_gpus} splits a transformers target by layers; with "
                 "rollout.backend=vllm set rollout.tp_size instead (the engine's tensor parallelism) and model.num_gpus=1"]
+    if r.tp_size > 1 and cfg.placement.mode == "colocated":
+        return [f"config key 'rollout.tp_size'={r.tp_size}: a colocated engine shares its train worker's one GPU; "
+                "use placement.mode=disaggregated for a tensor-parallel engine (its rollout worker gets tp_size GPUs)"]
     if r.pack_tokens is not None:
         return ["config key 'rollout.pack_tokens' is for rollout.backend=hf: vLLM batches the samples its own way "
                 "(no padding is computed); unset rollout.pack_tokens"]

@@ -53,7 +53,7 @@ from specforge.targets import check_target, family_of, text_config
 SHIPPED_BITS = {"mxfp4": 4.25, "fp8": 8.0, "fbgemm_fp8": 8.0}
 OPTIMIZER_BYTES = 12  # per trainable parameter: fp32 gradient + AdamW's two fp32 moments
 MASTER_BYTES = 4  # per draft parameter: fp32 weights
-H100_80GB = 81559 * 2**20  # what an 80 GB H100 reports (nvidia-smi: 81559 MiB): the verdict without a GPU or key
+H100_80GB = memory.H100_80GB  # the verdict without a GPU or key
 
 
 @dataclass
@@ -188,14 +188,14 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
 
     mode = cfg.placement.mode  # single process: colocated or offline (runtime.loop.single_process)
     split = _target_split(cfg, hf_config, dtype, target)
-    on_gpus = split or [t_bytes]  # the target's bytes on each GPU of a worker that runs it
+    on_gpus = split or [_engine_bytes(cfg, t_bytes, shipped)]  # the target's bytes on each GPU of a worker that runs it
     workers = {"train": cfg.train.num_workers}
     per_device = {"train": draft_per_rank}
     if mode == "colocated":  # target and draft in one process: the draft on the target's first GPU
         per_device["train"] = max([on_gpus[0] + draft_per_rank, *on_gpus[1:]])
     if mode == "disaggregated":
         workers = {"rollout": cfg.rollout.num_workers, **workers}
-        per_device = {"rollout": max(on_gpus), **per_device}
+        per_device = {"rollout": -(-max(on_gpus) // cfg.rollout.tp_size), **per_device}
 
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
     use_gpu = wants_gpu(cfg.model.device)
@@ -225,6 +225,12 @@ def _target_split(cfg: Config, hf_config, dtype: torch.dtype, target) -> list[in
     return list(split_plan(hf_config, cfg.model.num_gpus, dtype, target.model)[1].values())
 
 
+def _engine_bytes(cfg: Config, t_bytes: int, shipped: Optional[int]) -> int:
+    """The target's bytes where it runs: vLLM loads a quantized checkpoint as shipped (FP8, MXFP4), the
+    transformers forward as ``model.dtype``."""
+    return shipped if cfg.rollout.backend == "vllm" and shipped else t_bytes
+
+
 def _on_gpus(cfg: Config) -> bool:
     """Whether the workers run on GPUs (``ray.gpu_memory_gib`` set says they do)."""
     return wants_gpu(cfg.model.device) or cfg.ray.gpu_memory_gib is not None
@@ -236,7 +242,8 @@ def memory_plan(cfg: Config, target_config: Optional[str] = None) -> list:
     hf_config, _ = read_target_config(cfg, target_config)
     dtype = _target_dtype(cfg)
     target, draft, state = meta_models(cfg, hf_config, dtype)
-    shares = _target_split(cfg, hf_config, dtype, target) or [_nbytes(target.model.parameters())]
+    shares = _target_split(cfg, hf_config, dtype, target) or [
+        _engine_bytes(cfg, _nbytes(target.model.parameters()), quantized_as_shipped(target.model, hf_config)[1])]
     s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))
     return memory.plan(cfg, get_algorithm(cfg.draft.algorithm), target, draft, s_bytes, shares, _on_gpus(cfg))
 
@@ -261,6 +268,16 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
     roles = " + ".join(f"{n} {role}" for role, n in r.workers.items())
     print(f"placement {r.placement}: {roles} worker(s) (dp {dims.dp} x sp {dims.sp})")
     target = "the target" if not r.target_split else "its share of the target"
+    if cfg.rollout.backend == "vllm" and cfg.placement.mode != "offline":
+        r_ = cfg.rollout
+        loaded = r.shipped_bytes if r.shipped_bytes else r.target_bytes
+        target = f"its 1/{r_.tp_size} of the target in the vLLM engine"
+        print(f"  the target runs in vLLM (rollout.backend=vllm): tensor parallel over rollout.tp_size={r_.tp_size} "
+              f"{'GPUs' if _on_gpus(cfg) else 'CPU ranks'} per {'rollout' if cfg.placement.mode == 'disaggregated' else 'train'} "
+              f"worker{', experts spread over them' if r_.expert_parallel else ''}; weights as vLLM loads them "
+              f"{_gib(loaded)} = {_gib(-(-loaded // r_.tp_size))} per GPU; the engine takes "
+              f"rollout.vllm_gpu_memory_utilization={r_.vllm_gpu_memory_utilization} of each GPU (weights, KV and "
+              "hidden-states cache, activations) and this process keeps only the final norm and lm_head")
     holds = {"rollout": target, "train": "its draft shard + the frozen draft params + the train state"
              + (f" + {target}" if cfg.placement.mode == "colocated" else "")}
     if r.target_split:

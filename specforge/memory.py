@@ -331,6 +331,37 @@ def _compute_bytes(precision: str, gpu: bool) -> int:
     return 2 if cpu_fast_bf16() else 4
 
 
+# What a GPU holds when neither a GPU nor ray.gpu_memory_gib says (the dry run's verdict, vLLM's share of it)
+H100_80GB = 81559 * 2**20  # what an 80 GB H100 reports (nvidia-smi: 81559 MiB)
+
+
+def engine_terms(cfg, target_bytes: int, gpu: bool, gpu_bytes: Optional[int]) -> list[Term]:
+    """``rollout.backend=vllm``: what the engine holds on each of its ``rollout.tp_size`` devices. On a
+    GPU vLLM takes ``rollout.vllm_gpu_memory_utilization`` of it and fits the weights (as loaded,
+    over TP), its KV and hidden-states cache and its activations inside; on the CPU its weights plus
+    ``rollout.vllm_cpu_kvcache_gib``."""
+    r = cfg.rollout
+    weights = -(-target_bytes // r.tp_size)
+    if not gpu:
+        return [Term(f"vLLM engine: target weights / rollout.tp_size={r.tp_size}", weights),
+                Term("vLLM engine: KV and hidden-states cache (rollout.vllm_cpu_kvcache_gib)",
+                     int(r.vllm_cpu_kvcache_gib * GiB))]
+    share = int(r.vllm_gpu_memory_utilization * (gpu_bytes or H100_80GB))
+    return [Term(f"vLLM engine: target weights / rollout.tp_size={r.tp_size}", weights),
+            Term("vLLM engine: KV and hidden-states cache, activations, CUDA graphs (the rest of "
+                 f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x the GPU)", max(share - weights, 0))]
+
+
+def engine_client_terms(t: "TargetDims", B: int, T: int, aux_layers: int, chunk_tokens: int) -> list[Term]:
+    """This process's side of a vLLM capture of ``B`` samples of ``T`` tokens (``models/target._capture_engine``):
+    the engine's per-sample arrays read back, the padded features, the final norm, one argmax chunk of logits."""
+    n = B * T
+    back = n * (aux_layers + 1) * t.H * t.dtype_bytes
+    return [Term("capture (vLLM): the engine's hidden states read back (K + 1 layers per token)", back),
+            Term("capture (vLLM): features in the padded layout + the final norm", back),
+            Term("capture (vLLM): one argmax chunk of logits", min(chunk_tokens, n) * t.V * (t.dtype_bytes + 8))]
+
+
 def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
     """Every kind of device of ``cfg``'s placement at its peak. ``algo``: the run's algorithm (its
     ``memory_step`` terms), ``target``: the ``TargetModel`` (meta
@@ -371,6 +402,8 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     gpu_word = "GPU" if gpu else "process"
     train = train_device(f"train {gpu_word}", tr.num_workers, params, p, step, state_bytes, features, upcast, extra)
     tdims = TargetDims.of(target.model, text, target.model.dtype.itemsize, gpu)
+    if cfg.rollout.backend == "vllm":
+        return _plan_vllm(cfg, mode, dims, s, layers, tdims, target_shares, gpu, train, features, spec, gpu_word)
     if mode == "colocated":
         train.held.insert(0, Term("target weights" + (" (its first share)" if len(target_shares) > 1 else ""),
                                   target_shares[0]))
@@ -389,6 +422,35 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
         rphases = {"capture (one step's batched forward)": [Term("this step's features (wire copies)", roll_step)]
                    + forward_terms(tdims, roll, s.T, layers, cfg.model.argmax_chunk_tokens, cfg.rollout.pack_tokens)}
         rollout = DeviceMemory(f"rollout {gpu_word}", cfg.rollout.num_workers, rheld, rphases)
+        out.append(with_fragmentation(rollout) if gpu else rollout)
+    return out
+
+
+def _plan_vllm(cfg, mode, dims, s, layers, tdims, target_shares, gpu, train, features, spec, gpu_word):
+    """``plan`` with ``rollout.backend=vllm``: the engine's share (``engine_terms``) where the target
+    runs, and this process's head (final norm + lm_head: the rest of the target stays memory-mapped)."""
+    tr = cfg.train
+    engine = engine_terms(cfg, sum(target_shares), gpu, available_bytes(cfg)[0] if gpu else None)
+    head = Term("final norm + lm_head (this process; the other target weights memory-mapped in host memory)",
+                tdims.V * tdims.H * tdims.dtype_bytes)
+    chunk = cfg.model.argmax_chunk_tokens
+    if mode == "colocated":
+        train.held[:0] = engine + [head]
+        train.phases["capture (one micro-batch, through vLLM)"] = (
+            [Term("features of the micro-batches captured before it", features)]
+            + engine_client_terms(tdims, s.B, s.T, layers, chunk))
+    out = [with_fragmentation(train) if gpu else train]
+    if mode == "disaggregated":
+        roll = -(-dims.dp // cfg.rollout.num_workers) * tr.grad_accum * s.B
+        roll_step = roll * s.T * spec.bytes_per_token()
+        budget = int(cfg.placement.max_inflight_mb * 2**20)
+        rheld = engine + [head, Term("features sent, not yet received (SendWindow: <= placement.max_inflight_mb, "
+                                     "<= 8 steps)", min(budget, MAX_STEPS_AHEAD * roll_step))] + context_terms(gpu, 1)
+        rphases = {"capture (one step's batch, through vLLM)": [Term("this step's features (wire copies)", roll_step)]
+                   + engine_client_terms(tdims, roll, s.T, layers, chunk)}
+        name = f"rollout {gpu_word}" + (f" (first of rollout.tp_size={cfg.rollout.tp_size})" if cfg.rollout.tp_size > 1
+                                        else "")
+        rollout = DeviceMemory(name, cfg.rollout.num_workers, rheld, rphases)
         out.append(with_fragmentation(rollout) if gpu else rollout)
     return out
 

@@ -214,7 +214,9 @@ def gpus_per_worker(cfg: Config, kind: str) -> int:
     """GPUs one worker of ``kind`` gets on GPUs: the target's ``model.num_gpus`` where the worker
     runs the target (a rollout worker; a colocated train worker), else 1."""
     runs_target = kind == "rollout" or (kind == "train" and cfg.placement.mode == "colocated")
-    return cfg.model.num_gpus if runs_target else 1
+    if not runs_target:
+        return 1
+    return cfg.rollout.tp_size if cfg.rollout.backend == "vllm" else cfg.model.num_gpus
 
 
 def needed_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:

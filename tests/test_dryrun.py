@@ -144,7 +144,7 @@ def test_a_target_over_several_gpus_is_planned_per_gpu(capsys):
     from specforge.models.target import split_plan
     from specforge.ray_train import main
 
-    cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml")
+    cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", HF_SPLIT)
     assert cfg.model.num_gpus == 4
     r = dry_run(cfg)
     hf = read_target_config(cfg)[0]
@@ -157,13 +157,52 @@ def test_a_target_over_several_gpus_is_planned_per_gpu(capsys):
     assert "the target over model.num_gpus=4 GPUs of each rollout worker" in out
     assert f"per rollout device (fullest): {max(shares):,} bytes" in out
     # colocated: a train worker's first GPU also holds the draft shard; one GPU (no split) holds it all
-    co = dry_run(load_config(CONFIGS / "llama3.3-70b-instruct.yaml", ["placement.mode=colocated"]))
+    co = dry_run(load_config(CONFIGS / "llama3.3-70b-instruct.yaml", HF_SPLIT + ["placement.mode=colocated"]))
     assert co.per_device["train"] >= shares[0] + r.per_device["train"]
-    whole = dry_run(load_config(CONFIGS / "llama3.3-70b-instruct.yaml", ["model.num_gpus=1"]))
+    whole = dry_run(load_config(CONFIGS / "llama3.3-70b-instruct.yaml", HF_SPLIT[:2] + ["model.num_gpus=1"]))
     assert whole.target_split == [] and whole.per_device["rollout"] == whole.target_bytes
     capsys.readouterr()
-    assert main(["--config", str(CONFIGS / "llama3.3-70b-instruct.yaml"), "--dry-run", "model.num_gpus=2"]) == 0
+    assert main(["--config", str(CONFIGS / "llama3.3-70b-instruct.yaml"), "--dry-run", *HF_SPLIT[:2],
+                 "model.num_gpus=2"]) == 0
     assert "model.num_gpus=2 GPUs" in capsys.readouterr().out
+
+
+# the shipped 70B config runs its target in vLLM; these keys split it by layers in our process instead
+HF_SPLIT = ["rollout.backend=hf", "rollout.tp_size=1", "model.num_gpus=4"]
+
+
+@pytest.mark.parametrize("name, tp, params, fp8", [
+    ("llama3.3-70b-instruct.yaml", 4, 70.6e9, False),
+    ("qwen3-235b-a22b.yaml", 8, 235e9, False),
+    ("deepseek-v3.yaml", 8, 671e9, True),
+])
+def test_a_target_in_vllm_is_planned_per_tensor_parallel_gpu(name, tp, params, fp8, capsys):
+    """rollout.backend=vllm: a rollout worker gets rollout.tp_size GPUs, each holding 1/tp of the
+    weights as vLLM loads them (DeepSeek-V3: its FP8 as shipped, not dequantized) inside the engine's
+    share of the GPU; the plan fits the GPU the config names (or an 80 GB H100)."""
+    from specforge import memory
+    from specforge.preflight import gpus_per_worker
+
+    cfg = load_config(CONFIGS / name)
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.tp_size == tp and cfg.model.num_gpus == 1
+    assert gpus_per_worker(cfg, "rollout") == tp and gpus_per_worker(cfg, "train") == 1
+    r = dry_run(cfg)
+    assert abs(r.target_params - params) / params < 0.02
+    loaded = r.shipped_bytes if fp8 else r.target_bytes
+    if fp8:
+        assert r.quantized and r.shipped_bytes < 0.55 * r.target_bytes  # one byte a weight, not two
+    assert r.per_device["rollout"] == -(-loaded // tp)
+    rollout = next(d for d in r.memory if d.device.startswith("rollout"))
+    held = {t.name: t.nbytes for t in rollout.held}
+    assert held[f"vLLM engine: target weights / rollout.tp_size={tp}"] == -(-loaded // tp)
+    share = cfg.rollout.vllm_gpu_memory_utilization * (r.available or memory.H100_80GB)
+    assert sum(v for k, v in held.items() if k.startswith("vLLM engine")) == pytest.approx(share, abs=1)
+    assert rollout.peak <= (r.available or memory.H100_80GB)
+    out = capsys.readouterr().out
+    assert f"tensor parallel over rollout.tp_size={tp} GPUs" in out and "DOES NOT FIT" not in out
+    # negative control: the same engine share with less room beside it is refused
+    tight = dry_run(load_config(CONFIGS / name, ["rollout.vllm_gpu_memory_utilization=0.99"]))
+    assert any(d.peak > (tight.available or memory.H100_80GB) for d in tight.memory)
 
 
 def test_a_quantized_checkpoint_is_also_counted_as_shipped(capsys):

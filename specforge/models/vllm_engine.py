@@ -49,6 +49,7 @@ SERVED_NAME = "target"
 CONNECTOR = "SpecforgeHiddenStatesConnector"
 CONNECTOR_MODULE = "specforge.models.vllm_connector"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where `specforge` imports from in the engine's venv
+ENDPOINT_WAIT_S = 10.0  # rollout.vllm_endpoint: how long its /health may take to answer
 REQUEST_TIMEOUT_S = 600.0  # one request (a whole batch is in flight at once on a slow CPU)
 
 
@@ -152,9 +153,9 @@ class VllmEngine:
         self.proc: Optional[subprocess.Popen] = None
         self.storage: Optional[str] = None
         self.log_path: Optional[Path] = None
-        if endpoint is not None:
+        if endpoint is not None:  # the user's engine: it answers now or the run stops here
             self.url = endpoint.rstrip("/")
-            self._wait_ready(deadline=time.monotonic() + 30)
+            self._wait_ready(deadline=time.monotonic() + ENDPOINT_WAIT_S)
             return
         python = engine_python(spec.python)
         self.storage = shm_dir()
@@ -194,9 +195,12 @@ class VllmEngine:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                where = self._why_dead() if self.proc is not None else f"no answer from {self.url}/health"
+                if self.proc is None:
+                    raise EngineError(f"config key 'rollout.vllm_endpoint'={self.url!r}: no vLLM engine answers at "
+                                      f"{self.url}/health; start one (python -m specforge.capture --config ... "
+                                      "--vllm-command PORT prints the command) or unset rollout.vllm_endpoint")
                 raise EngineError(f"rollout.backend=vllm: the vLLM engine did not become ready in time "
-                                  f"(rollout.vllm_startup_timeout_s): {where}")
+                                  f"(rollout.vllm_startup_timeout_s): {self._why_dead()}")
             time.sleep(0.5)
 
     def alive(self) -> bool:

