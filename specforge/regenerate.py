@@ -75,9 +75,12 @@ from specforge.data.template import (
 )
 from specforge.device import set_threads
 from specforge.models import generate as engine
+from specforge.models.target import capture as capture_features
 from specforge.models.target import load_target, load_tokenizer
+from specforge.models.vllm_engine import engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
 from specforge.runtime.actors import start_ray
+from specforge.train.batch import collate, pad_id
 
 HELD_OUT = "held out for eval"
 PROMPT_TOO_LONG = "first prompt longer than data.max_length - 1"  # later turns that do not fit end the row
@@ -254,6 +257,43 @@ class LocalBackend:
             T = len(prompt.ids) + len(out)
             feats = type(feats)(feats.aux_hidden_BTKH[:, :T], feats.last_hidden_BTH[:, :T], feats.target_ids_BT[:, :T])
         return Answer(text, reason, len(out), out, feats)
+
+
+class VllmBackend:
+    """``rollout.backend=vllm`` with the local backend: the target's vLLM engine writes the answers
+    (token ids in, token ids out, the requests in flight together), then the features of prompt +
+    answer are one capture of those rows through the same engine (``models.target.capture``)."""
+
+    def __init__(self, target, cfg: Config, stop_ids: set[int], capture: bool, progress: Callable[[int], None]):
+        self.target, self.r, self.cfg = target, cfg.regenerate, cfg
+        self.stop_ids, self.capture, self.progress = stop_ids, capture, progress
+
+    def run(self, prompts: list[Prompt]) -> list[Union[Answer, Exception]]:
+        eng = self.target.engine
+
+        def one(p: Prompt) -> tuple[list[int], str]:
+            out = eng.generate(p.ids, p.max_new_tokens, self.r.temperature, self.r.top_p, p.seed, self.stop_ids)
+            self.progress(len(out[0]))
+            return out
+
+        with cf.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
+            gens = list(pool.map(one, prompts))
+        feats = None
+        if self.capture:
+            rows = [{"input_ids": p.ids + out, "loss_mask": [1] * (len(p.ids) + len(out))} for p, (out, _) in zip(prompts, gens)]
+            ids, _, attn = collate(rows, pad_id(self.target.tokenizer))
+            feats = capture_features(self.target, ids, attn, self.cfg.model.argmax_chunk_tokens)
+        answers = []
+        for b, (p, (out, reason)) in enumerate(zip(prompts, gens)):
+            body = out[:-1] if reason == "stop" and out and out[-1] in self.stop_ids else out
+            text = self.target.tokenizer.decode(body, skip_special_tokens=True)
+            f = None
+            if feats is not None:
+                T = len(p.ids) + len(out)
+                f = type(feats)(feats.aux_hidden_BTKH[b : b + 1, :T], feats.last_hidden_BTH[b : b + 1, :T],
+                                feats.target_ids_BT[b : b + 1, :T])
+            answers.append(Answer(text, reason, len(out), out, f))
+        return answers
 
 
 class OpenAIBackend:
@@ -532,8 +572,20 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     """Regenerate ``jobs`` into ``output`` (and the store at ``store_dir`` when capturing)."""
     r = cfg.regenerate
     local = r.backend == "local"
-    if local and target is None:
-        target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
+    own = local and target is None
+    if own:
+        target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n), engine_for=engine_factory(cfg))
+    try:
+        return _run_shard(cfg, jobs, output, store_dir, target, tokenizer, desc)
+    finally:
+        if own and target.engine is not None:
+            target.engine.close()
+
+
+def _run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path], target, tokenizer,
+               desc: str) -> Summary:
+    r = cfg.regenerate
+    local = r.backend == "local"
     tokenizer = target.tokenizer if local else tokenizer
     template = resolve_chat_template(tokenizer, cfg.model.chat_template)
     model_name = cfg.model.target_path if local else (r.api_model or cfg.model.target_path)
@@ -548,7 +600,8 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     bar, on_tokens = _bar(len(pending), start, desc)
     tokens = Tokens(tokenizer, template, cfg.data.max_length, r.max_new_tokens, with_mask=capture, seed=r.seed)
     if local:
-        backend = LocalBackend(target, cfg, stop_token_ids(tokenizer, template, target.model), capture, on_tokens)
+        kind = VllmBackend if target.engine is not None else LocalBackend
+        backend = kind(target, cfg, stop_token_ids(tokenizer, template, target.model), capture, on_tokens)
     else:
         backend = OpenAIBackend(cfg, tokenizer, on_tokens)
     chunk = CHUNK_BATCHES * (r.batch_size if local else r.concurrency)

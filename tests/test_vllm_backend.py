@@ -103,6 +103,24 @@ def test_vllm_features_equal_the_transformers_capture(name, folders):
     assert eng.engine.proc is None
 
 
+def test_tensor_parallel_2_on_the_cpu_gives_the_same_features(folders):
+    """rollout.tp_size=2: two engine ranks (vLLM's CPU collectives) on the same cores; the features
+    equal the transformers capture as TP 1's do."""
+    cfg = load_config(None, overrides(folders["mistral"]) + VLLM + ["rollout.tp_size=2"])
+    hf = load_target(cfg.model, layers=lambda n: AUX)
+    eng = load_target(cfg.model, layers=lambda n: AUX, engine_for=engine_factory(cfg))
+    try:
+        assert "--tensor-parallel-size 2" in " ".join(eng.engine.proc.args)
+        ids, _, attn = collate(_rows(), 0)
+        want, got = capture(hf, ids, attn), capture(eng, ids, attn)
+    finally:
+        eng.engine.close()
+    for b, n in enumerate(LENGTHS):
+        assert _close(got.aux_hidden_BTKH[b, :n], want.aux_hidden_BTKH[b, :n]), b
+        assert _close(got.last_hidden_BTH[b, :n], want.last_hidden_BTH[b, :n]), b
+        assert torch.equal(got.target_ids_BT[b, :n], want.target_ids_BT[b, :n])
+
+
 def test_capture_cli_through_vllm_writes_the_transformers_store(folders):
     """``python -m specforge.capture`` with each backend: same samples, ids and argmax; features equal
     up to the store's bf16 rounding."""
@@ -118,6 +136,34 @@ def test_capture_cli_through_vllm_writes_the_transformers_store(folders):
             assert torch.equal(x[key], y[key]), key
         for key in ("aux_hidden", "last_hidden"):
             torch.testing.assert_close(x[key].float(), y[key].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_regenerate_through_vllm_writes_what_the_local_backend_writes(folders):
+    """``python -m specforge.regenerate`` (greedy) with rollout.backend=vllm: vLLM writes the answers,
+    then the features of prompt + answer come from the same engine. The JSONL equals the in-process
+    generation's row for row, the store's samples too (features up to bf16 rounding)."""
+    from specforge import regenerate as rg
+
+    root = folders["llama"]
+    out = {}
+    for backend, extra in (("hf", []), ("vllm", VLLM)):
+        cfg = load_config(None, overrides(root) + extra + [
+            "regenerate.max_samples=6", "regenerate.max_new_tokens=12", "regenerate.batch_size=3",
+            f"regenerate.output={root / f'regen-{backend}.jsonl'}", f"store.dir={root / f'regen-{backend}'}"])
+        rg.regenerate(cfg)
+        out[backend] = [json.loads(line) for line in (root / f"regen-{backend}.jsonl").read_text().splitlines()]
+    key = lambda r: r["source_row"]  # noqa: E731 (rows are written in finishing order)
+    hf, vl = sorted(out["hf"], key=key), sorted(out["vllm"], key=key)
+    assert len(hf) == 6 and [r["conversations"] for r in vl] == [r["conversations"] for r in hf]
+    assert [r["generation"]["finish_reasons"] for r in vl] == [r["generation"]["finish_reasons"] for r in hf]
+    a, b = FeatureStore(root / "regen-hf"), FeatureStore(root / "regen-vllm")
+    assert a.ids == b.ids and a.lengths == b.lengths
+    for sid in a.ids:
+        x, y = a.read(sid), b.read(sid)
+        for k in ("input_ids", "loss_mask", "target_ids"):
+            assert torch.equal(x[k], y[k]), k
+        for k in ("aux_hidden", "last_hidden"):
+            torch.testing.assert_close(x[k].float(), y[k].float(), atol=2e-2, rtol=1e-2)
 
 
 def test_single_process_online_training_through_vllm_equals_transformers(folders):
@@ -199,3 +245,57 @@ def test_bad_backend_keys_are_refused_by_the_config(keys, named):
 
 def test_an_engine_error_is_a_user_error():
     assert issubclass(EngineError, ValueError)  # every entry point prints a ValueError as its one error: line
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(folders, ray_session, tmp_path,
+                                                                             monkeypatch):
+    """Disaggregated, features from vLLM: the rollout worker's engine is SIGKILLed after train step 1.
+    The worker exits with it, the driver replaces it as any dead rollout worker (a new engine), the
+    train ranks resume at a consistent step: every step trains once, losses as with transformers."""
+    import os
+    import signal
+
+    import ray
+
+    import specforge.ray_train as rt
+    from specforge.ray_train import fit
+    from tests.helpers.ray_run import losses
+
+    steps = 5
+    base = overrides(folders["qwen3"]) + [
+        "placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1", f"train.max_steps={steps}",
+        "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true", "train.batch_size=1"]
+    fit(load_config(None, base + [f"train.output_dir={tmp_path / 'hf'}"]))
+    want = {r["step"]: r["loss"] for r in losses(tmp_path / "hf")}
+
+    spawned, killed, causes = [], [], []
+    real_spawn, real_collect, real_recover = rt.spawn_cluster, rt.Cluster.collect, rt.recover
+
+    def spawn(*args, **kw):
+        cluster = real_spawn(*args, **kw)
+        pids = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid) for w in cluster.rollout.actors],
+                       timeout=60)
+        spawned.append((cluster, pids))
+        return cluster
+
+    def collect(self, handle, what):
+        out = real_collect(self, handle, what)
+        if self is spawned[0][0] and what == "train step 1" and not killed:
+            os.killpg(spawned[0][1][0], signal.SIGKILL)  # the engine and its workers
+            killed.append(spawned[0][1][0])
+        return out
+
+    monkeypatch.setattr(rt, "spawn_cluster", spawn)
+    monkeypatch.setattr(rt.Cluster, "collect", collect)
+    monkeypatch.setattr(rt, "recover", lambda cfg, data, use_gpu, err, cluster: (
+        causes.append(str(err)), real_recover(cfg, data, use_gpu, err, cluster)))
+    out = tmp_path / "killed"
+    fit(load_config(None, base + VLLM + [f"train.output_dir={out}"]))
+    assert killed and len(causes) == 1 and "rollout" in causes[0], causes
+    assert len(spawned) == 2 and spawned[1][1][0] != killed[0]  # a new worker with a new engine
+    got = losses(out)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))  # each step trained (and logged) once
+    for r in got:
+        assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-4), r["step"]

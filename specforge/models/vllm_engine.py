@@ -28,6 +28,7 @@ import concurrent.futures
 import ctypes
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -116,12 +117,15 @@ class EngineSpec:
             cmd.append("--trust-remote-code")
         return cmd + list(self.extra_args)
 
-    def env(self) -> dict[str, str]:
+    def env(self, python: Optional[Path] = None) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.cpu_kvcache_gib))))
-            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            # vLLM's CPU backend asks for Intel's OpenMP preloaded (its wheel ships it in the venv's lib/)
+            iomp = python.parent.parent / "lib" / "libiomp5.so" if python is not None else None
+            if iomp is not None and iomp.exists() and "LD_PRELOAD" not in env:
+                env["LD_PRELOAD"] = str(iomp)
         return env
 
 
@@ -165,7 +169,7 @@ class VllmEngine:
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{port}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(spec.command(port, self.storage, str(python)), env=spec.env(), stdout=log,
+            self.proc = subprocess.Popen(spec.command(port, self.storage, str(python)), env=spec.env(python), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
                                          preexec_fn=_die_with_parent)
         try:
@@ -225,19 +229,44 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ capture
 
-    def _one(self, ids: list[int]) -> torch.Tensor:
-        body = json.dumps({"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0}).encode()
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+    def _post(self, body: dict) -> dict:
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-                out = json.loads(r.read())
+                return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise EngineError(f"rollout.backend=vllm: the engine refused a request ({e.code}: "
                               f"{e.read()[:300].decode(errors='replace')})") from None
         except (urllib.error.URLError, OSError) as e:
             raise EngineError(f"rollout.backend=vllm: the vLLM engine at {self.url} stopped answering ({e}); "
                               f"{self._why_dead() if self.proc is not None else 'the endpoint is down'}") from None
+
+    def generate(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                 stop_ids: Sequence[int]) -> tuple[list[int], str]:
+        """One completion of the token ids ``ids``: (output ids, "stop" | "length"). The stop token,
+        when one ends it, is the output's last id (as ``models.generate`` returns it)."""
+        out = self._post({"model": SERVED_NAME, "prompt": list(map(int, ids)), "max_tokens": int(max_new_tokens),
+                          "temperature": float(temperature), "top_p": float(top_p), "seed": int(seed),
+                          "stop_token_ids": sorted(map(int, stop_ids)), "include_stop_str_in_output": True,
+                          "skip_special_tokens": False, "return_token_ids": True, "detokenize": False})
+        self._discard((out.get("kv_transfer_params") or {}).get("hidden_states_path"))
+        choice = out["choices"][0]
+        tokens = [int(t) for t in (choice.get("token_ids") or [])]
+        return tokens, "length" if choice.get("finish_reason") == "length" else "stop"
+
+    def _discard(self, path: Optional[str]) -> None:
+        """A generation's hidden states (the connector writes them for every request): not needed."""
+        if path is None:
+            return
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline and self.alive():
+            time.sleep(0.005)
+        with _quiet():
+            os.remove(path)
+
+    def _one(self, ids: list[int]) -> torch.Tensor:
+        out = self._post({"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0})
         path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path is None:
             raise EngineError("rollout.backend=vllm: the engine returned no hidden states: it was not started with "
@@ -276,11 +305,10 @@ class _quiet:
 def server_command(spec: EngineSpec, port: int) -> str:
     """The shell command that starts an engine for ``spec`` by hand (``rollout.vllm_endpoint``; same host:
     the hidden states come back through a shared-memory folder)."""
-    import shlex  # lazy: keeps the import of this module light
-
-    cmd = spec.command(port, "/dev/shm/specforge-vllm", str(engine_python(spec.python)))
-    env = f"PYTHONPATH={REPO_ROOT}" + (f" VLLM_CPU_KVCACHE_SPACE={spec.env()['VLLM_CPU_KVCACHE_SPACE']}"
-                                       if spec.device == "cpu" else "")
+    python = engine_python(spec.python)
+    cmd = spec.command(port, "/dev/shm/specforge-vllm", str(python))
+    env = spec.env(python)
+    env = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD") if k in env)
     return env + " " + " ".join(shlex.quote(c) for c in cmd)
 
 
