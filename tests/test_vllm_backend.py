@@ -63,8 +63,9 @@ def test_feature_check_refuses_nan_and_all_zero_layers():
     zero[:, :, 2] = 0
     with pytest.raises(ValueError, match="layer 7 .*all zeros"):
         check_features(zero.view(2, 5, 12), mask, [1, 4, 7])
-    pad = good.clone().view(2, 5, 3, 4)  # zeros only where the padding is: fine
+    pad = good.clone().view(2, 5, 3, 4)  # zeros or NaN only where the padding is: fine
     pad[1, 3:] = 0
+    pad[1, 4, 0, 1] = float("nan")
     mask[1, 3:] = 0
     check_features(pad.view(2, 5, 12), mask, [1, 4, 7])
 

@@ -414,17 +414,18 @@ def capture(
 
 def check_features(aux_BTKH: torch.Tensor, attention_mask_BT: Optional[torch.Tensor], layer_ids: Sequence[int]) -> None:
     """Refuse hidden states an engine can produce silently on some targets (hybrid ones): a captured
-    layer that is all zeros over a batch's tokens, or holds NaN or inf. One host read per batch."""
+    layer that is all zeros over a batch's tokens, or holds NaN or inf. Per token and layer only its
+    max and min are kept (NaN and inf reach them; all zeros = both 0): no temporary the size of the
+    features, one host read per capture."""
     B, T, KH = aux_BTKH.shape
-    x = aux_BTKH.view(B, T, len(layer_ids), KH // len(layer_ids))
-    if attention_mask_BT is not None:
-        x = x[attention_mask_BT.to(x.device).bool()]  # the samples' tokens (padding is zeros)
-    x = x.reshape(-1, len(layer_ids), KH // len(layer_ids))
-    if x.shape[0] == 0:
-        return
-    finite = torch.isfinite(x).all(dim=2).all(dim=0)
-    nonzero = (x != 0).any(dim=2).any(dim=0)
-    ok = torch.stack([finite, nonzero]).cpu()
+    K = len(layer_ids)
+    x = aux_BTKH.view(B, T, K, KH // K)
+    hi, lo = x.amax(dim=-1).float(), x.amin(dim=-1).float()  # [B, T, K]
+    real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask_BT is None
+            else attention_mask_BT.to(x.device).bool())[..., None]  # the samples' tokens, not the padding
+    bad = (~(torch.isfinite(hi) & torch.isfinite(lo)) & real).any(dim=(0, 1))
+    live = (((hi != 0) | (lo != 0)) & real).any(dim=(0, 1)) | ~real.any()
+    ok = torch.stack([~bad, live]).cpu()
     for k, layer in enumerate(layer_ids):
         if not ok[0, k]:
             raise ValueError(f"captured target layer {layer} (model.aux_layer_ids) holds NaN or inf hidden states: "
