@@ -26,6 +26,7 @@ from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_r
 from specforge.device import pick_device, wants_gpu
 from specforge.dryrun import memory_plan
 from specforge.models.target import load_target_config, resolve_target_path
+from specforge.models.vllm_engine import engine_python, vllm_layer_ids
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.loop import check, single_process
 from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
@@ -116,6 +117,10 @@ def check_run(cfg: Config) -> None:
     check_target(read_config_json(resolve_target_path(cfg.model)) or full, layers)  # the family table's checks
     if cfg.rollout.pack_tokens is not None:
         check_packing(full)
+    if cfg.rollout.backend == "vllm" and cfg.placement.mode != "offline":
+        vllm_layer_ids(layers, target.num_hidden_layers)  # a layer the engine cannot capture
+        if cfg.rollout.vllm_endpoint is None:
+            engine_python(cfg.rollout.vllm_python)  # vLLM not installed: said before any worker starts
     algo.check(cfg, target)
     heads = cfg.draft.num_attention_heads or target.num_attention_heads
     ParallelDims.from_config(cfg).check_heads(heads)

@@ -347,3 +347,20 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # each step trained (and logged) once
     for r in got:
         assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-4), r["step"]
+
+
+def test_the_run_checks_say_it_before_any_worker_starts(folders, tmp_path):
+    """Both entry points' checks (preflight) name the install script, and a layer the engine cannot
+    capture, before a target loads or a worker starts."""
+    from specforge.preflight import check_placement, check_single_process
+
+    base = overrides(folders["llama"]) + ["rollout.backend=vllm", "placement.mode=colocated"]
+    missing = base + [f"rollout.vllm_python={tmp_path / 'none' / 'python'}"]
+    for check in (check_single_process, check_placement):
+        with pytest.raises(ValueError, match="scripts/install_vllm.sh"):
+            check(load_config(None, missing))
+    with pytest.raises(ValueError, match=r"model.aux_layer_ids.*\[0, 2, 6\]"):
+        check_single_process(load_config(None, base + ["model.aux_layer_ids=[0,2,6]"]))
+    # offline trains from a store: no engine, no vLLM needed
+    check_single_process(load_config(None, overrides(folders["llama"]) + ["rollout.backend=vllm",
+                                                                          f"rollout.vllm_python={tmp_path / 'x'}"]))

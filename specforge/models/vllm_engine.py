@@ -25,6 +25,7 @@ transformers capture keeps; the server's own memory is ``rollout.vllm_*`` (the d
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
@@ -226,20 +227,25 @@ class VllmEngine:
         return self.proc is None or self.proc.poll() is None
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
-                with _quiet():
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+        """Stop the server and every process it started (its own process group: vLLM's engine core
+        and workers outlive a server that exits on SIGTERM unless the group goes too)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                with contextlib.suppress(Exception):
+                    self.proc.wait(timeout=30)
+            with contextlib.suppress(Exception):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of the group
+            with contextlib.suppress(Exception):
+                self.proc.wait(timeout=10)
         self.proc = None
         if self.storage is not None:
             shutil.rmtree(self.storage, ignore_errors=True)
             self.storage = None
 
     def __del__(self):
-        with _quiet():
+        with contextlib.suppress(Exception):
             self.close()
 
     # ------------------------------------------------------------------ capture
@@ -279,7 +285,7 @@ class VllmEngine:
         deadline = time.monotonic() + 30
         while not os.path.exists(path) and time.monotonic() < deadline and self.alive():
             time.sleep(0.005)
-        with _quiet():
+        with contextlib.suppress(Exception):
             os.remove(path)
 
     def _one(self, ids: list[int]) -> torch.Tensor:
@@ -297,7 +303,7 @@ class VllmEngine:
         try:
             data = load_file(path)
         finally:
-            with _quiet():
+            with contextlib.suppress(Exception):
                 os.remove(path)
         if data["token_ids"].tolist() != ids:
             raise EngineError("rollout.backend=vllm: the engine's hidden states belong to other tokens than sent")
@@ -309,14 +315,6 @@ class VllmEngine:
             return []
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(rows))) as pool:
             return list(pool.map(self._one, [list(map(int, r)) for r in rows]))
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], Exception)
 
 
 def server_command(spec: EngineSpec, port: int) -> str:
