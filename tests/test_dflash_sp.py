@@ -195,7 +195,13 @@ def test_ring_equals_the_single_process_with_negative_controls(tmp_path, ring):
         assert rep["forward"] < 1e-10 and rep["window"] < 1e-10, rep
         for control in ("skip_hop", "wrong_mask", "window_ignored"):  # the negative controls fail by far
             assert rep[control] > 1e-3, rep
-        assert rep["train_grads"] < 1e-6 and rep["train_params"] < 2e-5, rep
+        # fp32 training over several steps: the ranks sum in another order than one process, and the
+        # gap depends on the CPU's kernels (2026-11-27, dd747db and after, on an Intel Xeon with AVX-512:
+        # grads 1.2e-5, params 6.8e-4; an AMD EPYC: under 1e-6 and 2e-5). AdamW divides each update by
+        # the gradient's running scale, so a 1e-5 wobble on a near-zero gradient moves that weight by up
+        # to lr (1e-2) x a fraction: the weights get the looser bound. A broken ring is off by O(1) in
+        # the gradients (and the metrics, checked at rel 1e-5 above)
+        assert rep["train_grads"] < 5e-5 and rep["train_params"] < 5e-3, rep
 
 
 def test_right_padding_moves_no_anchor():

@@ -66,8 +66,9 @@ class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
         if not self._is_tp_rank_zero:
             return
         assert self._kv_cache is not None, "the hidden-states cache was never registered"
-        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
-        slots = (torch.arange(self._block_size, dtype=torch.long)[None, :]
+        dev = self._kv_cache.device  # the CPU here: the slots index the cache where it lives
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long, device=dev)
+        slots = (torch.arange(self._block_size, dtype=torch.long, device=dev)[None, :]
                  + blocks[:, None] * self._block_size).flatten()
         num_tokens = int(pending.token_ids.shape[0])
         hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
