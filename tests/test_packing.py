@@ -234,8 +234,10 @@ def test_trainer_step_packed_equals_unpacked(algorithm):
         assert b["valid_tokens"] == a["valid_tokens"]
         assert b["useful_tokens"] == a["useful_tokens"] == sum(len(r["input_ids"]) for r in rows)
         assert b["tokens"] < a["tokens"]  # no padding when packed
-    for k in p0:
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-6)
+    for k in p0:  # fp32: packed rows sum in another order; AdamW's normalisation can turn that into
+        # a few 1e-6 on a weight with a near-zero gradient (2026-11-27, dd747db and after, an Intel Xeon:
+        # 2.3e-6 on 1 of 4608 weights; under 1e-6 on an AMD EPYC)
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-5)
 
 
 def _vocab_of(trainer):
