@@ -128,12 +128,15 @@ def test_two_gpus_capture_equals_one(folder):
 def test_gpus_each_worker_asks_for():
     from specforge.preflight import check_resources, check_workers, needed_resources
 
-    cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml")  # 1 rollout x 4 GPUs + 4 train x 1
+    # the shipped config runs the target in vLLM over rollout.tp_size=4 GPUs: 1 rollout x 4 GPUs + 4 train x 1
+    assert needed_resources(load_config(CONFIGS / "llama3.3-70b-instruct.yaml"), use_gpu=True) == {"CPU": 5.0, "GPU": 8.0}
+    split = ["rollout.backend=hf", "rollout.tp_size=1", "model.num_gpus=4"]  # the same GPUs, split by layers
+    cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", split)  # 1 rollout x 4 GPUs + 4 train x 1
     assert needed_resources(cfg, use_gpu=True) == {"CPU": 5.0, "GPU": 8.0}
     assert needed_resources(cfg, use_gpu=False) == {"CPU": 5.0}
-    colocated = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", ["placement.mode=colocated"])
+    colocated = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", split + ["placement.mode=colocated"])
     assert needed_resources(colocated, use_gpu=True)["GPU"] == 16.0  # each train worker runs the target
-    offline = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", ["placement.mode=offline"])
+    offline = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", split + ["placement.mode=offline"])
     assert needed_resources(offline, use_gpu=True)["GPU"] == 4.0  # no target forward in training
     with pytest.raises(ValueError, match=r"need 8 GPU \(model.num_gpus per worker that runs the target\).* has 7"):
         check_resources(cfg, True, {"CPU": 64.0, "GPU": 7.0}, "the cluster")
