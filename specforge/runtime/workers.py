@@ -138,6 +138,8 @@ class RolloutWorker(DistributedWorker):
         """Let every posted send leave before the communicator goes (the driver bounds the wait)."""
         if hasattr(self, "window"):
             self.window.drain()
+        if getattr(getattr(self, "target", None), "engine", None) is not None:
+            self.target.engine.close()  # its whole process group: vLLM's core and workers too
         super().leave_communicator()
 
 
