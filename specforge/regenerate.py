@@ -45,13 +45,10 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import hashlib
-import http.client
 import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -74,6 +71,7 @@ from specforge.data.template import (
     span_mask,
 )
 from specforge.device import set_threads
+from specforge.jsonhttp import HttpFailure, post_json
 from specforge.models import generate as engine
 from specforge.models.target import capture as capture_features
 from specforge.models.target import load_target, load_tokenizer
@@ -343,18 +341,12 @@ class OpenAIBackend:
         for attempt in range(self.r.retries + 1):
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))  # 0.5, 1, 2, 4, 8, 8, ... seconds
-            req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.r.timeout_s) as resp:
-                    return json.loads(resp.read())
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
-                if e.code != 429 and e.code < 500:  # a bad request stays bad: do not retry
+                return post_json(self.url, data, self.r.timeout_s)
+            except HttpFailure as e:
+                last = f"HTTP {e.code}: {e.detail[:200]}" if e.code is not None else e.detail
+                if e.code is not None and e.code != 429 and e.code < 500:  # a bad request stays bad: do not retry
                     raise EndpointError(f"endpoint {self.url} rejected the request ({last})") from e
-            except json.JSONDecodeError as e:
-                last = f"reply is not JSON ({e})"
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut
-                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
         raise EndpointError(f"endpoint {self.url} failed after {self.r.retries + 1} attempts "
                             f"(regenerate.retries={self.r.retries}); last error: {last}")
 

