@@ -29,7 +29,7 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
 )
 from specforge.models.target import capture  # noqa: E402
-from specforge.train.batch import collate, global_batch_ids, split_for_ranks  # noqa: E402
+from specforge.training.batch import collate, global_batch_ids, split_for_ranks  # noqa: E402
 
 DP_GROUPS = 4
 # (samples per DP group, token cap per sample): the default config's shape, then shorter ones

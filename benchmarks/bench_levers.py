@@ -57,7 +57,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     overrides, all_tokens = LEVERS[name]
     base = ["train.precision=fp32", f"train.batch_size={batch_size}"]

@@ -162,7 +162,7 @@ def _batch(case: Case, g: torch.Generator, groups=None):
     """Random features, every row counting (loss mask 1, argmax in the draft vocab), as the SP rank
     of ``groups`` holds them."""
     from specforge.models.features import TrainBatch
-    from specforge.train.slicing import sp_slice_batch
+    from specforge.training.slicing import sp_slice_batch
 
     B, T, H = case.B, case.T, case.H
     top = case.N if case.algo == "eagle3" else case.V - 1
@@ -180,7 +180,7 @@ def measure(case: Case, groups=None) -> int:
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy
     from specforge.parallel.parallelize import sum_over_train_ranks
     from specforge.parallel.sp import apply_sp
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     g = torch.Generator().manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

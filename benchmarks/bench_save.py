@@ -109,8 +109,8 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     from specforge.models.features import TrainBatch
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.checkpoint import CheckpointManager, capture_rng, save_or_rescue
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.checkpoint import CheckpointManager, capture_rng, save_or_rescue
+    from specforge.training.trainer import DraftTrainer
     from tests.test_save_memory import _LargestTensor
 
     cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=2),

@@ -76,8 +76,8 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     from specforge.parallel import sp
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.slicing import sp_slice_batch
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.slicing import sp_slice_batch
+    from specforge.training.trainer import DraftTrainer
 
     cfg = Config(draft=Eagle3Options(vocab_size=DRAFT_VOCAB, ttt_length=7, sliding_window=window),
                  train=TrainConfig(precision="bf16", lr=1e-4, warmup_steps=0))

@@ -38,7 +38,7 @@ from specforge.data.prepare import prepare_dataset  # noqa: E402
 from specforge.data.store import FeatureStore, FeatureStoreWriter, bytes_per_token, store_meta  # noqa: E402
 from specforge.device import set_threads  # noqa: E402
 from specforge.models.target import capture, load_target  # noqa: E402
-from specforge.train.batch import TrainBatch, collate, global_batch_ids, pad_id  # noqa: E402
+from specforge.training.batch import TrainBatch, collate, global_batch_ids, pad_id  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-cpu.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "store.md"
@@ -125,7 +125,7 @@ def read_rate(read_batch, ids: list[int], lengths: dict, reps: int, seed: int = 
 def train_and_eval(cfg, target, vocab, store: FeatureStore, eval_batches, steps: int) -> dict:
     from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     torch.manual_seed(cfg.train.seed)
     draft = EAGLE3.build_draft(cfg, target, vocab)
@@ -225,7 +225,7 @@ def main() -> int:
         acc = {}
         if args.train_steps:
             from specforge.algorithms import get_algorithm
-            from specforge.train.trainer import build_vocab
+            from specforge.training.trainer import build_vocab
 
             vocab = build_vocab(get_algorithm(cfg.draft.algorithm), cfg, data.train, target.config.vocab_size, data.cache_key)
             eval_batches = fp32_batches(target, data.eval, cfg.model.argmax_chunk_tokens)

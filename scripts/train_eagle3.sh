@@ -43,7 +43,7 @@ import sys
 from specforge.cli import run_cli
 def main():
     from specforge.config import load_config
-    from specforge.train.trainer import checkpoint_root
+    from specforge.training.trainer import checkpoint_root
     cfg = load_config(sys.argv[1], sys.argv[2:])
     print(cfg.placement.mode, cfg.store.fill, checkpoint_root(cfg))
 sys.exit(run_cli(main))
@@ -70,7 +70,7 @@ phase "2/3 train: placement.mode=$MODE"
 RUN=$("$PY" -c 'import sys; from specforge.config import load_config as l; print(l(sys.argv[1], sys.argv[2:]).train.output_dir)' "$CONFIG" "$@")
 PLOTS=$("$PY" -m specforge.plot "$RUN") || PLOTS="none written (python -m specforge.plot $RUN failed)"
 # ray_train exits non-zero if it could not save; the newest complete checkpoint is the one to measure.
-CKPT=$("$PY" -c 'import sys; from specforge.train.checkpoint import latest_checkpoint as l; print(l(sys.argv[1]) or "")' "$OUT")
+CKPT=$("$PY" -c 'import sys; from specforge.training.checkpoint import latest_checkpoint as l; print(l(sys.argv[1]) or "")' "$OUT")
 if [ -n "${SKIP_EVAL:-}" ]; then exit 0; fi
 if [ -z "$CKPT" ]; then echo "error: no checkpoint under $OUT to evaluate" >&2; exit 1; fi
 phase "3/3 eval: $CKPT vs prompt lookup, chain speculative decoding on held-out prompts"

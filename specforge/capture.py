@@ -35,8 +35,8 @@ from specforge.device import pick_device, pick_dtype, set_threads
 from specforge.models.target import capture, load_target, load_target_config, load_tokenizer, resolve_target_path
 from specforge.models.vllm_engine import engine_factory, server_command, spec_for
 from specforge.targets import text_config
-from specforge.train.batch import collate, pad_id
-from specforge.train.packing import target_packs
+from specforge.training.batch import collate, pad_id
+from specforge.training.packing import target_packs
 
 CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)
 

@@ -65,7 +65,7 @@ def check_aux_ids(path: str | Path, draft_ids: Optional[Sequence[int]], asked: O
 
 def recorded_target(path: str | Path) -> Optional[str]:
     """The target fingerprint the draft's training_state.pt records (None without one)."""
-    from specforge.train.checkpoint import load_train_state  # lazy: keeps specforge.compat torch-free
+    from specforge.training.checkpoint import load_train_state  # lazy: keeps specforge.compat torch-free
 
     state = load_train_state(path, mmap=True)  # mmap: the optimizer state in the same file is not read
     return None if state is None else (state.get("identity") or {}).get("target")
@@ -76,7 +76,7 @@ def target_fingerprints(model) -> set[str]:
     the other float dtypes a run may have loaded it in (the fingerprint hashes values and dtype)."""
     import torch  # lazy: keeps specforge.compat torch-free
 
-    from specforge.train.checkpoint import tensor_digest  # lazy: keeps specforge.compat torch-free
+    from specforge.training.checkpoint import tensor_digest  # lazy: keeps specforge.compat torch-free
 
     named = list(model.state_dict().items())
     return {tensor_digest(named, sample=64, dtype=d) for d in (None, torch.float32, torch.bfloat16, torch.float16)}

@@ -136,7 +136,7 @@ def start_output(out: Path, draft: Path, force: bool) -> Path:
 
 def finish_output(tmp: Path, out: Path) -> None:
     """Rename the finished export into place (an old ``out`` is removed only after that)."""
-    from specforge.train.checkpoint import make_readable  # lazy: keeps specforge.export torch-free
+    from specforge.training.checkpoint import make_readable  # lazy: keeps specforge.export torch-free
 
     make_readable(tmp)
     if not out.exists():

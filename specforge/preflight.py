@@ -31,12 +31,12 @@ from specforge.parallel.dims import ParallelDims
 from specforge.runtime.loop import check, single_process
 from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
 from specforge.targets import check_packing, check_target, read_config_json, text_config
-from specforge.train.init_from import check_init_from
-from specforge.train.trainer import checkpoint_root
+from specforge.training.init_from import check_init_from
+from specforge.training.trainer import checkpoint_root
 
 
 def check_single_process(cfg: Config) -> tuple[Config, bool]:
-    """Every check of ``python -m specforge.train`` (``local.run``) before anything loads, in one
+    """Every check of ``python -m specforge.train`` (``specforge.train.run``) before anything loads, in one
     call: ``(the single process's config, whether it trains on a GPU)``."""
     check(cfg)
     pick_device(cfg.model.device)  # model.device=cuda without CUDA: said first, before the target's config is read

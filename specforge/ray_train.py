@@ -62,8 +62,8 @@ from specforge.runtime.loop import not_applied, restore_rows, run_deadline, trai
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
 from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
 from specforge.tracking import MetricsLogger
-from specforge.train.checkpoint import latest_checkpoint
-from specforge.train.trainer import checkpoint_root, keep_old_checkpoints
+from specforge.training.checkpoint import latest_checkpoint
+from specforge.training.trainer import checkpoint_root, keep_old_checkpoints
 
 
 class RolloutLost(WorkerError):

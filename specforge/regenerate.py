@@ -78,7 +78,7 @@ from specforge.models.target import load_target, load_tokenizer
 from specforge.models.vllm_engine import engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
 from specforge.runtime.actors import start_ray
-from specforge.train.batch import collate, pad_id
+from specforge.training.batch import collate, pad_id
 
 HELD_OUT = "held out for eval"
 PROMPT_TOO_LONG = "first prompt longer than data.max_length - 1"  # later turns that do not fit end the row

@@ -78,7 +78,7 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
-    from specforge.local import run
+    from specforge.train import run
     from tests.helpers.ray_run import make_cfg
 
     out = tmp_path_factory.mktemp("single")

@@ -130,7 +130,7 @@ def adapt_base(assets, tmp_path_factory):
     """A tiny run's store (the reference store) and its trained draft: (overrides, draft folder)."""
     from specforge.capture import capture_store
     from specforge.config import load_config
-    from specforge.local import run
+    from specforge.train import run
     from tests.helpers.ray_run import cfg_overrides
 
     out = tmp_path_factory.mktemp("adapt-base")

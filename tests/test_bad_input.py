@@ -128,7 +128,7 @@ def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placemen
     import ray
 
     import specforge.ray_train as rt
-    from specforge.local import run
+    from specforge.train import run
 
     def no_ray(*a, **k):
         raise AssertionError("Ray started before the config was checked against the target")
@@ -284,7 +284,7 @@ def test_truncated_target_weights_name_the_file(assets, tmp_path):
 def test_truncated_draft_checkpoint_names_the_file(tmp_path):
     from safetensors.torch import save_file
 
-    from specforge.train.checkpoint import load_draft_folder
+    from specforge.training.checkpoint import load_draft_folder
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     weights = tmp_path / "model.safetensors"
@@ -429,7 +429,7 @@ def _hashes(root: Path) -> dict[str, str]:
 
 def _single(assets, tmp_path, *overrides):
     """A 2-step single-process run of the tiny target; its checkpoint folder."""
-    from specforge.local import run
+    from specforge.train import run
 
     run(make_cfg(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2", *overrides))
     return tmp_path / "run" / "checkpoints"
@@ -454,8 +454,8 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
     import tempfile
 
     import specforge.preflight as pf
-    from specforge.local import main
-    from specforge.train.checkpoint import load_draft_folder, load_train_state
+    from specforge.train import main
+    from specforge.training.checkpoint import load_draft_folder, load_train_state
 
     monkeypatch.setattr(pf, "check_outputs", lambda cfg: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -515,7 +515,7 @@ def trained(assets, tmp_path_factory):
     """A 2-step draft of the tiny target, and a second target of the same shape, other weights."""
     from transformers import LlamaForCausalLM
 
-    from specforge.local import run
+    from specforge.train import run
 
     out = tmp_path_factory.mktemp("trained")
     ckpt = run(make_cfg(assets, out / "run", "train.num_workers=1", "train.max_steps=2"))
@@ -746,7 +746,7 @@ def test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line(assets, tmp_pa
     """A GPU setting where there is no GPU: one line naming the key and the way out, exit 1, nothing trained."""
     import importlib
 
-    main = importlib.import_module({"train": "specforge.local"}.get(entry, f"specforge.{entry}")).main
+    main = importlib.import_module(f"specforge.{entry}").main
     args = _base(assets, tmp_path) + ["model.device=auto", override]
     if entry == "eval":
         args = ["--draft", "prompt-lookup", *args]
@@ -765,7 +765,8 @@ def test_a_broken_weights_file_is_one_error_line_naming_it(assets, tmp_path, tra
     foreign, each entry point prints one error line naming the file (356124e: ``draft.init_from``
     printed safetensors' traceback, "invalid header length")."""
     import specforge.eval as ev
-    from specforge import export, local
+    from specforge import export
+    from specforge import train as local
     from specforge.adapt.__main__ import main as adapt_main
 
     ckpt, _ = trained

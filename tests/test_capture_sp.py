@@ -35,8 +35,8 @@ def _rank(rank, world, packed):
     from specforge.config import load_config
     from specforge.parallel.dims import ParallelDims
     from specforge.runtime.sources import CaptureSource
-    from specforge.train.slicing import sp_slice_batch
-    from specforge.train.trainer import local_batches
+    from specforge.training.slicing import sp_slice_batch
+    from specforge.training.trainer import local_batches
 
     cfg = load_config(None, ["parallel.sp_ulysses=2", "train.num_workers=2", "draft.ttt_length=3"])
     groups = ParallelDims(1, 2, 1).build([0, 1], rank, "gloo", 60)

@@ -187,8 +187,8 @@ def test_a_checkpoint_saved_on_cuda_resumes_and_evaluates_on_a_cpu_only_machine(
     from specforge.algorithms import load_draft
     from specforge.compat import check_target_weights
     from specforge.data.vocab import DraftVocab
-    from specforge.train.checkpoint import CheckpointManager, load_train_state
-    from specforge.train.trainer import run_identity
+    from specforge.training.checkpoint import CheckpointManager, load_train_state
+    from specforge.training.trainer import run_identity
     from tests.helpers.trainer import feature_batch, setup_trainer
 
     target, rows, trainer = setup_trainer()

@@ -135,8 +135,8 @@ def _train_err(groups, dims, ref_path):
     from specforge.algorithms import get_algorithm
     from specforge.parallel.fsdp import full_state_dict, grads_full
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.slicing import sp_slice_batch
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.slicing import sp_slice_batch
+    from specforge.training.trainer import DraftTrainer
 
     cfg = _cfg()
     algo = get_algorithm(cfg.draft.algorithm)

@@ -34,7 +34,7 @@ def _losses(out, kind="train"):
 @pytest.fixture(scope="module")
 def single(assets, tmp_path_factory):
     """The single-process reference: global batch 2 as 2 micro-batches, a periodic eval after step 2."""
-    from specforge.local import run
+    from specforge.train import run
 
     out = tmp_path_factory.mktemp("dflash-single")
     ckpt = run(dflash_cfg(assets, out, "train.num_workers=1", "train.grad_accum=2", "train.eval_every=2"))
@@ -55,7 +55,7 @@ def test_the_algorithm_is_chosen_by_one_key_and_its_checkpoint_says_so(single):
 def test_training_lowers_the_block_loss(assets, tmp_path):
     """The block loss (labels: a random target's greedy tokens, ~log V at the start) falls over 40
     steps; the same run at a learning rate that moves nothing (the control) stays where it was."""
-    from specforge.local import run
+    from specforge.train import run
 
     ratios = {}
     for lr in ("1e-2", "1e-9"):
@@ -88,7 +88,7 @@ def test_two_ranks_equal_the_single_process(assets, single, ray_session, tmp_pat
         assert b["valid_tokens"] == a["valid_tokens"]
     for a, b in zip(_losses(ref_out, "eval"), _losses(tmp_path, "eval")):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
-    from specforge.train.checkpoint import load_draft_folder
+    from specforge.training.checkpoint import load_draft_folder
 
     # ring attention sums each softmax in another order: gradients differ by ~1e-7 (test_dflash_sp.py), which
     # AdamW turns into up to 2.3e-5 (measured) on the few weights whose gradient is near 0, over 4 steps at lr 1e-2
@@ -99,8 +99,8 @@ def test_two_ranks_equal_the_single_process(assets, single, ray_session, tmp_pat
 def test_a_packed_run_equals_the_single_process(assets, single, tmp_path):
     """train.pack_tokens in one process: the global batch's two samples in one packed row train (and
     evaluate) as the reference's two padded micro-batches: the same losses and weights."""
-    from specforge.local import run
-    from specforge.train.checkpoint import load_draft_folder
+    from specforge.train import run
+    from specforge.training.checkpoint import load_draft_folder
 
     ref_out, ref_ckpt = single
     got_ckpt = Path(run(dflash_cfg(assets, tmp_path, "train.num_workers=1", "train.batch_size=2",
@@ -119,7 +119,7 @@ def test_a_packed_run_equals_the_single_process(assets, single, tmp_path):
 def test_offline_from_a_store_that_holds_its_layers(assets, tmp_path):
     from specforge.capture import capture_store
     from specforge.data.store import FeatureStore
-    from specforge.local import run
+    from specforge.train import run
 
     store = tmp_path / "features"
     online = dflash_cfg(assets, tmp_path / "online", "model.dtype=bfloat16", "train.num_workers=1",
@@ -165,7 +165,7 @@ def test_a_key_of_the_other_algorithm_is_an_error_naming_it(overrides, key):
 def test_eval_runs_dflash_and_eagle3_drafts_losslessly_in_one_table(assets, single, tmp_path, capsys):
     import specforge.eval as ev
     from specforge.cli import run_cli
-    from specforge.local import run
+    from specforge.train import run
 
     _, dflash = single
     eagle = run(load_config(None, [a for a in cfg_overrides(assets, tmp_path / "eagle") if a != "train.num_workers=2"]

@@ -91,8 +91,8 @@ def test_dry_run_counts_equal_the_loaded_models(name, tmp_path, capsys):
     """On a real target folder (a tiny random model) the counts are those of the models a run loads."""
     from specforge.algorithms import get_algorithm
     from specforge.data.vocab import DraftVocab
-    from specforge.local import main
     from specforge.models.target import load_target
+    from specforge.train import main
     from tests.helpers.targets import overrides, target_folder
 
     target_folder(name, tmp_path)

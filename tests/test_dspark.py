@@ -333,8 +333,8 @@ def test_online_and_offline_runs_agree_and_the_checkpoint_round_trips(assets, st
     from safetensors.torch import load_file
 
     from specforge.algorithms import algorithm_name, load_draft
-    from specforge.local import run
     from specforge.models.target import load_target
+    from specforge.train import run
 
     run(_cfg(assets, tmp_path / "online", "train.eval_every=2"))
     # (no periodic eval offline: it would hold out one of the store's train samples)
@@ -367,7 +367,7 @@ def test_online_and_offline_runs_agree_and_the_checkpoint_round_trips(assets, st
 def test_training_lowers_the_loss(assets, store, tmp_path):
     """The DSpark loss (KL to a random target + the confidence BCE) falls over 30 offline steps; the
     same run at a learning rate that moves nothing (the control) stays where it was."""
-    from specforge.local import run
+    from specforge.train import run
 
     ratios = {}
     for lr in ("1e-2", "1e-9"):
@@ -384,7 +384,7 @@ def test_eval_runs_the_dspark_checkpoint_losslessly(assets, store, tmp_path):
     drafts K = 4 tokens a round (one block, anchor-first)."""
     import specforge.eval as ev
     from specforge.cli import run_cli
-    from specforge.local import run
+    from specforge.train import run
 
     ckpt = run(_cfg(assets, tmp_path / "run", "placement.mode=offline"))
     out_json = tmp_path / "eval.json"

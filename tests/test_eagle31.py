@@ -26,7 +26,7 @@ from specforge.algorithms.eagle31 import export as e31_export
 from specforge.algorithms.eagle31.model import Eagle31ChainDrafter, Eagle31Draft, Eagle31DraftConfig
 from specforge.cli import run_cli
 from specforge.models.target import TargetModel, forward_aux
-from specforge.train.checkpoint import save_checkpoint
+from specforge.training.checkpoint import save_checkpoint
 
 L, V, N, H = 8, 320, 100, 48
 AUX = [1, 3, 6]
@@ -327,7 +327,7 @@ def test_a_run_trains_an_eagle31_draft_and_a_flags_off_one_is_eagle3(tmp_path):
     """The whole runtime on ``draft.algorithm: eagle31`` (the config's keys, the trainer, the checkpoint
     manager); with every flag off the folder is EAGLE-3's and loads as EAGLE-3's draft."""
     from specforge.config import load_config
-    from specforge.local import run as train
+    from specforge.train import run as train
 
     root = tmp_path / "assets"
     _assets(root)
@@ -427,8 +427,8 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path):
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.engines import llamacpp
     from specforge.eval import TIE_RTOL, _eos_ids, check_lossless, greedy_run, speculative_decode
-    from specforge.local import run as train
     from specforge.models.target import load_target, resolve_target_path
+    from specforge.train import run as train
 
     llamacpp.find_server()  # fail at once, naming the install command
     cfg = load_config(Path(__file__).parent.parent / "configs" / "eagle31-smollm2-135m-cpu.yaml", [

@@ -46,8 +46,8 @@ def served(tmp_path_factory):
     from specforge.capture import capture_store
     from specforge.config import load_config
     from specforge.data.heldout import eval_prompts, heldout_rows
-    from specforge.local import run
     from specforge.models.target import load_target, resolve_target_path
+    from specforge.train import run
 
     llamacpp.find_server()  # fail at once, naming the install command
     out = tmp_path_factory.mktemp("llamacpp")

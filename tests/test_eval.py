@@ -269,7 +269,7 @@ def test_a_wrong_verifier_is_caught(monkeypatch):
 
 def test_cli_runs_several_drafts_in_one_table(monkeypatch, tmp_path, capsys):
     from specforge.models import target as target_mod  # compat's check_drafts reads the target's config.json
-    from specforge.train.checkpoint import save_checkpoint
+    from specforge.training.checkpoint import save_checkpoint
 
     target = _target()
     draft = _draft(target)

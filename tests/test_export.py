@@ -26,7 +26,7 @@ from specforge.algorithms.eagle3 import export as eagle3_export
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.cli import run_cli
 from specforge.models.target import TargetModel, forward_aux
-from specforge.train.checkpoint import save_checkpoint
+from specforge.training.checkpoint import save_checkpoint
 from tests.helpers.export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits
 from tests.helpers.models import tiny_target
 

@@ -116,7 +116,7 @@ def _bf16_rank_gpu(rank, world, ref_path):
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy, grads_full
     from specforge.parallel.parallelize import sum_over_train_ranks
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
     from tests.helpers.ranks import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, rel_error, sample_rows, setup_sp, sp_cfg
 
     here = pick_device("auto", rank)
@@ -227,8 +227,8 @@ def test_gpt_oss_captures_with_flex_attention_as_eager_does():
 def test_disaggregated_on_gpus_matches_single_process(assets, ray_session, tmp_path):
     """1 rollout + 2 train GPUs over NCCL against one process on one GPU (fp32 everywhere, TF32
     off: losses within 1e-3 relative; GPU reductions are not bit-exact across layouts)."""
-    from specforge.local import run
     from specforge.ray_train import fit
+    from specforge.train import run
 
     need_gpus(3)
     gpu = ["model.device=cuda", "parallel.backend=auto"]

@@ -78,9 +78,9 @@ class _Killed(BaseException):
 
 def killed_run(args, monkeypatch):
     """``python -m specforge.train`` stopped before step KILL_AFTER + 1, its checkpoint of KILL_AFTER on disk."""
-    from specforge import local
+    from specforge import train as local
     from specforge.runtime.loop import LocalCluster
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     real_step = DraftTrainer.step
 
@@ -99,10 +99,11 @@ def killed_run(args, monkeypatch):
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, algorithm):
     from specforge import eval as spec_eval
-    from specforge import export, local
+    from specforge import export
+    from specforge import train as local
     from specforge.algorithms import load_draft
     from specforge.models.target import TargetModel
-    from specforge.train.checkpoint import latest_checkpoint
+    from specforge.training.checkpoint import latest_checkpoint
 
     need_device()
     straight = tmp_path / "straight"
@@ -175,7 +176,8 @@ def test_capture_on_the_device_equals_the_cpus(family):
 
 
 def test_capture_into_a_store_then_offline_training_on_the_device(assets, tmp_path):
-    from specforge import capture, local
+    from specforge import capture
+    from specforge import train as local
     from specforge.data.store import FeatureStore
 
     need_device()
@@ -213,7 +215,7 @@ def test_memory_model_within_ten_percent_of_the_measured_peak(algorithm):
     from specforge.dryrun import _state_tensors
     from specforge.models.features import TrainBatch
     from specforge.models.target import TargetModel
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     need_device()
     dev = torch.device(DEVICE)
@@ -266,7 +268,7 @@ def test_memory_model_within_ten_percent_of_the_measured_peak(algorithm):
 @pytest.mark.ray
 def test_colocated_ray_run_with_one_train_worker_on_the_device(assets, tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed: the single-process tests above still ran")
-    from specforge import local
+    from specforge import train as local
     from specforge.config import load_config
     from specforge.ray_train import fit
 

@@ -22,8 +22,8 @@ from specforge.cli import run_cli
 from specforge.config import Config, ModelConfig, TrainConfig
 from specforge.data.vocab import build_draft_vocab, load_draft_vocab
 from specforge.models.target import TargetModel
-from specforge.train.checkpoint import load_train_state, save_checkpoint
-from specforge.train.init_from import apply_init_from, check_init_from, init_vocab_path
+from specforge.training.checkpoint import load_train_state, save_checkpoint
+from specforge.training.init_from import apply_init_from, check_init_from, init_vocab_path
 from tests.helpers.models import tiny_target
 from tests.helpers.ray_run import make_cfg
 
@@ -207,7 +207,7 @@ def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
 
 
 def test_a_folder_a_fresh_start_would_move_aside_is_refused(assets, tmp_path):
-    from specforge.local import run
+    from specforge.train import run
 
     first = run(make_cfg(assets, tmp_path / "a", "train.num_workers=1", "train.max_steps=1"))
     with pytest.raises(ValueError, match="lies in this run's checkpoint folder"):
@@ -216,7 +216,7 @@ def test_a_folder_a_fresh_start_would_move_aside_is_refused(assets, tmp_path):
 
 
 def test_the_cli_gives_one_error_line_before_any_model_loads(assets, tmp_path, capsys, monkeypatch):
-    from specforge import local
+    from specforge import train as local
     from specforge.models import target as target_module
 
     monkeypatch.setattr(target_module, "load_target", lambda *a, **k: pytest.fail("a model loaded"))
@@ -235,8 +235,8 @@ def test_the_cli_gives_one_error_line_before_any_model_loads(assets, tmp_path, c
 
 
 def test_a_run_trains_from_init_from_and_a_resume_takes_its_own_checkpoint(assets, tmp_path, monkeypatch):
-    from specforge.local import run
-    from specforge.train import init_from as init_module
+    from specforge.train import run
+    from specforge.training import init_from as init_module
 
     first = run(make_cfg(assets, tmp_path / "a", "train.num_workers=1", "train.max_steps=2"))
     start = load_file(first / "model.safetensors")
@@ -271,8 +271,8 @@ def test_every_placement_reads_the_folders_vocab(assets, tmp_path):
     """plan.prepare (single process, colocated, disaggregated) and prepare_offline (a feature store)
     point RunData.vocab_path at the folder's mapping, not at one built from the data."""
     from specforge.capture import capture_store
-    from specforge.local import run
     from specforge.runtime.plan import prepare
+    from specforge.train import run
 
     folder = run(make_cfg(assets, tmp_path / "a", "train.num_workers=1", "train.max_steps=1"))
     mapping = load_file(folder / "model.safetensors")
@@ -350,8 +350,8 @@ def test_eagle31_and_peagle_drafts_start_from_their_speculators_exports(tmp_path
 @pytest.mark.timeout(300)
 def test_a_colocated_ray_run_from_init_from_matches_the_single_process(assets, reference, ray_session, tmp_path):
     """The Ray train workers (FSDP2 over 2 ranks) start from the folder as the single process does."""
-    from specforge.local import run
     from specforge.ray_train import fit
+    from specforge.train import run
     from tests.helpers.ray_run import losses
 
     init = f"draft.init_from={reference / 'checkpoints' / 'latest'}"

@@ -24,10 +24,10 @@ def _imports(folder: str) -> set[str]:
 
 
 @pytest.mark.parametrize("folder, forbidden", [
-    ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train",
+    ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train",  # and .training
                 "specforge.algorithms.")),  # the registry (specforge.algorithms) only
     ("parallel", ("ray", "specforge.runtime", "specforge.train", "specforge.models")),
-    ("train", ("ray", "specforge.runtime")),
+    ("training", ("ray", "specforge.runtime")),
     ("data", ("ray", "specforge.runtime", "specforge.train")),  # the store hands over models/features' TrainBatch
 ])
 def test_layer_does_not_import(folder, forbidden):
@@ -164,12 +164,12 @@ LAYERS = {
         "specforge.jsonhttp"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
-    3: ("specforge.train",),
+    3: ("specforge.training",),
     4: ("specforge.runtime", "specforge.engines", "specforge.capture", "specforge.dryrun", "specforge.memory",
         "specforge.compat"),
     5: tuple(f"specforge.algorithms.{name}" for name in NAMES),
     6: ("specforge.eval", "specforge.preflight"),
-    7: ("specforge.local", "specforge.ray_train", "specforge.regenerate", "specforge.export", "specforge.adapt",
+    7: ("specforge.train", "specforge.ray_train", "specforge.regenerate", "specforge.export", "specforge.adapt",
         "specforge.__main__"),  # and every package's __main__ (an entry point)
 }
 ENTRY = 7
@@ -181,7 +181,7 @@ LOOKUPS = {"get_algorithm", "feature_layers", "algorithm_of", "algorithm_name", 
 LOOKUP_FLOOR, LOOKUP_ALLOWED = 4, {"specforge.config", "specforge.algorithms"}
 # modules that import no torch at their import time (CLI start-up and config errors before torch loads)
 TORCH_FREE = ("specforge.algorithms", "specforge.cli", "specforge.config", "specforge.targets", "specforge.tracking",
-              "specforge.compat", "specforge.memory", "specforge.local", "specforge.export", "specforge.plot",
+              "specforge.compat", "specforge.memory", "specforge.train", "specforge.export", "specforge.plot",
               "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.runtime.contracts",
               "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
 # why a function may import: the reasons a '# lazy: ...' comment gives
@@ -367,10 +367,10 @@ def test_the_seam_and_the_cli_start_without_torch():
 # negative controls: each check sees what it is for
 
 def test_the_layer_check_catches_an_upward_import():
-    assert upward_imports({"specforge.train.x": "from specforge.runtime.plan import Planner"})
+    assert upward_imports({"specforge.training.x": "from specforge.runtime.plan import Planner"})
     assert upward_imports({"specforge.models.x": "def f():\n    from specforge.eval import main"})
-    assert not upward_imports({"specforge.runtime.x": "from specforge.train.trainer import DraftTrainer"})
-    assert not upward_imports({"specforge.models.x": "if TYPE_CHECKING:\n    from specforge.train import y"})
+    assert not upward_imports({"specforge.runtime.x": "from specforge.training.trainer import DraftTrainer"})
+    assert not upward_imports({"specforge.models.x": "if TYPE_CHECKING:\n    from specforge.training import y"})
     with pytest.raises(KeyError, match="no layer"):
         layer_of("specforge_other.x")
 

@@ -130,7 +130,7 @@ def test_frozen_parameters_are_whole_on_every_rank():
 
 def test_the_single_process_trainer_refuses_what_cannot_fit_before_loading(tmp_path):
     """python -m specforge.train makes the same check on its own (single-process) plan."""
-    from specforge.local import run
+    from specforge.train import run
     from tests.helpers.targets import overrides, target_folder
 
     target_folder("llama", tmp_path)

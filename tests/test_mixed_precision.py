@@ -25,7 +25,7 @@ from specforge.algorithms import get_algorithm
 from specforge.config import Config, TrainConfig, load_config
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import mixed_precision
-from specforge.train.trainer import DraftTrainer
+from specforge.training.trainer import DraftTrainer
 from tests.helpers.ranks import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, fp32_step, rel_error, sample_rows, setup_sp, sp_cfg
 
 

@@ -35,7 +35,7 @@ def _offline(assets, out, store, *extra):
 
 
 def test_store_training_equals_online_training(assets, store, tmp_path):
-    from specforge.local import run
+    from specforge.train import run
 
     online, offline = tmp_path / "online", tmp_path / "offline"
     run(make_cfg(assets, online, "model.dtype=bfloat16", "train.grad_accum=2", "train.num_workers=1"))
@@ -50,8 +50,8 @@ def test_store_training_equals_online_training(assets, store, tmp_path):
 
 @pytest.mark.ray
 def test_store_on_two_dp_ranks_for_several_epochs(assets, store, ray_session, tmp_path):
-    from specforge.local import run
     from specforge.ray_train import fit
+    from specforge.train import run
 
     # 12 train samples, global batch 2: 2 epochs = 12 steps; the Ray run (2 DP ranks) == one process
     common = ("train.max_steps=null", "train.epochs=2")
@@ -69,8 +69,8 @@ def test_store_with_ring_sequence_parallelism_equals_one_process(assets, store, 
     """Offline x ring SP 2 (2 train ranks = 1 DP group, micro-batches of 2 samples): each rank reads
     whole samples from the store and keeps its slice + halo, the step-0 K/V pass around the ring;
     same losses as the single process over the same store."""
-    from specforge.local import run
     from specforge.ray_train import fit
+    from specforge.train import run
     from tests.helpers.ray_run import assert_same_losses
 
     one, ring = tmp_path / "one", tmp_path / "ring"
@@ -83,7 +83,7 @@ def test_store_with_ring_sequence_parallelism_equals_one_process(assets, store, 
     assert_same_losses(one, packed)
 
 def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_path):
-    from specforge.local import run
+    from specforge.train import run
 
     with pytest.raises(ValueError, match="max_length"):
         run(_offline(assets, tmp_path / "a", store, "data.max_length=48"))
@@ -92,7 +92,7 @@ def test_store_from_another_target_or_max_length_is_refused(assets, store, tmp_p
 
 
 def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):
-    from specforge.local import run
+    from specforge.train import run
 
     with pytest.raises(ValueError, match="store"):
         run(_offline(assets, tmp_path / "c", tmp_path / "missing"))
@@ -102,7 +102,7 @@ def test_offline_mode_without_a_store_names_the_fix(assets, tmp_path):
 def test_packed_store_training_equals_online_training(assets, store, tmp_path):
     """train.pack_tokens over the store: each step's two samples in one packed row train as the
     online run's two unpacked micro-batches do."""
-    from specforge.local import run
+    from specforge.train import run
 
     online, packed = tmp_path / "online", tmp_path / "packed"
     run(make_cfg(assets, online, "model.dtype=bfloat16", "train.grad_accum=2", "train.num_workers=1"))

@@ -17,8 +17,8 @@ from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.config import load_config
 from specforge.data.vocab import DraftVocab
 from specforge.models.features import TrainBatch
-from specforge.train.packing import PackedBatch, pack_micro_batches, pack_rows
-from specforge.train.trainer import DraftTrainer
+from specforge.training.packing import PackedBatch, pack_micro_batches, pack_rows
+from specforge.training.trainer import DraftTrainer
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 V, N, HT = 300, 100, 48
@@ -302,7 +302,7 @@ def test_a_packed_run_resumes_exactly(assets, tmp_path, monkeypatch):
     """Exact resume with packing: a packed run that fails in step 4 (checkpoints every 2 steps, and
     the one a failing run saves on its way out) and is rerun with the same command trains only the
     steps after its checkpoint, on the same packed rows: every logged loss equals the uninterrupted run's."""
-    from specforge.local import run
+    from specforge.train import run
     from tests.helpers.ray_run import losses, make_cfg
 
     common = ("train.batch_size=2", "train.grad_accum=1", "train.num_workers=1", "train.pack_tokens=128",

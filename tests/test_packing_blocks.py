@@ -22,8 +22,8 @@ from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import Config, TrainConfig, load_config
 from specforge.models.features import TrainBatch
-from specforge.train.packing import pack_micro_batches
-from specforge.train.trainer import DraftTrainer
+from specforge.training.packing import pack_micro_batches
+from specforge.training.trainer import DraftTrainer
 from tests.helpers.dflash import tiny_cfg
 
 LENGTHS = (13, 21, 9, 17)  # samples of uneven length (two micro-batches of two)

@@ -16,9 +16,9 @@ from specforge.models.target import TargetModel, capture, forward_aux
 from specforge.runtime.contracts import FeatureField, FeatureSpec
 from specforge.runtime.workers import RolloutWorker
 from specforge.targets import FAMILIES, check_packing
-from specforge.train.batch import collate
-from specforge.train.packing import target_packs
-from specforge.train.trainer import local_batches
+from specforge.training.batch import collate
+from specforge.training.packing import target_packs
+from specforge.training.trainer import local_batches
 from tests.helpers.models import tiny_target
 from tests.helpers.targets import NAMES, build_family, overrides, target_folder
 

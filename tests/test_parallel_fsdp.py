@@ -10,7 +10,7 @@ from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-from specforge.train.trainer import DraftTrainer
+from specforge.training.trainer import DraftTrainer
 from tests.helpers.ranks import check_close, run_sp, sample_rows, setup_sp, sp_cfg
 
 

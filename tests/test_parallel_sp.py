@@ -10,7 +10,7 @@ import torch
 
 from specforge.algorithms.eagle3.loss import num_valid_rows, ttt_loss
 from specforge.parallel.sp import _kv_repeat
-from specforge.train.slicing import slice_bounds, sp_slice_batch
+from specforge.training.slicing import slice_bounds, sp_slice_batch
 from tests.helpers.ranks import H, L, T, run_sp, setup_sp
 
 
@@ -59,7 +59,7 @@ def test_batch_from_samples_equals_slicing_the_full_batch():
     """Received windows (slice + halo, as the planner cuts them) and whole samples (a disk store)
     assemble into exactly the batch that slicing the full right-padded micro-batch gives."""
     from specforge.runtime.contracts import split_slices
-    from specforge.train.slicing import batch_from_samples
+    from specforge.training.slicing import batch_from_samples
 
     _, _, batches = setup_sp()
     b, lengths = batches[0], [T, 21]  # row 1 is right-padded after 21 tokens

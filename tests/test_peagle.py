@@ -22,7 +22,7 @@ from specforge.algorithms import algorithm_name, get_algorithm, load_draft
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import load_config
 from specforge.models.target import TargetModel, forward_aux
-from specforge.train.checkpoint import save_checkpoint
+from specforge.training.checkpoint import save_checkpoint
 
 pytestmark = [pytest.mark.timeout(300)]
 ALGO = get_algorithm("peagle")
@@ -223,7 +223,7 @@ def test_training_from_a_store_lowers_the_loss_and_saves_the_mask(assets, target
     every depth below 0.6x; the same run at lr 1e-9 (the control) stays within 5%. The checkpoint is ours (not
     EAGLE-3's), holds the trained mask, and loads."""
     from specforge.capture import capture_store
-    from specforge.local import run
+    from specforge.train import run
 
     capture_store(run_cfg(assets, tmp_path / "c"), progress=False)
     ratios, ckpts = {}, {}

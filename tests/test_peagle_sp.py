@@ -16,7 +16,7 @@ from specforge.algorithms.eagle3.loss import ttt_loss
 from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import Config, TrainConfig
-from specforge.train.slicing import sp_slice_batch
+from specforge.training.slicing import sp_slice_batch
 from tests.helpers.ranks import H, N, V, check_close, draft_and_batches, run_sp
 
 K = 4  # = the harness' L: T = 29 tokens, STEPS = 3 steps (tests/helpers/ranks.py)
@@ -57,7 +57,7 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.fsdp import full_state_dict, grads_full
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     dims = ParallelDims(*dims_tuple)
     groups = dims.build(list(range(world)), rank, timeout_s=90)

@@ -135,8 +135,8 @@ def test_a_warmup_run_logs_and_draws_no_untrained_ttt_steps(assets, tmp_path, ca
     """End to end, single process: TTT steps 1-2 are not trained for the first 4 steps, so their
     rates are absent from those rows (not 0) and from the picture; held-out rows are drawn, the
     epoch ends where the data runs out, and the console's last line compares train and held-out."""
-    from specforge.local import run
     from specforge.plot import run_figures
+    from specforge.train import run
     from tests.helpers.ray_run import make_cfg
 
     out = tmp_path / "run"

@@ -42,7 +42,7 @@ def disaggregated(assets, tmp_path_factory, ray_session):
 def test_modes_give_the_same_losses(assets, reference, disaggregated, ray_session, tmp_path):
 
     from specforge.ray_train import fit
-    from specforge.train.checkpoint import load_draft_folder
+    from specforge.training.checkpoint import load_draft_folder
 
     colocated = tmp_path / "colocated"
     fit(make_cfg(assets, colocated, "placement.mode=colocated"))
@@ -166,7 +166,7 @@ def test_sequence_parallel_disaggregated_matches_single_process(assets, referenc
     each train rank receives only its slice + halo of each sample; same losses and checkpoint."""
 
     from specforge.ray_train import fit
-    from specforge.train.checkpoint import load_draft_folder
+    from specforge.training.checkpoint import load_draft_folder
 
     out = tmp_path / "sp-disagg"
     cfg = make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1", "parallel.sp_ring=2",
@@ -201,8 +201,8 @@ def test_packed_rows_give_the_unpacked_losses(assets, reference, ray_session, tm
     128 tokens, data.max_length 64) train as the reference's two unpacked micro-batches do: the same
     global batch, the same per-step losses, in one process and in both Ray placements; with SP 2 the
     packed row is sliced over the group's two ranks (Ulysses colocated, ring disaggregated)."""
-    from specforge.local import run
     from specforge.ray_train import fit
+    from specforge.train import run
 
     packed = ("train.batch_size=2", "train.grad_accum=1", "train.pack_tokens=128")
     workers = "train.num_workers=1" if sp is None else "train.num_workers=2"  # one DP group either way

@@ -128,7 +128,7 @@ def _one_error_line(err: str, *needles: str) -> None:
 
 @pytest.mark.parametrize("case", ["share 1", "share negative", "not offline", "not a store", "own store"])
 def test_bad_replay_keys_are_one_error_line_before_anything_loads(assets, stores, tmp_path, capsys, monkeypatch, case):
-    from specforge import local
+    from specforge import train as local
     from specforge.cli import run_cli
 
     monkeypatch.setattr("specforge.runtime.plan.prepare", lambda *a, **k: pytest.fail("data prepared"))
@@ -146,7 +146,7 @@ def test_bad_replay_keys_are_one_error_line_before_anything_loads(assets, stores
 
 
 def test_single_process_run_with_replay_trains_and_says_what_it_replays(assets, stores, tmp_path, capsys):
-    from specforge.local import run
+    from specforge.train import run
 
     run(_cfg(assets, tmp_path, stores, "train.grad_accum=2", "train.num_workers=1"))
     out = capsys.readouterr().out
@@ -161,8 +161,8 @@ def test_single_process_run_with_replay_trains_and_says_what_it_replays(assets, 
 
 @pytest.mark.ray
 def test_two_dp_ranks_with_replay_equal_one_process(assets, stores, ray_session, tmp_path):
-    from specforge.local import run
     from specforge.ray_train import fit
+    from specforge.train import run
 
     common = ("train.max_steps=6", "store.replay_share=0.5")
     run(_cfg(assets, tmp_path / "one", stores, "train.grad_accum=2", "train.num_workers=1", *common))

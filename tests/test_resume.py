@@ -30,8 +30,8 @@ from specforge.algorithms import get_algorithm, load_draft
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.config import Config, TrainConfig
 from specforge.data.vocab import DraftVocab
-from specforge.train.checkpoint import CheckpointManager, load_train_state
-from specforge.train.trainer import run_identity
+from specforge.training.checkpoint import CheckpointManager, load_train_state
+from specforge.training.trainer import run_identity
 from tests.helpers.ray_run import cfg_overrides, losses
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
@@ -234,9 +234,9 @@ class _DriverDied(Exception):
 
 def test_rows_saved_but_not_logged_are_restored_on_resume(assets, tmp_path, monkeypatch, capsys):
     from specforge.config import load_config
-    from specforge.local import run
     from specforge.tracking import MetricsLogger
-    from specforge.train.checkpoint import recorded_rows
+    from specforge.train import run
+    from specforge.training.checkpoint import recorded_rows
 
     def cfg(out):  # a save after step 2, and a held-out eval after it (the save waits for the eval)
         return load_config(None, cfg_overrides(assets, out, "train.max_steps=4", "train.eval_every=2",

@@ -205,8 +205,8 @@ def _check_draft_step(groups, dims, ref_path, report):
     from specforge.algorithms import get_algorithm
     from specforge.parallel.fsdp import grads_full
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-    from specforge.train.slicing import sp_slice_batch
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.slicing import sp_slice_batch
+    from specforge.training.trainer import DraftTrainer
 
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()

@@ -20,8 +20,8 @@ from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, gather_to_first
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-from specforge.train.checkpoint import CheckpointManager, load_train_state
-from specforge.train.trainer import DraftTrainer
+from specforge.training.checkpoint import CheckpointManager, load_train_state
+from specforge.training.trainer import DraftTrainer
 from tests.helpers.ranks import sample_rows, setup_sp, sp_cfg
 
 FROZEN = "embed_tokens.weight"

@@ -33,7 +33,7 @@ from specforge.algorithms.eagle3.model import ChainDrafter, DraftKVCache, Eagle3
 from specforge.cli import run_cli
 from specforge.config import load_config
 from specforge.models.target import TargetModel, forward_aux
-from specforge.train.checkpoint import save_checkpoint
+from specforge.training.checkpoint import save_checkpoint
 from tests.helpers.export import load_speculators, step_logits
 from tests.helpers.models import tiny_target
 

@@ -25,7 +25,7 @@ from specforge.data.store import (
     target_fingerprint,
 )
 from specforge.models.target import TargetModel
-from specforge.train.batch import collate
+from specforge.training.batch import collate
 from tests.helpers.models import tiny_target
 
 AUX = [1, 2, 3]

@@ -33,7 +33,7 @@ from specforge.config import ModelConfig
 from specforge.engines import llamacpp
 from specforge.models.target import forward_aux, load_target, text_tower
 from specforge.targets import FAMILIES, LLAMACPP, SGLANG, VLLM, tiny
-from specforge.train.checkpoint import save_checkpoint
+from specforge.training.checkpoint import save_checkpoint
 from tests.helpers.export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits
 from tests.helpers.targets import AUX, target_folder
 

@@ -1,6 +1,6 @@
 """Every row of the supported-targets table (``specforge.targets.FAMILIES``) through a user's whole
 offline path, on its tiny random model saved to a folder with a chat-template tokenizer:
-``capture_store`` -> ``local.run`` (placement.mode=offline, a few steps) -> ``python -m specforge.eval``
+``capture_store`` -> ``specforge.train.run`` (placement.mode=offline, a few steps) -> ``python -m specforge.eval``
 with the trained draft, whose speculative output must equal greedy decoding. The eval's greedy
 reference is itself checked against decoding without any cache, and the eval's verify rounds are
 driven through every acceptance count (0..chain) so that taking rejected tokens back out of the
@@ -95,8 +95,8 @@ def test_linear_attention_state_needs_the_restore(monkeypatch):
 @pytest.mark.parametrize("name", NAMES)
 def test_offline_training_and_lossless_eval(name, tmp_path):
     from specforge.capture import capture_store
-    from specforge.local import run
     from specforge.models.target import load_target
+    from specforge.train import run
 
     target_folder(name, tmp_path)
     cfg = load_config(None, overrides(tmp_path))
@@ -123,7 +123,7 @@ def test_offline_training_and_lossless_eval(name, tmp_path):
 
 def test_online_training_of_an_image_text_target(tmp_path):
     """Online (the target captures in the train process): the planner reads the text tower's sizes."""
-    from specforge.local import run
+    from specforge.train import run
 
     target_folder("gemma3", tmp_path)
     ckpt = run(load_config(None, overrides(tmp_path) + ["placement.mode=colocated", "train.max_steps=2"]))

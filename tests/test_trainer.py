@@ -8,8 +8,8 @@ import torch
 from specforge.algorithms import load_draft
 from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
 from specforge.algorithms.eagle3.loss import ttt_logits
-from specforge.train.batch import global_batch_ids, split_for_ranks
-from specforge.train.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
+from specforge.training.batch import global_batch_ids, split_for_ranks
+from specforge.training.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
 
@@ -42,7 +42,7 @@ def test_the_trainer_runs_the_algorithm_it_is_given_and_refuses_another():
     """DraftTrainer takes its algorithm; one that is not the config's draft.algorithm is refused
     (the step would otherwise run one algorithm's loss on another's draft)."""
     from specforge.algorithms import get_algorithm
-    from specforge.train.trainer import DraftTrainer
+    from specforge.training.trainer import DraftTrainer
 
     _, _, trainer = setup_trainer()
     assert trainer.algorithm is EAGLE3  # the one it was given (the control: the config's own is accepted)

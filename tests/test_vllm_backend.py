@@ -29,7 +29,7 @@ from specforge.models.vllm_engine import (
     vllm_layer_ids,
 )
 from specforge.targets import text_config
-from specforge.train.batch import collate
+from specforge.training.batch import collate
 from tests.helpers.targets import AUX, overrides, target_folder
 
 EAGER = "rollout.vllm_args=[--enforce-eager]"
@@ -214,7 +214,7 @@ def test_regenerate_through_vllm_writes_what_the_local_backend_writes(folders, l
 def test_single_process_online_training_through_vllm_equals_transformers(folders, llama_engine):
     """``python -m specforge.train`` online (the target in the train process): the losses of 3 steps
     with the engine's features equal those with the transformers forward's."""
-    from specforge.local import run
+    from specforge.train import run
 
     root = folders["llama"]
     runs = {}

@@ -72,9 +72,9 @@ from specforge.models.vllm_engine import engine_factory
 from specforge.preflight import check_writable
 from specforge.runtime.plan import replayable_ids
 from specforge.tracking import MetricsLogger
-from specforge.train.checkpoint import latest_checkpoint
-from specforge.train.init_from import check_init_from
-from specforge.train.trainer import checkpoint_root
+from specforge.training.checkpoint import latest_checkpoint
+from specforge.training.init_from import check_init_from
+from specforge.training.trainer import checkpoint_root
 
 STATE = "state.json"
 PHASES = ("idle", "capture", "train", "gate", "swap")

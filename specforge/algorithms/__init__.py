@@ -197,7 +197,7 @@ class DraftAlgorithm(Protocol):
     def read_published(self, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         """``(config.json in our saved format, weights named as the draft's export_state_dict)`` of a
         published folder this algorithm owns; only the names are mapped, nothing is checked against a
-        run (``specforge/train/init_from.py`` loads them strictly into a fresh draft)."""
+        run (``specforge/training/init_from.py`` loads them strictly into a fresh draft)."""
 
     def proposer(self, draft, dtype: Optional[torch.dtype]):
         """The eval's proposer: ``start(ids, aux_TH)``, ``propose(k, costs=None)``, ``accept(new, aux_TH)``."""

@@ -488,7 +488,7 @@ class FeatureStore:
 
     def batch(self, sample_ids: Sequence[int], pad_id: int) -> TrainBatch:
         """The samples right-padded to the longest: pad id / loss mask 0 / zero features / target 0,
-        as ``specforge.train.batch.collate`` pads ids and masks."""
+        as ``specforge.training.batch.collate`` pads ids and masks."""
         rows = [self.read(i) for i in sample_ids]
         T = max(r["input_ids"].shape[0] for r in rows)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from specforge.train.checkpoint import latest_checkpoint
+from specforge.training.checkpoint import latest_checkpoint
 
 SERVED_FILES = ("config.json", "model.safetensors")  # training_state.pt is resume state, not served
 

@@ -1,6 +1,6 @@
 """THE slice rule of sequence parallelism, and the packing rule (``train.pack_tokens``), stdlib
 arithmetic: the data plane's planner (``runtime/contracts.plan_step``) and the train side
-(``train/slicing.py``, ``train/packing.py``) both import them.
+(``training/slicing.py``, ``training/packing.py``) both import them.
 
 A sequence is padded to a multiple of the parts; slice r owns ``[r*C, (r+1)*C)`` and reads a right
 halo of rows past it (how many: the algorithm's ``sp_halo``; EAGLE-3's TTT shifts need
@@ -18,7 +18,7 @@ def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[in
     multiple of ``parts``: ``C = ceil(seq_len / parts)`` rows each, ``[rank * C, rank * C + C)``
     owned, ``window_end = end + halo``. Any of them may lie past ``seq_len`` (padding). THE slice
     rule of sequence parallelism: the data plane (``plan_step``) and the train side
-    (``specforge.train.slicing.sp_slice_batch``) both use it."""
+    (``specforge.training.slicing.sp_slice_batch``) both use it."""
     if parts < 1 or halo < 0:
         raise ValueError(f"slice_bounds: parts must be >= 1 and halo >= 0, got {parts}, {halo}")
     if not 0 <= rank < parts:

@@ -10,7 +10,7 @@ The whole API (a Ray train worker, or any launcher with a default process group)
     trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
                            reduce_sum=sum_over_train_ranks(groups))
     # each step, on each train rank, with this SP rank's slice of its DP group's micro-batches
-    # (specforge/train/slicing.py says which rows + halo, so a data plane sends only those):
+    # (specforge/training/slicing.py says which rows + halo, so a data plane sends only those):
     metrics = trainer.step(local_batches)
     state = full_state_dict(draft)                               # collective; full dict on rank 0
 

@@ -3,7 +3,7 @@
 Legend: B batch, H heads, T/C tokens (C = rows one rank owns), D head dim, P group size.
 
 Each SP rank owns a contiguous slice ``[start, start + C)`` of the sequence, padded to a
-multiple of ``sp_size`` (``specforge/train/slicing.py``). Everything in the draft is row-local
+multiple of ``sp_size`` (``specforge/training/slicing.py``). Everything in the draft is row-local
 except attention, so only the attention cores the algorithm names (``sp_cores``; EAGLE-3's TTT core
 ``draft.midlayer.self_attn.core``) are wrapped (:func:`apply_sp`):
 

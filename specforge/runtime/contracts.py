@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
-# the slice and packing rules (stdlib), which train/slicing.py imports too
+# the slice and packing rules (stdlib), which training/slicing.py imports too
 from specforge.parallel.bounds import pack_rows, row_offsets, split_slices
 
 # Plans the driver keeps submitted but not yet collected (and so not yet logged), whatever the byte

@@ -27,7 +27,7 @@ from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepR
 from specforge.runtime.plan import Planner, RunData, run_facts, total_steps
 from specforge.runtime.workers import TrainWorker
 from specforge.tracking import RECENT_STEPS, end_summary
-from specforge.train.checkpoint import recorded_rows
+from specforge.training.checkpoint import recorded_rows
 
 # Keys that say how a run is distributed, not what it computes: a placement names the ones it
 # does not apply when they are set (never ignores them silently).

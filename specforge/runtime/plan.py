@@ -31,9 +31,9 @@ from specforge.models.target import load_tokenizer, resolve_target_path
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step
 from specforge.targets import text_config
-from specforge.train.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
-from specforge.train.init_from import init_vocab_path
-from specforge.train.trainer import build_vocab, vocab_path
+from specforge.training.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
+from specforge.training.init_from import init_vocab_path
+from specforge.training.trainer import build_vocab, vocab_path
 
 
 @dataclass(frozen=True)

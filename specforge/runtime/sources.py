@@ -35,9 +35,9 @@ from specforge.runtime.completion import Completion
 from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
 from specforge.runtime.plan import open_offline_store, store_split
-from specforge.train.batch import collate, pad_id
-from specforge.train.slicing import WholeSample, batch_from_samples, sp_slice_batch
-from specforge.train.trainer import local_batches
+from specforge.training.batch import collate, pad_id
+from specforge.training.slicing import WholeSample, batch_from_samples, sp_slice_batch
+from specforge.training.trainer import local_batches
 
 
 def _halo(cfg: Config) -> int:

@@ -40,11 +40,11 @@ from specforge.runtime.actors import DistributedWorker, control
 from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
-from specforge.train.batch import collate, pad_id
-from specforge.train.checkpoint import CheckpointManager
-from specforge.train.init_from import apply_init_from, resumed_checkpoint
-from specforge.train.packing import target_packs
-from specforge.train.trainer import DraftTrainer, checkpoint_root, run_identity
+from specforge.training.batch import collate, pad_id
+from specforge.training.checkpoint import CheckpointManager
+from specforge.training.init_from import apply_init_from, resumed_checkpoint
+from specforge.training.packing import target_packs
+from specforge.training.trainer import DraftTrainer, checkpoint_root, run_identity
 
 
 class FeaturesLost(RuntimeError):

@@ -20,8 +20,8 @@ from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict, grads_full
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
-from specforge.train.slicing import sp_slice_batch
-from specforge.train.trainer import DraftTrainer
+from specforge.training.slicing import sp_slice_batch
+from specforge.training.trainer import DraftTrainer
 
 V, N, H, T, L, STEPS = 300, 100, 64, 29, 4, 3
 SAMPLE_LENGTHS = (T, 21)  # the two samples of every batch of draft_and_batches (row 1 right-padded)

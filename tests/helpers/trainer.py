@@ -10,8 +10,8 @@ from specforge.config import Config, TrainConfig
 from specforge.data.vocab import build_draft_vocab
 from specforge.models.features import TrainBatch
 from specforge.models.target import TargetModel, capture
-from specforge.train.batch import collate
-from specforge.train.trainer import DraftTrainer
+from specforge.training.batch import collate
+from specforge.training.trainer import DraftTrainer
 from tests.helpers.models import tiny_target
 
 V = 320  # tiny_target's vocab

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from specforge.engines import sglang
 from specforge.files import open_safetensors, read_safetensors
-from specforge.train.checkpoint import load_draft_folder
+from specforge.training.checkpoint import load_draft_folder
 
 from .model import DFlashConfig, DFlashDraft
 

@@ -31,7 +31,7 @@ from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig, wi
 from specforge.engines import sglang
 from specforge.engines.vllm import quiet_speculators
 from specforge.files import read_safetensors_folder
-from specforge.train.checkpoint import load_draft_folder
+from specforge.training.checkpoint import load_draft_folder
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DEFAULT_SPECULATIVE_TOKENS = 3  # speculators' converter default; vLLM's --speculative-config overrides it

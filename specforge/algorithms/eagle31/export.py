@@ -46,7 +46,7 @@ from specforge.algorithms.eagle3.model import window_of
 from specforge.algorithms.eagle31.model import FLAGS, Eagle31Draft, Eagle31DraftConfig, flag_conflict
 from specforge.engines.vllm import quiet_speculators
 from specforge.files import open_safetensors, read_safetensors
-from specforge.train.checkpoint import load_draft_folder
+from specforge.training.checkpoint import load_draft_folder
 
 ARCHITECTURE = eagle3_export.ARCHITECTURE
 # flags each engine would serve as false, silently (the module docstring's table)

@@ -35,7 +35,7 @@ from specforge.algorithms import read_draft_config
 from specforge.algorithms.eagle3 import export as eagle3_export
 from specforge.algorithms.peagle.model import ARCHITECTURE, PEagleDraft, PEagleDraftConfig
 from specforge.engines.vllm import quiet_speculators
-from specforge.train.checkpoint import load_draft_folder
+from specforge.training.checkpoint import load_draft_folder
 
 __all__ = ["ARCHITECTURE", "ONLY_VLLM", "check_checkpoint", "load_peagle", "export", "export_vllm", "serve_command",
            "parallel_tokens"]

@@ -32,8 +32,8 @@ import torch
 from specforge.algorithms import published_algorithm_name
 from specforge.config import Config
 from specforge.data.vocab import DraftVocab, save_draft_vocab
-from specforge.train.checkpoint import latest_checkpoint
-from specforge.train.trainer import checkpoint_root
+from specforge.training.checkpoint import latest_checkpoint
+from specforge.training.trainer import checkpoint_root
 
 FIX_SHAPES = ("start from a draft of the same target with the same draft.* sizes as its config.json "
               "(draft.vocab_size, draft.hidden_size, draft.intermediate_size, draft.num_attention_heads, "

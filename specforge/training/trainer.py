@@ -3,7 +3,7 @@
 ``DraftTrainer`` owns the draft, its optimizer and the algorithm's frozen train state (EAGLE-3: the
 teacher rows), and runs THE train step (the algorithm's loss forward/backward over micro-batches,
 clipping, AdamW, schedule). Every train worker (``runtime/workers.py``) and the single process
-(``specforge/local.py``: ``python -m specforge.train``) run it, on FSDP2-sharded drafts when there
+(``specforge/train.py``: ``python -m specforge.train``) run it, on FSDP2-sharded drafts when there
 are several; only where the features come from differs. The algorithm (``specforge.algorithms``)
 decides the loss and the metrics; this file never asks which one runs.
 """
@@ -22,10 +22,10 @@ from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.features import TrainBatch
 from specforge.models.target import TargetModel, capture
-from specforge.train.batch import collate, pad_id
-from specforge.train.checkpoint import set_aside, tensor_digest
-from specforge.train.optim import build_optimizer
-from specforge.train.packing import pack_micro_batches, target_packs
+from specforge.training.batch import collate, pad_id
+from specforge.training.checkpoint import set_aside, tensor_digest
+from specforge.training.optim import build_optimizer
+from specforge.training.packing import pack_micro_batches, target_packs
 
 # ---------------------------------------------------------------- building
 
@@ -119,7 +119,7 @@ class DraftTrainer:
         return [mb.to(self.device) for mb in micro_batches]
 
     def packed(self, micro_batches: Sequence[TrainBatch]) -> list[TrainBatch]:
-        """``train.pack_tokens``: this rank's samples end to end in rows (``train/packing.py``); as is otherwise."""
+        """``train.pack_tokens``: this rank's samples end to end in rows (``training/packing.py``); as is otherwise."""
         budget = self.cfg.train.pack_tokens
         if budget is None or all(getattr(mb, "doc_ids_BT", None) is not None for mb in micro_batches):
             return list(micro_batches)  # a packed plan's sources hand over packed rows (runtime/contracts.plan_step)

@@ -32,7 +32,7 @@ __all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "
 
 @dataclass
 class PackedBatch(TrainBatch):
-    """One packed row (B = 1, ``train.pack_tokens``; ``train/packing.py``): samples end to end, each
+    """One packed row (B = 1, ``train.pack_tokens``; ``training/packing.py``): samples end to end, each
     with positions from 0 and its own doc id."""
 
     position_ids_BT: torch.Tensor

@@ -2,7 +2,7 @@
 
 One in-process train worker under THE loop (``runtime/loop.py``) with the same global batch, data
 order and loss as ``specforge.ray_train``: the reference the distributed placements are tested
-against. It sits above ``runtime/`` and ``train/`` (the step it runs lives in ``train/trainer.py``,
+against. It sits above ``runtime/`` and ``training/`` (the step it runs lives in ``training/trainer.py``,
 the loop in ``runtime/``), so neither of those imports the other's entry point.
 """
 
@@ -19,16 +19,19 @@ from specforge.tracking import MetricsLogger
 
 def run(cfg: Config) -> Optional[Path]:
     """Train in this process; returns the newest checkpoint folder."""
-    from specforge.preflight import check_single_process  # lazy: keeps specforge.local torch-free
-    from specforge.runtime.loop import (  # lazy: keeps specforge.local torch-free
+    from specforge.preflight import check_single_process  # lazy: keeps specforge.train torch-free
+    from specforge.runtime.loop import (  # lazy: keeps specforge.train torch-free
         LocalCluster,
         not_applied,
         restore_rows,
         train_loop,
     )
-    from specforge.runtime.plan import Planner, prepare  # lazy: keeps specforge.local torch-free
-    from specforge.train.checkpoint import latest_checkpoint  # lazy: keeps specforge.local torch-free
-    from specforge.train.trainer import checkpoint_root, keep_old_checkpoints  # lazy: keeps specforge.local torch-free
+    from specforge.runtime.plan import Planner, prepare  # lazy: keeps specforge.train torch-free
+    from specforge.training.checkpoint import latest_checkpoint  # lazy: keeps specforge.train torch-free
+    from specforge.training.trainer import (  # lazy: keeps specforge.train torch-free
+        checkpoint_root,
+        keep_old_checkpoints,
+    )
 
     local, use_gpu = check_single_process(cfg)  # every check, before anything loads
     if skipped := not_applied(cfg, "single"):
@@ -50,7 +53,7 @@ def run(cfg: Config) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from specforge.dryrun import check_flags, dry_run, with_dry_run_flags  # lazy: keeps specforge.local torch-free
+    from specforge.dryrun import check_flags, dry_run, with_dry_run_flags  # lazy: keeps specforge.train torch-free
 
     ap = argparse.ArgumentParser(prog="python -m specforge.train", description="Single-process draft training.")
     ap.add_argument("--config", default=None)

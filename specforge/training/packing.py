@@ -8,7 +8,7 @@ fit); each row is one micro-batch of batch size 1 with no padding at all. Two pl
 
 * the Ray placements' planner (``runtime/contracts.plan_step``): a plan's micro-batches ARE the
   rows, the data plane sends each rank its part of each sample, and the sources assemble the row
-  (``train/slicing.batch_from_samples`` with offsets); with sequence parallelism the row is what
+  (``training/slicing.batch_from_samples`` with offsets); with sequence parallelism the row is what
   is sliced over the group's ranks (``PackedSPTrainBatch``; the SP cores gather the sample ids);
 * the single process (``python -m specforge.train``): the trainer packs the padded micro-batches
   its capture made (``pack_micro_batches``; a source's packed rows pass through as they are).
@@ -42,7 +42,7 @@ import torch
 
 from specforge.models.features import TrainBatch
 from specforge.parallel.bounds import pack_rows, row_offsets
-from specforge.train.slicing import SAMPLE_FIELDS, PackedBatch, WholeSample, batch_from_samples
+from specforge.training.slicing import SAMPLE_FIELDS, PackedBatch, WholeSample, batch_from_samples
 
 __all__ = ["PackedBatch", "pack_micro_batches", "pack_rows", "target_packs"]
 
