@@ -30,7 +30,7 @@ from specforge.models.vllm_engine import engine_python, vllm_layer_ids
 from specforge.parallel.dims import ParallelDims
 from specforge.runtime.loop import check, single_process
 from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
-from specforge.targets import check_packing, check_target, read_config_json, text_config
+from specforge.targets import check_capture_engine, check_packing, check_target, read_config_json, text_config
 from specforge.training.init_from import check_init_from
 from specforge.training.trainer import checkpoint_root
 
@@ -118,6 +118,7 @@ def check_run(cfg: Config) -> None:
     if cfg.rollout.pack_tokens is not None:
         check_packing(full)
     if cfg.rollout.backend == "vllm" and cfg.placement.mode != "offline":
+        check_capture_engine(full, cfg.rollout.tp_size)  # a family vLLM does not serve, heads over TP
         vllm_layer_ids(layers, target.num_hidden_layers)  # a layer the engine cannot capture
         if cfg.rollout.vllm_endpoint is None:
             engine_python(cfg.rollout.vllm_python)  # vLLM not installed: said before any worker starts

@@ -366,3 +366,33 @@ def test_the_run_checks_say_it_before_any_worker_starts(folders, tmp_path):
     # offline trains from a store: no engine, no vLLM needed
     check_single_process(load_config(None, overrides(folders["llama"]) + ["rollout.backend=vllm",
                                                                           f"rollout.vllm_python={tmp_path / 'x'}"]))
+
+
+def test_a_family_vllm_does_not_serve_is_refused_before_an_engine_starts(folders, monkeypatch):
+    """The family table says which engines serve a family; a target vLLM does not serve is one line
+    naming rollout.backend from preflight (every family in the table is served by vLLM today, so the
+    table is patched for the check), and the same run with hf passes (the control)."""
+    import dataclasses
+
+    import specforge.targets as targets
+    from specforge.preflight import check_single_process
+
+    llama = targets.family_of({"model_type": "llama"})
+    unserved = dataclasses.replace(llama, engines=tuple(e for e in llama.engines if e != targets.VLLM))
+    monkeypatch.setitem(targets._BY_TYPE, "llama", unserved)
+    base = overrides(folders["llama"]) + ["placement.mode=colocated"]
+    with pytest.raises(ValueError, match=r"rollout\.backend.*vLLM does not serve this family"):
+        check_single_process(load_config(None, base + ["rollout.backend=vllm"]))
+    check_single_process(load_config(None, base))
+
+
+def test_a_tp_size_that_does_not_split_the_heads_is_refused_by_preflight(folders):
+    """vLLM refuses heads % tp_size != 0 only after its engine starts; preflight says it first."""
+    from specforge.preflight import check_run
+
+    heads = load_target_config(load_config(None, overrides(folders["mistral"])).model).num_attention_heads
+    bad = next(k for k in range(2, heads + 2) if heads % k)
+    base = overrides(folders["mistral"]) + ["rollout.backend=vllm", "placement.mode=disaggregated"]
+    with pytest.raises(ValueError, match=rf"rollout\.tp_size'={bad} does not divide the target's {heads} attention"):
+        check_run(load_config(None, base + [f"rollout.tp_size={bad}"]))
+    check_run(load_config(None, base + ["rollout.tp_size=2"]))  # 2 divides them: the control

@@ -201,6 +201,8 @@ class VllmEngine:
         # (the root cause comes first)
         errors = [ln for ln in lines if "error" in ln.lower()]
         line = causes[0] if causes else (errors or lines or ["empty log"])[-1]
+        if "ValidationError" in line:  # pydantic puts the reason on a line of its own below the count
+            line += ": " + next((ln for ln in lines[lines.index(line) + 1:] if ln.startswith("Value error")), "")
         return line[-300:] + f" (log: {self.log_path})"
 
     def _wait_ready(self, deadline: float) -> None:

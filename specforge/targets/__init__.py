@@ -285,6 +285,21 @@ def check_packing(config: Any) -> None:
                          "so packed samples would see each other; unset rollout.pack_tokens (padded batches)")
 
 
+def check_capture_engine(config: Any, tp_size: int = 1) -> None:
+    """``rollout.backend=vllm`` needs a family vLLM serves (the table's ``engines``) and attention heads
+    that its ``rollout.tp_size`` ranks split evenly: checked from the config alone, before an engine
+    starts and fails on either."""
+    fam = family_of(config)
+    if VLLM not in fam.engines:
+        raise ValueError(f"config key 'rollout.backend'='vllm' is refused for a {fam.name} target: vLLM does not "
+                         "serve this family; use rollout.backend=hf (the transformers forward in our process)")
+    heads = _get(text_config(config), "num_attention_heads")
+    if heads and int(heads) % tp_size:
+        fits = [d for d in range(1, int(heads) + 1) if int(heads) % d == 0]
+        raise ValueError(f"config key 'rollout.tp_size'={tp_size} does not divide the target's {heads} attention "
+                         f"heads (vLLM splits them over its tensor-parallel ranks); use one of {fits}")
+
+
 def check_aux_layers(config: Any, aux_ids: list[int]) -> None:
     """Aux ids that name a linear-attention layer's output, for a family whose engines cannot capture there."""
     fam = family_of(config)
