@@ -33,7 +33,7 @@ from specforge.data.store import (
 )
 from specforge.device import pick_device, pick_dtype, set_threads
 from specforge.models.target import capture, load_target, load_target_config, load_tokenizer, resolve_target_path
-from specforge.models.vllm_engine import engine_factory, server_command, spec_for
+from specforge.models.vllm_engine import SERVER_STORAGE, engine_factory, server_command, spec_for
 from specforge.targets import text_config
 from specforge.training.batch import collate, pad_id
 from specforge.training.packing import target_packs
@@ -139,31 +139,39 @@ def _capture(cfg, target, data, progress: bool, source: Optional[str]) -> Path:
                        max_tokens=max(CAPTURE_TOKENS, cfg.rollout.pack_tokens or 0), pack_tokens=cfg.rollout.pack_tokens)
 
 
-def vllm_command(cfg, port: int) -> str:
-    """``--vllm-command``: the engine ``rollout.backend=vllm`` would start for ``cfg``, as a shell command."""
+def vllm_command(cfg, listen: str, storage: str = SERVER_STORAGE) -> str:
+    """``--vllm-command [HOST:]PORT``: the engine ``rollout.backend=vllm`` would start for ``cfg``, as a
+    shell command listening on HOST (default 127.0.0.1) and writing hidden states under ``storage``."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--vllm-command {listen!r}: give PORT or HOST:PORT (the address the engine listens on)")
     n = text_config(load_target_config(cfg.model)).num_hidden_layers
     device = pick_device(cfg.model.device)
     spec = spec_for(cfg, resolve_target_path(cfg.model), n, feature_layers(cfg, n), pick_dtype(cfg.model.dtype, device),
                     device)
-    return server_command(spec, port)
+    return server_command(spec, int(port), storage, host or "127.0.0.1")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specforge.capture", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--vllm-command", type=int, metavar="PORT", default=None,
+    ap.add_argument("--vllm-command", metavar="[HOST:]PORT", default=None,
                     help="print the command that starts a vLLM engine this config can use as rollout.vllm_endpoint "
-                         "(http://127.0.0.1:PORT, on this host), and exit")
+                         "(http://HOST:PORT; HOST defaults to 127.0.0.1), and exit")
+    ap.add_argument("--vllm-storage", default=SERVER_STORAGE, metavar="DIR",
+                    help="with --vllm-command: where the engine writes hidden states for us to read (default: "
+                         "shared memory, the same host; for an engine on another host, a folder both mount at DIR)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_samples=100")
     args, extra = ap.parse_known_args(argv)
     bad = [e for e in extra if e.startswith("-") or "=" not in e]
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
-    if args.vllm_command is not None:
-        print(vllm_command(load_config(args.config, list(args.overrides) + extra), args.vllm_command))
-        return 0
     try:
+        if args.vllm_command is not None:
+            print(vllm_command(load_config(args.config, list(args.overrides) + extra), args.vllm_command,
+                               args.vllm_storage))
+            return 0
         root = capture_store(load_config(args.config, list(args.overrides) + extra), progress=not args.no_progress)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

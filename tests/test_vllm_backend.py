@@ -105,12 +105,17 @@ def monkeypatch_module():
 
 
 @pytest.fixture(scope="module")
-def llama_engine(folders):
+def llama_engine(folders, tmp_path_factory):
     """ONE engine for the tiny llama folder, shared by the tests below through rollout.vllm_endpoint
-    (an engine the user runs: the same code path, one start instead of four)."""
+    (an engine the user runs: the same code path, one start instead of four). It writes its hidden
+    states to a folder on disk, not shared memory: what an engine on another host does through a
+    folder both hosts mount."""
     cfg = load_config(None, overrides(folders["llama"]) + VLLM)
     n = text_config(load_target_config(cfg.model)).num_hidden_layers
-    engine = VllmEngine(spec_for(cfg, str(folders["llama"] / "target"), n, AUX, torch.float32, torch.device("cpu")))
+    storage = tmp_path_factory.mktemp("engine-storage")
+    engine = VllmEngine(spec_for(cfg, str(folders["llama"] / "target"), n, AUX, torch.float32, torch.device("cpu")),
+                        storage_root=str(storage))
+    assert engine.storage.startswith(str(storage))
     yield ["rollout.backend=vllm", f"rollout.vllm_endpoint={engine.url}"]
     engine.close()
 
@@ -396,3 +401,19 @@ def test_a_tp_size_that_does_not_split_the_heads_is_refused_by_preflight(folders
     with pytest.raises(ValueError, match=rf"rollout\.tp_size'={bad} does not divide the target's {heads} attention"):
         check_run(load_config(None, base + [f"rollout.tp_size={bad}"]))
     check_run(load_config(None, base + ["rollout.tp_size=2"]))  # 2 divides them: the control
+
+
+def test_vllm_command_prints_the_engine_with_its_storage_folder(folders, capsys, tmp_path):
+    """``--vllm-command PORT``: the server, its layer ids, and where it writes (shared memory by
+    default; ``--vllm-storage DIR`` for an engine on another host)."""
+    args = ["--vllm-command", "8123", *overrides(folders["llama"]), "rollout.backend=vllm"]
+    assert capture_main(args) == 0
+    out = capsys.readouterr().out
+    assert "--port 8123" in out and "/dev/shm/specforge-vllm" in out and "extract_hidden_states" in out
+    assert capture_main([*args, "--vllm-storage", str(tmp_path / "shared")]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "shared") in out and "/dev/shm" not in out
+    assert capture_main([*args[2:], "--vllm-command", "0.0.0.0:8124"]) == 0  # another host reaches it
+    assert "--host 0.0.0.0 --port 8124" in capsys.readouterr().out
+    assert capture_main([*args[2:], "--vllm-command", "host:port"]) == 1
+    assert "--vllm-command 'host:port'" in _err(capsys)

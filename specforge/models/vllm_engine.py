@@ -101,13 +101,13 @@ class EngineSpec:
     trust_remote_code: bool = False
     python: Optional[str] = None
 
-    def command(self, port: int, storage: str, python: str = "python") -> list[str]:
+    def command(self, port: int, storage: str, python: str = "python", host: str = "127.0.0.1") -> list[str]:
         spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
         kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
               "kv_connector_extra_config": {"shared_storage_path": storage, "use_synchronization_lock": False}}
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
                "--dtype", str(self.dtype).removeprefix("torch."), "--max-model-len", str(self.max_model_len),
                "--no-enable-prefix-caching", "--skip-tokenizer-init", "--tensor-parallel-size", str(self.tp_size),
                "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
@@ -148,10 +148,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shm_dir() -> str:
-    """A private folder in shared memory where there is one (Linux), else the temp folder."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="specforge-vllm-", dir=base)
+def shm_dir(root: Optional[str] = None) -> str:
+    """A private folder in ``root``, else in shared memory where there is one (Linux), else in the temp folder."""
+    if root is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        root = "/dev/shm"
+    return tempfile.mkdtemp(prefix="specforge-vllm-", dir=root)
 
 
 def _die_with_parent() -> None:  # the engine goes when the process that started it goes (Linux)
@@ -163,9 +164,12 @@ def _die_with_parent() -> None:  # the engine goes when the process that started
 
 
 class VllmEngine:
-    """A vLLM server this process started (``spec``), or one the user runs (``endpoint``)."""
+    """A vLLM server this process started (``spec``), or one the user runs (``endpoint``). The engine
+    writes each request's hidden states under ``storage_root`` (default: shared memory); this process
+    reads them from the path each answer names, so any folder both see at the same path will do."""
 
-    def __init__(self, spec: EngineSpec, endpoint: Optional[str] = None, log_dir: Optional[str] = None):
+    def __init__(self, spec: EngineSpec, endpoint: Optional[str] = None, log_dir: Optional[str] = None,
+                 storage_root: Optional[str] = None):
         self.spec = spec
         self.proc: Optional[subprocess.Popen] = None
         self.storage: Optional[str] = None
@@ -175,7 +179,7 @@ class VllmEngine:
             self._wait_ready(deadline=time.monotonic() + ENDPOINT_WAIT_S)
             return
         python = engine_python(spec.python)
-        self.storage = shm_dir()
+        self.storage = shm_dir(storage_root)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "specforge-vllm-logs"  # kept after close
@@ -312,11 +316,16 @@ class VllmEngine:
             return list(pool.map(self._one, [list(map(int, r)) for r in rows]))
 
 
-def server_command(spec: EngineSpec, port: int) -> str:
-    """The shell command that starts an engine for ``spec`` by hand (``rollout.vllm_endpoint``; same host:
-    the hidden states come back through a shared-memory folder)."""
+SERVER_STORAGE = "/dev/shm/specforge-vllm"
+
+
+def server_command(spec: EngineSpec, port: int, storage: str = SERVER_STORAGE, host: str = "127.0.0.1") -> str:
+    """The shell command that starts an engine for ``spec`` by hand (``rollout.vllm_endpoint``), listening
+    on ``host``. The hidden states come back through ``storage``: shared memory on the same host, or a
+    folder the engine's host and ours both mount at that path (another host also needs the model and
+    this repository, for the connector, at the paths the command names)."""
     python = engine_python(spec.python)
-    cmd = spec.command(port, "/dev/shm/specforge-vllm", str(python))
+    cmd = spec.command(port, storage, str(python), host)
     env = spec.env(python)
     env = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD") if k in env)
     return env + " " + " ".join(shlex.quote(c) for c in cmd)
