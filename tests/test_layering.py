@@ -12,15 +12,35 @@ from specforge.algorithms import NAMES
 PKG = Path(__file__).parent.parent / "specforge"
 
 
-def _imports(folder: str) -> set[str]:
+def absolute_module(node: ast.ImportFrom, module: str, is_package: bool = False) -> str:
+    """The absolute name that ``node``, in ``module``, imports from. A relative import counts its dots
+    from the package that holds the module: for a package's ``__init__`` (``is_package``) that is the
+    module itself, for any other module its parent."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    return ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module name ``source`` (the text of ``module``) imports, relative imports resolved."""
     found = set()
-    for path in (PKG / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add(absolute_module(node, module, is_package))
     return found
+
+
+def _imports(folder: str) -> set[str]:
+    return set().union(*(imports_of(path.read_text(), _module_name(path), path.name == "__init__.py")
+                         for path in (PKG / folder).rglob("*.py")))
 
 
 @pytest.mark.parametrize("folder, forbidden", [
@@ -35,21 +55,28 @@ def test_layer_does_not_import(folder, forbidden):
     assert not bad, f"specforge/{folder} imports {bad}"
 
 
+def test_the_folder_check_resolves_relative_imports():
+    """Negative control: a relative import counts, from a module and from a package's ``__init__``."""
+    assert "specforge.runtime.plan" in imports_of("from ..runtime.plan import Planner", "specforge.training.trainer")
+    assert "specforge.runtime" in imports_of("from ..runtime import plan", "specforge.training", is_package=True)
+    assert "specforge.training.batch" in imports_of("from .batch import collate", "specforge.training", True)
+
+
 # ---------------------------------------------------------------- the algorithm seam
 
 
-def seam_violations(source: str, names=NAMES) -> list[str]:
-    """What in ``source`` (a module outside specforge/algorithms/) bypasses the seam: an import of an
-    algorithm's own modules (only the seam ``specforge.algorithms``), or an
+def seam_violations(source: str, names=NAMES, module: str = "specforge.x", is_package: bool = False) -> list[str]:
+    """What in ``source`` (the text of ``module``, outside specforge/algorithms/) bypasses the seam: an
+    import of an algorithm's own modules (only the seam ``specforge.algorithms``), relative or not, or an
     algorithm name as a literal (compared, a key, an argument: the choice belongs in a hook)."""
     out = []
     for node in ast.walk(ast.parse(source)):
         mods = []
         if isinstance(node, ast.Import):
             mods = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            mods = [node.module] + ([f"{node.module}.{a.name}" for a in node.names]
-                                    if node.module == "specforge.algorithms" else [])
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute_module(node, module, is_package)
+            mods = [base] + ([f"{base}.{a.name}" for a in node.names] if base == "specforge.algorithms" else [])
         out += [f"line {node.lineno}: imports {m}" for m in mods
                 if m.startswith("specforge.algorithms.")
                 and m.split(".")[2] in names]
@@ -70,7 +97,7 @@ def test_no_algorithm_choice_outside_the_algorithm_packages():
             continue
         text = path.read_text()
         lines = text.splitlines()
-        for v in seam_violations(text):
+        for v in seam_violations(text, module=_module_name(path), is_package=path.name == "__init__.py"):
             line = lines[int(v.split(":")[0].split()[1]) - 1]
             if not any(str(rel) == f and line.startswith(start) for f, start in ALLOWED):
                 bad.append(f"specforge/{rel} {v}: {line.strip()}")
@@ -88,6 +115,17 @@ def test_no_algorithm_choice_outside_the_algorithm_packages():
 def test_the_seam_check_catches_a_bypass(source):
     """Negative control: each way around the seam is caught."""
     assert seam_violations(source)
+
+
+@pytest.mark.parametrize("source, module, is_package", [
+    ("from ..algorithms.dflash.export import tokens_per_round", "specforge.eval.served", False),
+    ("from ..algorithms import dflash", "specforge.eval.served", False),
+    ("from .algorithms.eagle3 import model", "specforge.export", False),
+    ("from ..algorithms import eagle3", "specforge.eval", True),
+])
+def test_the_seam_check_catches_a_relative_bypass(source, module, is_package):
+    """Negative control: a relative import around the seam is caught too, in a package's ``__init__`` as well."""
+    assert seam_violations(source, module=module, is_package=is_package)
 
 
 @pytest.mark.parametrize("source", [
@@ -201,11 +239,6 @@ def layer_of(module: str, layers=LAYERS) -> int:
     return best[1]
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def import_edges(source: str, module: str, is_package: bool = False) -> list[tuple[str, int, bool, list[str]]]:
     """``(imported module, line, inside a function, names)`` of the ``specforge`` imports in ``source``,
     relative ones resolved; those under ``if TYPE_CHECKING:`` (annotations only) are left out."""
@@ -218,10 +251,7 @@ def import_edges(source: str, module: str, is_package: bool = False) -> list[tup
             if isinstance(child, ast.Import):
                 out.extend((a.name, child.lineno, in_function, []) for a in child.names if a.name.startswith("specforge"))
             elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    pkg = module.split(".") if is_package else module.split(".")[:-1]
-                    base = ".".join(pkg[: len(pkg) - child.level + 1] + ([base] if base else []))
+                base = absolute_module(child, module, is_package)
                 if base.startswith("specforge"):
                     out.append((base, child.lineno, in_function, [a.name for a in child.names]))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
@@ -234,17 +264,24 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
+def _packages() -> set[str]:
+    """The modules that are a package's ``__init__.py``: their relative imports start from themselves."""
+    return {m for m, p in _modules().items() if p.name == "__init__.py"}
+
+
 def _target_module(name: str, names: list[str], known) -> str:
     """The module an import loads: ``from a.b import c`` loads ``a.b.c`` when that is a module."""
     subs = [f"{name}.{n}" for n in names if f"{name}.{n}" in known]
     return subs[0] if subs and len(subs) == len(names) else name
 
 
-def upward_imports(modules: dict[str, str], layers=LAYERS) -> list[str]:
-    """``modules``: name -> source. Every import that points to a higher layer than its module's."""
+def upward_imports(modules: dict[str, str], layers=LAYERS, packages: set[str] | None = None) -> list[str]:
+    """``modules``: name -> source; ``packages``: those of them that are a package's ``__init__``
+    (the tree's, unless given). Every import that points to a higher layer than its module's."""
+    packages = _packages() if packages is None else packages
     out = []
     for mod, source in modules.items():
-        for name, line, _, names in import_edges(source, mod, source is not None and mod.count(".") == 0):
+        for name, line, _, names in import_edges(source, mod, mod in packages):
             target = _target_module(name, names, modules)
             if layer_of(target, layers) > layer_of(mod, layers) and (mod, target) not in UPWARD:
                 out.append(f"{mod} line {line} imports {target} (layer {layer_of(target, layers)} over "
@@ -288,11 +325,11 @@ def _package_sources() -> dict[str, str]:
     return {m: p.read_text() for m, p in _modules().items()}
 
 
-def _graph(sources: dict[str, str]) -> dict[str, set[str]]:
+def _graph(sources: dict[str, str], packages: set[str] | None = None) -> dict[str, set[str]]:
+    packages = _packages() if packages is None else packages
     graph: dict[str, set[str]] = {}
     for mod, source in sources.items():
-        is_pkg = _modules()[mod].name == "__init__.py" if mod in _modules() else False
-        for name, _, _, names in import_edges(source, mod, is_pkg):
+        for name, _, _, names in import_edges(source, mod, mod in packages):
             target = _target_module(name, names, sources)
             if target != mod:
                 graph.setdefault(mod, set()).add(target)
@@ -315,11 +352,11 @@ def test_no_import_circle():
 
 
 def test_below_the_runtime_the_algorithm_is_handed_down():
-    bad = []
+    bad, packages = [], _packages()
     for mod, source in _package_sources().items():
         if layer_of(mod) >= LOOKUP_FLOOR or mod in LOOKUP_ALLOWED:
             continue
-        for name, line, _, names in import_edges(source, mod):
+        for name, line, _, names in import_edges(source, mod, mod in packages):
             if name == "specforge.algorithms" and set(names) & LOOKUPS:
                 bad.append(f"{mod} line {line} imports {sorted(set(names) & LOOKUPS)}: take the algorithm as an argument")
     assert not bad, "\n".join(bad)
@@ -375,6 +412,17 @@ def test_the_layer_check_catches_an_upward_import():
         layer_of("specforge_other.x")
 
 
+def test_the_layer_check_catches_a_relative_upward_import_in_a_package_init():
+    """Negative control: in a sub-package's ``__init__`` a relative import starts from the package itself,
+    so ``..runtime`` from specforge/training/__init__.py is specforge.runtime (layer 4 over 3)."""
+    assert import_edges("from . import batch", "specforge.training", is_package=True)[0][0] == "specforge.training"
+    assert import_edges("from .batch import x", "specforge.training", is_package=True)[0][0] == "specforge.training.batch"
+    assert upward_imports({"specforge.training": "from ..runtime.plan import Planner"}, packages={"specforge.training"})
+    assert upward_imports({"specforge.models": "def f():\n    from ..eval import main"}, packages={"specforge.models"})
+    assert not upward_imports({"specforge.runtime": "from ..training.trainer import DraftTrainer"},
+                              packages={"specforge.runtime"})
+
+
 def test_the_circle_check_catches_a_circle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not import_cycles({"a": {"b"}, "b": {"c"}})
@@ -387,3 +435,4 @@ def test_the_lazy_import_check_catches_an_unmarked_import():
     assert not lazy_import_problems("def f():\n    import transformers  # lazy: heavy (transformers)\n", "specforge.x")
     assert not lazy_import_problems("def f():\n    import torch  # lazy: keeps specforge.config torch-free\n",
                                     "specforge.config")
+
