@@ -436,3 +436,101 @@ def test_the_lazy_import_check_catches_an_unmarked_import():
     assert not lazy_import_problems("def f():\n    import torch  # lazy: keeps specforge.config torch-free\n",
                                     "specforge.config")
 
+
+# ---------------------------------------------------------------- folders: arrows between rooms
+
+# A room is a top-level folder or module of specforge/ (``specforge`` itself for the package's own
+# __init__). Its floor is the highest layer of LAYERS among its modules, a sub-package's __main__ (an
+# entry point kept in its folder) aside: the seam, specforge/algorithms/__init__.py, lives in the
+# ``algorithms`` room with the algorithm packages, on their floor 5. Every import between two rooms is
+# an arrow; an arrow runs up when its target room has the higher floor.
+SEAM = "specforge.algorithms"
+# The arrows that run up today, (importing module, imported module) -> why; a new one fails the test,
+# and one that disappears must be taken off. Every one today goes into the seam from below floor 5.
+UP_ARROWS = {
+    ("specforge.config", SEAM): "checks draft.algorithm against NAMES, reads the algorithm's draft.* options",
+    ("specforge.training.init_from", SEAM): "reads which algorithm a published draft folder holds",
+    ("specforge.capture", SEAM): "asks the algorithm which target layers to capture",
+    ("specforge.compat", SEAM): "reads a draft folder's config (read_draft_config)",
+    ("specforge.dryrun", SEAM): "builds the algorithm from the config: its checks, memory terms, feature layers",
+    ("specforge.engines.llamacpp", SEAM): "finds the algorithm of a draft config or a GGUF to convert or refuse it",
+    ("specforge.runtime.plan", SEAM): "builds the algorithm from the config (draft, feature layers, SP halo), hands it down",
+    ("specforge.runtime.sources", SEAM): "asks the algorithm how many rows past its slice an SP rank reads",
+    ("specforge.runtime.workers", SEAM): "builds the algorithm and the target's feature layers in each worker",
+}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_floors(modules, layers=LAYERS) -> dict[str, int]:
+    def entry_in_a_folder(mod: str) -> bool:
+        return mod.endswith(".__main__") and mod.count(".") > 1
+
+    floors: dict[str, int] = {}
+    for mod in modules:
+        if not entry_in_a_folder(mod):
+            floors[room_of(mod)] = max(floors.get(room_of(mod), 0), layer_of(mod, layers))
+    for mod in modules:  # a room seen only through its __main__
+        floors.setdefault(room_of(mod), layer_of(mod, layers))
+    return floors
+
+
+def room_arrows(sources: dict[str, str], packages: set[str] | None = None) -> set[tuple[str, str]]:
+    """``(importing module, imported module)`` for every import in ``sources`` (name -> text) that
+    crosses from one room into another, at the top or inside a function."""
+    packages = _packages() if packages is None else packages
+    return {(mod, _target_module(name, names, sources)) for mod, source in sources.items()
+            for name, _, _, names in import_edges(source, mod, mod in packages)
+            if room_of(mod) != room_of(_target_module(name, names, sources))}
+
+
+def upward_arrows(sources: dict[str, str], packages: set[str] | None = None, layers=LAYERS) -> set[tuple[str, str]]:
+    """The arrows of ``sources`` whose target room has a higher floor than their own room."""
+    arrows = room_arrows(sources, packages)
+    floors = room_floors(set(sources) | {target for _, target in arrows}, layers)
+    return {(mod, target) for mod, target in arrows if floors[room_of(target)] > floors[room_of(mod)]}
+
+
+def room_graph(sources: dict[str, str], packages: set[str] | None = None, leave_out=frozenset()) -> dict[str, set[str]]:
+    """Which rooms each room imports, the arrows of ``leave_out`` left out."""
+    graph: dict[str, set[str]] = {}
+    for mod, target in room_arrows(sources, packages) - set(leave_out):
+        graph.setdefault(room_of(mod), set()).add(room_of(target))
+    return graph
+
+
+def test_the_arrows_up_between_rooms_are_the_known_ones():
+    found = upward_arrows(_package_sources())
+    new, gone = sorted(found - set(UP_ARROWS)), sorted(set(UP_ARROWS) - found)
+    assert not new, f"arrows up between rooms, not in UP_ARROWS: {new}"
+    assert not gone, f"gone: take them off UP_ARROWS: {gone}"
+
+
+def test_no_import_circle_between_rooms():
+    """Rooms import one way, the known arrows up left out: each goes into the seam, which shares its
+    room with algorithm packages that import config, models, training, ..., so each closes a circle."""
+    assert not import_cycles(room_graph(_package_sources(), leave_out=UP_ARROWS))
+
+
+def test_the_room_checks_catch_an_arrow_up_and_a_circle():
+    """Negative controls: an import into a higher room is an arrow up (the seam counts as floor 5 once an
+    algorithm package is in sight); one inside a room or down is not; two rooms that import each other
+    (one of them inside a function) are a circle."""
+    assert upward_arrows({"specforge.training.x": "from specforge.eval import main"}, set()) == {
+        ("specforge.training.x", "specforge.eval")}
+    assert upward_arrows({"specforge.config": "from specforge.algorithms import NAMES",
+                          "specforge.algorithms.eagle3.model": ""}, set()) == {("specforge.config", SEAM)}
+    assert upward_arrows({"specforge.training": "from ..eval import main"}, {"specforge.training"})
+    assert not upward_arrows({"specforge.algorithms.eagle3.loss": "from specforge.algorithms import NAMES",
+                              "specforge.eval": "from specforge.training.trainer import DraftTrainer"}, set())
+    assert not upward_arrows({"specforge.eval.__main__": "from specforge.cli import main", "specforge.eval": ""}, set())
+    assert upward_arrows({"specforge.eval.__main__": "from specforge.train import run", "specforge.eval": ""}, set())
+    sources = {"specforge.memory": "from specforge.runtime.contracts import Layout",
+               "specforge.runtime.plan": "def f():\n    from specforge.memory import predict"}
+    assert import_cycles(room_graph(sources, set())) == [["memory", "runtime"]]
+    assert not import_cycles(room_graph(sources, set(), leave_out={("specforge.runtime.plan", "specforge.memory")}))
+    assert not import_cycles(room_graph({"specforge.memory": sources["specforge.memory"]}, set()))
+
