@@ -534,3 +534,41 @@ def test_the_room_checks_catch_an_arrow_up_and_a_circle():
     assert not import_cycles(room_graph(sources, set(), leave_out={("specforge.runtime.plan", "specforge.memory")}))
     assert not import_cycles(room_graph({"specforge.memory": sources["specforge.memory"]}, set()))
 
+
+# ---------------------------------------------------------------- benchmarks/: no circle
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def benchmark_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """``sources``: a benchmark module's name (its file's stem) -> text. Which benchmark modules each
+    imports, at the top or inside a function: ``benchmarks.x``, ``from benchmarks import x``, or ``x``
+    as a script run from benchmarks/ imports it."""
+    graph: dict[str, set[str]] = {}
+    for mod, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + ([f"benchmarks.{a.name}" for a in node.names] if node.module == "benchmarks" else [])
+            for name in names:
+                parts = name.split(".")
+                stem = parts[1] if parts[0] == "benchmarks" and len(parts) > 1 else parts[0]
+                if stem in sources and stem != mod:
+                    graph.setdefault(mod, set()).add(stem)
+    return graph
+
+
+def test_no_import_circle_between_benchmarks():
+    sources = {p.stem: p.read_text() for p in sorted(BENCHMARKS.glob("*.py"))}
+    assert not import_cycles(benchmark_graph(sources))
+
+
+def test_the_benchmark_circle_check_catches_a_circle():
+    """Negative control: each way a benchmark imports another counts, inside a function too."""
+    pair = {"bench_ttt": "from benchmarks import launches", "launches": "def f():\n    from benchmarks import bench_ttt"}
+    assert import_cycles(benchmark_graph(pair)) == [["bench_ttt", "launches"]]
+    three = {"a": "import benchmarks.b", "b": "from c import x", "c": "from benchmarks.a import y", "common": ""}
+    assert import_cycles(benchmark_graph(three)) == [["a", "b", "c"]]
+    assert not import_cycles(benchmark_graph({"a": "from common import x", "common": "import os"}))
