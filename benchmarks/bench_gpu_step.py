@@ -5,7 +5,7 @@ against the memory model, kernel launches, per attention core (and packed rows).
     python benchmarks/bench_gpu_step.py --device cpu --shapes small --no-readme   # the harness itself, on a CPU
 
 One step = zero_grad + ``ttt_loss`` (7 TTT steps, bf16 autocast, fp32 weights) + backward + fused AdamW,
-B=1, the loss mask of ``bench_ttt.realistic_loss_mask``; tokens/s from the median of ``--reps`` steps
+B=1, the loss mask of ``ttt_step.realistic_loss_mask``; tokens/s from the median of ``--reps`` steps
 after two warm-up steps (a compiled core compiles there). Peak: ``torch.cuda.max_memory_allocated``
 over one step, beside ``specforge.memory``'s prediction for the same step (the algorithm's
 ``memory_step`` terms plus weights, gradients and AdamW state). Launches: CUDA kernels one step runs
@@ -28,8 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_ttt import make_draft, realistic_loss_mask  # noqa: E402
 from benchmarks.common import append_section, header_markdown, markdown_table  # noqa: E402
+from benchmarks.ttt_step import make_draft, realistic_loss_mask  # noqa: E402
 from specforge.algorithms import get_algorithm  # noqa: E402
 from specforge.algorithms.eagle3.algorithm import Eagle3Options  # noqa: E402
 from specforge.algorithms.eagle3.loss import ttt_loss  # noqa: E402

@@ -57,7 +57,7 @@ def step_table(store: Path, budget: int, num_batches: int, reps: int) -> str:
     import torch
 
     from benchmarks.bench_gpu_step import batch_of
-    from benchmarks.bench_ttt import TARGET, make_draft
+    from benchmarks.ttt_step import TARGET, make_draft
     from specforge.algorithms.eagle3.loss import ttt_loss
     from specforge.device import autocast
     from specforge.training.packing import pack_micro_batches

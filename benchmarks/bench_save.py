@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_ttt import make_batch, make_draft  # noqa: E402
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+from benchmarks.ttt_step import make_batch, make_draft  # noqa: E402
 
 DRAFT_VOCAB, T = 8192, 128
 METHODS = ("before", "after")

@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_ttt import make_batch, make_draft  # noqa: E402
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+from benchmarks.ttt_step import make_batch, make_draft  # noqa: E402
 
 DRAFT_VOCAB = 8192
 
@@ -59,7 +59,7 @@ def predicted_mb(sp: int, T: int, mode: str, window) -> float:
     """The memory model's peak for this rank (``bench_memory.predict``: held + the largest phase of a
     step; tensors only, no interpreter baseline), for the same draft, batch and precision."""
     from benchmarks.bench_memory import Case, predict, predicted_peak
-    from benchmarks.bench_ttt import TARGET
+    from benchmarks.ttt_step import TARGET
 
     u, r = (sp, 1) if mode == "ulysses" else (1, sp)
     case = Case("bench_sp", B=1, T=T, H=TARGET["hidden"], I=TARGET["intermediate"], Hq=TARGET["heads"],

@@ -35,86 +35,24 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import launches  # noqa: E402
+from benchmarks import launches, ttt_step  # noqa: E402
 from benchmarks.common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
+from benchmarks.ttt_step import TARGET, feature_dtype, make_batch, make_draft, train_step  # noqa: E402
 from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference  # noqa: E402
-from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
-from specforge.device import autocast, autocast_dtype, cpu_fast_bf16  # noqa: E402
+from specforge.device import autocast_dtype, cpu_fast_bf16  # noqa: E402
 
-TARGET = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152)
-TTT_LENGTH = 7
 CASES = [(1, 512, 8192, 830.0), (2, 1024, 32000, 200.0)]  # B, T, draft vocab, target tokens/s
-
-
-def realistic_loss_mask(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
-    """Alternating user (0) / assistant (1) spans; about 60% ones."""
-    mask = torch.zeros(B, T, dtype=torch.long)
-    for b in range(B):
-        t = int(torch.randint(10, 40, (1,), generator=gen))  # system + first user turn
-        while t < T:
-            a = int(torch.randint(40, 160, (1,), generator=gen))
-            mask[b, t : t + a] = 1
-            t += a + int(torch.randint(30, 110, (1,), generator=gen))
-    return mask
-
-
-def make_draft(N: int, shape: dict = TARGET, attention: str = "auto") -> Eagle3Draft:
-    cfg = Eagle3DraftConfig(
-        hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], vocab_size=shape["vocab"], draft_vocab_size=N, target_hidden_size=shape["hidden"],
-        rope_theta=100000.0, max_position_embeddings=8192, aux_layer_ids=[1, 14, 26], attention=attention,
-    )
-    draft = Eagle3Draft(cfg)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.sort(torch.randperm(shape["vocab"], generator=g)[:N]).values
-    draft.set_vocab(ids - torch.arange(N))
-    return draft
-
-
-# The draft's compute dtype under test (None = fp32, no autocast): set once in main.
-AMP: "torch.dtype | None" = torch.bfloat16
 
 
 def pick_amp(precision: str) -> "torch.dtype | None":
     """The autocast dtype the trainer picks for ``train.precision=precision`` on this CPU."""
     return autocast_dtype(precision, torch.device("cpu"))
-
-
-def feature_dtype() -> torch.dtype:
-    """Features as the trainer computes on them: bf16 under autocast, upcast to fp32 without."""
-    return AMP or torch.float32
-
-
-def make_batch(B: int, T: int, draft: Eagle3Draft, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    H, V, N = draft.config.hidden_size, draft.config.vocab_size, draft.config.draft_vocab_size
-    in_vocab = draft.draft_to_target_ids()[torch.randint(0, N, (B, T), generator=g)]
-    tgt = torch.where(torch.rand(B, T, generator=g) < 0.9, in_vocab, torch.randint(0, V, (B, T), generator=g))
-    return {
-        "input_ids_BT": torch.randint(0, V, (B, T), generator=g),
-        "loss_mask_BT": realistic_loss_mask(B, T, g),
-        "target_ids_BT": tgt,
-        "aux_hidden_BTKH": torch.randn(B, T, 3 * H, generator=g).to(feature_dtype()),
-        "last_hidden_BTH": torch.randn(B, T, H, generator=g).to(feature_dtype()),
-    }
-
-
-def train_step(draft, opt, batch, teacher_W, fn) -> float:
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    with autocast(torch.device("cpu"), AMP):
-        loss, _ = fn(draft, batch, teacher_W, ttt_length=TTT_LENGTH)
-    loss.backward()
-    opt.step()
-    return time.perf_counter() - t0
 
 
 def run_case(B, T, N, reps_fast, reps_base, skip_base=False):
@@ -202,9 +140,8 @@ def main() -> None:
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="auto = what train.precision=auto trains in on this CPU")
     args = ap.parse_args()
-    global AMP
-    AMP = pick_amp(args.precision)
-    precision = "bf16 autocast" if AMP is not None else "fp32"
+    ttt_step.AMP = pick_amp(args.precision)
+    precision = "bf16 autocast" if ttt_step.AMP is not None else "fp32"
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.profile:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.profiler import profile, record_function
 
+from benchmarks import ttt_step
 from benchmarks.common import header_markdown, markdown_table
 from specforge.algorithms.eagle3 import attention
 from specforge.algorithms.eagle3 import loss as loss_module
@@ -115,19 +116,17 @@ def per_step_casts():
 
 
 def step_launches(impl: str, hoisted: bool) -> Counter:
-    from benchmarks import bench_ttt
-
-    bench_ttt.AMP = torch.bfloat16
+    ttt_step.AMP = torch.bfloat16
     torch.manual_seed(0)
-    draft = bench_ttt.make_draft(N, SHAPE, attention=impl)
+    draft = ttt_step.make_draft(N, SHAPE, attention=impl)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    batch = bench_ttt.make_batch(B, T, draft)
+    batch = ttt_step.make_batch(B, T, draft)
     teacher_W = (torch.randn(N, SHAPE["hidden"]) * 0.02).to(torch.bfloat16)
     casts = contextlib.nullcontext() if hoisted else per_step_casts()
     with gpu_loops(), cpu_flex_backward(), casts:
-        bench_ttt.train_step(draft, opt, batch, teacher_W, bench_ttt.ttt_loss)  # warm-up (block masks cached)
+        ttt_step.train_step(draft, opt, batch, teacher_W, loss_module.ttt_loss)  # warm-up (block masks cached)
         with profile() as prof:
-            bench_ttt.train_step(draft, opt, batch, teacher_W, bench_ttt.ttt_loss)
+            ttt_step.train_step(draft, opt, batch, teacher_W, loss_module.ttt_loss)
     top = [ev for ev in prof.events() if ev.cpu_parent is None]
     return count(top)
 

@@ -12,15 +12,35 @@ from specforge.algorithms import NAMES
 PKG = Path(__file__).parent.parent / "specforge"
 
 
-def _imports(folder: str) -> set[str]:
+def absolute_module(node: ast.ImportFrom, module: str, is_package: bool = False) -> str:
+    """The absolute name that ``node``, in ``module``, imports from. A relative import counts its dots
+    from the package that holds the module: for a package's ``__init__`` (``is_package``) that is the
+    module itself, for any other module its parent."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    return ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module name ``source`` (the text of ``module``) imports, relative imports resolved."""
     found = set()
-    for path in (PKG / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add(absolute_module(node, module, is_package))
     return found
+
+
+def _imports(folder: str) -> set[str]:
+    return set().union(*(imports_of(path.read_text(), _module_name(path), path.name == "__init__.py")
+                         for path in (PKG / folder).rglob("*.py")))
 
 
 @pytest.mark.parametrize("folder, forbidden", [
@@ -35,21 +55,28 @@ def test_layer_does_not_import(folder, forbidden):
     assert not bad, f"specforge/{folder} imports {bad}"
 
 
+def test_the_folder_check_resolves_relative_imports():
+    """Negative control: a relative import counts, from a module and from a package's ``__init__``."""
+    assert "specforge.runtime.plan" in imports_of("from ..runtime.plan import Planner", "specforge.training.trainer")
+    assert "specforge.runtime" in imports_of("from ..runtime import plan", "specforge.training", is_package=True)
+    assert "specforge.training.batch" in imports_of("from .batch import collate", "specforge.training", True)
+
+
 # ---------------------------------------------------------------- the algorithm seam
 
 
-def seam_violations(source: str, names=NAMES) -> list[str]:
-    """What in ``source`` (a module outside specforge/algorithms/) bypasses the seam: an import of an
-    algorithm's own modules (only the seam ``specforge.algorithms``), or an
+def seam_violations(source: str, names=NAMES, module: str = "specforge.x", is_package: bool = False) -> list[str]:
+    """What in ``source`` (the text of ``module``, outside specforge/algorithms/) bypasses the seam: an
+    import of an algorithm's own modules (only the seam ``specforge.algorithms``), relative or not, or an
     algorithm name as a literal (compared, a key, an argument: the choice belongs in a hook)."""
     out = []
     for node in ast.walk(ast.parse(source)):
         mods = []
         if isinstance(node, ast.Import):
             mods = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            mods = [node.module] + ([f"{node.module}.{a.name}" for a in node.names]
-                                    if node.module == "specforge.algorithms" else [])
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute_module(node, module, is_package)
+            mods = [base] + ([f"{base}.{a.name}" for a in node.names] if base == "specforge.algorithms" else [])
         out += [f"line {node.lineno}: imports {m}" for m in mods
                 if m.startswith("specforge.algorithms.")
                 and m.split(".")[2] in names]
@@ -70,7 +97,7 @@ def test_no_algorithm_choice_outside_the_algorithm_packages():
             continue
         text = path.read_text()
         lines = text.splitlines()
-        for v in seam_violations(text):
+        for v in seam_violations(text, module=_module_name(path), is_package=path.name == "__init__.py"):
             line = lines[int(v.split(":")[0].split()[1]) - 1]
             if not any(str(rel) == f and line.startswith(start) for f, start in ALLOWED):
                 bad.append(f"specforge/{rel} {v}: {line.strip()}")
@@ -88,6 +115,17 @@ def test_no_algorithm_choice_outside_the_algorithm_packages():
 def test_the_seam_check_catches_a_bypass(source):
     """Negative control: each way around the seam is caught."""
     assert seam_violations(source)
+
+
+@pytest.mark.parametrize("source, module, is_package", [
+    ("from ..algorithms.dflash.export import tokens_per_round", "specforge.eval.served", False),
+    ("from ..algorithms import dflash", "specforge.eval.served", False),
+    ("from .algorithms.eagle3 import model", "specforge.export", False),
+    ("from ..algorithms import eagle3", "specforge.eval", True),
+])
+def test_the_seam_check_catches_a_relative_bypass(source, module, is_package):
+    """Negative control: a relative import around the seam is caught too, in a package's ``__init__`` as well."""
+    assert seam_violations(source, module=module, is_package=is_package)
 
 
 @pytest.mark.parametrize("source", [
@@ -201,11 +239,6 @@ def layer_of(module: str, layers=LAYERS) -> int:
     return best[1]
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def import_edges(source: str, module: str, is_package: bool = False) -> list[tuple[str, int, bool, list[str]]]:
     """``(imported module, line, inside a function, names)`` of the ``specforge`` imports in ``source``,
     relative ones resolved; those under ``if TYPE_CHECKING:`` (annotations only) are left out."""
@@ -218,10 +251,7 @@ def import_edges(source: str, module: str, is_package: bool = False) -> list[tup
             if isinstance(child, ast.Import):
                 out.extend((a.name, child.lineno, in_function, []) for a in child.names if a.name.startswith("specforge"))
             elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    pkg = module.split(".") if is_package else module.split(".")[:-1]
-                    base = ".".join(pkg[: len(pkg) - child.level + 1] + ([base] if base else []))
+                base = absolute_module(child, module, is_package)
                 if base.startswith("specforge"):
                     out.append((base, child.lineno, in_function, [a.name for a in child.names]))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
@@ -234,17 +264,24 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
+def _packages() -> set[str]:
+    """The modules that are a package's ``__init__.py``: their relative imports start from themselves."""
+    return {m for m, p in _modules().items() if p.name == "__init__.py"}
+
+
 def _target_module(name: str, names: list[str], known) -> str:
     """The module an import loads: ``from a.b import c`` loads ``a.b.c`` when that is a module."""
     subs = [f"{name}.{n}" for n in names if f"{name}.{n}" in known]
     return subs[0] if subs and len(subs) == len(names) else name
 
 
-def upward_imports(modules: dict[str, str], layers=LAYERS) -> list[str]:
-    """``modules``: name -> source. Every import that points to a higher layer than its module's."""
+def upward_imports(modules: dict[str, str], layers=LAYERS, packages: set[str] | None = None) -> list[str]:
+    """``modules``: name -> source; ``packages``: those of them that are a package's ``__init__``
+    (the tree's, unless given). Every import that points to a higher layer than its module's."""
+    packages = _packages() if packages is None else packages
     out = []
     for mod, source in modules.items():
-        for name, line, _, names in import_edges(source, mod, source is not None and mod.count(".") == 0):
+        for name, line, _, names in import_edges(source, mod, mod in packages):
             target = _target_module(name, names, modules)
             if layer_of(target, layers) > layer_of(mod, layers) and (mod, target) not in UPWARD:
                 out.append(f"{mod} line {line} imports {target} (layer {layer_of(target, layers)} over "
@@ -288,11 +325,11 @@ def _package_sources() -> dict[str, str]:
     return {m: p.read_text() for m, p in _modules().items()}
 
 
-def _graph(sources: dict[str, str]) -> dict[str, set[str]]:
+def _graph(sources: dict[str, str], packages: set[str] | None = None) -> dict[str, set[str]]:
+    packages = _packages() if packages is None else packages
     graph: dict[str, set[str]] = {}
     for mod, source in sources.items():
-        is_pkg = _modules()[mod].name == "__init__.py" if mod in _modules() else False
-        for name, _, _, names in import_edges(source, mod, is_pkg):
+        for name, _, _, names in import_edges(source, mod, mod in packages):
             target = _target_module(name, names, sources)
             if target != mod:
                 graph.setdefault(mod, set()).add(target)
@@ -315,11 +352,11 @@ def test_no_import_circle():
 
 
 def test_below_the_runtime_the_algorithm_is_handed_down():
-    bad = []
+    bad, packages = [], _packages()
     for mod, source in _package_sources().items():
         if layer_of(mod) >= LOOKUP_FLOOR or mod in LOOKUP_ALLOWED:
             continue
-        for name, line, _, names in import_edges(source, mod):
+        for name, line, _, names in import_edges(source, mod, mod in packages):
             if name == "specforge.algorithms" and set(names) & LOOKUPS:
                 bad.append(f"{mod} line {line} imports {sorted(set(names) & LOOKUPS)}: take the algorithm as an argument")
     assert not bad, "\n".join(bad)
@@ -375,6 +412,17 @@ def test_the_layer_check_catches_an_upward_import():
         layer_of("specforge_other.x")
 
 
+def test_the_layer_check_catches_a_relative_upward_import_in_a_package_init():
+    """Negative control: in a sub-package's ``__init__`` a relative import starts from the package itself,
+    so ``..runtime`` from specforge/training/__init__.py is specforge.runtime (layer 4 over 3)."""
+    assert import_edges("from . import batch", "specforge.training", is_package=True)[0][0] == "specforge.training"
+    assert import_edges("from .batch import x", "specforge.training", is_package=True)[0][0] == "specforge.training.batch"
+    assert upward_imports({"specforge.training": "from ..runtime.plan import Planner"}, packages={"specforge.training"})
+    assert upward_imports({"specforge.models": "def f():\n    from ..eval import main"}, packages={"specforge.models"})
+    assert not upward_imports({"specforge.runtime": "from ..training.trainer import DraftTrainer"},
+                              packages={"specforge.runtime"})
+
+
 def test_the_circle_check_catches_a_circle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not import_cycles({"a": {"b"}, "b": {"c"}})
@@ -387,3 +435,140 @@ def test_the_lazy_import_check_catches_an_unmarked_import():
     assert not lazy_import_problems("def f():\n    import transformers  # lazy: heavy (transformers)\n", "specforge.x")
     assert not lazy_import_problems("def f():\n    import torch  # lazy: keeps specforge.config torch-free\n",
                                     "specforge.config")
+
+
+# ---------------------------------------------------------------- folders: arrows between rooms
+
+# A room is a top-level folder or module of specforge/ (``specforge`` itself for the package's own
+# __init__). Its floor is the highest layer of LAYERS among its modules, a sub-package's __main__ (an
+# entry point kept in its folder) aside: the seam, specforge/algorithms/__init__.py, lives in the
+# ``algorithms`` room with the algorithm packages, on their floor 5. Every import between two rooms is
+# an arrow; an arrow runs up when its target room has the higher floor.
+SEAM = "specforge.algorithms"
+# The arrows that run up today, (importing module, imported module) -> why; a new one fails the test,
+# and one that disappears must be taken off. Every one today goes into the seam from below floor 5.
+UP_ARROWS = {
+    ("specforge.config", SEAM): "checks draft.algorithm against NAMES, reads the algorithm's draft.* options",
+    ("specforge.training.init_from", SEAM): "reads which algorithm a published draft folder holds",
+    ("specforge.capture", SEAM): "asks the algorithm which target layers to capture",
+    ("specforge.compat", SEAM): "reads a draft folder's config (read_draft_config)",
+    ("specforge.dryrun", SEAM): "builds the algorithm from the config: its checks, memory terms, feature layers",
+    ("specforge.engines.llamacpp", SEAM): "finds the algorithm of a draft config or a GGUF to convert or refuse it",
+    ("specforge.runtime.plan", SEAM): "builds the algorithm from the config (draft, feature layers, SP halo), hands it down",
+    ("specforge.runtime.sources", SEAM): "asks the algorithm how many rows past its slice an SP rank reads",
+    ("specforge.runtime.workers", SEAM): "builds the algorithm and the target's feature layers in each worker",
+}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_floors(modules, layers=LAYERS) -> dict[str, int]:
+    def entry_in_a_folder(mod: str) -> bool:
+        return mod.endswith(".__main__") and mod.count(".") > 1
+
+    floors: dict[str, int] = {}
+    for mod in modules:
+        if not entry_in_a_folder(mod):
+            floors[room_of(mod)] = max(floors.get(room_of(mod), 0), layer_of(mod, layers))
+    for mod in modules:  # a room seen only through its __main__
+        floors.setdefault(room_of(mod), layer_of(mod, layers))
+    return floors
+
+
+def room_arrows(sources: dict[str, str], packages: set[str] | None = None) -> set[tuple[str, str]]:
+    """``(importing module, imported module)`` for every import in ``sources`` (name -> text) that
+    crosses from one room into another, at the top or inside a function."""
+    packages = _packages() if packages is None else packages
+    return {(mod, _target_module(name, names, sources)) for mod, source in sources.items()
+            for name, _, _, names in import_edges(source, mod, mod in packages)
+            if room_of(mod) != room_of(_target_module(name, names, sources))}
+
+
+def upward_arrows(sources: dict[str, str], packages: set[str] | None = None, layers=LAYERS) -> set[tuple[str, str]]:
+    """The arrows of ``sources`` whose target room has a higher floor than their own room."""
+    arrows = room_arrows(sources, packages)
+    floors = room_floors(set(sources) | {target for _, target in arrows}, layers)
+    return {(mod, target) for mod, target in arrows if floors[room_of(target)] > floors[room_of(mod)]}
+
+
+def room_graph(sources: dict[str, str], packages: set[str] | None = None, leave_out=frozenset()) -> dict[str, set[str]]:
+    """Which rooms each room imports, the arrows of ``leave_out`` left out."""
+    graph: dict[str, set[str]] = {}
+    for mod, target in room_arrows(sources, packages) - set(leave_out):
+        graph.setdefault(room_of(mod), set()).add(room_of(target))
+    return graph
+
+
+def test_the_arrows_up_between_rooms_are_the_known_ones():
+    found = upward_arrows(_package_sources())
+    new, gone = sorted(found - set(UP_ARROWS)), sorted(set(UP_ARROWS) - found)
+    assert not new, f"arrows up between rooms, not in UP_ARROWS: {new}"
+    assert not gone, f"gone: take them off UP_ARROWS: {gone}"
+
+
+def test_no_import_circle_between_rooms():
+    """Rooms import one way, the known arrows up left out: each goes into the seam, which shares its
+    room with algorithm packages that import config, models, training, ..., so each closes a circle."""
+    assert not import_cycles(room_graph(_package_sources(), leave_out=UP_ARROWS))
+
+
+def test_the_room_checks_catch_an_arrow_up_and_a_circle():
+    """Negative controls: an import into a higher room is an arrow up (the seam counts as floor 5 once an
+    algorithm package is in sight); one inside a room or down is not; two rooms that import each other
+    (one of them inside a function) are a circle."""
+    assert upward_arrows({"specforge.training.x": "from specforge.eval import main"}, set()) == {
+        ("specforge.training.x", "specforge.eval")}
+    assert upward_arrows({"specforge.config": "from specforge.algorithms import NAMES",
+                          "specforge.algorithms.eagle3.model": ""}, set()) == {("specforge.config", SEAM)}
+    assert upward_arrows({"specforge.training": "from ..eval import main"}, {"specforge.training"})
+    assert not upward_arrows({"specforge.algorithms.eagle3.loss": "from specforge.algorithms import NAMES",
+                              "specforge.eval": "from specforge.training.trainer import DraftTrainer"}, set())
+    assert not upward_arrows({"specforge.eval.__main__": "from specforge.cli import main", "specforge.eval": ""}, set())
+    assert upward_arrows({"specforge.eval.__main__": "from specforge.train import run", "specforge.eval": ""}, set())
+    sources = {"specforge.memory": "from specforge.runtime.contracts import Layout",
+               "specforge.runtime.plan": "def f():\n    from specforge.memory import predict"}
+    assert import_cycles(room_graph(sources, set())) == [["memory", "runtime"]]
+    assert not import_cycles(room_graph(sources, set(), leave_out={("specforge.runtime.plan", "specforge.memory")}))
+    assert not import_cycles(room_graph({"specforge.memory": sources["specforge.memory"]}, set()))
+
+
+# ---------------------------------------------------------------- benchmarks/: no circle
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def benchmark_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """``sources``: a benchmark module's name (its file's stem) -> text. Which benchmark modules each
+    imports, at the top or inside a function: ``benchmarks.x``, ``from benchmarks import x``, or ``x``
+    as a script run from benchmarks/ imports it."""
+    graph: dict[str, set[str]] = {}
+    for mod, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + ([f"benchmarks.{a.name}" for a in node.names] if node.module == "benchmarks" else [])
+            for name in names:
+                parts = name.split(".")
+                stem = parts[1] if parts[0] == "benchmarks" and len(parts) > 1 else parts[0]
+                if stem in sources and stem != mod:
+                    graph.setdefault(mod, set()).add(stem)
+    return graph
+
+
+def test_no_import_circle_between_benchmarks():
+    sources = {p.stem: p.read_text() for p in sorted(BENCHMARKS.glob("*.py"))}
+    assert not import_cycles(benchmark_graph(sources))
+
+
+def test_the_benchmark_circle_check_catches_a_circle():
+    """Negative control: each way a benchmark imports another counts, inside a function too."""
+    pair = {"bench_ttt": "from benchmarks import launches", "launches": "def f():\n    from benchmarks import bench_ttt"}
+    assert import_cycles(benchmark_graph(pair)) == [["bench_ttt", "launches"]]
+    three = {"a": "import benchmarks.b", "b": "from c import x", "c": "from benchmarks.a import y", "common": ""}
+    assert import_cycles(benchmark_graph(three)) == [["a", "b", "c"]]
+    assert not import_cycles(benchmark_graph({"a": "from common import x", "common": "import os"}))
