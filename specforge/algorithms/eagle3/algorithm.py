@@ -113,12 +113,13 @@ class Eagle3:
         return cfg.draft.vocab_size
 
     def identity(self, cfg) -> dict:
-        """Every draft.* key but the attention impl; without the algorithm's name (checkpoints written
-        before the seam still resume), and ttt_warmup_steps under its former name train.*."""
+        """Every draft.* key but the attention impl and init_from, under the names every EAGLE-3
+        checkpoint's identity holds (so each resumes): without the algorithm's name, ttt_warmup_steps
+        as train.ttt_warmup_steps, sliding_window only when set."""
         out = {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
                if f.name not in _NOT_IDENTITY}
         out["train.ttt_warmup_steps"] = out.pop("draft.ttt_warmup_steps")
-        if out["draft.sliding_window"] is None:  # full attention: as checkpoints written before the key
+        if out["draft.sliding_window"] is None:  # full attention: no key, as identities without a window hold
             del out["draft.sliding_window"]
         return out
 
