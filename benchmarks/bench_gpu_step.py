@@ -11,8 +11,8 @@ over one step, beside ``specforge.memory``'s prediction for the same step (the a
 ``memory_step`` terms plus weights, gradients and AdamW state). Launches: CUDA kernels one step runs
 (torch.profiler). ``--pack N`` adds a case of short samples (``--pack-lengths``) packed into rows of N
 tokens against the same samples padded (``train.pack_tokens``): useful tokens per second.
-Shared yardstick beside it: ``../shared/gpu-bench/ttt_vs_upstream.py`` (SpecForge v0.2.0 on the same
-problem). On a machine without CUDA the default device refuses with one line.
+The external gpu-bench harness (not part of this repository) holds the same step against other
+trainers' (SpecForge v0.2.0 on the same problem). On a machine without CUDA the default device refuses with one line.
 """
 
 from __future__ import annotations

@@ -153,6 +153,6 @@ def section(info: dict, threads: int) -> str:
             f"({threads} threads). Launches = aten ops with no counted descendant, less views, metadata and "
             "allocations; SDPA and flex_attention count one launch forward and one backward (one fused kernel "
             "each on CUDA; the CPU runs a dense reference for flex). Method and limits: `benchmarks/launches.py`. "
-            "The GPU profile in issue 35 counted 4,442 launches per step for this codebase and 1,068 for "
+            "A GPU profile (the external gpu-bench harness's prof.py) counted 4,442 launches per step for this codebase and 1,068 for "
             "upstream SpecForge v0.2.0 (other shapes and batch); only the differences between rows here mean "
             "something.\n\n" + table + f"\n\nMost frequent launches, fast core, casts once: {top}.")

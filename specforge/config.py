@@ -356,7 +356,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 # Keys a config may still carry from an older specforge: what to write instead.
 _REPLACED = {
-    "train.ttt_warmup_steps": "it is an EAGLE-3 key now: write draft.ttt_warmup_steps",
+    "train.ttt_warmup_steps": "it is an EAGLE-3 key: write draft.ttt_warmup_steps",
 }
 
 

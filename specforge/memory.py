@@ -93,7 +93,7 @@ class StepPrecision:
     """How a train rank computes: ``compute`` bytes (2 under bf16/fp16 autocast, 4 in fp32),
     ``mp``: FSDP2's bf16 mixed-precision policy (GPUs with several train ranks: the unsharded params
     are bf16, no autocast copies of fp32 weights), ``world``: FSDP2 ranks (1 = no FSDP), and
-    whether TTT step 0 runs SDPA's fused kernel (``auto``/``sdpa``/``flash`` on a GPU) or the fast core."""
+    whether TTT step 0 runs SDPA's fused kernel (``auto``/``sdpa`` on a GPU) or the fast core."""
 
     compute: int = 2
     mp: bool = False

@@ -329,7 +329,7 @@ def test_adapt_answers_the_requests_in_flight_when_it_stops(adapt_base, tmp_path
     assert results and results[0][0] == 200 and servers.started[0].proc.poll() is not None
 
 
-# ---------------------------------------------------------------- checked first, never stuck (issue 36)
+# ---------------------------------------------------------------- checked first, never stuck
 
 
 def _write(path, rows, lines=()):
@@ -355,8 +355,8 @@ def _no_holdout_share(rows):
 
 
 def test_adapt_checks_draft_store_port_and_traffic_before_any_work(adapt_base, assets, tmp_path, capsys):
-    """Each of these passed adapt's checks at 356124e and failed only after a copy, a capture or a
-    conversion, or exited 0 having done nothing: now one error line before any work, exit 1."""
+    """Each of these is one error line before any work, exit 1: not a failure after a copy, a capture
+    or a conversion, nor an exit 0 having done nothing."""
     import shutil
     import socket
 
@@ -399,9 +399,9 @@ def over_store(over):
 
 
 def test_a_rerun_with_a_corrected_draft_gets_past_a_start_copied_from_a_wrong_folder(adapt_base, assets, tmp_path, capsys):
-    """356124e copied a non-draft (the target's folder) as drafts/start and kept it in state.json; the
-    same command with a correct adapt.draft failed the same way for ever. Now the start copy follows
-    adapt.draft until a round replaces it, and the round in progress starts again."""
+    """An adapt.dir whose drafts/start holds a non-draft (the target's folder), named in state.json:
+    the command with a correct adapt.draft gets past it (the start copy follows adapt.draft until a
+    round replaces it, and the round in progress starts again)."""
     import shutil
 
     from specforge.adapt.rounds import State
@@ -422,9 +422,8 @@ def test_a_rerun_with_a_corrected_draft_gets_past_a_start_copied_from_a_wrong_fo
 
 
 def test_a_failed_round_is_undone_and_the_same_command_gets_past_it(adapt_base, tmp_path, capsys, monkeypatch):
-    """356124e left a round that failed its gate (too few held-out prompts) in phase ``gate`` for ever:
-    a rerun never read the new traffic the error asked for. Now a failed round is undone (the live
-    draft and the domain store as before it) and the same command after more traffic runs a new round."""
+    """A round that fails its gate (too few held-out prompts) is undone (the live draft and the domain
+    store as before it), not left in phase ``gate``: the same command after more traffic runs a new round."""
     from specforge.adapt.rounds import Adapter, State
 
     real_gate = Adapter.gate

@@ -1,56 +1,56 @@
 """Bad input: each is a clear error naming the problem (or a counted skip for a data row), found
 before any worker starts. One test per case; tiny random Llama target (6 layers, 4 heads, vocab 297).
 
-| input | before (issue 10) | now | test |
-|---|---|---|---|
-| ``train.num_workers=64`` on 2 cores | Ray started with 65 CPUs prestarts ~60 worker processes, near OOM, never fails | error before Ray starts: keys, 64 CPU needed, cores | test_more_workers_than_cores_* |
-| ``regenerate.num_workers=64`` on 2 cores | Ray started with 65 CPUs, 64 tasks each loading the target | error before Ray starts | test_more_regenerate_workers_than_cores_checked_before_ray_starts |
-| ``regenerate.num_workers`` > 1 with ``regenerate.backend=openai`` | ignored silently | error pointing at regenerate.concurrency | test_regenerate_workers_with_the_openai_backend_is_an_error |
-| ``placement.max_inflight_mb`` below one step's features | two plans admitted anyway: the budget exceeded | error before the first step naming the key and the MB needed | tests/test_memory_bound.py::test_a_budget_smaller_than_one_step_is_refused_before_training |
-| workers need GPUs / custom resources the cluster lacks | placement group waits | error naming the resource and the numbers | test_resources_table |
-| ``ray.num_cpus=64`` (oversubscribe on purpose) | - | accepted | test_ray_num_cpus_oversubscribes_on_purpose |
-| ``train.max_steps=-1`` | error (already) | error naming the key | test_config_error |
-| ``train.max_minutes=-5`` | trains nothing, exit 0 | error naming the key | test_config_error |
-| other out-of-range numbers (log_every=0, betas, top_p, lr) | some accepted | error naming key and value | test_config_error |
-| ``model.aux_layer_ids=[26,14,1]`` / ``[1,1,2]`` | checkpoint SGLang serves wrongly, exit 0 | error: ascending, no repeats | test_config_error |
-| ``model.aux_layer_ids=[1,2]`` | shape error after 90 s in the data plane | error: exactly 3 | test_config_error |
-| ``model.aux_layer_ids=[1,14,29]`` (30 layers) / ``[1,14,99]`` | silent / caught in a Ray worker after the model loads | error from config.json, before Ray starts, every placement | test_aux_ids_checked_against_the_target, test_every_placement_checks_the_target_before_ray |
-| ``draft.vocab_size`` > target vocab | cut silently (data CLI) / later failure | error naming both sizes | test_target_table |
-| ``parallel.sp_ulysses`` > draft heads | ranks holding padding only | error naming the key | test_target_table |
-| ``parallel.sp_ulysses`` that does not divide the heads | - | accepted: zero heads padded (exact, tests/test_parallel_sp.py) | test_target_table |
-| offline store captured with other aux ids / max_length | refused inside the worker | refused by the driver, naming the key | test_offline_store_meta_is_checked_by_the_driver |
-| YAML syntax error in the config file | names ``<unicode string>`` | names the file, line and column | test_yaml_syntax_error_names_the_file |
-| ``lr: 1e-4`` in a YAML file | rejected as a string | a float, as on the command line | test_yaml_float_like_the_command_line |
-| override that is not valid YAML (``train.betas=[0.9``) | traceback | error naming the override | test_config_error |
-| truncated target ``model.safetensors`` | "invalid header length", no file | error naming the file | test_truncated_target_weights_name_the_file |
-| truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | "invalid header length", no file / JSON traceback | error naming the file | test_truncated_draft_checkpoint_names_the_file |
-| corrupt / truncated feature-store shard | names the shard (already) | names the shard | test_corrupt_store_shard_names_the_file |
-| data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string content, empty content, no assistant turn | counted skips (already) | counted skips by reason | test_bad_row_is_a_counted_skip |
-| over-long row | truncated (already) | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
-| ``data prepare``: missing data path, empty file, no usable rows | traceback | one ``error:`` line, exit 1 | test_data_cli_one_line_error |
-| ``eval``: missing model, draft folder that is not a checkpoint | traceback | one ``error:`` line, exit 1 | test_eval_one_line_error |
-| any ``python -m specforge.*`` entry point (ray_train, data, train, eval, regenerate, capture) | mixed styles | one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_error_line |
-| unknown key, wrong type | error (already, tests/test_config.py) | error naming the dotted key | tests/test_config.py |
-| ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file (issue 15) | trains, then loses the run, exit 0 / "File exists" after the model loaded | error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
-| the final save fails anyway (disk turns read-only or full) | "checkpoint: None", exit 0 | saved to a rescue folder the error names, exit 1 | test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
-| ``checkpoint.resume=false`` where checkpoints are | old step folders overwritten | moved to ``<checkpoint dir>/previous-<time>``, said, hashes kept | test_a_fresh_start_moves_old_checkpoints_aside |
-| eval: a draft of another target with the same shape | a table, no warning | error (the fingerprint training_state.pt records) unless ``--allow-mismatch`` | test_eval_refuses_a_draft_of_another_target |
-| eval: ``model.aux_layer_ids`` other than the draft's | runs on the config's layers | error unless ``--allow-mismatch``; without the key each draft runs on its own layers | test_eval_runs_a_draft_on_its_own_layers |
-| eval: a draft shaped for another target (hidden, vocab, layers) | RuntimeError traceback | error before the target loads | test_eval_refuses_a_draft_shaped_for_another_target |
-| eval: ``--num-prompts -3`` (and the other counts) | all prompts run | error naming the flag | test_eval_argument_ranges |
-| ``train.max_steps=0`` | an untrained step-000000 saved | error: >= 1 or null | test_config_error_messages_offer_only_valid_fixes |
-| ``ray.address`` where no Ray head runs | Ray retries until killed | error within ``parallel.timeout_s`` naming the key | test_a_dead_ray_address_fails_within_the_timeout |
-| ``train_eagle3.sh`` with a missing config or an unknown key | Python traceback | one ``error:`` line, exit 1 | test_the_default_script_reports_a_bad_config_in_one_line |
-| truncated ``training_state.pt`` on resume | zip-reader traceback, file unnamed | error naming the file and the fix | test_a_truncated_training_state_names_the_file |
-| a data file that is not UTF-8 | codec error, no file or line | error naming file, line and the fix | test_a_data_file_that_is_not_utf8_names_file_and_line |
-| ``--config configs`` (a folder) | "does not exist" | "is a directory", the YAML files in it | test_a_config_folder_is_named_as_one |
-| a small store with periodic eval | "data.num_eval gave 0" after Ray started | the store's real limit (a tenth), before Ray starts | test_a_small_store_with_periodic_eval_names_the_limit |
-| ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | an invalid suggestion / retried as transient / "or null" offered | a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
-| ``model.device=cuda`` / ``model.num_gpus=2`` on a machine without CUDA (issue 34) | "device 'cuda' requested but torch sees no CUDA device", no key named | one line naming the key, the torch build and the way out, before anything loads (train, eval, capture, regenerate) | test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line |
-| a GPU config on a machine without GPUs (issue 36) | the hub client's connection error; with the config copy, CPUs first | one line: the GPUs needed (by worker kind) and found, before the target's config, Ray or the CPUs | test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub |
-| a hub target whose config.json ships in configs/targets/, the hub off or unreachable | the hub client's error | the shipped copy, as the dry run reads it | test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off |
-| a truncated, empty or foreign weights/state file at ``draft.init_from``, ``eval --draft``, ``export --draft``, a resumed checkpoint, ``adapt.draft``, the cached vocab file (issue 36) | ``SafetensorError: invalid header length`` traceback (init_from) | one line naming the file (``specforge/files.py``, the one reader) | test_a_broken_weights_file_is_one_error_line_naming_it |
-| ``bench_ttt.py`` on a CPU without bf16 | timed bf16, which training never runs there | times the precision training runs (``--precision``), names it | test_bench_ttt_measures_the_precision_training_runs |
+| input | what it gets | test |
+|---|---|---|
+| ``train.num_workers=64`` on 2 cores | error before Ray starts: keys, 64 CPU needed, cores | test_more_workers_than_cores_* |
+| ``regenerate.num_workers=64`` on 2 cores | error before Ray starts | test_more_regenerate_workers_than_cores_checked_before_ray_starts |
+| ``regenerate.num_workers`` > 1 with ``regenerate.backend=openai`` | error pointing at regenerate.concurrency | test_regenerate_workers_with_the_openai_backend_is_an_error |
+| ``placement.max_inflight_mb`` below one step's features | error before the first step naming the key and the MB needed | tests/test_memory_bound.py::test_a_budget_smaller_than_one_step_is_refused_before_training |
+| workers need GPUs / custom resources the cluster lacks | error naming the resource and the numbers | test_resources_table |
+| ``ray.num_cpus=64`` (oversubscribe on purpose) | accepted | test_ray_num_cpus_oversubscribes_on_purpose |
+| ``train.max_steps=-1`` | error naming the key | test_config_error |
+| ``train.max_minutes=-5`` | error naming the key | test_config_error |
+| other out-of-range numbers (log_every=0, betas, top_p, lr) | error naming key and value | test_config_error |
+| ``model.aux_layer_ids=[26,14,1]`` / ``[1,1,2]`` | error: ascending, no repeats | test_config_error |
+| ``model.aux_layer_ids=[1,2]`` | error: exactly 3 | test_config_error |
+| ``model.aux_layer_ids=[1,14,29]`` (30 layers) / ``[1,14,99]`` | error from config.json, before Ray starts, every placement | test_aux_ids_checked_against_the_target, test_every_placement_checks_the_target_before_ray |
+| ``draft.vocab_size`` > target vocab | error naming both sizes | test_target_table |
+| ``parallel.sp_ulysses`` > draft heads | error naming the key | test_target_table |
+| ``parallel.sp_ulysses`` that does not divide the heads | accepted: zero heads padded (exact, tests/test_parallel_sp.py) | test_target_table |
+| offline store captured with other aux ids / max_length | refused by the driver, naming the key | test_offline_store_meta_is_checked_by_the_driver |
+| YAML syntax error in the config file | names the file, line and column | test_yaml_syntax_error_names_the_file |
+| ``lr: 1e-4`` in a YAML file | a float, as on the command line | test_yaml_float_like_the_command_line |
+| override that is not valid YAML (``train.betas=[0.9``) | error naming the override | test_config_error |
+| truncated target ``model.safetensors`` | error naming the file | test_truncated_target_weights_name_the_file |
+| truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | error naming the file | test_truncated_draft_checkpoint_names_the_file |
+| corrupt / truncated feature-store shard | names the shard | test_corrupt_store_shard_names_the_file |
+| data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string content, empty content, no assistant turn | counted skips by reason | test_bad_row_is_a_counted_skip |
+| over-long row | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
+| ``data prepare``: missing data path, empty file, no usable rows | one ``error:`` line, exit 1 | test_data_cli_one_line_error |
+| ``eval``: missing model, draft folder that is not a checkpoint | one ``error:`` line, exit 1 | test_eval_one_line_error |
+| any ``python -m specforge.*`` entry point (ray_train, data, train, eval, regenerate, capture) | one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_error_line |
+| unknown key, wrong type | error naming the dotted key | tests/test_config.py |
+| ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
+| the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
+| ``checkpoint.resume=false`` where checkpoints are | moved to ``<checkpoint dir>/previous-<time>``, said, hashes kept | test_a_fresh_start_moves_old_checkpoints_aside |
+| eval: a draft of another target with the same shape | error (the fingerprint training_state.pt records) unless ``--allow-mismatch`` | test_eval_refuses_a_draft_of_another_target |
+| eval: ``model.aux_layer_ids`` other than the draft's | error unless ``--allow-mismatch``; without the key each draft runs on its own layers | test_eval_runs_a_draft_on_its_own_layers |
+| eval: a draft shaped for another target (hidden, vocab, layers) | error before the target loads | test_eval_refuses_a_draft_shaped_for_another_target |
+| eval: ``--num-prompts -3`` (and the other counts) | error naming the flag | test_eval_argument_ranges |
+| ``train.max_steps=0`` | error: >= 1 or null | test_config_error_messages_offer_only_valid_fixes |
+| ``ray.address`` where no Ray head runs | error within ``parallel.timeout_s`` naming the key | test_a_dead_ray_address_fails_within_the_timeout |
+| ``train_eagle3.sh`` with a missing config or an unknown key | one ``error:`` line, exit 1 | test_the_default_script_reports_a_bad_config_in_one_line |
+| truncated ``training_state.pt`` on resume | error naming the file and the fix | test_a_truncated_training_state_names_the_file |
+| a data file that is not UTF-8 | error naming file, line and the fix | test_a_data_file_that_is_not_utf8_names_file_and_line |
+| ``--config configs`` (a folder) | "is a directory", the YAML files in it | test_a_config_folder_is_named_as_one |
+| a small store with periodic eval | the store's real limit (a tenth), before Ray starts | test_a_small_store_with_periodic_eval_names_the_limit |
+| ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
+| ``model.device=cuda`` / ``model.num_gpus=2`` on a machine without CUDA | one line naming the key, the torch build and the way out, before anything loads (train, eval, capture, regenerate) | test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line |
+| a GPU config on a machine without GPUs | one line: the GPUs needed (by worker kind) and found, before the target's config, Ray or the CPUs | test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub |
+| a hub target whose config.json ships in configs/targets/, the hub off or unreachable | the shipped copy, as the dry run reads it | test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off |
+| a truncated, empty or foreign weights/state file at ``draft.init_from``, ``eval --draft``, ``export --draft``, a resumed checkpoint, ``adapt.draft``, the cached vocab file | one line naming the file (``specforge/files.py``, the one reader) | test_a_broken_weights_file_is_one_error_line_naming_it |
+| ``bench_ttt.py`` on a CPU without bf16 | times the precision training runs (``--precision``), names it | test_bench_ttt_measures_the_precision_training_runs |
 """
 
 import json
@@ -257,7 +257,7 @@ def test_regenerate_workers_with_the_openai_backend_is_an_error():
 
 @pytest.mark.slow
 def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):
-    """The HANG of issue 10 end to end: the CLI exits with one line, and Ray never started."""
+    """More train workers than cores, end to end: the CLI exits with one line, and Ray never starts."""
     if (os.cpu_count() or 1) >= 64:
         pytest.skip("this machine has 64 cores")
     out = _cli(["specforge.ray_train", *_base(assets, tmp_path), "train.num_workers=64"], timeout=240)
@@ -414,7 +414,7 @@ def test_every_entry_point_prints_one_error_line(assets, tmp_path, module):
     _one_error_line(out.stderr, "missing-model", "does not exist")
 
 
-# ---------------------------------------------------------------- nothing lost, nothing silent (issue 15)
+# ---------------------------------------------------------------- nothing lost, nothing silent
 
 # A folder on a read-only mount: root ignores mode bits, so chmod cannot make a folder unwritable here.
 READ_ONLY = Path("/sys/fs/specforge-read-only")
@@ -762,8 +762,8 @@ BROKEN = {"truncated": lambda b: b[:100], "empty": lambda b: b"", "foreign": lam
 @pytest.mark.parametrize("entry", ["init_from", "eval", "export", "resume", "adapt", "vocab"])
 def test_a_broken_weights_file_is_one_error_line_naming_it(assets, tmp_path, trained, capsys, entry, how):
     """Every weights/state file a user can name goes through ``specforge.files``: truncated, empty or
-    foreign, each entry point prints one error line naming the file (356124e: ``draft.init_from``
-    printed safetensors' traceback, "invalid header length")."""
+    foreign, each entry point prints one error line naming the file (not safetensors' traceback,
+    "invalid header length")."""
     import specforge.eval as ev
     from specforge import export
     from specforge import train as local
@@ -804,8 +804,8 @@ def test_a_broken_weights_file_is_one_error_line_naming_it(assets, tmp_path, tra
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
 def test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub(tmp_path):
-    """356124e printed the hub client's connection error (naming neither the model nor the GPUs);
-    with the config copy, CPUs came first. Now: the GPUs needed and found, before anything else."""
+    """The GPUs needed and found, in one line before anything else (the hub, the config copy, the
+    CPUs): not the hub client's connection error, which names neither the model nor the GPUs."""
     env = {"HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
     out = _cli(["specforge.ray_train", "--config", "configs/llama3.1-8b-instruct.yaml",
                 f"train.output_dir={tmp_path / 'run'}"], env=env)

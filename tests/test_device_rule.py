@@ -1,10 +1,9 @@
-"""Every tensor the package makes is made on a device someone chose (issue 34's class of bug).
+"""Every tensor the package makes is made on a device someone chose.
 
 On one device a tensor made on the default device (the CPU) meets the data without complaint; on a
-GPU it stops the run ("Expected all tensors to be on the same device"): the first GPU run stopped at
-step 1 twice so (DFlash's ``decay_weights`` made on the CPU times a CUDA mask; EAGLE-3's
-normalizer indexing a CPU ``t2d`` with CUDA ids because the trainer moved the micro-batch only
-after the hook). Two checks close the class on a CPU-only machine:
+GPU it stops the run at its first step ("Expected all tensors to be on the same device"): e.g. a
+weight made on the CPU times a CUDA mask, or a CPU ``t2d`` indexed with CUDA ids when a hook sees a
+micro-batch before the trainer moves it. Two checks close the class on a CPU-only machine:
 
 * a rule over the source: a tensor factory call (``torch.zeros``, ``torch.arange``, ...; and the
   package's own functions that take a ``device`` and return a tensor, such as ``decay_weights``)

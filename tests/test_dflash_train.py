@@ -1,4 +1,4 @@
-"""DFlash on the shared runtime (issue 17): chosen by ``draft.algorithm``, trained by the same loop,
+"""DFlash on the shared runtime: chosen by ``draft.algorithm``, trained by the same loop,
 placements, feature sources, store and checkpoints as EAGLE-3, and evaluated losslessly beside it.
 
 Multi-rank runs are checked against the single process (same global batch, same anchors: they are a

@@ -1,4 +1,4 @@
-"""llama.cpp serves our DFlash drafts as we run them (``specforge.engines.llamacpp``, issue 17).
+"""llama.cpp serves our DFlash drafts as we run them (``specforge.engines.llamacpp``).
 
 Needs the llama.cpp build (``bash scripts/install_llamacpp.sh``): fails naming that command when
 it is missing, like tests/test_engine_llamacpp.py.

@@ -1,8 +1,7 @@
 """The GPU suite on ONE GPU: every entry point, each algorithm (part of ``bash scripts/test.sh -m gpu``).
 
-The first GPU run stopped at step 1 in ``python -m specforge.train`` although every CPU test passed:
-one device cannot show a device mismatch, and the GPU suite then covered kernels and multi-GPU runs
-only. Here, on one CUDA device, with a bf16 target and the GPU precision policy (``train.precision=auto``):
+One CPU device cannot show a device mismatch, and kernels and multi-GPU runs alone do not run the
+entry points: a run can stop at step 1 on a GPU although every CPU test passes. Here, on one CUDA device, with a bf16 target and the GPU precision policy (``train.precision=auto``):
 
 * per algorithm (EAGLE-3, EAGLE-3.1, P-EAGLE, DFlash, DSpark): ``python -m specforge.train`` for 6
   steps; the same run killed after its step-3 checkpoint and run again, whose losses equal the

@@ -42,7 +42,7 @@ def test_model_matches_the_measured_peak(algo):
     dev = bench.predict(case)
     predicted, _ = bench.predicted_peak(dev)
     assert abs(predicted / measured - 1) < 0.20, (predicted, measured)
-    # control: what the dry run counted before (fp32 weights + AdamW, nothing transient) misses most of it
+    # control: a count of fp32 weights + AdamW alone (nothing transient) misses most of it
     weights_and_adam = sum(t.nbytes for t in dev.held if "params" in t.name or "AdamW" in t.name)
     assert weights_and_adam / measured < 0.5, (weights_and_adam, measured)
 

@@ -165,8 +165,8 @@ def block_targets(labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor, anchors_B
 
 
 def decay_weights(block_size: int, gamma: Optional[float], device: torch.device) -> torch.Tensor:
-    """``[K]`` on ``device`` (that of the data it will meet: no default, a CPU-made weight times a
-    CUDA mask stopped the first GPU run): 0 for the anchor, ``exp(-(k-1)/gamma)`` after it (1
+    """``[K]`` on ``device`` (that of the data it will meet: no default, as a CPU-made weight times a
+    CUDA mask stops a GPU run): 0 for the anchor, ``exp(-(k-1)/gamma)`` after it (1
     everywhere if gamma is None or <= 0)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma and gamma > 0 else torch.ones_like(k)

@@ -15,6 +15,7 @@ from typing import Literal, Optional
 
 import torch
 
+from specforge.algorithms.eagle3.attention import CHOICES
 from specforge.algorithms.eagle3.export import (
     DEFAULT_SPECULATIVE_TOKENS,
     check_checkpoint,
@@ -50,8 +51,9 @@ class Eagle3Options(DraftConfig):
     ttt_decay: float = field(default=0.8, metadata={"unit": "(0, 1]"})
     # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
     ttt_warmup_steps: int = field(default=0, metadata={"at_least": 0})
-    # TTT attention core (attention.py IMPLS); flex: compiled flex_attention on CUDA, opt-in until measured
-    attention: Literal["auto", "sdpa", "eager", "flash", "flex"] = "auto"
+    # TTT attention core, one of attention.CHOICES: auto (fast on a CPU, sdpa on a GPU) or a core by name;
+    # flex: compiled flex_attention on CUDA, opt-in until measured
+    attention: Literal[CHOICES] = "auto"
     # sliding-window attention (tokens; None = full): a draft query at position p sees the keys at
     # positions > p - sliding_window, in training and drafting (attention.py); served by vLLM
     sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
@@ -111,12 +113,13 @@ class Eagle3:
         return cfg.draft.vocab_size
 
     def identity(self, cfg) -> dict:
-        """Every draft.* key but the attention impl; without the algorithm's name (checkpoints written
-        before the seam still resume), and ttt_warmup_steps under its former name train.*."""
+        """Every draft.* key but the attention impl and init_from, under the names every EAGLE-3
+        checkpoint's identity holds (so each resumes): without the algorithm's name, ttt_warmup_steps
+        as train.ttt_warmup_steps, sliding_window only when set."""
         out = {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
                if f.name not in _NOT_IDENTITY}
         out["train.ttt_warmup_steps"] = out.pop("draft.ttt_warmup_steps")
-        if out["draft.sliding_window"] is None:  # full attention: as checkpoints written before the key
+        if out["draft.sliding_window"] is None:  # full attention: no key, as identities without a window hold
             del out["draft.sliding_window"]
         return out
 
@@ -181,7 +184,7 @@ class Eagle3:
         d = Eagle3Dims.of(draft.config)
         # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities;
         # flex (every step fused, no probabilities) is counted by its own terms
-        precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa", "flash")
+        precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa")
                                         and cfg.draft.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
         core = "flex" if cfg.draft.attention == "flex" else "fast"

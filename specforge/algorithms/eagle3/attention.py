@@ -79,6 +79,8 @@ __all__ = [
     "build_ttt_mask",
     "window_start",
     "IMPLS",
+    "CHOICES",
+    "pick_impl",
 ]
 
 
@@ -425,10 +427,20 @@ def ttt_attention_flex(
 
 IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_attention_sdpa,
          "flex": ttt_attention_flex}
+# THE values of draft.attention (the config's Literal is built from this tuple; docs/ARCHITECTURE.md
+# lists the same, tests/test_docs.py compares them): "auto" or a core of IMPLS by its name
+CHOICES = ("auto", *IMPLS)
+
+
+def pick_impl(impl: str, device_type: str) -> str:
+    """The core ``impl`` runs on ``device_type``: ``auto`` = ``fast`` on a CPU, ``sdpa`` elsewhere."""
+    if impl == "auto":
+        return "fast" if device_type == "cpu" else "sdpa"
+    return impl
 
 
 class TTTAttentionCore(nn.Module):
-    """``midlayer.self_attn.core``: no parameters; ``impl`` in {"auto", "sdpa", "fast", "eager", "flex"}.
+    """``midlayer.self_attn.core``: no parameters; ``impl`` one of ``CHOICES``.
 
     ``auto`` = ``fast`` on CPU (measured faster than the fused CPU SDPA kernel even for plain
     causal attention, see benchmarks/README.md) and ``sdpa`` on GPUs (fused kernel for step 0).
@@ -449,17 +461,13 @@ class TTTAttentionCore(nn.Module):
 
     @impl.setter
     def impl(self, value: str) -> None:
-        if value == "flash":  # config alias: flash-attn is a GPU extra; the fused SDPA path here
-            value = "sdpa"
-        if value != "auto" and value not in IMPLS:
-            raise ValueError(f"attention impl {value!r}: expected 'auto' or one of {sorted(IMPLS)}")
+        if value not in CHOICES:
+            raise ValueError(f"config key 'draft.attention': got {value!r}, expected one of "
+                             f"{', '.join(map(repr, CHOICES))}")
         self._impl = value
 
     def forward(self, q_BHTD, keys, values, q_offset: int = 0, doc: Optional[torch.Tensor] = None):
-        impl = self._impl
-        if impl == "auto":
-            impl = "fast" if q_BHTD.device.type == "cpu" else "sdpa"
-        fn = IMPLS[impl]
+        fn = IMPLS[pick_impl(self._impl, q_BHTD.device.type)]
         kw = {} if doc is None else {"doc": doc}  # packed rows (module docstring)
         return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale, window=self.window, **kw)
 
