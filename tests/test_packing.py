@@ -114,10 +114,10 @@ def test_fast_core_reads_the_sample_starts_once_per_unroll(monkeypatch):
     q, keys, values, doc = _split_qkv([7, 12, 5])
     for T in (24, 21, 18):  # the steps of one unroll: the same step-0 keys and doc, fewer query rows
         cut = [keys[0]] + [k[:, :, :T] for k in keys[1:]], [values[0]] + [v[:, :, :T] for v in values[1:]]
-        out = ttt_attention_fast(q[:, :, :T], *cut, chunk=4, doc=doc)
-        torch.testing.assert_close(out, ttt_attention_eager(q[:, :, :T], *cut, doc=doc), rtol=1e-10, atol=1e-12)
+        out = ttt_attention_fast(q[:, :, :T], *cut, chunk=4, doc_ids_BT=doc)
+        torch.testing.assert_close(out, ttt_attention_eager(q[:, :, :T], *cut, doc_ids_BT=doc), rtol=1e-10, atol=1e-12)
     assert calls == [(0, 4)]
-    ttt_attention_fast(q, keys, values, chunk=4, doc=doc.clone())
+    ttt_attention_fast(q, keys, values, chunk=4, doc_ids_BT=doc.clone())
     assert calls == [(0, 4), (0, 4)]
 
 
@@ -128,7 +128,7 @@ def test_packed_attention_is_each_samples_own(window):
     T_list = [7, 12, 5]
     q, keys, values, doc = _split_qkv(T_list)
     for core in (ttt_attention_eager, lambda *a, **k: ttt_attention_fast(*a, chunk=4, **k)):
-        out = core(q, keys, values, window=window, doc=doc)
+        out = core(q, keys, values, window=window, doc_ids_BT=doc)
         alone, start = [], 0
         for t in T_list:
             cut = lambda xs: [x[:, :, start : start + t] for x in xs]  # noqa: E731
@@ -146,7 +146,7 @@ def test_the_doc_mask_is_what_keeps_samples_apart():
     """Control: the same packed row without its doc ids mixes the samples."""
     T_list = [7, 12]
     q, keys, values, doc = _split_qkv(T_list)
-    with_doc = ttt_attention_fast(q, keys, values, doc=doc)
+    with_doc = ttt_attention_fast(q, keys, values, doc_ids_BT=doc)
     without = ttt_attention_fast(q, keys, values)
     assert torch.equal(with_doc[:, :, :7], without[:, :, :7])  # the first sample sees nothing before it
     assert not torch.allclose(with_doc[:, :, 7:], without[:, :, 7:])
@@ -271,8 +271,8 @@ def test_packed_flex_attention_is_each_samples_own(monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     T_list = [7, 12, 5]
     q, keys, values, doc = _split_qkv(T_list)
-    out = ttt_attention_flex(q, keys, values, window=6, doc=doc)
-    ref = ttt_attention_eager(q, keys, values, window=6, doc=doc)
+    out = ttt_attention_flex(q, keys, values, window=6, doc_ids_BT=doc)
+    ref = ttt_attention_eager(q, keys, values, window=6, doc_ids_BT=doc)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     w = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad((out * w).sum(), [q, *keys, *values]),

@@ -134,13 +134,13 @@ def _packed_batch(samples: Sequence, offsets: Sequence[int], T: int, pad_id: int
     rows = torch.arange(start, start + got["input_ids_BT"].shape[1], device=device)
     # sample d holds rows [offsets[d], offsets[d + 1]); rows past T get id len(samples) (padding)
     firsts = torch.tensor([*offsets, T], device=device)
-    doc = torch.searchsorted(firsts[1:], rows, right=True)
-    pos = rows - firsts[doc]
+    doc_ids_BT = torch.searchsorted(firsts[1:], rows, right=True)[None]
+    pos = rows - firsts[doc_ids_BT[0]]
     if sp_size == 1:
-        return PackedBatch(**got, position_ids_BT=pos[None], doc_ids_BT=doc[None],
+        return PackedBatch(**got, position_ids_BT=pos[None], doc_ids_BT=doc_ids_BT,
                            length_B=torch.tensor([T]))  # device: host (metadata, TrainBatch.length_B)
     return PackedSPTrainBatch(**got, position_ids_BT=pos[None, : end - start], num_rows=end - start, start=start,
-                              doc_ids_BT=doc[None])
+                              doc_ids_BT=doc_ids_BT)
 
 
 def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: int,
