@@ -11,9 +11,9 @@ import torch
 
 from specforge.capture import iter_features, main, plan_batches
 from specforge.config import load_config
+from specforge.contracts import FeatureField, FeatureSpec
 from specforge.data.store import FeatureStore
 from specforge.models.target import TargetModel, capture, forward_aux
-from specforge.runtime.contracts import FeatureField, FeatureSpec
 from specforge.runtime.workers import RolloutWorker
 from specforge.targets import FAMILIES, check_packing
 from specforge.training.batch import collate

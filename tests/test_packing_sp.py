@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
-from specforge.parallel.bounds import row_offsets, split_slices
-from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
+from specforge.contracts import FeatureSpec, SampleRef, row_offsets
+from specforge.parallel.bounds import split_slices
+from specforge.runtime.plan import plan_step
 from specforge.training.slicing import WholeSample, batch_from_samples, sp_slice_batch
 from tests.helpers.ranks import SAMPLE_LENGTHS, L, run_sp, setup_sp, sp_cfg, sp_rank
 

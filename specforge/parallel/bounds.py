@@ -1,5 +1,5 @@
 """THE slice rule of sequence parallelism, and the packing rule (``train.pack_tokens``), stdlib
-arithmetic: the data plane's planner (``runtime/contracts.plan_step``) and the train side
+arithmetic: the data plane's planner (``runtime/plan.plan_step``) and the train side
 (``training/slicing.py``, ``training/packing.py``) both import them.
 
 A sequence is padded to a multiple of the parts; slice r owns ``[r*C, (r+1)*C)`` and reads a right
@@ -9,7 +9,6 @@ halo of rows past it (how many: the algorithm's ``sp_halo``; EAGLE-3's TTT shift
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Sequence
 
 
@@ -61,8 +60,3 @@ def pack_rows(lengths: Sequence[int], budget: int, key: str = "train.pack_tokens
         rows[-1].append(i)
         used += n
     return rows
-
-
-def row_offsets(lengths: Sequence[int]) -> list[int]:
-    """Where each of the samples of a packed row starts (the tokens of those before it)."""
-    return list(accumulate(lengths, initial=0))[:-1]

@@ -6,7 +6,7 @@ rank's samples of a step are laid end to end, in order, in rows of at most ``tra
 tokens (THE rule: ``parallel/bounds.pack_rows``; a new row starts when the next sample would not
 fit); each row is one micro-batch of batch size 1 with no padding at all. Two places pack by it:
 
-* the Ray placements' planner (``runtime/contracts.plan_step``): a plan's micro-batches ARE the
+* the Ray placements' planner (``runtime/plan.plan_step``): a plan's micro-batches ARE the
   rows, the data plane sends each rank its part of each sample, and the sources assemble the row
   (``training/slicing.batch_from_samples`` with offsets); with sequence parallelism the row is what
   is sliced over the group's ranks (``PackedSPTrainBatch``; the SP cores gather the sample ids);
@@ -40,8 +40,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from specforge.contracts import row_offsets
 from specforge.models.features import TrainBatch
-from specforge.parallel.bounds import pack_rows, row_offsets
+from specforge.parallel.bounds import pack_rows
 from specforge.training.slicing import SAMPLE_FIELDS, PackedBatch, WholeSample, batch_from_samples
 
 __all__ = ["PackedBatch", "pack_micro_batches", "pack_rows", "target_packs"]

@@ -24,8 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from specforge.contracts import row_offsets
 from specforge.models.features import TrainBatch
-from specforge.parallel.bounds import row_offsets, slice_bounds
+from specforge.parallel.bounds import slice_bounds
 
 __all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
 

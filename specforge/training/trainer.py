@@ -122,7 +122,7 @@ class DraftTrainer:
         """``train.pack_tokens``: this rank's samples end to end in rows (``training/packing.py``); as is otherwise."""
         budget = self.cfg.train.pack_tokens
         if budget is None or all(getattr(mb, "doc_ids_BT", None) is not None for mb in micro_batches):
-            return list(micro_batches)  # a packed plan's sources hand over packed rows (runtime/contracts.plan_step)
+            return list(micro_batches)  # a packed plan's sources hand over packed rows (runtime/plan.plan_step)
         return pack_micro_batches(micro_batches, budget)
 
     def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
