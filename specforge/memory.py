@@ -378,9 +378,9 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo(cfg) - 1, 0))
     params = DraftParams.of(draft)
-    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). The Ray
-    # placements' plans carry packed rows (runtime/plan.plan_step); the single process packs its padded
-    # micro-batches, a second copy: counted for every placement (an upper bound by one copy of the features)
+    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
+    # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
+    # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)
     packed = tr.pack_tokens is not None
     step = algo.memory_step(cfg, draft, dataclasses.replace(s, B=1, T=tr.pack_tokens) if packed else s, p, gpu)
     wire = wire_dtype(cfg.model.dtype, gpu)

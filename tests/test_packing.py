@@ -15,9 +15,10 @@ from specforge.algorithms.eagle3.attention import ttt_attention_eager, ttt_atten
 from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference, valid_rows
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.config import load_config
+from specforge.data.packing import pack_rows
 from specforge.data.vocab import DraftVocab
 from specforge.models.features import TrainBatch
-from specforge.training.packing import PackedBatch, pack_micro_batches, pack_rows
+from specforge.training.slicing import PackedBatch, pack_micro_batches
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
@@ -226,6 +227,7 @@ def test_trainer_step_packed_equals_unpacked(algorithm):
             trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, _vocab_of(trainer)), cfg,
                                    torch.device("cpu"))
         mbs = [feature_batch(target, rows[:2]), feature_batch(target, rows[2:])]
+        mbs = mbs if budget is None else pack_micro_batches(mbs, budget)  # as a packed plan's source hands them
         metrics = [trainer.step(mbs) for _ in range(2)]
         runs[budget] = (metrics, trainable_params(trainer))
     (m0, p0), (m1, p1) = runs[None], runs[64]

@@ -24,12 +24,13 @@ import torch
 
 from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
-from specforge.contracts import FeatureSpec, Layout, SampleRef, StepPlan, Transfer, row_offsets
+from specforge.contracts import FeatureSpec, Layout, SampleRef, StepPlan, Transfer
+from specforge.data.packing import packed_rows
 from specforge.data.prepare import prepare_dataset
 from specforge.data.store import FeatureStore, check_replay_meta, store_root
 from specforge.data.vocab import build_draft_vocab, save_draft_vocab
 from specforge.models.target import load_tokenizer, resolve_target_path
-from specforge.parallel.bounds import pack_rows, split_slices
+from specforge.parallel.bounds import split_slices
 from specforge.parallel.dims import ParallelDims
 from specforge.targets import text_config
 from specforge.training.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
@@ -356,7 +357,7 @@ def plan_step(
     each group that lists it; with several ranks per group (sequence parallelism) rank j gets the
     j-th slice of the micro-batch's padded length plus ``halo`` (:func:`split_slices`).
     ``pack_tokens`` (``train.pack_tokens``): instead, each DP group's samples are packed, in order,
-    into rows of at most that many tokens (``pack_rows``); a row is one micro-batch whose samples sit
+    into rows of at most that many tokens (``data/packing.packed_rows``); a row is one micro-batch whose samples sit
     end to end, and rank j of a group gets the part of each sample that lies in its slice of the row.
     Transfers are ordered by (source, position in its batch, group, slice), a pure function of
     the inputs, so all ranks derive the same order.
@@ -376,10 +377,12 @@ def plan_step(
         micro = [[group[s : s + micro_batch_size] for s in range(0, len(group), micro_batch_size)]
                  for group in dp_groups_samples]
         padded = [[max(r.length for r in mb) for mb in group] for group in micro]
+        offsets = [[[0] * len(mb) for mb in group] for group in micro]
     else:
-        micro = [[[group[i] for i in row] for row in pack_rows([r.length for r in group], pack_tokens)]
-                 for group in dp_groups_samples]
-        padded = [[sum(r.length for r in mb) for mb in group] for group in micro]
+        rows = [packed_rows([r.length for r in group], pack_tokens) for group in dp_groups_samples]
+        micro = [[[group[i] for i in row.samples] for row in g_rows] for group, g_rows in zip(dp_groups_samples, rows)]
+        padded = [[row.tokens for row in g_rows] for g_rows in rows]
+        offsets = [[row.offsets for row in g_rows] for g_rows in rows]
 
     source: dict[int, int] = {}  # sample id -> rollout worker index
     batches: list[list[int]] = [[] for _ in rollout_ranks]
@@ -393,9 +396,8 @@ def plan_step(
 
     receivers: dict[int, list[tuple[int, int, int]]] = {}  # sample id -> (group, padded length, offset in the row)
     for g, group in enumerate(micro):
-        for mb, T in zip(group, padded[g]):
-            offsets = row_offsets([r.length for r in mb]) if pack_tokens is not None else [0] * len(mb)
-            for ref, o in zip(mb, offsets):
+        for mb, T, offs in zip(group, padded[g], offsets[g]):
+            for ref, o in zip(mb, offs):
                 receivers.setdefault(ref.sample_id, []).append((g, T, o))
     transfers = []
     for w, batch in enumerate(batches):

@@ -25,15 +25,17 @@ from typing import Optional, Sequence
 import torch
 
 from specforge.contracts import row_offsets
+from specforge.data.packing import packed_rows
 from specforge.models.features import TrainBatch
 from specforge.parallel.bounds import slice_bounds
 
-__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
+__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples",
+           "pack_micro_batches"]
 
 
 @dataclass
 class PackedBatch(TrainBatch):
-    """One packed row (B = 1, ``train.pack_tokens``; ``training/packing.py``): samples end to end, each
+    """One packed row (B = 1, ``train.pack_tokens``; ``data/packing.py``): samples end to end, each
     with positions from 0 and its own doc id."""
 
     position_ids_BT: torch.Tensor
@@ -114,6 +116,22 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
         return TrainBatch(**_fields(samples, T, pad_id, 0, T, T),
                           length_B=torch.tensor(lengths))  # device: host (metadata, TrainBatch.length_B)
     return _sp_batch(samples, T, pad_id, sp_rank, sp_size, halo)
+
+
+def pack_micro_batches(micro_batches: Sequence[TrainBatch], budget: int) -> list[PackedBatch]:
+    """The samples of right-padded ``micro_batches`` (``length_B`` recorded) laid out in the packed
+    rows of ``budget`` tokens (``data/packing.packed_rows``), each row its own micro-batch: what a
+    packed plan's source hands over, made from padded batches (tests, benchmarks)."""
+    samples, lengths = [], []
+    for mb in micro_batches:
+        if mb.length_B is None:
+            raise RuntimeError("train.pack_tokens: a micro-batch without length_B (its source did not record the "
+                               "samples' lengths); packing needs whole samples")
+        for b, n in enumerate(mb.length_B.tolist()):
+            samples.append(WholeSample({k: getattr(mb, f)[b, :n] for k, f in SAMPLE_FIELDS.items()}))
+            lengths.append(int(n))
+    return [batch_from_samples([samples[i] for i in row.samples], row.tokens, 0, offsets=row.offsets)
+            for row in packed_rows(lengths, budget)]
 
 
 def _sp_batch(samples: Sequence, T: int, pad_id: int, sp_rank: int, sp_size: int, halo: int) -> SPTrainBatch:

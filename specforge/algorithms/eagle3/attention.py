@@ -20,7 +20,7 @@ Interface (see docs/ARCHITECTURE.md)::
   its diagonal keys (positions ``t + 1 .. t + n``) stay inside the window as long as ``W > n``
   (the config requires ``W > ttt_length``). speculators' trainer windows by row, ignoring the step
   shift: the two differ at the window's edge by at most ``n`` keys, and ours is what is served.
-* ``doc_ids_BT`` (``B x T0`` integer ids, None = one sample per row): packed rows (``training/packing.py``):
+* ``doc_ids_BT`` (``B x T0`` integer ids, None = one sample per row): packed rows (``data/packing.py``):
   a query sees only step-0 keys of its own sample (``doc_ids_BT[b, key] == doc_ids_BT[b, q_offset + t]``); its
   diagonal keys are its own row's, so always its own sample's.
 

@@ -355,7 +355,7 @@ def ttt_loss(
     if sp_rows is not None and T < sp_rows + L + 1:
         raise ValueError(f"SP slice: {T} window rows, need num_rows + ttt_length + 1 = {sp_rows + L + 1}")
     R = T if sp_rows is None else sp_rows  # rows this call computes
-    doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows (training/packing.py)
+    doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows (data/packing.py)
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT)[:, :, :R]  # L,B,R
     teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH, softcap)
     # SP: the same shapes on every rank (collectives inside the attention core)

@@ -514,7 +514,7 @@ class Eagle3Draft(nn.Module):
         x_{t+1+i} (zeros past the end), the previous step's hidden, RoPE position ``pos[t] + i``,
         and attends to step-0 keys ``<= t`` and to its own row's keys of steps ``1..i``. The
         embedding half of q/k/v is projected once for the whole sequence and shifted per step.
-        ``doc_ids_BT``: packed rows (``training/packing.py``): a query attends only to its own sample's keys.
+        ``doc_ids_BT``: packed rows (``data/packing.py``): a query attends only to its own sample's keys.
         """
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()

@@ -145,7 +145,7 @@ class PEagleDraft(Eagle3Draft):
                 doc_ids_BT: Optional[torch.Tensor] = None) -> list:
         """``[head(d, hidden_out_B_Td_H) for depths d]`` (see the module docstring); the arguments of
         ``Eagle3Draft.forward``: depth ``d`` computes rows ``t < t_len[d]`` (non-increasing).
-        ``doc_ids_BT``: packed rows (``training/packing.py``): a row of any depth attends only to its own
+        ``doc_ids_BT``: packed rows (``data/packing.py``): a row of any depth attends only to its own
         sample's depth-0 keys (its own anchor's mask rows are of its sample already)."""
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
