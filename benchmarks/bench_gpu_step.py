@@ -37,7 +37,7 @@ from specforge.config import Config  # noqa: E402
 from specforge.device import autocast, synchronize  # noqa: E402
 from specforge.memory import DraftParams, SeqShape, StepPrecision  # noqa: E402
 from specforge.models.features import TrainBatch  # noqa: E402
-from specforge.training.packing import pack_micro_batches  # noqa: E402
+from specforge.training.slicing import pack_micro_batches  # noqa: E402
 
 SHAPES = {  # Llama-3.1-8B's draft (the gpu-bench yardstick's) and a CPU-sized stand-in
     "gpu": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000),

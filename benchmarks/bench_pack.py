@@ -60,7 +60,7 @@ def step_table(store: Path, budget: int, num_batches: int, reps: int) -> str:
     from benchmarks.ttt_step import TARGET, make_draft
     from specforge.algorithms.eagle3.loss import ttt_loss
     from specforge.device import autocast
-    from specforge.training.packing import pack_micro_batches
+    from specforge.training.slicing import pack_micro_batches
 
     index = json.loads((store / "index.json").read_text())
     every = [s["length"] for sh in index["shards"] for s in sh["samples"]]  # capture order: longest first

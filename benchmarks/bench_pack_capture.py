@@ -32,9 +32,9 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
 )
 from specforge.capture import CAPTURE_TOKENS, plan_batches  # noqa: E402
+from specforge.data.packing import target_packs  # noqa: E402
 from specforge.models.target import capture  # noqa: E402
 from specforge.training.batch import collate, global_batch_ids  # noqa: E402
-from specforge.training.packing import target_packs  # noqa: E402
 
 
 def rollout_batches(rows, batch_size: int, reps: int) -> list[list[dict]]:

@@ -27,8 +27,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from common import append_section, header_markdown, machine_info, markdown_table  # noqa: E402
 
+from specforge.contracts import FeatureSpec, SampleRef  # noqa: E402
 from specforge.runtime.actors import DistributedWorker, gather, init_communicator, spawn_actors  # noqa: E402
-from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step  # noqa: E402
 from specforge.runtime.dataplane import (  # noqa: E402
     ObjectStoreTransport,
     P2PTransport,
@@ -37,6 +37,7 @@ from specforge.runtime.dataplane import (  # noqa: E402
     spawn_mailbox,
     synthetic_features,
 )
+from specforge.runtime.plan import plan_step  # noqa: E402
 
 SMOL_H, SMOL_V = 576, 49152
 LLAMA_H, LLAMA_V = 4096, 128256

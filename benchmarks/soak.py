@@ -136,8 +136,8 @@ def line_fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
 def run(steps: int, every: int, budget_steps: float, trace_at: Optional[int] = None, settle: bool = False) -> dict:
     import ray
 
+    from specforge.contracts import Layout
     from specforge.ray_train import Planner, collect, prepare, spawn_cluster, start_ray, train_loop
-    from specforge.runtime.contracts import Layout
     from specforge.runtime.dataplane import inflight_peak, inflight_snapshot
     from specforge.tracking import MetricsLogger
 

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from specforge.algorithms import feature_layers
 from specforge.config import load_config
+from specforge.data.packing import target_packs
 from specforge.data.prepare import prepare_dataset
 from specforge.data.store import (
     FeatureStoreWriter,
@@ -36,7 +37,6 @@ from specforge.models.target import capture, load_target, load_target_config, lo
 from specforge.models.vllm_engine import SERVER_STORAGE, engine_factory, server_command, spec_for
 from specforge.targets import text_config
 from specforge.training.batch import collate, pad_id
-from specforge.training.packing import target_packs
 
 CAPTURE_TOKENS = 4096  # padded tokens per target forward (at least train.batch_size rows)
 

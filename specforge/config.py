@@ -120,7 +120,7 @@ class TrainConfig:
     seed: int = 0
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # pack this rank's samples of a step end to end in rows of at most this many tokens (no padding;
-    # positions, attention and loss stay each sample's own: specforge/training/packing.py); None = pad
+    # positions, attention and loss stay each sample's own: specforge/data/packing.py); None = pad
     pack_tokens: Optional[int] = None
     num_threads: Optional[int] = None  # torch intra-op threads (None = leave as is)
     num_workers: int = 1  # train workers (Ray); one process (specforge.train) trains their global batch

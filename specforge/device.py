@@ -24,7 +24,7 @@ _TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``: dtypes are named by their torch names everywhere (the
-    one table of names and sizes is ``runtime.contracts.DTYPE_BYTES``, stdlib for the records)."""
+    one table of names and sizes is ``contracts.DTYPE_BYTES``, stdlib for the records)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype name")

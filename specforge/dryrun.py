@@ -30,6 +30,7 @@ import torch
 from specforge import memory
 from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import EMBEDDED_TARGET, Config
+from specforge.contracts import FeatureSpec
 from specforge.data.vocab import DraftVocab
 from specforge.device import pick_device, pick_dtype, torch_dtype, wants_gpu
 from specforge.models.target import (  # noqa: F401 (the dry run's names for them)
@@ -41,7 +42,6 @@ from specforge.models.target import (  # noqa: F401 (the dry run's names for the
     split_plan,
 )
 from specforge.parallel.dims import ParallelDims
-from specforge.runtime.contracts import FeatureSpec
 from specforge.runtime.loop import check
 from specforge.runtime.loop import single_process as one_rank
 from specforge.runtime.plan import wire_dtype

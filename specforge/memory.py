@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from specforge.runtime.contracts import DTYPE_BYTES, FeatureSpec
+from specforge.contracts import DTYPE_BYTES, MAX_STEPS_AHEAD, FeatureSpec
 from specforge.targets import family_of, target_head_dim, text_config
 
 GiB = 2**30
@@ -49,7 +49,6 @@ NCCL_BYTES = 1 * GiB
 # share of the transient (per-step) bytes, which is what churns.
 FRAGMENTATION = 0.10
 POOL_HEADROOM = 1.25  # runtime/dataplane.py BufferPool: a new buffer is 25% larger than asked
-MAX_STEPS_AHEAD = 8  # runtime/contracts.py: plans the driver lets run ahead of training
 
 
 @dataclass(frozen=True)
@@ -379,9 +378,9 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo(cfg) - 1, 0))
     params = DraftParams.of(draft)
-    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). The Ray
-    # placements' plans carry packed rows (runtime/contracts.plan_step); the single process packs its padded
-    # micro-batches, a second copy: counted for every placement (an upper bound by one copy of the features)
+    # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
+    # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
+    # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)
     packed = tr.pack_tokens is not None
     step = algo.memory_step(cfg, draft, dataclasses.replace(s, B=1, T=tr.pack_tokens) if packed else s, p, gpu)
     wire = wire_dtype(cfg.model.dtype, gpu)

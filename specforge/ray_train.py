@@ -44,6 +44,7 @@ import ray
 from specforge import device
 from specforge.cli import run_cli
 from specforge.config import Config, load_config
+from specforge.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
 from specforge.preflight import check_placement, check_resources, gpus_per_worker, ray_resources
 from specforge.runtime.actors import (
@@ -56,7 +57,6 @@ from specforge.runtime.actors import (
     spawn_actors,
     start_ray,
 )
-from specforge.runtime.contracts import Layout, StepPlan, StepReport, assert_no_tensors
 from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox
 from specforge.runtime.loop import not_applied, restore_rows, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps

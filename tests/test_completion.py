@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from specforge.contracts import FeatureSpec, SampleRef
 from specforge.parallel.launch import run_ranks
 from specforge.runtime.completion import Completion, PeerLost, StreamWork
-from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
 from specforge.runtime.dataplane import P2PTransport, synthetic_features, wire_features
+from specforge.runtime.plan import plan_step
 
 SPEC = FeatureSpec.hidden_states(hidden_size=8)
 DELAY_S = 2.0  # rank 0 sends this long after rank 1 posted its receive (margin for a loaded machine)

@@ -74,7 +74,7 @@ def test_stop_rule_first_of_max_steps_and_epochs():
 
 
 def _planner(cfg, rollout_ranks, train_ranks):
-    from specforge.runtime.contracts import Layout
+    from specforge.contracts import Layout
     from specforge.runtime.plan import Planner, RunData
 
     data = RunData(lengths=tuple(5 + i % 7 for i in range(40)), eval_lengths=(4, 9, 3, 8, 6, 5, 7, 2, 9), vocab_path="",

@@ -8,16 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from specforge.runtime.contracts import (
+from specforge.contracts import (
     FeatureField,
     FeatureSpec,
     SampleRef,
     StepReport,
     assert_no_tensors,
-    assign_groups,
-    plan_step,
-    split_slices,
 )
+from specforge.parallel.bounds import split_slices
+from specforge.runtime.plan import assign_groups, plan_step
 
 pytestmark = pytest.mark.timeout(30)
 SPEC = FeatureSpec.hidden_states(hidden_size=8)
@@ -151,8 +150,8 @@ def test_contracts_module_is_stdlib_only():
     import sys
     from pathlib import Path
 
+    import specforge.contracts as contracts
     import specforge.parallel.bounds as bounds
-    import specforge.runtime.contracts as contracts
 
     def imported(module) -> set[str]:
         tree = ast.parse(Path(module.__file__).read_text())
@@ -160,6 +159,6 @@ def test_contracts_module_is_stdlib_only():
                 for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
 
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    # the one specforge module it may import: the slice arithmetic (stdlib-only itself)
-    assert {m for m in imported(contracts) if m.split(".")[0] not in stdlib} == {"specforge.parallel.bounds"}
+    # the ground: no specforge module at all
+    assert {m for m in imported(contracts) if m.split(".")[0] not in stdlib} == set()
     assert {m.split(".")[0] for m in imported(bounds)} <= stdlib

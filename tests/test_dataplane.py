@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from specforge.contracts import FeatureSpec, SampleRef, StepReport, assert_no_tensors
 from specforge.runtime.actors import DistributedWorker, WorkerError, init_communicator, spawn_actors
-from specforge.runtime.contracts import FeatureSpec, SampleRef, StepReport, assert_no_tensors, plan_step
 from specforge.runtime.dataplane import (
     ObjectStoreTransport,
     P2PTransport,
@@ -25,6 +25,7 @@ from specforge.runtime.dataplane import (
     spawn_mailbox,
     synthetic_features,
 )
+from specforge.runtime.plan import plan_step
 
 pytestmark = pytest.mark.timeout(600)
 SPEC = FeatureSpec.hidden_states(hidden_size=8)

@@ -53,7 +53,7 @@ def test_anchors_only_in_the_loss_masked_region():
 def test_anchors_respect_documents():
     lm = torch.ones(1, 10)
     docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]])
-    anchors, keep = sample_anchors(lm, 20, document_ids_BT=docs)
+    anchors, keep = sample_anchors(lm, 20, doc_ids_BT=docs)
     assert anchors[keep].tolist() == [0, 1, 2, 4, 5, 6, 7, 8]  # 3 -> 4 crosses documents
 
 

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from specforge.algorithms import get_algorithm
+from specforge.contracts import FeatureSpec, SampleRef
 from specforge.parallel.launch import run_ranks
-from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
 from specforge.runtime.dataplane import P2PTransport, synthetic_features
+from specforge.runtime.plan import plan_step
 from tests.helpers.ray_run import losses, make_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

@@ -199,7 +199,7 @@ def test_the_test_import_check_passes_helpers(source):
 # A name maps to the layer of its longest listed prefix; every module must fall under one.
 LAYERS = {
     0: ("specforge", "specforge.algorithms", "specforge.device", "specforge.cli", "specforge.plot", "specforge.files",
-        "specforge.jsonhttp"),
+        "specforge.jsonhttp", "specforge.contracts"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
     3: ("specforge.training",),
@@ -220,7 +220,7 @@ LOOKUP_FLOOR, LOOKUP_ALLOWED = 4, {"specforge.config", "specforge.algorithms"}
 # modules that import no torch at their import time (CLI start-up and config errors before torch loads)
 TORCH_FREE = ("specforge.algorithms", "specforge.cli", "specforge.config", "specforge.targets", "specforge.tracking",
               "specforge.compat", "specforge.memory", "specforge.train", "specforge.export", "specforge.plot",
-              "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.runtime.contracts",
+              "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.contracts",
               "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
 # why a function may import: the reasons a '# lazy: ...' comment gives
 HEAVY = {"transformers", "ray", "datasets", "pyarrow"}

@@ -15,9 +15,10 @@ from specforge.algorithms.eagle3.attention import ttt_attention_eager, ttt_atten
 from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference, valid_rows
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
 from specforge.config import load_config
+from specforge.data.packing import pack_rows
 from specforge.data.vocab import DraftVocab
 from specforge.models.features import TrainBatch
-from specforge.training.packing import PackedBatch, pack_micro_batches, pack_rows
+from specforge.training.slicing import PackedBatch, pack_micro_batches
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
 
@@ -114,10 +115,10 @@ def test_fast_core_reads_the_sample_starts_once_per_unroll(monkeypatch):
     q, keys, values, doc = _split_qkv([7, 12, 5])
     for T in (24, 21, 18):  # the steps of one unroll: the same step-0 keys and doc, fewer query rows
         cut = [keys[0]] + [k[:, :, :T] for k in keys[1:]], [values[0]] + [v[:, :, :T] for v in values[1:]]
-        out = ttt_attention_fast(q[:, :, :T], *cut, chunk=4, doc=doc)
-        torch.testing.assert_close(out, ttt_attention_eager(q[:, :, :T], *cut, doc=doc), rtol=1e-10, atol=1e-12)
+        out = ttt_attention_fast(q[:, :, :T], *cut, chunk=4, doc_ids_BT=doc)
+        torch.testing.assert_close(out, ttt_attention_eager(q[:, :, :T], *cut, doc_ids_BT=doc), rtol=1e-10, atol=1e-12)
     assert calls == [(0, 4)]
-    ttt_attention_fast(q, keys, values, chunk=4, doc=doc.clone())
+    ttt_attention_fast(q, keys, values, chunk=4, doc_ids_BT=doc.clone())
     assert calls == [(0, 4), (0, 4)]
 
 
@@ -128,7 +129,7 @@ def test_packed_attention_is_each_samples_own(window):
     T_list = [7, 12, 5]
     q, keys, values, doc = _split_qkv(T_list)
     for core in (ttt_attention_eager, lambda *a, **k: ttt_attention_fast(*a, chunk=4, **k)):
-        out = core(q, keys, values, window=window, doc=doc)
+        out = core(q, keys, values, window=window, doc_ids_BT=doc)
         alone, start = [], 0
         for t in T_list:
             cut = lambda xs: [x[:, :, start : start + t] for x in xs]  # noqa: E731
@@ -146,7 +147,7 @@ def test_the_doc_mask_is_what_keeps_samples_apart():
     """Control: the same packed row without its doc ids mixes the samples."""
     T_list = [7, 12]
     q, keys, values, doc = _split_qkv(T_list)
-    with_doc = ttt_attention_fast(q, keys, values, doc=doc)
+    with_doc = ttt_attention_fast(q, keys, values, doc_ids_BT=doc)
     without = ttt_attention_fast(q, keys, values)
     assert torch.equal(with_doc[:, :, :7], without[:, :, :7])  # the first sample sees nothing before it
     assert not torch.allclose(with_doc[:, :, 7:], without[:, :, 7:])
@@ -226,6 +227,7 @@ def test_trainer_step_packed_equals_unpacked(algorithm):
             trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, _vocab_of(trainer)), cfg,
                                    torch.device("cpu"))
         mbs = [feature_batch(target, rows[:2]), feature_batch(target, rows[2:])]
+        mbs = mbs if budget is None else pack_micro_batches(mbs, budget)  # as a packed plan's source hands them
         metrics = [trainer.step(mbs) for _ in range(2)]
         runs[budget] = (metrics, trainable_params(trainer))
     (m0, p0), (m1, p1) = runs[None], runs[64]
@@ -271,8 +273,8 @@ def test_packed_flex_attention_is_each_samples_own(monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     T_list = [7, 12, 5]
     q, keys, values, doc = _split_qkv(T_list)
-    out = ttt_attention_flex(q, keys, values, window=6, doc=doc)
-    ref = ttt_attention_eager(q, keys, values, window=6, doc=doc)
+    out = ttt_attention_flex(q, keys, values, window=6, doc_ids_BT=doc)
+    ref = ttt_attention_eager(q, keys, values, window=6, doc_ids_BT=doc)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     w = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad((out * w).sum(), [q, *keys, *values]),

@@ -22,7 +22,7 @@ from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import Config, TrainConfig, load_config
 from specforge.models.features import TrainBatch
-from specforge.training.packing import pack_micro_batches
+from specforge.training.slicing import pack_micro_batches
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.dflash import tiny_cfg
 
@@ -229,7 +229,7 @@ def test_trainer_steps_packed_equal_unpacked(name):
         algo, cfg = _cfg(name, pack_tokens=budget)
         draft, state = _draft(name, torch.float32)
         trainer = DraftTrainer(algo, draft, state, cfg, torch.device("cpu"))
-        mbs = _micro_batches(name, torch.float32, draft)[0]
+        mbs = _micro_batches(name, torch.float32, draft)[0 if budget is None else 1]  # packed: as a source hands them
         metrics = [trainer.step(mbs) for _ in range(2)]
         runs[budget] = metrics, {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
     (m0, p0), (m1, p1) = runs[None], runs[BUDGET]

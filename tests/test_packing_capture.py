@@ -11,13 +11,13 @@ import torch
 
 from specforge.capture import iter_features, main, plan_batches
 from specforge.config import load_config
+from specforge.contracts import FeatureField, FeatureSpec
+from specforge.data.packing import target_packs
 from specforge.data.store import FeatureStore
 from specforge.models.target import TargetModel, capture, forward_aux
-from specforge.runtime.contracts import FeatureField, FeatureSpec
 from specforge.runtime.workers import RolloutWorker
 from specforge.targets import FAMILIES, check_packing
 from specforge.training.batch import collate
-from specforge.training.packing import target_packs
 from specforge.training.trainer import local_batches
 from tests.helpers.models import tiny_target
 from tests.helpers.targets import NAMES, build_family, overrides, target_folder

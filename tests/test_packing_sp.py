@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
-from specforge.parallel.bounds import row_offsets, split_slices
-from specforge.runtime.contracts import FeatureSpec, SampleRef, plan_step
+from specforge.contracts import FeatureSpec, SampleRef, row_offsets
+from specforge.parallel.bounds import split_slices
+from specforge.runtime.plan import plan_step
 from specforge.training.slicing import WholeSample, batch_from_samples, sp_slice_batch
 from tests.helpers.ranks import SAMPLE_LENGTHS, L, run_sp, setup_sp, sp_cfg, sp_rank
 
@@ -89,12 +90,12 @@ def test_ring_kernel_masks_other_samples_keys():
     q, k0, v0, k1, v1 = [torch.randn(1, h, T, 8, generator=g, dtype=torch.float64, requires_grad=True)
                          for h in (4, 2, 2, 2, 2)]
     doc = torch.tensor([[0] * 7 + [1] * 9 + [2] * 3])
-    ref = ttt_attention_eager(q, [k0, k1], [v0, v1], doc=doc)
+    ref = ttt_attention_eager(q, [k0, k1], [v0, v1], doc_ids_BT=doc)
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         comm = RingComm(dist.group.WORLD)
-        out = ring_ttt_attention(q, [k0, k1], [v0, v1], comm, kernel="torch", doc=doc)
+        out = ring_ttt_attention(q, [k0, k1], [v0, v1], comm, kernel="torch", doc_ids_BT=doc)
         plain = ring_ttt_attention(q, [k0, k1], [v0, v1], comm, kernel="torch")
     finally:
         dist.destroy_process_group()

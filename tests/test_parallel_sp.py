@@ -58,7 +58,7 @@ def test_slices_partition_rows_and_valid_count():
 def test_batch_from_samples_equals_slicing_the_full_batch():
     """Received windows (slice + halo, as the planner cuts them) and whole samples (a disk store)
     assemble into exactly the batch that slicing the full right-padded micro-batch gives."""
-    from specforge.runtime.contracts import split_slices
+    from specforge.parallel.bounds import split_slices
     from specforge.training.slicing import batch_from_samples
 
     _, _, batches = setup_sp()

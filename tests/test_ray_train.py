@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge.runtime.contracts import assert_no_tensors
+from specforge.contracts import assert_no_tensors
 from tests.helpers.plan import planner
 from tests.helpers.ray_run import STEPS, assert_same_losses, assert_same_weights, losses, make_cfg
 

@@ -42,7 +42,7 @@ def _cfg(assets, out, stores, *extra):
 
 
 def _planner(cfg):
-    from specforge.runtime.contracts import Layout
+    from specforge.contracts import Layout
     from specforge.runtime.plan import Planner, prepare
 
     data = prepare(cfg, use_gpu=False)

@@ -398,7 +398,7 @@ def capture(
     packs: Optional[Sequence[Sequence[int]]] = None,
 ) -> Features:
     """Run the target once: aux layer outputs, final hidden state, and the argmax at every position.
-    ``packs`` (``rollout.pack_tokens``; ``train.packing.target_packs``): the right-padded rows per
+    ``packs`` (``rollout.pack_tokens``; ``data/packing.target_packs``): the right-padded rows per
     packed row, each packed row one forward with its samples end to end, and the features come back
     in the padded layout (zeros where the padding is): no compute on padding, equal features where
     the samples are."""

@@ -1,6 +1,5 @@
-"""THE slice rule of sequence parallelism, and the packing rule (``train.pack_tokens``), stdlib
-arithmetic: the data plane's planner (``runtime/contracts.plan_step``) and the train side
-(``training/slicing.py``, ``training/packing.py``) both import them.
+"""THE slice rule of sequence parallelism, stdlib arithmetic: the data plane's planner
+(``runtime/plan.plan_step``) and the train side (``training/slicing.py``) both import it.
 
 A sequence is padded to a multiple of the parts; slice r owns ``[r*C, (r+1)*C)`` and reads a right
 halo of rows past it (how many: the algorithm's ``sp_halo``; EAGLE-3's TTT shifts need
@@ -8,9 +7,6 @@ halo of rows past it (how many: the algorithm's ``sp_halo``; EAGLE-3's TTT shift
 """
 
 from __future__ import annotations
-
-from itertools import accumulate
-from typing import Sequence
 
 
 def slice_bounds(seq_len: int, rank: int, parts: int, halo: int = 0) -> tuple[int, int, int]:
@@ -45,24 +41,3 @@ def split_slices(length: int, parts: int, halo: int = 0, padded_length: int | No
         out.append(tuple(min(max(x - offset, 0), length) for x in slice_bounds(T, r, parts, halo)))
     return out
 
-
-def pack_rows(lengths: Sequence[int], budget: int, key: str = "train.pack_tokens") -> list[list[int]]:
-    """THE packing rule (``train.pack_tokens``; ``rollout.pack_tokens``'s target rows too, ``key``):
-    sample indices per row, in order; a new row starts when the next sample would not fit ``budget`` tokens."""
-    rows: list[list[int]] = []
-    used = budget
-    for i, n in enumerate(lengths):
-        if n > budget:
-            raise ValueError(f"config key {key!r}={budget}: a sample of {n} tokens does not fit one row; "
-                             f"raise {key} to at least data.max_length")
-        if used + n > budget:
-            rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += n
-    return rows
-
-
-def row_offsets(lengths: Sequence[int]) -> list[int]:
-    """Where each of the samples of a packed row starts (the tokens of those before it)."""
-    return list(accumulate(lengths, initial=0))[:-1]

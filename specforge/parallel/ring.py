@@ -192,11 +192,11 @@ class TorchKernel:
                 continue
             L = hi - lo
             qc = q[:, :, :, c0:c1]
-            doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * n, D)
+            dout_c = dout[:, :, :, c0:c1].reshape(B, Hkv, G * n, D)
             s = self._scores(qc, k, c0, lo, hi, causal, band, scale, f32, docs)
-            p = torch.exp(s - lse[:, :, :, c0:c1].unsqueeze(-1))  # a row with no key here (band, doc): all 0
-            dv[:, :, lo:hi] += torch.matmul(p.to(q.dtype).view(B, Hkv, G * n, L).transpose(-1, -2), doc).to(f32)
-            dp = torch.matmul(doc, v[:, :, lo:hi].transpose(-1, -2)).view(B, Hkv, G, n, L).to(f32)
+            p = torch.exp(s - lse[:, :, :, c0:c1].unsqueeze(-1))  # a row with no key here (band, doc_ids_BT): all 0
+            dv[:, :, lo:hi] += torch.matmul(p.to(q.dtype).view(B, Hkv, G * n, L).transpose(-1, -2), dout_c).to(f32)
+            dp = torch.matmul(dout_c, v[:, :, lo:hi].transpose(-1, -2)).view(B, Hkv, G, n, L).to(f32)
             ds = (p * (dp - delta[:, :, :, c0:c1].unsqueeze(-1)) * scale).to(q.dtype).view(B, Hkv, G * n, L)
             dq[:, :, :, c0:c1] = torch.matmul(ds, k[:, :, lo:hi]).view(B, Hkv, G, n, D).to(f32)
             dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), qc.reshape(B, Hkv, G * n, D)).to(f32)
@@ -307,7 +307,7 @@ class _RingTTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k0, v0, kd, vd, comm: RingComm, kernel, scale: float, window: Optional[int] = None,
-                doc: Optional[torch.Tensor] = None):
+                doc_ids_BT: Optional[torch.Tensor] = None):
         P, r = comm.size, comm.rank
         left = _left(window, kd)
         kv = torch.stack((k0, v0))
@@ -317,7 +317,7 @@ class _RingTTTAttention(torch.autograd.Function):
             src = (r - s) % P
             role, band = _role(src, r, q.shape[3], left)
             if role is not None:
-                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band, _docs(doc, src, r, q.shape[3]))
+                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band, _docs(doc_ids_BT, src, r, q.shape[3]))
                 out, lse = (o, l) if out is None else _merge(out, lse, o, l)
             if pending is not None:
                 kv = pending.wait()
@@ -331,13 +331,13 @@ class _RingTTTAttention(torch.autograd.Function):
             out, lse = _merge(out, lse, od, ld)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
-        ctx.comm, ctx.kernel, ctx.scale, ctx.left, ctx.doc = comm, kernel, scale, left, doc
+        ctx.comm, ctx.kernel, ctx.scale, ctx.left, ctx.doc_ids_BT = comm, kernel, scale, left, doc_ids_BT
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
-        comm, kernel, scale, left, doc = ctx.comm, ctx.kernel, ctx.scale, ctx.left, ctx.doc
+        comm, kernel, scale, left, doc_ids_BT = ctx.comm, ctx.kernel, ctx.scale, ctx.left, ctx.doc_ids_BT
         r = comm.rank
         f32 = lse.dtype
         dout = dout.to(q.dtype).contiguous()
@@ -357,7 +357,7 @@ class _RingTTTAttention(torch.autograd.Function):
             if role is None:
                 return None
             dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, delta, role == "causal", scale, band,
-                                               _docs(doc, src, r, q.shape[3]))
+                                               _docs(doc_ids_BT, src, r, q.shape[3]))
             dq.add_(dq_b)
             return dk_b, dv_b
 
@@ -402,11 +402,11 @@ def _left(window: Optional[int], kd: Optional[torch.Tensor]) -> Optional[int]:
     return window - 1 - n
 
 
-def _docs(doc: Optional[torch.Tensor], src: int, rank: int, C: int):
-    """Packed rows: (the query block's, key block ``src``'s) sample ids, cut from the ring's whole ``doc``."""
-    if doc is None:
+def _docs(doc_ids_BT: Optional[torch.Tensor], src: int, rank: int, C: int):
+    """Packed rows: (the query block's, key block ``src``'s) sample ids, cut from the ring's whole ``doc_ids_BT``."""
+    if doc_ids_BT is None:
         return None
-    return doc[:, rank * C : (rank + 1) * C], doc[:, src * C : (src + 1) * C]
+    return doc_ids_BT[:, rank * C : (rank + 1) * C], doc_ids_BT[:, src * C : (src + 1) * C]
 
 
 def _role(src: int, rank: int, C: int, left: Optional[int]) -> tuple[Optional[str], Optional[tuple[int, int]]]:
@@ -420,12 +420,12 @@ def _role(src: int, rank: int, C: int, left: Optional[int]) -> tuple[Optional[st
 
 def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                        comm: RingComm, scale: Optional[float] = None, kernel: str = "auto",
-                       window: Optional[int] = None, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       window: Optional[int] = None, doc_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The TTT core's attention (``algorithms/eagle3/attention.py`` interface, ``q_offset`` implied by
     the ring rank) over ``comm``'s ring: ``keys[0]``/``values[0]`` this rank's step-0 block (as many
     rows as ``q``), ``keys[j >= 1]`` the diagonal keys, row-aligned with ``q``. GQA inside.
     ``window``: the core's sliding window (blocks wholly outside every row's band are not computed;
-    they still pass through the ring). ``doc`` (packed rows, ``train.pack_tokens``): ``B x (P*C)``
+    they still pass through the ring). ``doc_ids_BT`` (packed rows, ``train.pack_tokens``): ``B x (P*C)``
     sample ids of the ring's whole row (every rank's block in ring order); a query sees only keys
     of its own sample (the diagonal keys are its own row's)."""
     B, Hq, C, D = q_BHCD.shape
@@ -435,8 +435,8 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
     for j, k in enumerate(keys):
         if k.shape[2] != C:
             raise ValueError(f"ring attention: keys[{j}] has {k.shape[2]} rows, expected this rank's block of {C}")
-    if doc is not None and tuple(doc.shape) != (B, comm.size * C):
-        raise ValueError(f"ring attention: doc is {tuple(doc.shape)}, expected the whole row ({B}, {comm.size * C})")
+    if doc_ids_BT is not None and tuple(doc_ids_BT.shape) != (B, comm.size * C):
+        raise ValueError(f"ring attention: doc_ids_BT is {tuple(doc_ids_BT.shape)}, expected the whole row ({B}, {comm.size * C})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dt = matmul_dtype(q_BHCD, keys[0], values[0])
     q = q_BHCD.to(dt).reshape(B, Hkv, Hq // Hkv, C, D)
@@ -446,6 +446,6 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
         kd = torch.stack([k.to(dt) for k in keys[1:]], dim=2)
         vd = torch.stack([v.to(dt) for v in values[1:]], dim=2)
     with torch.autocast(q.device.type, enabled=False):
-        kern = pick_kernel(kernel, q, window, doc is not None)
-        out = _RingTTTAttention.apply(q, k0, v0, kd, vd, comm, kern, scale, window, doc)
+        kern = pick_kernel(kernel, q, window, doc_ids_BT is not None)
+        out = _RingTTTAttention.apply(q, k0, v0, kd, vd, comm, kern, scale, window, doc_ids_BT)
     return out.reshape(B, Hq, C, D)

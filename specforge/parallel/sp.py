@@ -34,7 +34,7 @@ per step): results are cached while ``keys[0]`` is the same tensor (a new unroll
 ``keys[0]``). The ring passes the step-0 block around once per TTT step (forward and backward):
 holding the passed blocks for the next step would be the gather it avoids.
 The wrappers take ``q_offset == 0`` (the local slice is aligned with the local keys) and find
-global offsets from their group rank. Packed rows (``train.pack_tokens``): ``doc`` holds the sample
+global offsets from their group rank. Packed rows (``train.pack_tokens``): ``doc_ids_BT`` holds the sample
 ids of this rank's rows; each wrapper all-gathers them (once per unroll) and hands the inner core
 those of the rows it attends over, which masks keys of other samples.
 """
@@ -187,7 +187,7 @@ class UlyssesAttention(nn.Module):
         self._cache = _PerUnrollCache()
 
     def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0,
-                doc: Optional[torch.Tensor] = None):
+                doc_ids_BT: Optional[torch.Tensor] = None):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
         P = dist.get_world_size(self.group)
@@ -207,7 +207,7 @@ class UlyssesAttention(nn.Module):
         q = prep(q_BHTD, False)
         ks = [self._cache.get(k, lambda x: prep(x, True)) for k in keys]
         vs = [self._cache.get(v, lambda x: prep(x, True)) for v in values]
-        kw = {} if doc is None else {"doc": self._cache.get(doc, lambda x: gather_ids(x, self.group))}
+        kw = {} if doc_ids_BT is None else {"doc_ids_BT": self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))}
         out = heads_to_seq(self.inner(q, ks, vs, q_offset=0, **kw), self.group)
         return out[:, :Hq] if pad else out
 
@@ -226,14 +226,14 @@ class RingAttention(nn.Module):
         self._cache = _PerUnrollCache()
 
     def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0,
-                doc: Optional[torch.Tensor] = None):
+                doc_ids_BT: Optional[torch.Tensor] = None):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
-        if doc is not None:
+        if doc_ids_BT is not None:
             self._cache.start(keys[0])
-            doc = self._cache.get(doc, lambda x: gather_ids(x, self.group))
+            doc_ids_BT = self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))
         return ring_ttt_attention(q_BHTD, keys, values, self.comm, getattr(self.inner, "scale", None), self.kernel,
-                                  getattr(self.inner, "window", None), doc)
+                                  getattr(self.inner, "window", None), doc_ids_BT)
 
 
 class AllGatherRingAttention(nn.Module):
@@ -247,14 +247,14 @@ class AllGatherRingAttention(nn.Module):
         self._cache = _PerUnrollCache()
 
     def forward(self, q_BHTD, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], q_offset: int = 0,
-                doc: Optional[torch.Tensor] = None):
+                doc_ids_BT: Optional[torch.Tensor] = None):
         if q_offset:
             raise ValueError("sequence-parallel core: q_offset must be 0 (local slice aligned with local keys)")
         offset = dist.get_rank(self.group) * q_BHTD.shape[2]  # all ranks hold equal slices
         self._cache.start(keys[0])
         k0 = self._cache.get(keys[0], lambda x: gather_seq(x, self.group))
         v0 = self._cache.get(values[0], lambda x: gather_seq(x, self.group))
-        kw = {} if doc is None else {"doc": self._cache.get(doc, lambda x: gather_ids(x, self.group))}
+        kw = {} if doc_ids_BT is None else {"doc_ids_BT": self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))}
         return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset, **kw)
 
 

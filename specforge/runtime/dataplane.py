@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from specforge import device as device_mod
+from specforge.contracts import FeatureField, FeatureSpec, StepPlan, Transfer
 from specforge.device import torch_dtype
 from specforge.runtime.completion import Completion
-from specforge.runtime.contracts import FeatureField, FeatureSpec, StepPlan, Transfer
 
 Features = Mapping[str, torch.Tensor]  # one sample's full-length features, field name -> tensor
 _ALIGN = 64  # byte alignment of each field inside a packed buffer (typed views need >= 8)

@@ -22,8 +22,8 @@ from typing import Any, Optional, Sequence
 from tqdm import tqdm
 
 from specforge.config import Config
+from specforge.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.parallel.dims import ParallelDims
-from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.plan import Planner, RunData, run_facts, total_steps
 from specforge.runtime.workers import TrainWorker
 from specforge.tracking import RECENT_STEPS, end_summary

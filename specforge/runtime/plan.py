@@ -18,18 +18,20 @@ import hashlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
 from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
+from specforge.contracts import FeatureSpec, Layout, SampleRef, StepPlan, Transfer
+from specforge.data.packing import packed_rows
 from specforge.data.prepare import prepare_dataset
 from specforge.data.store import FeatureStore, check_replay_meta, store_root
 from specforge.data.vocab import build_draft_vocab, save_draft_vocab
 from specforge.models.target import load_tokenizer, resolve_target_path
+from specforge.parallel.bounds import split_slices
 from specforge.parallel.dims import ParallelDims
-from specforge.runtime.contracts import FeatureSpec, Layout, SampleRef, StepPlan, plan_step
 from specforge.targets import text_config
 from specforge.training.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
 from specforge.training.init_from import init_vocab_path
@@ -304,3 +306,116 @@ class Planner:
                 f"step's features: a step of {self.global_batch} samples of {max(self.data.lengths, default=0)} tokens (the "
                 f"longest) sends {need / 2**20:.3g} MB; set placement.max_inflight_mb >= {math.ceil(need / 2**20 * 100) / 100:g} "
                 "(twice that lets rollout overlap training)")
+
+
+# ------------------------------------------------------------------------------ one step: samples -> StepPlan
+
+Policy = Literal["balanced", "round_robin"]
+
+
+def assign_groups(group_tokens: Sequence[int], num_rollout: int, policy: Policy = "balanced") -> list[int]:
+    """Rollout worker index for each DP group.
+
+    ``round_robin``: group g -> worker g % R. ``balanced`` (default): greedy longest-first, each
+    group to the worker with the fewest tokens so far (ties: lower index), so one long group
+    does not make every step wait on one worker. Both are pure functions of their inputs.
+    """
+    if num_rollout < 1:
+        raise ValueError("assign_groups: need at least one rollout worker")
+    if policy == "round_robin":
+        return [g % num_rollout for g in range(len(group_tokens))]
+    if policy != "balanced":
+        raise ValueError(f"assignment policy {policy!r}: expected 'balanced' or 'round_robin'")
+    load = [0] * num_rollout
+    owner = [0] * len(group_tokens)
+    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
+        w = min(range(num_rollout), key=lambda w: (load[w], w))
+        owner[g] = w
+        load[w] += group_tokens[g]
+    return owner
+
+
+def plan_step(
+    step: int,
+    dp_groups_samples: Sequence[Sequence[SampleRef]],
+    rollout_ranks: Sequence[int],
+    dp_dst_ranks: Sequence[Sequence[int]],
+    feature_spec: FeatureSpec,
+    policy: Policy = "balanced",
+    halo: int = 0,
+    micro_batch_size: int = 1,
+    split: str = "train",
+    pack_tokens: Optional[int] = None,
+) -> StepPlan:
+    """Plan one step.
+
+    Each DP group's samples are cut, in order, into micro-batches of ``micro_batch_size``, each
+    padded to its longest sample. Each DP group is assigned to a rollout worker
+    (``assign_groups``); no rollout ranks = the train ranks compute their own features (no
+    transfers). A sample is forwarded once, by the worker of the first group that lists it, so
+    each rollout batch is the union of its groups' samples. Every sample goes to every rank of
+    each group that lists it; with several ranks per group (sequence parallelism) rank j gets the
+    j-th slice of the micro-batch's padded length plus ``halo`` (:func:`split_slices`).
+    ``pack_tokens`` (``train.pack_tokens``): instead, each DP group's samples are packed, in order,
+    into rows of at most that many tokens (``data/packing.packed_rows``); a row is one micro-batch whose samples sit
+    end to end, and rank j of a group gets the part of each sample that lies in its slice of the row.
+    Transfers are ordered by (source, position in its batch, group, slice), a pure function of
+    the inputs, so all ranks derive the same order.
+    """
+    if len(dp_groups_samples) != len(dp_dst_ranks):
+        raise ValueError(f"plan_step: {len(dp_groups_samples)} DP groups but {len(dp_dst_ranks)} rank lists")
+    lengths: dict[int, int] = {}
+    for g, group in enumerate(dp_groups_samples):
+        if not dp_dst_ranks[g]:
+            raise ValueError(f"plan_step: DP group {g} has no train ranks")
+        if len({r.sample_id for r in group}) != len(group):
+            raise ValueError(f"plan_step: DP group {g} lists a sample twice")
+        for ref in group:
+            if lengths.setdefault(ref.sample_id, ref.length) != ref.length:
+                raise ValueError(f"sample {ref.sample_id} listed with two lengths")
+    if pack_tokens is None:
+        micro = [[group[s : s + micro_batch_size] for s in range(0, len(group), micro_batch_size)]
+                 for group in dp_groups_samples]
+        padded = [[max(r.length for r in mb) for mb in group] for group in micro]
+        offsets = [[[0] * len(mb) for mb in group] for group in micro]
+    else:
+        rows = [packed_rows([r.length for r in group], pack_tokens) for group in dp_groups_samples]
+        micro = [[[group[i] for i in row.samples] for row in g_rows] for group, g_rows in zip(dp_groups_samples, rows)]
+        padded = [[row.tokens for row in g_rows] for g_rows in rows]
+        offsets = [[row.offsets for row in g_rows] for g_rows in rows]
+
+    source: dict[int, int] = {}  # sample id -> rollout worker index
+    batches: list[list[int]] = [[] for _ in rollout_ranks]
+    if rollout_ranks:
+        owner = assign_groups([sum(r.length for r in group) for group in dp_groups_samples], len(rollout_ranks), policy)
+    for g, group in enumerate(dp_groups_samples if rollout_ranks else ()):
+        for ref in group:
+            if ref.sample_id not in source:
+                source[ref.sample_id] = owner[g]
+                batches[owner[g]].append(ref.sample_id)
+
+    receivers: dict[int, list[tuple[int, int, int]]] = {}  # sample id -> (group, padded length, offset in the row)
+    for g, group in enumerate(micro):
+        for mb, T, offs in zip(group, padded[g], offsets[g]):
+            for ref, o in zip(mb, offs):
+                receivers.setdefault(ref.sample_id, []).append((g, T, o))
+    transfers = []
+    for w, batch in enumerate(batches):
+        for sid in batch:
+            for g, T, o in receivers[sid]:
+                ranks = dp_dst_ranks[g]
+                for dst, (start, end, stop) in zip(ranks, split_slices(lengths[sid], len(ranks), halo, T, o)):
+                    transfers.append(Transfer(sid, rollout_ranks[w], dst, start, end, stop))
+    return StepPlan(
+        step=step,
+        rollout_ranks=tuple(rollout_ranks),
+        rollout_batches=tuple(tuple(b) for b in batches),
+        lengths=tuple(sorted(lengths.items())),
+        micro_batches=tuple(tuple(tuple(r.sample_id for r in mb) for mb in group) for group in micro),
+        padded_lengths=tuple(tuple(group) for group in padded),
+        group_ranks=tuple(tuple(r) for r in dp_dst_ranks),
+        transfers=tuple(transfers),
+        feature_spec=feature_spec,
+        split=split,
+        packed=pack_tokens is not None,
+    )

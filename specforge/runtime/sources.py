@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 from specforge.algorithms import get_algorithm
 from specforge.config import Config
+from specforge.contracts import Layout, StepPlan
 from specforge.data.prepare import prepare_dataset
 from specforge.data.store import FeatureStore, store_meta, store_root
 from specforge.models.features import TrainBatch
 from specforge.models.target import load_tokenizer
 from specforge.runtime.completion import Completion
-from specforge.runtime.contracts import Layout, StepPlan
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
 from specforge.runtime.plan import open_offline_store, store_split
 from specforge.training.batch import collate, pad_id

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
+from specforge.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
+from specforge.data.packing import target_packs
 from specforge.data.vocab import load_draft_vocab
 from specforge.device import bind, pick_device, set_threads, synchronize
 from specforge.models.features import TrainBatch
@@ -37,13 +39,11 @@ from specforge.models.vllm_engine import EngineError, die_with_engine, engine_fa
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.runtime.actors import DistributedWorker, control
-from specforge.runtime.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
 from specforge.training.batch import collate, pad_id
 from specforge.training.checkpoint import CheckpointManager
 from specforge.training.init_from import apply_init_from, resumed_checkpoint
-from specforge.training.packing import target_packs
 from specforge.training.trainer import DraftTrainer, checkpoint_root, run_identity
 
 

@@ -24,15 +24,18 @@ from typing import Optional, Sequence
 
 import torch
 
+from specforge.contracts import row_offsets
+from specforge.data.packing import packed_rows
 from specforge.models.features import TrainBatch
-from specforge.parallel.bounds import row_offsets, slice_bounds
+from specforge.parallel.bounds import slice_bounds
 
-__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples"]
+__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples",
+           "pack_micro_batches"]
 
 
 @dataclass
 class PackedBatch(TrainBatch):
-    """One packed row (B = 1, ``train.pack_tokens``; ``training/packing.py``): samples end to end, each
+    """One packed row (B = 1, ``train.pack_tokens``; ``data/packing.py``): samples end to end, each
     with positions from 0 and its own doc id."""
 
     position_ids_BT: torch.Tensor
@@ -115,6 +118,22 @@ def batch_from_samples(samples: Sequence, padded_length: int, pad_id: int, sp_ra
     return _sp_batch(samples, T, pad_id, sp_rank, sp_size, halo)
 
 
+def pack_micro_batches(micro_batches: Sequence[TrainBatch], budget: int) -> list[PackedBatch]:
+    """The samples of right-padded ``micro_batches`` (``length_B`` recorded) laid out in the packed
+    rows of ``budget`` tokens (``data/packing.packed_rows``), each row its own micro-batch: what a
+    packed plan's source hands over, made from padded batches (tests, benchmarks)."""
+    samples, lengths = [], []
+    for mb in micro_batches:
+        if mb.length_B is None:
+            raise RuntimeError("train.pack_tokens: a micro-batch without length_B (its source did not record the "
+                               "samples' lengths); packing needs whole samples")
+        for b, n in enumerate(mb.length_B.tolist()):
+            samples.append(WholeSample({k: getattr(mb, f)[b, :n] for k, f in SAMPLE_FIELDS.items()}))
+            lengths.append(int(n))
+    return [batch_from_samples([samples[i] for i in row.samples], row.tokens, 0, offsets=row.offsets)
+            for row in packed_rows(lengths, budget)]
+
+
 def _sp_batch(samples: Sequence, T: int, pad_id: int, sp_rank: int, sp_size: int, halo: int) -> SPTrainBatch:
     start, end, wend = slice_bounds(T, sp_rank, sp_size, halo)
     pos = torch.arange(start, end, device=samples[0]["input_ids"].device).expand(len(samples), end - start)
@@ -134,13 +153,13 @@ def _packed_batch(samples: Sequence, offsets: Sequence[int], T: int, pad_id: int
     rows = torch.arange(start, start + got["input_ids_BT"].shape[1], device=device)
     # sample d holds rows [offsets[d], offsets[d + 1]); rows past T get id len(samples) (padding)
     firsts = torch.tensor([*offsets, T], device=device)
-    doc = torch.searchsorted(firsts[1:], rows, right=True)
-    pos = rows - firsts[doc]
+    doc_ids_BT = torch.searchsorted(firsts[1:], rows, right=True)[None]
+    pos = rows - firsts[doc_ids_BT[0]]
     if sp_size == 1:
-        return PackedBatch(**got, position_ids_BT=pos[None], doc_ids_BT=doc[None],
+        return PackedBatch(**got, position_ids_BT=pos[None], doc_ids_BT=doc_ids_BT,
                            length_B=torch.tensor([T]))  # device: host (metadata, TrainBatch.length_B)
     return PackedSPTrainBatch(**got, position_ids_BT=pos[None, : end - start], num_rows=end - start, start=start,
-                              doc_ids_BT=doc[None])
+                              doc_ids_BT=doc_ids_BT)
 
 
 def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: int,

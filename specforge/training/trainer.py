@@ -5,7 +5,9 @@ teacher rows), and runs THE train step (the algorithm's loss forward/backward ov
 clipping, AdamW, schedule). Every train worker (``runtime/workers.py``) and the single process
 (``specforge/train.py``: ``python -m specforge.train``) run it, on FSDP2-sharded drafts when there
 are several; only where the features come from differs. The algorithm (``specforge.algorithms``)
-decides the loss and the metrics; this file never asks which one runs.
+decides the loss and the metrics; this file never asks which one runs. Nor how a micro-batch is laid
+out: a source hands it over in its final layout (padded rows, or a packed row whose ``doc_ids_BT``
+the algorithm reads: ``data/packing.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from specforge.config import Config
+from specforge.data.packing import target_packs
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.features import TrainBatch
@@ -25,7 +28,6 @@ from specforge.models.target import TargetModel, capture
 from specforge.training.batch import collate, pad_id
 from specforge.training.checkpoint import set_aside, tensor_digest
 from specforge.training.optim import build_optimizer
-from specforge.training.packing import pack_micro_batches, target_packs
 
 # ---------------------------------------------------------------- building
 
@@ -118,13 +120,6 @@ class DraftTrainer:
         loss mask on the host while its capture wrote the features on the GPU)."""
         return [mb.to(self.device) for mb in micro_batches]
 
-    def packed(self, micro_batches: Sequence[TrainBatch]) -> list[TrainBatch]:
-        """``train.pack_tokens``: this rank's samples end to end in rows (``training/packing.py``); as is otherwise."""
-        budget = self.cfg.train.pack_tokens
-        if budget is None or all(getattr(mb, "doc_ids_BT", None) is not None for mb in micro_batches):
-            return list(micro_batches)  # a packed plan's sources hand over packed rows (runtime/contracts.plan_step)
-        return pack_micro_batches(micro_batches, budget)
-
     def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
         on the trainer's device (summed there: no host sync per micro-batch)."""
@@ -145,7 +140,7 @@ class DraftTrainer:
         cfg = self.cfg
         self.draft.train()
         useful = _useful_tokens(micro_batches)
-        micro_batches = self.packed(self.on_device(micro_batches))
+        micro_batches = self.on_device(micro_batches)
         local = sum(self.algorithm.normalizer(self.draft, mb, cfg, self.step_count) for mb in micro_batches)
         total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device)).item()
         self.optimizer.zero_grad(set_to_none=True)
@@ -177,7 +172,7 @@ class DraftTrainer:
         """Metrics of ``batches`` (summed over all train ranks), no update."""
         self.draft.eval()
         # the metrics hooks read host counters, as step's do (one copy to the host)
-        return self.algorithm.metrics(self._counts(self.packed(self.on_device(batches)), None).cpu(), self.cfg)
+        return self.algorithm.metrics(self._counts(self.on_device(batches), None).cpu(), self.cfg)
 
 
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int,

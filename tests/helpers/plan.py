@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_worker_register_timeout_seconds", "900")
 
 def planner(cfg, train_ranks=(1,)):
     """The driver's planner of a disaggregated ``cfg`` (rollout rank 0 -> ``train_ranks``)."""
-    from specforge.runtime.contracts import Layout
+    from specforge.contracts import Layout
     from specforge.runtime.plan import Planner, prepare
 
     data = prepare(cfg, use_gpu=False)

@@ -168,9 +168,9 @@ class DFlash:
         step = step if torch.is_grad_enabled() else EVAL_STEP
         comm = ring_comm(draft) if hasattr(batch, "num_rows") else None
         if comm is None:
-            doc = getattr(batch, "doc_ids_BT", None)  # packed rows (training/packing.py): anchors per sample
-            keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(cfg, step), doc)
-            anchors, keep = sample_anchors(batch.loss_mask_BT, cfg.draft.num_anchors, document_ids_BT=doc, keys_BT=keys)
+            doc_ids_BT = getattr(batch, "doc_ids_BT", None)  # packed rows (data/packing.py): anchors per sample
+            keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(cfg, step), doc_ids_BT)
+            anchors, keep = sample_anchors(batch.loss_mask_BT, cfg.draft.num_anchors, doc_ids_BT=doc_ids_BT, keys_BT=keys)
             ring = None
         else:
             C = batch.num_rows

@@ -53,42 +53,42 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def positions_in_sample(document_ids_BT: Optional[torch.Tensor], like_BT: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: each position's index within its sample (``document_ids_BT`` None: the row is one)."""
+def positions_in_sample(doc_ids_BT: Optional[torch.Tensor], like_BT: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: each position's index within its sample (``doc_ids_BT`` None: the row is one)."""
     idx = torch.arange(like_BT.shape[1], device=like_BT.device).expand(like_BT.shape)
-    if document_ids_BT is None:
+    if doc_ids_BT is None:
         return idx
-    new = torch.ones_like(document_ids_BT, dtype=torch.bool)
-    new[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+    new = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+    new[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
     return idx - torch.where(new, idx, 0).cummax(dim=1).values
 
 
 def anchor_keys(input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, seed: int,
-                document_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+                doc_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Random keys ``[B, T]`` (int64 in ``[0, 2^32)``) for :func:`sample_anchors`: a hash of ``seed``,
     the sample's loss-masked tokens at their positions within the sample, and the position within
     the sample. So a sample draws the same keys wherever it lies (alone in a padded row, packed
     after others, its row gathered by a ring's ranks) and whatever pads it (padding has mask 0)."""
-    local = positions_in_sample(document_ids_BT, input_ids_BT)
-    doc = torch.zeros_like(input_ids_BT) if document_ids_BT is None else document_ids_BT.long()
+    local = positions_in_sample(doc_ids_BT, input_ids_BT)
+    doc_ids_BT = torch.zeros_like(input_ids_BT) if doc_ids_BT is None else doc_ids_BT.long()
     terms = input_ids_BT.long() * loss_mask_BT.long() * (local + 1)
-    content = torch.zeros_like(terms).scatter_add_(1, doc, terms).gather(1, doc) & _M32
+    content = torch.zeros_like(terms).scatter_add_(1, doc_ids_BT, terms).gather(1, doc_ids_BT) & _M32
     sample = _mix32(_mix32(content) ^ (seed & _M32))
     return _mix32(_mix32(sample ^ local))
 
 
 def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None,
-                   document_ids_BT: Optional[torch.Tensor] = None,
+                   doc_ids_BT: Optional[torch.Tensor] = None,
                    keys_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors ``[B, N]`` (sorted, 0 where dropped) and ``keep [B, N]``: up to ``num_anchors``
-    per sample (a row, or each of a packed row's ``document_ids_BT``), uniformly among its
+    per sample (a row, or each of a packed row's ``doc_ids_BT``), uniformly among its
     candidates; N = the most any row has (at least 1: a batch without two consecutive assistant
     tokens gets one dropped anchor per row). ``keys_BT`` (:func:`anchor_keys`): the lowest keys
     win; else keys drawn from ``generator``. Right padding (loss mask 0) changes nothing."""
     m = loss_mask_BT.bool()
     valid = m[:, :-1] & m[:, 1:]
-    doc = torch.zeros_like(m, dtype=torch.long) if document_ids_BT is None else document_ids_BT.long()
-    valid &= doc[:, :-1] == doc[:, 1:]
+    doc_ids_BT = torch.zeros_like(m, dtype=torch.long) if doc_ids_BT is None else doc_ids_BT.long()
+    valid &= doc_ids_BT[:, :-1] == doc_ids_BT[:, 1:]
     B, S = valid.shape
     if keys_BT is None:
         # drawn position-major: position t of row b takes draw t*B + b of the stream, whatever T is, so
@@ -97,7 +97,7 @@ def sample_anchors(loss_mask_BT: torch.Tensor, num_anchors: int, generator: Opti
     else:
         keys = keys_BT[:, :S]
     # one sort: by sample, then key (invalid last), ties by position; the first num_anchors of each sample win
-    order, perm = (torch.where(valid, keys, 1 << 32) + doc[:, :S] * (1 << 33)).sort(dim=1, stable=True)
+    order, perm = (torch.where(valid, keys, 1 << 32) + doc_ids_BT[:, :S] * (1 << 33)).sort(dim=1, stable=True)
     sorted_doc = order >> 33
     rank = torch.arange(S, device=valid.device) - torch.searchsorted(sorted_doc, sorted_doc)
     chosen = torch.zeros_like(valid).scatter(1, perm, (rank < num_anchors) & valid.gather(1, perm))
@@ -147,7 +147,7 @@ def next_token_labels(input_ids_BT: torch.Tensor, target_ids_BT: Optional[torch.
 
 def block_targets(labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor, anchors_BN: torch.Tensor,
                   keep_BN: torch.Tensor, block_size: int,
-                  document_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  doc_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels ``[B, N, K]`` and which rows count (see the module docstring)."""
     B, T = labels_BT.shape
     k = torch.arange(block_size, device=labels_BT.device)
@@ -156,8 +156,8 @@ def block_targets(labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor, anchors_B
     flat = idx.clamp(max=T - 1).reshape(B, -1)
     labels = labels_BT.gather(1, flat).view_as(idx)
     ok = inside & loss_mask_BT.bool().gather(1, flat).view_as(idx)
-    if document_ids_BT is not None:
-        same_doc = document_ids_BT.gather(1, flat).view_as(idx) == document_ids_BT.gather(1, anchors_BN).unsqueeze(-1)
+    if doc_ids_BT is not None:
+        same_doc = doc_ids_BT.gather(1, flat).view_as(idx) == doc_ids_BT.gather(1, anchors_BN).unsqueeze(-1)
         ok &= same_doc
     ok[..., 0] = True  # the anchor itself is not a prediction; it must not cut the run
     valid = ok.long().cumprod(-1).bool() & keep_BN.unsqueeze(-1) & (k > 0)
@@ -216,15 +216,15 @@ def block_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden_BNKH: t
 def dflash_loss(draft, ctx_BTF: torch.Tensor, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor, *,
                 labels_BT: Optional[torch.Tensor] = None, num_anchors: int = 512, gamma: Optional[float] = 7.0,
                 generator: Optional[torch.Generator] = None, position_ids_BT: Optional[torch.Tensor] = None,
-                document_ids_BT: Optional[torch.Tensor] = None, normalizer: Optional[torch.Tensor] = None,
+                doc_ids_BT: Optional[torch.Tensor] = None, normalizer: Optional[torch.Tensor] = None,
                 chunk_blocks: int = 0):
     """One micro-batch: anchors -> blocks -> the draft's forward -> ``(loss, counts[K, 4])``."""
     cfg = draft.config
-    anchors, keep = sample_anchors(loss_mask_BT, num_anchors, generator, document_ids_BT)
+    anchors, keep = sample_anchors(loss_mask_BT, num_anchors, generator, doc_ids_BT)
     block_ids = build_block_ids(input_ids_BT, anchors, cfg.block_size, cfg.mask_token_id)
-    hidden = draft(ctx_BTF, block_ids, anchors, keep, position_ids_BT, document_ids_BT)
+    hidden = draft(ctx_BTF, block_ids, anchors, keep, position_ids_BT, doc_ids_BT)
     labels = input_ids_BT if labels_BT is None else labels_BT
-    labels_BNK, valid = block_targets(labels, loss_mask_BT, anchors, keep, cfg.block_size, document_ids_BT)
+    labels_BNK, valid = block_targets(labels, loss_mask_BT, anchors, keep, cfg.block_size, doc_ids_BT)
     return block_loss(draft.logits, hidden, labels_BNK, valid, gamma, normalizer, chunk_blocks)
 
 

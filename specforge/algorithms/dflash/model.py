@@ -109,11 +109,11 @@ class DFlashConfig:
 
 
 def build_block_mask(anchors_BN: torch.Tensor, keep_BN: Optional[torch.Tensor], T: int, K: int,
-                     document_ids_BT: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+                     doc_ids_BT: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Boolean SDPA mask ``[B, 1, N*K, T + N*K]`` (True = may attend) for blocks packed after a context.
 
     Row ``n*K + k`` (block n, anchored at ``a = anchors[b, n]``) sees context keys ``p < a`` (of the
-    anchor's document, if ``document_ids_BT`` is given; with a ``window``, only ``(a + k) - p <
+    anchor's document, if ``doc_ids_BT`` is given; with a ``window``, only ``(a + k) - p <
     window``: the row's own position minus the key's, as every engine's sliding window counts it)
     and the K keys of block n. A dropped block
     (``keep`` False) sees only its own block: never a fully masked row (SDPA would give NaN);
@@ -127,9 +127,9 @@ def build_block_mask(anchors_BN: torch.Tensor, keep_BN: Optional[torch.Tensor], 
     ctx_BQT = p.view(1, 1, T) < anchor_BQ.unsqueeze(-1)
     if window is not None:
         ctx_BQT = ctx_BQT & (p.view(1, 1, T) > (anchor_BQ + q % K - window).unsqueeze(-1))
-    if document_ids_BT is not None:
-        anchor_doc_BQ = document_ids_BT.gather(1, anchor_BQ)
-        ctx_BQT = ctx_BQT & (document_ids_BT.unsqueeze(1) == anchor_doc_BQ.unsqueeze(-1))
+    if doc_ids_BT is not None:
+        anchor_doc_BQ = doc_ids_BT.gather(1, anchor_BQ)
+        ctx_BQT = ctx_BQT & (doc_ids_BT.unsqueeze(1) == anchor_doc_BQ.unsqueeze(-1))
     if keep_BN is not None:
         ctx_BQT = ctx_BQT & keep_BN.repeat_interleave(K, dim=1).unsqueeze(-1)
     own_QQ = (q.view(-1, 1) // K) == (q.view(1, -1) // K)
@@ -264,7 +264,7 @@ class DFlashDraft(nn.Module):
 
     def forward(self, ctx_BTF: torch.Tensor, block_ids_BNK: torch.Tensor, anchors_BN: torch.Tensor,
                 keep_BN: Optional[torch.Tensor] = None, position_ids_BT: Optional[torch.Tensor] = None,
-                document_ids_BT: Optional[torch.Tensor] = None, ring=None) -> torch.Tensor:
+                doc_ids_BT: Optional[torch.Tensor] = None, ring=None) -> torch.Tensor:
         """Training: all blocks of a batch in one pass -> hidden ``[B, N, K, H]`` (after ``norm``).
 
         ``block_ids_BNK`` is ``[anchor token, mask, ...]`` per block (``loss.build_block_ids``);
@@ -280,9 +280,9 @@ class DFlashDraft(nn.Module):
         mask = attend = None
         window = self.config.sliding_window
         if ring is None:
-            mask = build_block_mask(anchors_BN, keep_BN, T, K, document_ids_BT, window)
+            mask = build_block_mask(anchors_BN, keep_BN, T, K, doc_ids_BT, window)
         else:
-            if document_ids_BT is not None:
+            if doc_ids_BT is not None:
                 raise ValueError("DFlash ring attention takes no document ids (packed samples)")
             keep = torch.ones_like(anchors_BN, dtype=torch.bool) if keep_BN is None else keep_BN
             attend = ring.attention(anchors_BN, keep, K, window)

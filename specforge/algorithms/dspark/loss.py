@@ -52,16 +52,16 @@ COUNTERS = ("loss_sum", "valid", "correct", "accepted", "conf_bce_sum", "conf_ab
 
 def dspark_targets(input_ids_BT: torch.Tensor, target_ids_BT: Optional[torch.Tensor], loss_mask_BT: torch.Tensor,
                    anchors_BN: torch.Tensor, keep_BN: torch.Tensor, block_size: int, shift: int,
-                   document_ids_BT: Optional[torch.Tensor] = None):
+                   doc_ids_BT: Optional[torch.Tensor] = None):
     """``(labels [B,N,R], valid [B,N,R], prev_pos [B,N,R-1])``: DFlash's labels and counted rows over
     R = K + shift token rows, and for predicted rows 1 .. R-1 the position of the token before each
     (the Markov head's previous token and the teacher's row), clamped inside the sequence.
-    ``document_ids_BT``: packed rows; a counted row lies in its anchor's sample (so does its
+    ``doc_ids_BT``: packed rows; a counted row lies in its anchor's sample (so does its
     previous position; an uncounted one's may not, and weighs 0)."""
     T = input_ids_BT.shape[1]
     R = block_size + shift
     labels = next_token_labels(input_ids_BT, target_ids_BT)
-    labels_BNR, valid = block_targets(labels, loss_mask_BT, anchors_BN, keep_BN, R, document_ids_BT)
+    labels_BNR, valid = block_targets(labels, loss_mask_BT, anchors_BN, keep_BN, R, doc_ids_BT)
     prev_pos = (anchors_BN.unsqueeze(-1) + torch.arange(R - 1, device=anchors_BN.device)).clamp(max=T - 1)
     return labels_BNR, valid, prev_pos
 

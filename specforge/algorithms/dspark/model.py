@@ -90,13 +90,13 @@ class DSparkDraft(DFlashDraft):
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank) if cfg.confidence_head else None
 
-    def forward(self, ctx_BTF, block_ids_BNK, anchors_BN, keep_BN=None, position_ids_BT=None, document_ids_BT=None,
+    def forward(self, ctx_BTF, block_ids_BNK, anchors_BN, keep_BN=None, position_ids_BT=None, doc_ids_BT=None,
                 heads: Optional[Callable[["DSparkDraft", torch.Tensor], object]] = None):
         """DFlash's training forward -> hidden ``[B, N, K, H]``; with ``heads``, ``heads(self, hidden)``.
 
         The loss applies the heads through ``heads`` so that every trainable parameter is used inside
         this call: FSDP2 shards the root module and unshards its parameters for its forward only."""
-        hidden = super().forward(ctx_BTF, block_ids_BNK, anchors_BN, keep_BN, position_ids_BT, document_ids_BT)
+        hidden = super().forward(ctx_BTF, block_ids_BNK, anchors_BN, keep_BN, position_ids_BT, doc_ids_BT)
         return hidden if heads is None else heads(self, hidden)
 
     def markov_embedding(self, prev_ids: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ Interface (see docs/ARCHITECTURE.md)::
   its diagonal keys (positions ``t + 1 .. t + n``) stay inside the window as long as ``W > n``
   (the config requires ``W > ttt_length``). speculators' trainer windows by row, ignoring the step
   shift: the two differ at the window's edge by at most ``n`` keys, and ours is what is served.
-* ``doc`` (``B x T0`` integer ids, None = one sample per row): packed rows (``training/packing.py``):
-  a query sees only step-0 keys of its own sample (``doc[b, key] == doc[b, q_offset + t]``); its
+* ``doc_ids_BT`` (``B x T0`` integer ids, None = one sample per row): packed rows (``data/packing.py``):
+  a query sees only step-0 keys of its own sample (``doc_ids_BT[b, key] == doc_ids_BT[b, q_offset + t]``); its
   diagonal keys are its own row's, so always its own sample's.
 
 Implementations (all exact up to rounding, all differentiable on CPU):
@@ -111,9 +111,9 @@ def check_window(window: Optional[int], num_diag: int) -> None:
 
 
 def build_ttt_mask(T: int, T0: int, num_diag: int, q_offset: int = 0, device=None,
-                   window: Optional[int] = None, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   window: Optional[int] = None, doc_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The full boolean TTT mask ``T x (T0 + num_diag * T)``: causal block (banded by ``window``),
-    then diagonals; with ``doc`` (``B x T0``) ``B x T x (T0 + num_diag * T)``, the causal block
+    then diagonals; with ``doc_ids_BT`` (``B x T0``) ``B x T x (T0 + num_diag * T)``, the causal block
     kept to each query's own sample."""
     t = torch.arange(T, device=device)
     j = torch.arange(T0, device=device)[None, :]
@@ -121,9 +121,9 @@ def build_ttt_mask(T: int, T0: int, num_diag: int, q_offset: int = 0, device=Non
     if window is not None:
         causal &= j > (q_offset + t + num_diag - window)[:, None]
     eye = torch.eye(T, dtype=torch.bool, device=device)
-    if doc is not None:
-        causal = causal & (doc[:, q_offset : q_offset + T, None] == doc[:, None, :])
-        eye = eye.expand(doc.shape[0], T, T)
+    if doc_ids_BT is not None:
+        causal = causal & (doc_ids_BT[:, q_offset : q_offset + T, None] == doc_ids_BT[:, None, :])
+        eye = eye.expand(doc_ids_BT.shape[0], T, T)
     return torch.cat([causal] + [eye] * num_diag, dim=-1)
 
 
@@ -137,7 +137,7 @@ def ttt_attention_eager(
     q_offset: int = 0,
     scale: Optional[float] = None,
     window: Optional[int] = None,
-    doc: Optional[torch.Tensor] = None,
+    doc_ids_BT: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference: concatenated keys + materialized full mask, softmax in fp32."""
     B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
@@ -146,8 +146,8 @@ def ttt_attention_eager(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     K = torch.cat(list(keys), dim=2).repeat_interleave(G, dim=1)
     V = torch.cat(list(values), dim=2).repeat_interleave(G, dim=1)
-    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device, window, doc)
-    if doc is not None:
+    mask = build_ttt_mask(T, keys[0].shape[2], len(keys) - 1, q_offset, q.device, window, doc_ids_BT)
+    if doc_ids_BT is not None:
         mask = mask[:, None]  # B x 1 x T x K: every head
     f32 = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q, K.transpose(-1, -2)).to(f32) * scale
@@ -174,7 +174,7 @@ class _TTTAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k0, v0, kd, vd, q_offset: int, scale: float, chunk: int, window: Optional[int] = None,
-                doc: Optional[torch.Tensor] = None):
+                doc_ids_BT: Optional[torch.Tensor] = None):
         B, Hkv, G, T, D = q.shape
         f32 = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64 (gradcheck)
         n = 0 if kd is None else kd.shape[2]
@@ -184,7 +184,7 @@ class _TTTAttentionFn(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(B, Hkv, G, T, dtype=f32, device=q.device)
         probs = []  # normalized causal-block probabilities per chunk, saved for backward
-        firsts = _first_keys(doc, q_offset, T, chunk)  # packed rows: keys before a chunk's samples are skipped
+        firsts = _first_keys(doc_ids_BT, q_offset, T, chunk)  # packed rows: keys before a chunk's samples are skipped
         for ci, (c0, c1) in enumerate(row_chunks(T, chunk)):
             C = c1 - c0
             lo, L = _span(q_offset, c0, c1, n, window)  # step-0 keys this chunk may see
@@ -193,8 +193,8 @@ class _TTTAttentionFn(torch.autograd.Function):
             s = torch.matmul(qc, k0[:, :, lo:L].transpose(-1, -2)).view(B, Hkv, G, C, L - lo).to(f32)
             s.mul_(scale)
             _mask_span(s, q_offset, c0, lo, n, window)
-            if doc is not None:  # packed rows: another sample's keys are never seen (own key always is)
-                other = doc[:, q_offset + c0 : q_offset + c1, None] != doc[:, None, lo:L]
+            if doc_ids_BT is not None:  # packed rows: another sample's keys are never seen (own key always is)
+                other = doc_ids_BT[:, q_offset + c0 : q_offset + c1, None] != doc_ids_BT[:, None, lo:L]
                 s.masked_fill_(other[:, None, None], float("-inf"))
             m = s.amax(dim=-1)
             if kd is not None:
@@ -235,11 +235,11 @@ class _TTTAttentionFn(torch.autograd.Function):
             lo = max(lo, ctx.firsts[ci]) if ctx.firsts else lo
             W = L - lo
             qc = q[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
-            doc = dout[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
+            dout_c = dout[:, :, :, c0:c1].reshape(B, Hkv, G * C, D)
             k0c, v0c = k0[:, :, lo:L], v0[:, :, lo:L]
             p_lo = probs[ci]  # (B,Hkv,G*C,W), masked entries are exact zeros
-            dv0[:, :, lo:L] += torch.matmul(p_lo.transpose(-1, -2), doc).to(f32)
-            dp = torch.matmul(doc, v0c.transpose(-1, -2)).view(B, Hkv, G, C, W).to(f32)
+            dv0[:, :, lo:L] += torch.matmul(p_lo.transpose(-1, -2), dout_c).to(f32)
+            dp = torch.matmul(dout_c, v0c.transpose(-1, -2)).view(B, Hkv, G, C, W).to(f32)
             dp.sub_(delta[:, :, :, c0:c1].unsqueeze(-1)).mul_(p_lo.view(B, Hkv, G, C, W)).mul_(scale)  # dS
             ds = dp.to(q.dtype).view(B, Hkv, G * C, W)
             dq[:, :, :, c0:c1] = torch.matmul(ds, k0c).view(B, Hkv, G, C, D).to(dq.dtype)
@@ -254,36 +254,36 @@ class _TTTAttentionFn(torch.autograd.Function):
             dq = (dq.to(f32) + torch.einsum("bkgtn,bkntd->bkgtd", dsd, kd.to(f32))).to(q.dtype)
             dkd = torch.einsum("bkgtn,bkgtd->bkntd", dsd, qf).to(kd.dtype)
             dvd = torch.einsum("bkgtn,bkgtd->bkntd", pd, dof).to(vd.dtype)
-        # the saved probabilities are exact zeros where doc masked: backward needs nothing more
+        # the saved probabilities are exact zeros where doc_ids_BT masked: backward needs nothing more
         return dq, dk0.to(k0.dtype), dv0.to(v0.dtype), dkd, dvd, None, None, None, None, None
 
 
-def _first_keys(doc: Optional[torch.Tensor], q_offset: int, T: int, chunk: int) -> list[int]:
+def _first_keys(doc_ids_BT: Optional[torch.Tensor], q_offset: int, T: int, chunk: int) -> list[int]:
     """Packed rows: per query chunk, the first step-0 key any of its rows may see (the start of the
-    earliest sample among its rows, over the batch). [] without ``doc``. One host read per ``doc``
+    earliest sample among its rows, over the batch). [] without ``doc_ids_BT``. One host read per ``doc_ids_BT``
     tensor: the model hands every TTT step of an unroll the same one (the steps differ only in how
     many chunks they run), so a GPU waits once per unroll, not once per step."""
-    if doc is None:
+    if doc_ids_BT is None:
         return []
     n = -(-T // chunk)
     hit = _FIRSTS_CACHE[0]
-    if hit is not None and hit[0]() is doc and hit[1] == (q_offset, chunk) and len(hit[2]) >= n:
+    if hit is not None and hit[0]() is doc_ids_BT and hit[1] == (q_offset, chunk) and len(hit[2]) >= n:
         return hit[2][:n]
-    firsts = _chunk_firsts(doc, q_offset, chunk)
-    _FIRSTS_CACHE[0] = (weakref.ref(doc), (q_offset, chunk), firsts)
+    firsts = _chunk_firsts(doc_ids_BT, q_offset, chunk)
+    _FIRSTS_CACHE[0] = (weakref.ref(doc_ids_BT), (q_offset, chunk), firsts)
     return firsts[:n]
 
 
-_FIRSTS_CACHE: list = [None]  # (weak reference to the last doc, (q_offset, chunk), its firsts)
+_FIRSTS_CACHE: list = [None]  # (weak reference to the last doc_ids_BT, (q_offset, chunk), its firsts)
 
 
-def _chunk_firsts(doc: torch.Tensor, q_offset: int, chunk: int) -> list[int]:
-    """``_first_keys`` of every chunk start up to the end of ``doc`` (the one host read)."""
-    idx = torch.arange(doc.shape[1], device=doc.device)
-    new = torch.ones(doc.shape, dtype=torch.bool, device=doc.device)
-    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
+def _chunk_firsts(doc_ids_BT: torch.Tensor, q_offset: int, chunk: int) -> list[int]:
+    """``_first_keys`` of every chunk start up to the end of ``doc_ids_BT`` (the one host read)."""
+    idx = torch.arange(doc_ids_BT.shape[1], device=doc_ids_BT.device)
+    new = torch.ones(doc_ids_BT.shape, dtype=torch.bool, device=doc_ids_BT.device)
+    new[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
     starts = torch.where(new, idx, 0).cummax(dim=1).values  # each key's sample start
-    rows = torch.arange(q_offset, doc.shape[1], chunk, device=doc.device)
+    rows = torch.arange(q_offset, doc_ids_BT.shape[1], chunk, device=doc_ids_BT.device)
     return starts[:, rows].amin(dim=0).tolist()
 
 
@@ -312,7 +312,7 @@ def ttt_attention_fast(
     scale: Optional[float] = None,
     chunk: Optional[int] = None,
     window: Optional[int] = None,
-    doc: Optional[torch.Tensor] = None,
+    doc_ids_BT: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """TTT attention without materialized masks (see module docstring). ``chunk``: query rows per
     iteration, by default ``CHUNK_CPU`` on the CPU and ``CHUNK_GPU`` on a GPU (``device.loop_chunk``).
@@ -333,7 +333,7 @@ def ttt_attention_fast(
         kd = vd = None
     with torch.autocast(q.device.type, enabled=False):
         out = _TTTAttentionFn.apply(qg, k0, v0, kd, vd, int(q_offset), float(scale), int(chunk),
-                                    None if window is None else int(window), doc)
+                                    None if window is None else int(window), doc_ids_BT)
     return out.reshape(B, Hq, T, D)
 
 
@@ -344,26 +344,26 @@ def ttt_attention_sdpa(
     q_offset: int = 0,
     scale: Optional[float] = None,
     window: Optional[int] = None,
-    doc: Optional[torch.Tensor] = None,
+    doc_ids_BT: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused SDPA for plain causal attention (step 0, no offset, no window, one sample per row); the
     fast path otherwise."""
-    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2] and window is None and doc is None:
+    if len(keys) == 1 and q_offset == 0 and keys[0].shape[2] == q.shape[2] and window is None and doc_ids_BT is None:
         dt = matmul_dtype(q, keys[0], values[0])
         return F.scaled_dot_product_attention(
             q.to(dt), keys[0].to(dt), values[0].to(dt), is_causal=True, scale=scale,
             enable_gqa=q.shape[1] != keys[0].shape[1],
         )
-    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale, window=window, doc=doc)
+    return ttt_attention_fast(q, keys, values, q_offset=q_offset, scale=scale, window=window, doc_ids_BT=doc_ids_BT)
 
 
 # ------------------------------------------------------------------------------ flex_attention
 
 
 def ttt_mask_mod(T: int, T0: int, q_offset: int = 0, window: Optional[int] = None, num_diag: int = 0,
-                 doc: Optional[torch.Tensor] = None) -> Callable:
+                 doc_ids_BT: Optional[torch.Tensor] = None) -> Callable:
     """``mask_mod(b, h, q, kv)`` of :func:`build_ttt_mask` over ``cat(keys)``: key ``kv < T0`` is step 0's
-    (causal at ``q_offset + q``, banded by ``window`` with the step shift ``num_diag``, and with ``doc``
+    (causal at ``q_offset + q``, banded by ``window`` with the step shift ``num_diag``, and with ``doc_ids_BT``
     (``B x T0``, packed rows) of the query's own sample); key ``kv >= T0`` belongs to diagonal step
     ``1 + (kv - T0) // T`` and is seen only by its own row."""
     last = None if window is None else num_diag - window  # step-0 key kv visible iff kv > q_offset + q + last
@@ -373,8 +373,8 @@ def ttt_mask_mod(T: int, T0: int, q_offset: int = 0, window: Optional[int] = Non
         causal = (kv < T0) & (kv <= row)
         if last is not None:
             causal = causal & (kv > row + last)
-        if doc is not None:
-            causal = causal & (doc[b, kv.clamp(max=T0 - 1)] == doc[b, row])
+        if doc_ids_BT is not None:
+            causal = causal & (doc_ids_BT[b, kv.clamp(max=T0 - 1)] == doc_ids_BT[b, row])
         return causal | ((kv >= T0) & ((kv - T0) % T == q))
 
     return mask_mod
@@ -399,21 +399,21 @@ def ttt_attention_flex(
     q_offset: int = 0,
     scale: Optional[float] = None,
     window: Optional[int] = None,
-    doc: Optional[torch.Tensor] = None,
+    doc_ids_BT: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """TTT attention as one ``flex_attention`` call over ``cat(keys)`` (see the module docstring);
-    packed rows (``doc``) build their block mask per call (it depends on the samples' lengths)."""
+    packed rows (``doc_ids_BT``) build their block mask per call (it depends on the samples' lengths)."""
     B, Hq, Hkv, T, D = _check(q, keys, values, q_offset)
     check_window(window, len(keys) - 1)
     dt = matmul_dtype(q, keys[0], values[0])
     K = torch.cat([k.to(dt) for k in keys], dim=2) if len(keys) > 1 else keys[0].to(dt)
     V = torch.cat([v.to(dt) for v in values], dim=2) if len(values) > 1 else values[0].to(dt)
     w = None if window is None else int(window)
-    if doc is None:
+    if doc_ids_BT is None:
         mask = _block_mask(T, keys[0].shape[2], len(keys) - 1, int(q_offset), w, q.device)
     else:
         T0 = keys[0].shape[2]
-        mask = create_block_mask(ttt_mask_mod(T, T0, int(q_offset), w, len(keys) - 1, doc), B, None, T,
+        mask = create_block_mask(ttt_mask_mod(T, T0, int(q_offset), w, len(keys) - 1, doc_ids_BT), B, None, T,
                                  T0 + (len(keys) - 1) * T, device=q.device)
     try:
         with torch.autocast(q.device.type, enabled=False):
@@ -466,9 +466,9 @@ class TTTAttentionCore(nn.Module):
                              f"{', '.join(map(repr, CHOICES))}")
         self._impl = value
 
-    def forward(self, q_BHTD, keys, values, q_offset: int = 0, doc: Optional[torch.Tensor] = None):
+    def forward(self, q_BHTD, keys, values, q_offset: int = 0, doc_ids_BT: Optional[torch.Tensor] = None):
         fn = IMPLS[pick_impl(self._impl, q_BHTD.device.type)]
-        kw = {} if doc is None else {"doc": doc}  # packed rows (module docstring)
+        kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT}  # packed rows (module docstring)
         return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale, window=self.window, **kw)
 
     def extra_repr(self) -> str:

@@ -133,9 +133,9 @@ def teacher_probs(last_hidden_NH: torch.Tensor, teacher_weight_NH: torch.Tensor,
 
 
 def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: torch.Tensor, ttt_length: int,
-               doc_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+               doc_ids_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``ttt_length x B x T`` bool: does row t of step i count? (see the module docstring). Packed
-    rows (``doc_BT``): only if the predicted token ``t+2+i`` is in row t's own sample (then so are
+    rows (``doc_ids_BT``): only if the predicted token ``t+2+i`` is in row t's own sample (then so are
     the input token and the teacher's position between them)."""
     B, T = loss_mask_BT.shape
     lm = loss_mask_BT.bool()
@@ -147,8 +147,8 @@ def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: t
     for i in range(ttt_length):
         if T - 1 - i > 0:
             out[i, :, : T - 1 - i] = cond[:, 1 + i :]
-            if doc_BT is not None:
-                out[i, :, : T - 2 - i] &= doc_BT[:, 2 + i :] == doc_BT[:, : T - 2 - i]
+            if doc_ids_BT is not None:
+                out[i, :, : T - 2 - i] &= doc_ids_BT[:, 2 + i :] == doc_ids_BT[:, : T - 2 - i]
     return out
 
 
@@ -355,8 +355,8 @@ def ttt_loss(
     if sp_rows is not None and T < sp_rows + L + 1:
         raise ValueError(f"SP slice: {T} window rows, need num_rows + ttt_length + 1 = {sp_rows + L + 1}")
     R = T if sp_rows is None else sp_rows  # rows this call computes
-    doc = _get(batch, "doc_ids_BT", None)  # packed rows (training/packing.py)
-    valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc)[:, :, :R]  # L,B,R
+    doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows (data/packing.py)
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT)[:, :, :R]  # L,B,R
     teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH, softcap)
     # SP: the same shapes on every rank (collectives inside the attention core)
     t_len, step_rows = _step_rows(valid, sp_rows)
@@ -383,7 +383,7 @@ def ttt_loss(
         return ce_sum * (decay**i)
 
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
-    kw = {} if doc is None else {"doc_BT": doc}
+    kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT}
     return sum(draft(ids, aux, pos, t_len, head, **kw)) / max(normalizer, 1.0), counts
 
 
@@ -407,8 +407,8 @@ def ttt_loss_reference(
     B, T = ids.shape
     dev = ids.device
     L = int(ttt_length)
-    doc = _get(batch, "doc_ids_BT", None)  # packed rows
-    valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc).float()
+    doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows
+    valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT).float()
     teacher_all = teacher_probs(last_hidden, teacher_weight_NH, softcap)  # B,T,N
     layer = draft.midlayer
     attn_mod = layer.self_attn
@@ -427,7 +427,7 @@ def ttt_loss_reference(
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys.append(k)
         values.append(v)
-        attn = ttt_attention_eager(q, keys, values, doc=doc)
+        attn = ttt_attention_eager(q, keys, values, doc_ids_BT=doc_ids_BT)
         hidden = draft.layer_finish(attn, hidden)
         z = draft.logits(hidden)
         logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)  # B,T,N

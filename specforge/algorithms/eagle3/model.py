@@ -505,7 +505,7 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BTKH: torch.Tensor, position_ids_BT: torch.Tensor,
                 t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None,
-                doc_BT: Optional[torch.Tensor] = None) -> list:
+                doc_ids_BT: Optional[torch.Tensor] = None) -> list:
         """The training forward: ``[head(i, hidden_out_B_Ti_H) for TTT steps i]`` (default head: the
         hidden itself). The head runs inside this forward because it reads ``norm``/``lm_head``,
         which FSDP2 unshards only around a forward.
@@ -514,7 +514,7 @@ class Eagle3Draft(nn.Module):
         x_{t+1+i} (zeros past the end), the previous step's hidden, RoPE position ``pos[t] + i``,
         and attends to step-0 keys ``<= t`` and to its own row's keys of steps ``1..i``. The
         embedding half of q/k/v is projected once for the whole sequence and shifted per step.
-        ``doc_BT``: packed rows (``training/packing.py``): a query attends only to its own sample's keys.
+        ``doc_ids_BT``: packed rows (``data/packing.py``): a query attends only to its own sample's keys.
         """
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
@@ -525,7 +525,7 @@ class Eagle3Draft(nn.Module):
         values: list[torch.Tensor] = []
         out = []
         # the step-0 keys' rows (one tensor for the unroll: SP cores cache their gather of it by identity)
-        kw = {} if doc_BT is None else {"doc": doc_BT[:, : t_len[0]]}
+        kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT[:, : t_len[0]]}
         for i, Ti in enumerate(t_len):
             hidden = hidden[:, :Ti]
             e_i = e_full[:, 1 + i : 1 + i + Ti]

@@ -142,10 +142,10 @@ class PEagleDraft(Eagle3Draft):
 
     def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BTKH: torch.Tensor, position_ids_BT: torch.Tensor,
                 t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None,
-                doc_BT: Optional[torch.Tensor] = None) -> list:
+                doc_ids_BT: Optional[torch.Tensor] = None) -> list:
         """``[head(d, hidden_out_B_Td_H) for depths d]`` (see the module docstring); the arguments of
         ``Eagle3Draft.forward``: depth ``d`` computes rows ``t < t_len[d]`` (non-increasing).
-        ``doc_BT``: packed rows (``training/packing.py``): a row of any depth attends only to its own
+        ``doc_ids_BT``: packed rows (``data/packing.py``): a row of any depth attends only to its own
         sample's depth-0 keys (its own anchor's mask rows are of its sample already)."""
         core = self.midlayer.self_attn.core
         w_emb, w_hid = self.qkv_weights()
@@ -159,7 +159,7 @@ class PEagleDraft(Eagle3Draft):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out = []
-        kw = {} if doc_BT is None else {"doc": doc_BT[:, : t_len[0]]}  # one tensor for every depth (as EAGLE-3's)
+        kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT[:, : t_len[0]]}  # one tensor for every depth (as EAGLE-3's)
         for d, Td in enumerate(t_len):
             if d == 0:  # EAGLE-3's step 0: target features of row t, the embedding of x_{t+1}
                 e, hidden = e_full[:, 1 : 1 + Td], h_real[:, :Td]
