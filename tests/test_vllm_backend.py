@@ -8,10 +8,18 @@ fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own ne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -304,8 +312,6 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
     """Disaggregated, features from vLLM: the rollout worker's engine is SIGKILLed after train step 1.
     The worker exits with it, the driver replaces it as any dead rollout worker (a new engine), the
     train ranks resume at a consistent step: every step trains once, losses as with transformers."""
-    import os
-    import signal
 
     import ray
 
@@ -417,3 +423,65 @@ def test_vllm_command_prints_the_engine_with_its_storage_folder(folders, capsys,
     assert "--host 0.0.0.0 --port 8124" in capsys.readouterr().out
     assert capture_main([*args[2:], "--vllm-command", "host:port"]) == 1
     assert "--vllm-command 'host:port'" in _err(capsys)
+
+
+def _group_of(marker: str) -> Optional[int]:
+    """The process group of the engine server whose command line holds ``marker`` (None: none runs)."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if "vllm.entrypoints" in cmd and marker in cmd:
+                    return os.getpgid(int(d.name))
+    return None
+
+
+def _alive_in(group: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(d.name)) == group and (d / "stat").read_text().split()[2] != "Z":
+                    out.append(int(d.name))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(folders, tmp_path):
+    """The process that starts an engine is SIGKILLed while the engine starts (its core and workers
+    up, the server not yet serving): the whole engine goes within seconds. vLLM's server catches
+    SIGTERM and, during start-up, keeps running with its core and workers, so a plain parent-death
+    signal to the server leaves them behind; the group guard kills the group."""
+    storage = tmp_path / "marker-storage"
+    storage.mkdir()
+    code = ("import torch\n"
+            "from specforge.config import load_config\n"
+            "from specforge.models.target import load_target_config\n"
+            "from specforge.models.vllm_engine import VllmEngine, spec_for\n"
+            "from specforge.targets import text_config\n"
+            "from tests.helpers.targets import AUX, overrides\n"
+            f"cfg = load_config(None, overrides(__import__('pathlib').Path({str(folders['llama'])!r})) + "
+            "['rollout.backend=vllm', 'rollout.vllm_args=[--enforce-eager]'])\n"
+            "n = text_config(load_target_config(cfg.model)).num_hidden_layers\n"
+            f"VllmEngine(spec_for(cfg, {str(folders['llama'] / 'target')!r}, n, AUX, torch.float32, "
+            f"torch.device('cpu')), storage_root={str(storage)!r})\n")
+    starter = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        group, deadline = None, time.monotonic() + 120
+        while time.monotonic() < deadline:  # the engine's core and a worker up: start-up under way
+            group = group or _group_of(str(storage))
+            if group is not None and len(_alive_in(group)) >= 4:  # guard, server, engine core, worker
+                break
+            assert starter.poll() is None, "the starter exited before its engine started"
+            time.sleep(0.5)
+        assert group is not None and len(_alive_in(group)) >= 4, "the engine did not start in 120 s"
+    finally:
+        starter.kill()
+        starter.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive_in(group) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _alive_in(group)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)  # do not leave them to the next test either way
+    assert not left, f"engine processes left after their starter died: {left}"

@@ -155,6 +155,13 @@ def shm_dir(root: Optional[str] = None) -> str:
     return tempfile.mkdtemp(prefix="specforge-vllm-", dir=root)
 
 
+# The engine runs under a shell that leads its own process group. When the process that started it
+# goes (PR_SET_PDEATHSIG sends the shell SIGTERM) or close() signals the group, the shell kills the
+# whole group at once: vLLM's server catches SIGTERM and, while it starts, neither exits nor stops
+# its engine core and workers, which an orphaned server leaves running.
+GROUP_GUARD = ["/bin/sh", "-c", 'trap "kill -KILL 0" TERM INT HUP; "$@" & wait $!', "specforge-vllm"]
+
+
 def _die_with_parent() -> None:  # the engine goes when the process that started it goes (Linux)
     os.setsid()
     try:
@@ -186,7 +193,8 @@ class VllmEngine:
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{port}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(spec.command(port, self.storage, str(python)), env=spec.env(python), stdout=log,
+            self.proc = subprocess.Popen(GROUP_GUARD + spec.command(port, self.storage, str(python)), env=spec.env(python),
+                                         stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
                                          preexec_fn=_die_with_parent)
         try:
