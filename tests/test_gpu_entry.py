@@ -190,6 +190,50 @@ def test_capture_into_a_store_then_offline_training_on_the_device(assets, tmp_pa
     assert sorted(got) == [1, 2, 3, 4] and all(v == v for v in got.values())
 
 
+def test_the_target_in_vllm_on_the_device(tmp_path):
+    """rollout.backend=vllm on the device: the engine's features of a tiny bf16 target equal our
+    transformers forward's on the same device within bf16 rounding (argmax ties aside), and a
+    single-process online run of 3 steps trains on them. Heads 32 wide (vLLM's CPU attention has no
+    16-wide kernel, for the rehearsal). Skipped where vLLM is not installed (scripts/install_vllm.sh)."""
+    from specforge import train as local
+    from specforge.config import load_config
+    from specforge.models.target import capture, load_target
+    from specforge.models.vllm_engine import engine_factory, engine_python
+    from specforge.training.batch import collate
+
+    need_device()
+    try:
+        engine_python(None)
+    except ValueError as err:
+        pytest.skip(str(err))
+    write_tiny_assets(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    args = overrides(tmp_path, tmp_path / "online", "eagle3", "rollout.backend=vllm", "rollout.vllm_args=[--enforce-eager]",
+                     "placement.mode=colocated",
+                     "train.max_steps=3", "checkpoint.every_steps=0", "checkpoint.resume=false")
+    cfg = load_config(None, args)
+    layers = [1, 2, 4]
+    hf = load_target(cfg.model, torch.device(DEVICE), layers=lambda n: layers)
+    eng = load_target(cfg.model, torch.device(DEVICE), layers=lambda n: layers, engine_for=engine_factory(cfg))
+    try:
+        g = torch.Generator().manual_seed(0)
+        rows = [{"input_ids": torch.randint(3, 60, (n,), generator=g).tolist(), "loss_mask": [1] * n} for n in (40, 17)]
+        ids, _, attn = collate(rows, 0)
+        ids, attn = ids.to(DEVICE), attn.to(DEVICE)
+        want, got = capture(hf, ids, attn), capture(eng, ids, attn)
+    finally:
+        eng.engine.close()
+    keep = attn.bool().cpu()
+    for name in ("aux_hidden_BTKH", "last_hidden_BTH"):  # per token: max error / max value (bf16: 0.2-2%)
+        a, b = getattr(got, name).float().cpu()[keep], getattr(want, name).float().cpu()[keep]
+        rel = (a - b).flatten(1).abs().amax(1) / b.flatten(1).abs().amax(1)
+        assert rel.max() < 0.05, (name, rel.max())
+    assert (got.target_ids_BT.cpu()[keep] == want.target_ids_BT.cpu()[keep]).float().mean() > 0.9
+    del hf
+    assert local.main(args) == 0
+    got_losses = losses(tmp_path / "online")
+    assert sorted(got_losses) == [1, 2, 3] and all(v == v for v in got_losses.values())
+
+
 # ----------------------------------------------------------------------- the memory model
 
 H, V, N, T = 1024, 32000, 8000, 2048  # a draft of a 1B-class target; the features of one 2k-token sample

@@ -30,6 +30,7 @@ from specforge.data.store import FeatureStore
 from specforge.models.target import capture, check_features, load_target, load_target_config
 from specforge.models.vllm_engine import (
     EngineError,
+    EngineSpec,
     VllmEngine,
     default_python,
     engine_factory,
@@ -57,6 +58,13 @@ def test_layer_ids_convention_and_its_bounds():
     assert vllm_layer_ids([0], 6) == [1, 6]
     with pytest.raises(ValueError, match=r"model.aux_layer_ids.*layer 6 .*0\.\.5"):
         vllm_layer_ids([0, 6], 6)
+    # a 6-layer target's default EAGLE-3 ids repeat a layer, and the last layer's output is the final
+    # pre-norm state: the engine is asked for each id once (the rehearsal of tests/test_gpu_entry.py
+    # runs such a target through vLLM end to end)
+    spec = EngineSpec(model_path="x", layer_ids=vllm_layer_ids([1, 2, 2, 5], 6), dtype=torch.float32, max_model_len=8)
+    assert spec.layer_ids == [2, 3, 3, 6, 6] and spec.served_ids == [2, 3, 6]
+    assert json.loads(spec.command(1, "/s")[spec.command(1, "/s").index("--speculative-config") + 1])[
+        "draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 6]
 
 
 def test_feature_check_refuses_nan_and_all_zero_layers():

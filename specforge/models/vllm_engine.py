@@ -101,9 +101,16 @@ class EngineSpec:
     trust_remote_code: bool = False
     python: Optional[str] = None
 
+    @property
+    def served_ids(self) -> list[int]:
+        """The layer ids the engine captures: each once (a small target's default ids repeat a layer,
+        or name the last layer, whose output is the final pre-norm state; vLLM captures a repeated id
+        once and then fails on the count)."""
+        return list(dict.fromkeys(self.layer_ids))
+
     def command(self, port: int, storage: str, python: str = "python", host: str = "127.0.0.1") -> list[str]:
         spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.served_ids}}}
         kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
               "kv_connector_extra_config": {"shared_storage_path": storage, "use_synchronization_lock": False}}
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
@@ -314,7 +321,14 @@ class VllmEngine:
                 os.remove(path)
         if data["token_ids"].tolist() != ids:
             raise EngineError("rollout.backend=vllm: the engine's hidden states belong to other tokens than sent")
-        return data["hidden_states"]
+        hs, served = data["hidden_states"], self.spec.served_ids
+        if hs.shape[1] != len(served):
+            raise EngineError(f"rollout.backend=vllm: the engine captures {hs.shape[1]} layers, this run needs "
+                              f"{len(served)} (vLLM ids {served}): start it with the command `python -m "
+                              "specforge.capture --config ... --vllm-command PORT` prints for this config")
+        if served != self.spec.layer_ids:
+            hs = hs[:, [served.index(j) for j in self.spec.layer_ids]]
+        return hs
 
     def hidden_states(self, rows: Sequence[list[int]]) -> list[torch.Tensor]:
         """Per row: ``[T, K + 1, H]`` (our K layers, then the final pre-norm), all rows in flight at once."""
