@@ -168,11 +168,11 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     try:
+        cfg = load_config(args.config, list(args.overrides) + extra)
         if args.vllm_command is not None:
-            print(vllm_command(load_config(args.config, list(args.overrides) + extra), args.vllm_command,
-                               args.vllm_storage))
+            print(vllm_command(cfg, args.vllm_command, args.vllm_storage))
             return 0
-        root = capture_store(load_config(args.config, list(args.overrides) + extra), progress=not args.no_progress)
+        root = capture_store(cfg, progress=not args.no_progress)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

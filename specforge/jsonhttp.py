@@ -22,30 +22,30 @@ class HttpFailure(Exception):
         self.code, self.detail = code, detail
 
 
-def post_json(url: str, body: dict | bytes, timeout_s: float) -> dict:
-    """POST ``body`` (a dict, or JSON already encoded) to ``url``; the reply parsed as JSON."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _read(req: urllib.request.Request | str, timeout_s: float) -> bytes:
+    """The body of one request; :class:`HttpFailure` for an HTTP error or no answer."""
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
+            return r.read()
     except urllib.error.HTTPError as e:
         raise HttpFailure(e.code, e.read()[:300].decode(errors="replace")) from None
-    except json.JSONDecodeError as e:
-        raise HttpFailure(None, f"reply is not JSON ({e})") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut
         raise HttpFailure(None, f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
 
 
+def post_json(url: str, body: dict | bytes, timeout_s: float) -> dict:
+    """POST ``body`` (a dict, or JSON already encoded) to ``url``; the reply parsed as JSON."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = _read(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}), timeout_s)
+    try:
+        return json.loads(reply)
+    except json.JSONDecodeError as e:
+        raise HttpFailure(None, f"reply is not JSON ({e})") from None
+
+
 def get_text(url: str, timeout_s: float) -> str:
     """GET ``url``; the body as text. Raises :class:`HttpFailure` as :func:`post_json` does."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.read().decode()
-    except urllib.error.HTTPError as e:
-        raise HttpFailure(e.code, e.read()[:300].decode(errors="replace")) from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise HttpFailure(None, f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+    return _read(url, timeout_s).decode()
 
 
 def healthy(url: str, timeout_s: float) -> bool:
