@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import append_section, header_markdown, markdown_table  # noqa: E402
 from benchmarks.ttt_step import make_draft, realistic_loss_mask  # noqa: E402
-from specforge.algorithms import get_algorithm  # noqa: E402
 from specforge.algorithms.eagle3.algorithm import Eagle3Options  # noqa: E402
 from specforge.algorithms.eagle3.loss import ttt_loss  # noqa: E402
 from specforge.config import Config  # noqa: E402
 from specforge.device import autocast, synchronize  # noqa: E402
 from specforge.memory import DraftParams, SeqShape, StepPrecision  # noqa: E402
 from specforge.models.features import TrainBatch  # noqa: E402
+from specforge.registry import get_algorithm  # noqa: E402
 from specforge.training.slicing import pack_micro_batches  # noqa: E402
 
 SHAPES = {  # Llama-3.1-8B's draft (the gpu-bench yardstick's) and a CPU-sized stand-in
@@ -99,7 +99,7 @@ def predicted_gib(draft, T: int, attention: str, gpu: bool) -> float:
     """The memory model's peak of this step: the algorithm's ``memory_step`` terms (its largest phase)
     plus the draft's fp32 weights, gradients and two AdamW moments and its frozen weights."""
     cfg = Config(draft=Eagle3Options(attention=attention, ttt_length=TTT))
-    step = get_algorithm("eagle3").memory_step(cfg, draft, SeqShape(1, T, ttt=TTT), StepPrecision(compute=2), gpu)
+    step = get_algorithm("eagle3").bind(cfg).memory_step(draft, SeqShape(1, T, ttt=TTT), StepPrecision(compute=2), gpu)
     phase = max(sum(t.nbytes for t in terms) for terms in step.values())
     params = DraftParams.of(draft)
     return (params.trainable * 4 * 4 + params.frozen_bytes + params.buffer_bytes + phase) / GiB

@@ -53,10 +53,10 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
               fraction: float = 1.0, epochs: float = 0.0) -> list[dict]:
     """Train lever ``name`` on the first ``fraction`` of the train samples; measure the held-out
     rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given."""
-    from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
+    from specforge.registry import bound_algorithm
     from specforge.training.trainer import DraftTrainer
 
     overrides, all_tokens = LEVERS[name]
@@ -69,10 +69,10 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     rows = [store.read(i) for i in train]
     vocab = build_draft_vocab([{"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
                                for r in rows], target.config.vocab_size, cfg.draft.vocab_size)
-    draft = EAGLE3.build_draft(cfg, target, vocab)
-    teacher = EAGLE3.train_state(cfg, target, vocab)
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), total_steps=2000)
-    judge = DraftTrainer(get_algorithm(cfg7.draft.algorithm), draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
+    draft = EAGLE3.bind(cfg).build_draft(target, vocab)
+    teacher = EAGLE3.bind(cfg).train_state(target, vocab)
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), total_steps=2000)
+    judge = DraftTrainer(bound_algorithm(cfg7), draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
     held = [store.batch(hold[i : i + 4], 0) for i in range(0, len(hold), 4)]
     marks = [minutes * 60 * (k + 1) / evals for k in range(evals)]
     stop_step = round(epochs * len(train) / batch_size) if epochs else None

@@ -176,10 +176,10 @@ def _batch(case: Case, g: torch.Generator, groups=None):
 
 def measure(case: Case, groups=None) -> int:
     """The measured peak of the second step, bytes (this rank's)."""
-    from specforge.algorithms import get_algorithm
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy
     from specforge.parallel.parallelize import sum_over_train_ranks
     from specforge.parallel.sp import apply_sp
+    from specforge.registry import bound_algorithm, get_algorithm
     from specforge.training.trainer import DraftTrainer
 
     g = torch.Generator().manual_seed(0)
@@ -188,11 +188,11 @@ def measure(case: Case, groups=None) -> int:
         state = torch.randn(case.N, case.H, generator=g) if case.algo == "eagle3" else None
         if groups is not None:  # the GPU's layout: SP core swap, then FSDP2 (bf16 mixed precision if asked)
             if groups.sp_size > 1:
-                from specforge.algorithms import get_algorithm
+                from specforge.registry import get_algorithm
 
                 apply_sp(draft, get_algorithm(case.algo).sp_cores(draft), groups.ulysses_group, groups.ring_group)
             apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy() if case.mp else None)
-        trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, state, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+        trainer = DraftTrainer(bound_algorithm(cfg), draft, state, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
         first = _batch(case, g, groups)
         trainer.step([first])
         del first

@@ -103,12 +103,12 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
     from specforge.models.features import TrainBatch
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+    from specforge.registry import bound_algorithm
     from specforge.training.checkpoint import CheckpointManager, capture_rng, save_or_rescue
     from specforge.training.trainer import DraftTrainer
     from tests.test_save_memory import _LargestTensor
@@ -122,8 +122,8 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     b = make_batch(1, T, draft)
     batch = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"].float(), b["last_hidden_BTH"].float(),
                        b["target_ids_BT"])
-    draft = parallelize_draft(draft, ParallelDims(dp=world), groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    draft = parallelize_draft(draft, ParallelDims(dp=world), groups, cfg.train.precision, bound_algorithm(cfg))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     trainer.step([batch])
     gc.collect()
     dist.barrier()

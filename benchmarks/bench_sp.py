@@ -69,13 +69,13 @@ def predicted_mb(sp: int, T: int, mode: str, window) -> float:
 
 
 def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "ulysses", window=None) -> None:
-    from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.algorithm import Eagle3Options
     from specforge.config import Config, TrainConfig
     from specforge.models.features import TrainBatch
     from specforge.parallel import sp
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+    from specforge.registry import bound_algorithm
     from specforge.training.slicing import sp_slice_batch
     from specforge.training.trainer import DraftTrainer
 
@@ -91,8 +91,8 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
     b = make_batch(1, T, draft)
     full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"], b["target_ids_BT"])
-    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length + 1)]
     base = _rss_mb()
     times = []

@@ -123,13 +123,13 @@ def read_rate(read_batch, ids: list[int], lengths: dict, reps: int, seed: int = 
 
 
 def train_and_eval(cfg, target, vocab, store: FeatureStore, eval_batches, steps: int) -> dict:
-    from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
+    from specforge.registry import bound_algorithm
     from specforge.training.trainer import DraftTrainer
 
     torch.manual_seed(cfg.train.seed)
-    draft = EAGLE3.build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, EAGLE3.train_state(cfg, target, vocab), cfg, target.device)
+    draft = EAGLE3.bind(cfg).build_draft(target, vocab)
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, EAGLE3.bind(cfg).train_state(target, vocab), cfg, target.device)
     pad = pad_id(target.tokenizer)
     t0 = time.perf_counter()
     for step in range(steps):
@@ -224,10 +224,10 @@ def main() -> int:
             ])
         acc = {}
         if args.train_steps:
-            from specforge.algorithms import get_algorithm
+            from specforge.registry import bound_algorithm
             from specforge.training.trainer import build_vocab
 
-            vocab = build_vocab(get_algorithm(cfg.draft.algorithm), cfg, data.train, target.config.vocab_size, data.cache_key)
+            vocab = build_vocab(bound_algorithm(cfg), cfg, data.train, target.config.vocab_size, data.cache_key)
             eval_batches = fp32_batches(target, data.eval, cfg.model.argmax_chunk_tokens)
             for d, s in stores.items():
                 acc[d] = train_and_eval(cfg, target, vocab, s, eval_batches, args.train_steps)

@@ -34,10 +34,10 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     markdown_table,
 )
-from specforge.algorithms import feature_layers  # noqa: E402
 from specforge.capture import CAPTURE_TOKENS, iter_features, plan_batches  # noqa: E402
 from specforge.models.target import capture, load_target  # noqa: E402
 from specforge.models.vllm_engine import engine_factory  # noqa: E402
+from specforge.registry import feature_layers  # noqa: E402
 from specforge.training.batch import collate, global_batch_ids  # noqa: E402
 
 EAGER = {"backend": "vllm", "vllm_args": ["--enforce-eager"]}

@@ -19,7 +19,6 @@ from typing import Iterator, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specforge.algorithms import feature_layers
 from specforge.config import load_config
 from specforge.data.packing import target_packs
 from specforge.data.prepare import prepare_dataset
@@ -35,6 +34,7 @@ from specforge.data.store import (
 from specforge.device import pick_device, pick_dtype, set_threads
 from specforge.models.target import capture, load_target, load_target_config, load_tokenizer, resolve_target_path
 from specforge.models.vllm_engine import SERVER_STORAGE, engine_factory, server_command, spec_for
+from specforge.registry import feature_layers
 from specforge.targets import text_config
 from specforge.training.batch import collate, pad_id
 

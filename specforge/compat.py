@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from specforge.algorithms import read_draft_config
+from specforge.registry import read_draft_config
 from specforge.targets import text_config
 
 ALLOW_FLAG = "--allow-mismatch"

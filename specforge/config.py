@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from specforge.algorithms import NAMES, get_algorithm
+from specforge.registry import NAMES, get_algorithm
 
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
@@ -68,7 +68,7 @@ class DataConfig:
 
 @dataclass
 class DraftConfig:
-    """The draft: which algorithm trains it (``specforge.algorithms``) and the keys every algorithm
+    """The draft: which algorithm trains it (``specforge.registry``) and the keys every algorithm
     reads. An algorithm's own keys are the fields of its options class, a subclass of this one
     (``DraftAlgorithm.options``): the ``draft`` section is built as that class, so a key of another
     algorithm is refused as unknown. Range checks of an option: its field metadata ``at_least``,
@@ -90,7 +90,7 @@ class DraftConfig:
 def default_feature_layers(model_cfg: "ModelConfig", num_layers: int) -> list[int]:
     """The layers the default algorithm (``DEFAULT_ALGORITHM``) reads, for ``model_cfg``: what a
     target loaded without a run's config captures."""
-    return get_algorithm(DEFAULT_ALGORITHM).feature_layers(Config(model=model_cfg), num_layers)
+    return get_algorithm(DEFAULT_ALGORITHM).bind(Config(model=model_cfg)).feature_layers(num_layers)
 
 
 def draft_options(algorithm: str) -> type:
@@ -643,11 +643,10 @@ def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Op
     return []
 
 
-def layer_ids_or_default(cfg: Config, num_layers: int, default: list[int], count: Optional[int] = None,
+def layer_ids_or_default(ids, num_layers: int, default: list[int], count: Optional[int] = None,
                          who: str = "the draft") -> list[int]:
-    """``model.aux_layer_ids`` checked against a target of ``num_layers`` layers, or ``default``
-    (an algorithm's, which may repeat a layer only on the toy targets of the tests)."""
-    ids = cfg.model.aux_layer_ids
+    """``ids`` (a run's ``model.aux_layer_ids``) checked against a target of ``num_layers`` layers, or
+    ``default`` when None (an algorithm's, which may repeat a layer only on the toy targets of the tests)."""
     if ids is None:
         if min(default) < 0:
             raise ValueError(f"the target has {num_layers} layers, too few for the default model.aux_layer_ids "

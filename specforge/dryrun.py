@@ -28,7 +28,6 @@ from typing import Optional
 import torch
 
 from specforge import memory
-from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import EMBEDDED_TARGET, Config
 from specforge.contracts import FeatureSpec
 from specforge.data.vocab import DraftVocab
@@ -42,6 +41,7 @@ from specforge.models.target import (  # noqa: F401 (the dry run's names for the
     split_plan,
 )
 from specforge.parallel.dims import ParallelDims
+from specforge.registry import bound_algorithm, feature_layers
 from specforge.runtime.loop import check
 from specforge.runtime.loop import single_process as one_rank
 from specforge.runtime.plan import wire_dtype
@@ -116,9 +116,9 @@ def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     with meta:
         model = family.auto_class().from_config(hf_config, dtype=dtype)
         target = TargetModel(model, None, feature_layers(cfg, text.num_hidden_layers), meta)
-        algo = get_algorithm(cfg.draft.algorithm)
-        draft = algo.build_draft(cfg, target, vocab)
-        state = algo.train_state(cfg, target, vocab)
+        algo = bound_algorithm(cfg)
+        draft = algo.build_draft(target, vocab)
+        state = algo.train_state(target, vocab)
     return target, draft, state
 
 
@@ -168,7 +168,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     text = text_config(hf_config)
     layers = feature_layers(cfg, text.num_hidden_layers)
     check_target(hf_config, layers)
-    get_algorithm(cfg.draft.algorithm).check(cfg, text)
+    bound_algorithm(cfg).check(text)
     dims = ParallelDims.from_config(cfg)
     dims.check_heads(cfg.draft.num_attention_heads or text.num_attention_heads)
 
@@ -199,7 +199,7 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
 
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp
     use_gpu = wants_gpu(cfg.model.device)
-    devices = memory.plan(cfg, get_algorithm(cfg.draft.algorithm), target, draft, s_bytes, on_gpus, _on_gpus(cfg))
+    devices = memory.plan(cfg, bound_algorithm(cfg), target, draft, s_bytes, on_gpus, _on_gpus(cfg))
     available = memory.available_bytes(cfg)[0]
     spec = FeatureSpec.hidden_states(int(text.hidden_size), wire_dtype(cfg.model.dtype, use_gpu), len(layers))
     per_token = spec.bytes_per_token()
@@ -245,7 +245,7 @@ def memory_plan(cfg: Config, target_config: Optional[str] = None) -> list:
     shares = _target_split(cfg, hf_config, dtype, target) or [
         _engine_bytes(cfg, _nbytes(target.model.parameters()), quantized_as_shipped(target.model, hf_config)[1])]
     s_bytes = sum(t.numel() * 4 for t in _state_tensors(state))
-    return memory.plan(cfg, get_algorithm(cfg.draft.algorithm), target, draft, s_bytes, shares, _on_gpus(cfg))
+    return memory.plan(cfg, bound_algorithm(cfg), target, draft, s_bytes, shares, _on_gpus(cfg))
 
 
 def _print(cfg: Config, r: DryRun, family, dims) -> None:

@@ -39,11 +39,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from specforge.algorithms import ExportRequest, algorithm_of, read_draft_config
 from specforge.compat import check_draft_shape, check_target_weights
 from specforge.config import EMBEDDED_TARGET, ModelConfig
 from specforge.engines import llamacpp
 from specforge.engines.llamacpp import OUTTYPES  # what llama.cpp's converter writes itself
+from specforge.registry import algorithm_of, read_draft_config
+from specforge.seam import ExportRequest
 
 ENGINES = ("sglang", "vllm", "llama.cpp")
 

@@ -376,13 +376,13 @@ def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int
     compute = _compute_bytes(tr.precision, gpu)
     p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
-                 max(algo.sp_halo(cfg) - 1, 0))
+                 max(algo.sp_halo() - 1, 0))
     params = DraftParams.of(draft)
     # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
     # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
     # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)
     packed = tr.pack_tokens is not None
-    step = algo.memory_step(cfg, draft, dataclasses.replace(s, B=1, T=tr.pack_tokens) if packed else s, p, gpu)
+    step = algo.memory_step(draft, dataclasses.replace(s, B=1, T=tr.pack_tokens) if packed else s, p, gpu)
     wire = wire_dtype(cfg.model.dtype, gpu)
     wb = DTYPE_BYTES[wire]
     aux_rows = s.R if s.sp > 1 else s.T
@@ -517,7 +517,7 @@ def _keys_for(dev: DeviceMemory, cfg, algo) -> str:
     if dev.device.startswith("rollout"):
         return ("rollout batch (train.batch_size, train.grad_accum; more rollout.num_workers), data.max_length, "
                 "placement.max_inflight_mb or model.num_gpus")
-    keys = ["train.batch_size", "data.max_length", *algo.memory_keys(cfg)]
+    keys = ["train.batch_size", "data.max_length", *algo.memory_keys()]
     if cfg.placement.mode == "colocated":
         keys.append("placement.mode=disaggregated (the target off the train GPUs)")
     return ", ".join(keys)

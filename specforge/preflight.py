@@ -20,7 +20,6 @@ from typing import Mapping, Optional
 import torch
 
 from specforge import memory
-from specforge.algorithms import get_algorithm
 from specforge.config import Config
 from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_root
 from specforge.device import pick_device, wants_gpu
@@ -28,6 +27,7 @@ from specforge.dryrun import memory_plan
 from specforge.models.target import load_target_config, resolve_target_path
 from specforge.models.vllm_engine import engine_python, vllm_layer_ids
 from specforge.parallel.dims import ParallelDims
+from specforge.registry import bound_algorithm
 from specforge.runtime.loop import check, single_process
 from specforge.runtime.plan import EVAL_SAMPLES, replayable_ids, store_split
 from specforge.targets import check_capture_engine, check_packing, check_target, read_config_json, text_config
@@ -85,11 +85,11 @@ def check_memory(cfg: Config) -> None:
     fails here, not in step 1). A driver off the GPU nodes without the key: no check."""
     available, where = memory.available_bytes(cfg)
     if available is not None:
-        memory.check_fits(memory_plan(cfg), available, where, cfg, get_algorithm(cfg.draft.algorithm))
+        memory.check_fits(memory_plan(cfg), available, where, cfg, bound_algorithm(cfg))
         return
 
     if not wants_gpu(cfg.model.device) and not cfg.ray.address:  # every process on this machine's memory
-        memory.check_host_fits(memory_plan(cfg), memory.host_available_bytes(), cfg, get_algorithm(cfg.draft.algorithm))
+        memory.check_host_fits(memory_plan(cfg), memory.host_available_bytes(), cfg, bound_algorithm(cfg))
 
 
 def before_local_ray(cfg: Config) -> Optional[tuple[bool, dict[str, float], str]]:
@@ -112,8 +112,8 @@ def check_run(cfg: Config) -> None:
 
     full = load_target_config(cfg.model)
     target = text_config(full)  # an image-text target: its language model
-    algo = get_algorithm(cfg.draft.algorithm)
-    layers = algo.feature_layers(cfg, target.num_hidden_layers)
+    algo = bound_algorithm(cfg)
+    layers = algo.feature_layers(target.num_hidden_layers)
     check_target(read_config_json(resolve_target_path(cfg.model)) or full, layers)  # the family table's checks
     if cfg.rollout.pack_tokens is not None:
         check_packing(full)
@@ -122,7 +122,7 @@ def check_run(cfg: Config) -> None:
         vllm_layer_ids(layers, target.num_hidden_layers)  # a layer the engine cannot capture
         if cfg.rollout.vllm_endpoint is None:
             engine_python(cfg.rollout.vllm_python)  # vLLM not installed: said before any worker starts
-    algo.check(cfg, target)
+    algo.check(target)
     heads = cfg.draft.num_attention_heads or target.num_attention_heads
     ParallelDims.from_config(cfg).check_heads(heads)
     check_outputs(cfg)

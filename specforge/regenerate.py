@@ -57,7 +57,6 @@ import torch
 from tqdm.auto import tqdm
 
 from specforge import device
-from specforge.algorithms import feature_layers
 from specforge.config import Config, load_config
 from specforge.data import store as fs
 from specforge.data.heldout import heldout_sources
@@ -77,6 +76,7 @@ from specforge.models.target import capture as capture_features
 from specforge.models.target import load_target, load_tokenizer
 from specforge.models.vllm_engine import engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
+from specforge.registry import feature_layers
 from specforge.runtime.actors import start_ray
 from specforge.training.batch import collate, pad_id
 

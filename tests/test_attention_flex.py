@@ -212,7 +212,7 @@ def test_flex_is_predicted_below_the_gpu_default_at_8b_shapes_and_4096_tokens():
     shape, p = memory.SeqShape(1, 4096, 1, 1, 7), memory.StepPrecision(compute=2)
     peak, attn = {}, {}
     for impl in ("auto", "flex"):
-        step = ALGORITHM.memory_step(load_config(None, [f"draft.attention={impl}"]), draft, shape, p, gpu=True)
+        step = ALGORITHM.bind(load_config(None, [f"draft.attention={impl}"])).memory_step(draft, shape, p, gpu=True)
         peak[impl] = max(sum(t.nbytes for t in terms) for terms in step.values())
         attn[impl] = sum(t.nbytes for t in step["forward"] if "probabilities" in t.name or "attention core" in t.name)
         probs = [t.nbytes for t in step["forward"] if "probabilities" in t.name]

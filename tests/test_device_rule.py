@@ -122,13 +122,13 @@ class _Spy:
     def _record(self, hook, batch):
         self.seen.append((hook, getattr(batch, "moved", False)))
 
-    def normalizer(self, draft, batch, cfg, step):
+    def normalizer(self, draft, batch, step):
         self._record("normalizer", batch)
-        return self.inner.normalizer(draft, batch, cfg, step)
+        return self.inner.normalizer(draft, batch, step)
 
-    def loss(self, draft, batch, state, cfg, step, normalizer):
+    def loss(self, draft, batch, state, step, normalizer):
         self._record("loss", batch)
-        return self.inner.loss(draft, batch, state, cfg, step, normalizer)
+        return self.inner.loss(draft, batch, state, step, normalizer)
 
 
 @dataclasses.dataclass
@@ -183,9 +183,9 @@ def saved_as_if_on_cuda():
 
 
 def test_a_checkpoint_saved_on_cuda_resumes_and_evaluates_on_a_cpu_only_machine(tmp_path):
-    from specforge.algorithms import load_draft
     from specforge.compat import check_target_weights
     from specforge.data.vocab import DraftVocab
+    from specforge.registry import load_draft
     from specforge.training.checkpoint import CheckpointManager, load_train_state
     from specforge.training.trainer import run_identity
     from tests.helpers.trainer import feature_batch, setup_trainer

@@ -132,21 +132,21 @@ def _forward_err(groups, comm, skip_hop=-1, wrong_mask=False, window=None, ref_w
 
 
 def _train_err(groups, dims, ref_path):
-    from specforge.algorithms import get_algorithm
     from specforge.parallel.fsdp import full_state_dict, grads_full
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+    from specforge.registry import bound_algorithm
     from specforge.training.slicing import sp_slice_batch
     from specforge.training.trainer import DraftTrainer
 
     cfg = _cfg()
-    algo = get_algorithm(cfg.draft.algorithm)
+    algo = bound_algorithm(cfg)
     draft, _, batches = _setup()
-    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
+    draft = parallelize_draft(draft, dims, groups, cfg.train.precision, algo)
     trainer = DraftTrainer(algo, draft, None, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path)
     err, metric_err = 0.0, 0.0
     for step, full in enumerate(batches):
-        m = trainer.step([sp_slice_batch(full, groups.sp_rank, groups.sp_size, algo.sp_halo(cfg))])
+        m = trainer.step([sp_slice_batch(full, groups.sp_rank, groups.sp_size, algo.sp_halo())])
         rm = ref["metrics"][step]
         assert m["valid_tokens"] == rm["valid_tokens"] > 0, (step, m["valid_tokens"], rm["valid_tokens"])
         for key in ("loss", "acc_0", f"acc_{K - 2}", "tau", "grad_norm"):
@@ -161,10 +161,10 @@ def _train_err(groups, dims, ref_path):
 
 
 def _rank(rank, world, ref_path, out_dir):
-    from specforge.algorithms import get_algorithm
     from specforge.algorithms.dflash.sp import ring_comm
     from specforge.parallel.dims import ParallelDims
     from specforge.parallel.sp import apply_sp
+    from specforge.registry import get_algorithm
 
     dims = ParallelDims(1, 1, world)
     groups = dims.build(list(range(world)), rank, timeout_s=90)
@@ -215,7 +215,7 @@ def test_right_padding_moves_no_anchor():
     b = _batches(8)[0]
 
     def anchors(ids, mask):
-        return sample_anchors(mask, 6, keys_BT=anchor_keys(ids, mask, anchor_seed(cfg, 3)))
+        return sample_anchors(mask, 6, keys_BT=anchor_keys(ids, mask, anchor_seed(cfg.train.seed, 3)))
 
     a0, k0 = anchors(b.input_ids_BT, b.loss_mask_BT)
     for pad, value in ((1, 0), (3, 7), (40, 0)):

@@ -186,11 +186,11 @@ def test_eval_runs_dflash_and_eagle3_drafts_losslessly_in_one_table(assets, sing
 def test_the_dflash_proposer_drafts_what_the_training_forward_predicts(assets, single):
     """The eval's proposer (one block after a cached context) and the training forward (all blocks in
     one pass, block mask) give the same drafts at the same anchor: the eval measures what was trained."""
-    from specforge.algorithms import load_draft
     from specforge.algorithms.dflash import ContextCache
     from specforge.algorithms.dflash.loss import build_block_ids
     from specforge.algorithms.dflash.propose import propose_block
     from specforge.models.target import forward_aux, load_target
+    from specforge.registry import load_draft
 
     _, ckpt = single
     cfg = dflash_cfg(assets, assets / "unused")

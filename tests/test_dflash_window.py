@@ -125,9 +125,9 @@ def test_zlab_reference_computes_our_windowed_block(tmp_path):
 
 
 def test_exports_write_the_window_where_the_engine_reads_it(tmp_path, capsys):
-    from specforge.algorithms import ExportRequest
     from specforge.algorithms.dflash.export import export, from_hf_config, llamacpp_config, save_dflash, to_hf_config
     from specforge.cli import run_cli
+    from specforge.seam import ExportRequest
 
     win = tiny_draft(torch.float32, sliding_window=W)
     folder = save_dflash(win, tmp_path / "win", torch.float32)

@@ -89,9 +89,9 @@ def test_the_frozen_embedding_is_counted_whole_on_every_train_rank():
 @pytest.mark.parametrize("name", ["qwen3_moe", "gemma3"])
 def test_dry_run_counts_equal_the_loaded_models(name, tmp_path, capsys):
     """On a real target folder (a tiny random model) the counts are those of the models a run loads."""
-    from specforge.algorithms import get_algorithm
     from specforge.data.vocab import DraftVocab
     from specforge.models.target import load_target
+    from specforge.registry import get_algorithm
     from specforge.train import main
     from tests.helpers.targets import overrides, target_folder
 
@@ -107,7 +107,7 @@ def test_dry_run_counts_equal_the_loaded_models(name, tmp_path, capsys):
     assert r.target_bytes == 2 * r.target_params and r.target_dtype == "bfloat16"
     V = target.config.vocab_size
     vocab = DraftVocab(torch.zeros(cfg.draft.vocab_size, dtype=torch.long), torch.zeros(V, dtype=torch.bool))
-    draft = get_algorithm("eagle3").build_draft(cfg, target, vocab)
+    draft = get_algorithm("eagle3").bind(cfg).build_draft(target, vocab)
     assert r.draft_params == sum(p.numel() for p in draft.parameters())
     assert r.draft_trainable == sum(p.numel() for p in draft.parameters() if p.requires_grad)
     assert r.draft_frozen == [n for n, p in draft.named_parameters() if not p.requires_grad] == ["embed_tokens.weight"]

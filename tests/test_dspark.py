@@ -332,8 +332,8 @@ def store(assets, tmp_path_factory):
 def test_online_and_offline_runs_agree_and_the_checkpoint_round_trips(assets, store, tmp_path):
     from safetensors.torch import load_file
 
-    from specforge.algorithms import algorithm_name, load_draft
     from specforge.models.target import load_target
+    from specforge.registry import algorithm_name, load_draft
     from specforge.train import run
 
     run(_cfg(assets, tmp_path / "online", "train.eval_every=2"))
@@ -479,7 +479,7 @@ def test_checkpoints_formats_the_draft_cannot_load_are_refused(tiny, tmp_path):
 
 
 def test_the_registry_routes_folders_and_ggufs_to_dspark():
-    from specforge.algorithms import algorithm_name, by_gguf
+    from specforge.registry import algorithm_name, by_gguf
 
     assert algorithm_name({"architectures": ["DSparkDraftModel"]}) == "dspark"
     assert algorithm_name({"architectures": ["DFlashDraftModel"]}) == "dflash"

@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge import export
-from specforge.algorithms import algorithm_name, by_gguf, get_algorithm, load_draft
 from specforge.algorithms.eagle31 import export as e31_export
 from specforge.algorithms.eagle31.model import Eagle31ChainDrafter, Eagle31Draft, Eagle31DraftConfig
 from specforge.cli import run_cli
 from specforge.models.target import TargetModel, forward_aux
+from specforge.registry import algorithm_name, by_gguf, get_algorithm, load_draft
 from specforge.training.checkpoint import save_checkpoint
 
 L, V, N, H = 8, 320, 100, 48
@@ -246,13 +246,13 @@ def test_training_lowers_the_loss_and_the_checkpoint_round_trips(tmp_path):
     t2d[top] = True
     vocab = DraftVocab(top - torch.arange(64), t2d)
 
-    draft = ALGO.build_draft(cfg, target, vocab)
+    draft = ALGO.bind(cfg).build_draft(target, vocab)
     assert type(draft) is Eagle31Draft and draft.input_norm is not None and draft.fc_norm is None
-    state = ALGO.train_state(cfg, target, vocab)
+    state = ALGO.bind(cfg).train_state(target, vocab)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for step in range(12):
-        loss, _ = ALGO.loss(draft, batch, state, cfg, step, None)
+        loss, _ = ALGO.bind(cfg).loss(draft, batch, state, step, None)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -315,7 +315,7 @@ def test_inference_paths_and_the_loss_agree_with_the_training_forward(target, fl
     batch = TrainBatch(ids, torch.ones_like(ids), aux, last, target_ids)
     teacher = torch.randn(N, H, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        got, counts = ALGO.loss(draft, batch, teacher, cfg, 0, None)
+        got, counts = ALGO.bind(cfg).loss(draft, batch, teacher, 0, None)
         want, want_counts = ttt_loss_reference(draft, batch, teacher, 3, cfg.draft.ttt_decay)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(counts, want_counts, rtol=1e-5, atol=1e-4)

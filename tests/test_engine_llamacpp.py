@@ -64,8 +64,8 @@ def served(tmp_path_factory):
 
 
 def _ours(target, ckpt):
-    from specforge.algorithms import load_draft
     from specforge.algorithms.eagle3.propose import EagleProposer
+    from specforge.registry import load_draft
 
     return EagleProposer(load_draft(ckpt, target).to(target.device), torch.float32)
 

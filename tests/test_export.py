@@ -132,7 +132,7 @@ def logits_ours_and_speculators(ckpt: Path, exported: Path, target_dir: Path, T=
     Each side gets the target features its own convention names; the same token ids."""
     from transformers import LlamaForCausalLM
 
-    from specforge.algorithms import load_draft
+    from specforge.registry import load_draft
 
     hf_target = LlamaForCausalLM.from_pretrained(target_dir).eval()
     ours_ids = json.loads((ckpt / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]

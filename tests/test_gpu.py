@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from specforge.algorithms import get_algorithm
 from specforge.contracts import FeatureSpec, SampleRef
 from specforge.parallel.launch import run_ranks
+from specforge.registry import bound_algorithm
 from specforge.runtime.dataplane import P2PTransport, synthetic_features
 from specforge.runtime.plan import plan_step
 from tests.helpers.ray_run import losses, make_cfg
@@ -127,7 +127,7 @@ def _bf16_rank_gpu(rank, world, ref_path):
     draft, teacher, batches = setup_sp()
     draft.to(here)
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher.to(here), cfg, here, reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher.to(here), cfg, here, reduce_sum=sum_over_train_ranks(groups))
     m = trainer.step([sample_rows(batches[0], rank)])
     grads = {k: g.cpu() for k, g in grads_full(draft).items()}
     if rank != 0:

@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from specforge.algorithms import get_algorithm
+from specforge.registry import get_algorithm
 from tests.helpers.data import write_tiny_assets
 from tests.helpers.ray_run import losses as train_rows
 
@@ -100,8 +100,8 @@ def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, a
     from specforge import eval as spec_eval
     from specforge import export
     from specforge import train as local
-    from specforge.algorithms import load_draft
     from specforge.models.target import TargetModel
+    from specforge.registry import load_draft
     from specforge.training.checkpoint import latest_checkpoint
 
     need_device()
@@ -264,19 +264,19 @@ def test_memory_model_within_ten_percent_of_the_measured_peak(algorithm):
     dev = torch.device(DEVICE)
     cfg = load_config(None, [f"draft.algorithm={algorithm}", *_shapes(algorithm), f"data.max_length={T}",
                              "train.batch_size=1", "train.precision=auto", f"model.device={DEVICE}"])
-    algo = get_algorithm(algorithm)
+    algo = get_algorithm(algorithm).bind(cfg)
     torch.manual_seed(0)
     lc = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=4 * H, num_hidden_layers=4, num_attention_heads=16,
                      num_key_value_heads=4, max_position_embeddings=2 * T)
     target = TargetModel(model=LlamaForCausalLM(lc).to(torch.bfloat16).eval(), tokenizer=None,
-                         aux_layer_ids=algo.feature_layers(cfg, 4), device=torch.device("cpu"))
+                         aux_layer_ids=algo.feature_layers(4), device=torch.device("cpu"))
     n = min(cfg.draft.vocab_size, V)
     vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.arange(V) < n)
-    draft = algo.build_draft(cfg, target, vocab).to(dev)
-    state = algo.train_state(cfg, target, vocab)
+    draft = algo.build_draft(target, vocab).to(dev)
+    state = algo.train_state(target, vocab)
     trainer = DraftTrainer(algo, draft, state, cfg, dev)
     del target
-    K = len(algo.feature_layers(cfg, 4))
+    K = len(algo.feature_layers(4))
     g = torch.Generator().manual_seed(1)
 
     def batch():
@@ -292,10 +292,10 @@ def test_memory_model_within_ten_percent_of_the_measured_peak(algorithm):
         torch.cuda.reset_peak_memory_stats()
     trainer.step([b])
     p = memory.StepPrecision(compute=2 if trainer.amp_dtype is not None else 4, world=1)
-    s = memory.SeqShape(1, T, 1, 1, max(algo.sp_halo(cfg) - 1, 0))
+    s = memory.SeqShape(1, T, 1, 1, max(algo.sp_halo() - 1, 0))
     features = T * (K * H * 2 + H * 2 + 3 * 8)  # bf16 features, int64 ids / mask / argmax
     state_bytes = sum(t.numel() * 4 for t in _state_tensors(state))  # the trainer holds it in fp32
-    dm = memory.train_device("train", 1, memory.DraftParams.of(draft), p, algo.memory_step(cfg, draft, s, p, DEVICE == "cuda"),
+    dm = memory.train_device("train", 1, memory.DraftParams.of(draft), p, algo.memory_step(draft, s, p, DEVICE == "cuda"),
                              state_bytes, features)
     phase = max((k for k in dm.phases if k != "checkpoint save"), key=dm.phase_bytes)
     predicted = dm.held_bytes + dm.phase_bytes(phase)

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge import export
-from specforge.algorithms import get_algorithm
 from specforge.cli import run_cli
 from specforge.config import Config, ModelConfig, TrainConfig
 from specforge.data.vocab import build_draft_vocab, load_draft_vocab
 from specforge.models.target import TargetModel
+from specforge.registry import bound_algorithm, get_algorithm
 from specforge.training.checkpoint import load_train_state, save_checkpoint
 from specforge.training.init_from import apply_init_from, check_init_from, init_vocab_path
 from tests.helpers.models import tiny_target
@@ -61,11 +61,11 @@ def own_vocab(seed=3):
 
 def trainer_path(cfg, target, fallback):
     """What a run does: the vocab file (the folder's mapping with init_from), the fresh draft, the weights."""
-    path = init_vocab_path(get_algorithm(cfg.draft.algorithm), cfg, V)
+    path = init_vocab_path(bound_algorithm(cfg), cfg, V)
     vocab = load_draft_vocab(path) if path is not None else fallback
-    draft = get_algorithm(cfg.draft.algorithm).build_draft(cfg, target, vocab)
+    draft = get_algorithm(cfg.draft.algorithm).bind(cfg).build_draft(target, vocab)
     if cfg.draft.init_from is not None:
-        apply_init_from(get_algorithm(cfg.draft.algorithm), cfg, draft)
+        apply_init_from(bound_algorithm(cfg), cfg, draft)
     return draft.eval()
 
 
@@ -84,7 +84,7 @@ def outputs(draft, dflash=False):
 def source_eagle3(tmp_path, target):
     """A seeded EAGLE-3 draft (seed 1, its own vocab), saved as our checkpoint: (draft, step folder)."""
     cfg = run_cfg(tmp_path, seed=1)
-    draft = EAGLE3.build_draft(cfg, target, own_vocab()).eval()
+    draft = EAGLE3.bind(cfg).build_draft(target, own_vocab()).eval()
     hf_config = {**EAGLE3.hf_config(draft), "torch_dtype": "float32"}  # saved exactly (bf16 would round)
     folder = save_checkpoint(tmp_path / "src" / "checkpoints", 3, hf_config, draft.export_state_dict(),
                              train_state={"step": 3})
@@ -133,7 +133,7 @@ def src_vocab(draft):
 def test_a_dflash_draft_starts_from_its_zlab_folder(tmp_path, target):
     cfg = run_cfg(tmp_path, seed=1, algorithm="dflash")
     vocab = own_vocab()
-    src = DFLASH.build_draft(cfg, target, vocab).eval()
+    src = DFLASH.bind(cfg).build_draft(target, vocab).eval()
     folder = DFLASH._module("export").save_dflash(src, tmp_path / "zlab", dtype=torch.float32)
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     fresh = trainer_path(run_cfg(tmp_path, seed=2, algorithm="dflash", init_from=folder), target, vocab)
@@ -178,18 +178,23 @@ def test_another_algorithm_a_non_draft_and_a_vocab_size_are_refused(tmp_path, ta
     with pytest.raises(ValueError, match="no such folder"):
         check_init_from(run_cfg(tmp_path, seed=2, init_from=tmp_path / "nowhere"))
     with pytest.raises(ValueError, match=f"its draft vocab has {N} tokens, draft.vocab_size is 40: set draft.vocab_size={N}"):
-        init_vocab_path(EAGLE3, run_cfg(tmp_path, seed=2, init_from=folder, vocab_size=40), V)
+        vocab_path_of(run_cfg(tmp_path, seed=2, init_from=folder, vocab_size=40), V)
     with pytest.raises(ValueError, match="target vocabulary of 320 tokens, the target has 400"):
-        init_vocab_path(EAGLE3, run_cfg(tmp_path, seed=2, init_from=folder), 400)
+        vocab_path_of(run_cfg(tmp_path, seed=2, init_from=folder), 400)
     bad = rewritten(folder, tmp_path / "bad", lambda w: w["d2t"].__setitem__(-1, 10_000))
     with pytest.raises(ValueError, match="maps draft ids outside the target vocabulary"):
-        init_vocab_path(EAGLE3, run_cfg(tmp_path, seed=2, init_from=bad), V)
+        vocab_path_of(run_cfg(tmp_path, seed=2, init_from=bad), V)
+
+
+def vocab_path_of(cfg, target_vocab_size: int):
+    """``init_vocab_path`` of an EAGLE-3 run of ``cfg`` (its algorithm bound to it)."""
+    return init_vocab_path(EAGLE3.bind(cfg), cfg, target_vocab_size)
 
 
 def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
     """Same tensors, other math: the mask token of a DFlash folder, the layers an EAGLE-3 draft fuses."""
     cfg = run_cfg(tmp_path, seed=1, algorithm="dflash")
-    folder = DFLASH._module("export").save_dflash(DFLASH.build_draft(cfg, target, own_vocab()), tmp_path / "zlab")
+    folder = DFLASH._module("export").save_dflash(DFLASH.bind(cfg).build_draft(target, own_vocab()), tmp_path / "zlab")
     with pytest.raises(ValueError, match=rf"its dflash_config.mask_token_id is {V - 1}, the run's draft has {V - 2} "
                                          rf"\(set draft.mask_token_id={V - 1}\)"):
         trainer_path(run_cfg(tmp_path, seed=2, algorithm="dflash", init_from=folder, mask_token_id=V - 2), target,
@@ -200,7 +205,7 @@ def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
                                          r"\[1, 2, 4\] \(set model.aux_layer_ids=\[1, 2, 3\]\)"):
         trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), other, None)
     windowed = run_cfg(tmp_path, seed=1, sliding_window=4)
-    draft = EAGLE3.build_draft(windowed, target, own_vocab())
+    draft = EAGLE3.bind(windowed).build_draft(target, own_vocab())
     folder = save_checkpoint(tmp_path / "windowed", 1, EAGLE3.hf_config(draft), draft.export_state_dict())
     with pytest.raises(ValueError, match=r"its sliding window is 4, the run's draft has null \(set draft.sliding_window=4\)"):
         trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), target, None)
@@ -293,7 +298,7 @@ def test_every_placement_reads_the_folders_vocab(assets, tmp_path):
 def test_init_from_is_a_draft_key_outside_the_run_identity(tmp_path):
     for algorithm in ("eagle3", "dflash"):
         cfg = run_cfg(tmp_path, seed=1, algorithm=algorithm, init_from="/somewhere")
-        assert not any("init_from" in k for k in get_algorithm(algorithm).identity(cfg))
+        assert not any("init_from" in k for k in get_algorithm(algorithm).bind(cfg).identity())
         assert "init_from" in {f.name for f in dataclasses.fields(cfg.draft)}
 
 
@@ -312,7 +317,7 @@ def test_our_other_algorithms_start_from_their_checkpoints(tmp_path, target, alg
                       model=ModelConfig(cache_dir=str(tmp_path / "cache")))
 
     vocab = own_vocab()
-    src = algo.build_draft(cfg(1), target, vocab)
+    src = algo.bind(cfg(1)).build_draft(target, vocab)
     hf_config = {**algo.hf_config(src), "torch_dtype": "float32"}
     folder = save_checkpoint(tmp_path / "ckpts", 1, hf_config, src.export_state_dict(), train_state={"step": 1})
     fresh = trainer_path(cfg(2, folder), target, own_vocab(seed=9)).export_state_dict()
@@ -335,7 +340,7 @@ def test_eagle31_and_peagle_drafts_start_from_their_speculators_exports(tmp_path
         return Config(draft=options, train=TrainConfig(seed=seed, precision="fp32"),
                       model=ModelConfig(cache_dir=str(tmp_path / "cache")))
 
-    src = algo.build_draft(cfg(1), target, own_vocab())
+    src = algo.bind(cfg(1)).build_draft(target, own_vocab())
     folder = save_checkpoint(tmp_path / "ckpts", 1, {**algo.hf_config(src), "torch_dtype": "float32"},
                              src.export_state_dict(), train_state={"step": 1})
     assert export.main(["--draft", str(folder), "--engine", "vllm", "--out", str(tmp_path / "vllm"),

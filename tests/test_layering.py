@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge.algorithms import NAMES
+from specforge.registry import NAMES
 
 PKG = Path(__file__).parent.parent / "specforge"
 
@@ -45,7 +45,7 @@ def _imports(folder: str) -> set[str]:
 
 @pytest.mark.parametrize("folder, forbidden", [
     ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train",  # and .training
-                "specforge.algorithms.")),  # the registry (specforge.algorithms) only
+                "specforge.algorithms.")),  # the seam and the registry only
     ("parallel", ("ray", "specforge.runtime", "specforge.train", "specforge.models")),
     ("training", ("ray", "specforge.runtime")),
     ("data", ("ray", "specforge.runtime", "specforge.train")),  # the store hands over models/features' TrainBatch
@@ -67,7 +67,7 @@ def test_the_folder_check_resolves_relative_imports():
 
 def seam_violations(source: str, names=NAMES, module: str = "specforge.x", is_package: bool = False) -> list[str]:
     """What in ``source`` (the text of ``module``, outside specforge/algorithms/) bypasses the seam: an
-    import of an algorithm's own modules (only the seam ``specforge.algorithms``), relative or not, or an
+    import of an algorithm's own modules (only the registry and the seam), relative or not, or an
     algorithm name as a literal (compared, a key, an argument: the choice belongs in a hook)."""
     out = []
     for node in ast.walk(ast.parse(source)):
@@ -85,8 +85,9 @@ def seam_violations(source: str, names=NAMES, module: str = "specforge.x", is_pa
     return out
 
 
-# config.py names the default algorithm once (DEFAULT_ALGORITHM): the one literal outside the packages
-ALLOWED = {("config.py", 'DEFAULT_ALGORITHM = "eagle3"')}
+# the registry lists the names (NAMES), config.py names the default algorithm once (DEFAULT_ALGORITHM):
+# the two lines with a name outside the packages
+ALLOWED = {("registry.py", "NAMES = ("), ("config.py", 'DEFAULT_ALGORITHM = "eagle3"')}
 
 
 def test_no_algorithm_choice_outside_the_algorithm_packages():
@@ -129,8 +130,8 @@ def test_the_seam_check_catches_a_relative_bypass(source, module, is_package):
 
 
 @pytest.mark.parametrize("source", [
-    "from specforge.algorithms import get_algorithm\nget_algorithm(cfg.draft.algorithm).feature_layers(cfg, 30)",
-    "from specforge.algorithms import ExportRequest",
+    "from specforge.registry import get_algorithm\nget_algorithm(cfg.draft.algorithm).bind(cfg).feature_layers(30)",
+    "from specforge.seam import ExportRequest",
     'x = "eagle3-like text in a sentence"',
 ])
 def test_the_seam_check_passes_the_registry(source):
@@ -186,7 +187,7 @@ def test_the_test_import_check_catches_a_cross_import(source):
     "from tests.helpers.ray_run import make_cfg",
     "import tests.helpers.models",
     "from tests.helpers import data",
-    "from specforge.algorithms import get_algorithm",
+    "from specforge.registry import get_algorithm",
     'x = "tests.test_target"',
 ])
 def test_the_test_import_check_passes_helpers(source):
@@ -198,14 +199,14 @@ def test_the_test_import_check_passes_helpers(source):
 # Each module's layer; an import (at the top or inside a function) points to its own layer or below.
 # A name maps to the layer of its longest listed prefix; every module must fall under one.
 LAYERS = {
-    0: ("specforge", "specforge.algorithms", "specforge.device", "specforge.cli", "specforge.plot", "specforge.files",
+    0: ("specforge", "specforge.seam", "specforge.registry", "specforge.device", "specforge.cli", "specforge.plot", "specforge.files",
         "specforge.jsonhttp", "specforge.contracts"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
     3: ("specforge.training",),
     4: ("specforge.runtime", "specforge.engines", "specforge.capture", "specforge.dryrun", "specforge.memory",
         "specforge.compat"),
-    5: tuple(f"specforge.algorithms.{name}" for name in NAMES),
+    5: ("specforge.algorithms", *(f"specforge.algorithms.{name}" for name in NAMES)),
     6: ("specforge.eval", "specforge.preflight"),
     7: ("specforge.train", "specforge.ray_train", "specforge.regenerate", "specforge.export", "specforge.adapt",
         "specforge.__main__"),  # and every package's __main__ (an entry point)
@@ -216,9 +217,9 @@ UPWARD: set[tuple[str, str]] = set()
 # the lookups that turn a name (or a saved folder) into an algorithm: asked by config validation, the
 # runtime and above; below the runtime a function is handed the algorithm object
 LOOKUPS = {"get_algorithm", "feature_layers", "algorithm_of", "algorithm_name", "load_draft"}
-LOOKUP_FLOOR, LOOKUP_ALLOWED = 4, {"specforge.config", "specforge.algorithms"}
+LOOKUP_FLOOR, LOOKUP_ALLOWED = 4, {"specforge.config", "specforge.registry"}
 # modules that import no torch at their import time (CLI start-up and config errors before torch loads)
-TORCH_FREE = ("specforge.algorithms", "specforge.cli", "specforge.config", "specforge.targets", "specforge.tracking",
+TORCH_FREE = ("specforge.seam", "specforge.registry", "specforge.algorithms", "specforge.cli", "specforge.config", "specforge.targets", "specforge.tracking",
               "specforge.compat", "specforge.memory", "specforge.train", "specforge.export", "specforge.plot",
               "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.contracts",
               "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
@@ -357,7 +358,7 @@ def test_below_the_runtime_the_algorithm_is_handed_down():
         if layer_of(mod) >= LOOKUP_FLOOR or mod in LOOKUP_ALLOWED:
             continue
         for name, line, _, names in import_edges(source, mod, mod in packages):
-            if name == "specforge.algorithms" and set(names) & LOOKUPS:
+            if name == "specforge.registry" and set(names) & LOOKUPS:
                 bad.append(f"{mod} line {line} imports {sorted(set(names) & LOOKUPS)}: take the algorithm as an argument")
     assert not bad, "\n".join(bad)
 
@@ -391,8 +392,11 @@ def test_imports_inside_functions_say_why():
 
 
 def test_the_seam_and_the_cli_start_without_torch():
-    """The seam imports nothing of specforge, and the torch-free modules stay so (one fresh interpreter)."""
-    assert not import_edges((PKG / "algorithms" / "__init__.py").read_text(), "specforge.algorithms", True)
+    """The seam imports nothing of specforge, the registry only the seam, the algorithms' folder nothing
+    at all, and the torch-free modules stay so (one fresh interpreter)."""
+    assert not import_edges((PKG / "seam.py").read_text(), "specforge.seam")
+    assert [e[0] for e in import_edges((PKG / "registry.py").read_text(), "specforge.registry")] == ["specforge.seam"]
+    assert not imports_of((PKG / "algorithms" / "__init__.py").read_text(), "specforge.algorithms", True)
     code = ("import importlib, sys\n"
             f"for m in {TORCH_FREE!r}:\n"
             "    importlib.import_module(m)\n"
@@ -441,23 +445,9 @@ def test_the_lazy_import_check_catches_an_unmarked_import():
 
 # A room is a top-level folder or module of specforge/ (``specforge`` itself for the package's own
 # __init__). Its floor is the highest layer of LAYERS among its modules, a sub-package's __main__ (an
-# entry point kept in its folder) aside: the seam, specforge/algorithms/__init__.py, lives in the
-# ``algorithms`` room with the algorithm packages, on their floor 5. Every import between two rooms is
-# an arrow; an arrow runs up when its target room has the higher floor.
-SEAM = "specforge.algorithms"
-# The arrows that run up today, (importing module, imported module) -> why; a new one fails the test,
-# and one that disappears must be taken off. Every one today goes into the seam from below floor 5.
-UP_ARROWS = {
-    ("specforge.config", SEAM): "checks draft.algorithm against NAMES, reads the algorithm's draft.* options",
-    ("specforge.training.init_from", SEAM): "reads which algorithm a published draft folder holds",
-    ("specforge.capture", SEAM): "asks the algorithm which target layers to capture",
-    ("specforge.compat", SEAM): "reads a draft folder's config (read_draft_config)",
-    ("specforge.dryrun", SEAM): "builds the algorithm from the config: its checks, memory terms, feature layers",
-    ("specforge.engines.llamacpp", SEAM): "finds the algorithm of a draft config or a GGUF to convert or refuse it",
-    ("specforge.runtime.plan", SEAM): "builds the algorithm from the config (draft, feature layers, SP halo), hands it down",
-    ("specforge.runtime.sources", SEAM): "asks the algorithm how many rows past its slice an SP rank reads",
-    ("specforge.runtime.workers", SEAM): "builds the algorithm and the target's feature layers in each worker",
-}
+# entry point kept in its folder) aside. Every import between two rooms is an arrow; an arrow runs up
+# when its target room has the higher floor. None does: the seam and the registry are rooms of their
+# own at the ground, and the ``algorithms`` room holds only the algorithm packages (floor 5).
 
 
 def room_of(module: str) -> str:
@@ -502,29 +492,28 @@ def room_graph(sources: dict[str, str], packages: set[str] | None = None, leave_
     return graph
 
 
-def test_the_arrows_up_between_rooms_are_the_known_ones():
-    found = upward_arrows(_package_sources())
-    new, gone = sorted(found - set(UP_ARROWS)), sorted(set(UP_ARROWS) - found)
-    assert not new, f"arrows up between rooms, not in UP_ARROWS: {new}"
-    assert not gone, f"gone: take them off UP_ARROWS: {gone}"
+def test_no_arrow_up_between_rooms():
+    assert not upward_arrows(_package_sources())
 
 
 def test_no_import_circle_between_rooms():
-    """Rooms import one way, the known arrows up left out: each goes into the seam, which shares its
-    room with algorithm packages that import config, models, training, ..., so each closes a circle."""
-    assert not import_cycles(room_graph(_package_sources(), leave_out=UP_ARROWS))
+    """Rooms import one way."""
+    assert not import_cycles(room_graph(_package_sources()))
 
 
 def test_the_room_checks_catch_an_arrow_up_and_a_circle():
-    """Negative controls: an import into a higher room is an arrow up (the seam counts as floor 5 once an
-    algorithm package is in sight); one inside a room or down is not; two rooms that import each other
-    (one of them inside a function) are a circle."""
+    """Negative controls: an import into a higher room is an arrow up (an algorithm package from below
+    its floor; the seam and the registry are not); one inside a room or down is not; two rooms that
+    import each other (one of them inside a function) are a circle."""
     assert upward_arrows({"specforge.training.x": "from specforge.eval import main"}, set()) == {
         ("specforge.training.x", "specforge.eval")}
-    assert upward_arrows({"specforge.config": "from specforge.algorithms import NAMES",
-                          "specforge.algorithms.eagle3.model": ""}, set()) == {("specforge.config", SEAM)}
+    assert upward_arrows({"specforge.config": "from specforge.algorithms.eagle3.model import Eagle3Draft",
+                          "specforge.algorithms.eagle3.model": ""}, set()) == {
+        ("specforge.config", "specforge.algorithms.eagle3.model")}
+    assert not upward_arrows({"specforge.config": "from specforge.registry import NAMES", "specforge.registry": "",
+                              "specforge.algorithms.eagle3.model": ""}, set())
     assert upward_arrows({"specforge.training": "from ..eval import main"}, {"specforge.training"})
-    assert not upward_arrows({"specforge.algorithms.eagle3.loss": "from specforge.algorithms import NAMES",
+    assert not upward_arrows({"specforge.algorithms.eagle3.loss": "from specforge.seam import Binds",
                               "specforge.eval": "from specforge.training.trainer import DraftTrainer"}, set())
     assert not upward_arrows({"specforge.eval.__main__": "from specforge.cli import main", "specforge.eval": ""}, set())
     assert upward_arrows({"specforge.eval.__main__": "from specforge.train import run", "specforge.eval": ""}, set())

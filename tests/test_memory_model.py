@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from specforge import memory
-from specforge.algorithms import get_algorithm
 from specforge.config import load_config
+from specforge.registry import get_algorithm
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -21,10 +21,10 @@ import math
 import pytest
 import torch
 
-from specforge.algorithms import get_algorithm
 from specforge.config import Config, TrainConfig, load_config
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import mixed_precision
+from specforge.registry import bound_algorithm
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.ranks import GRAD_RTOL, LOSS_RTOL, NORM_RTOL, fp32_step, rel_error, sample_rows, setup_sp, sp_cfg
 
@@ -41,7 +41,7 @@ def _bf16_rank(rank, world, ref_path):
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
     seen = []
     draft.register_forward_pre_hook(lambda m, _: seen.append(m.midlayer.self_attn.q_proj.weight.dtype))  # after FSDP's
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     m = trainer.step([sample_rows(batches[0], rank)])
     grads = grads_full(draft)  # collective
     assert seen and set(seen) == {torch.bfloat16}, seen  # the policy's unsharded params are bf16 in the forward
@@ -91,4 +91,4 @@ def test_fp16_is_refused_before_workers_start(capsys):
     draft, teacher, _ = setup_sp()
     with pytest.raises(ValueError, match="train.precision"):
         cfg = Config(train=TrainConfig(precision="fp16"))
-        DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"))
+        DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"))

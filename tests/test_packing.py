@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge.algorithms import get_algorithm
 from specforge.algorithms.eagle3.attention import ttt_attention_eager, ttt_attention_fast
 from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference, valid_rows
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -18,6 +17,7 @@ from specforge.config import load_config
 from specforge.data.packing import pack_rows
 from specforge.data.vocab import DraftVocab
 from specforge.models.features import TrainBatch
+from specforge.registry import get_algorithm
 from specforge.training.slicing import PackedBatch, pack_micro_batches
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
@@ -223,8 +223,9 @@ def test_trainer_step_packed_equals_unpacked(algorithm):
             cfg = dataclasses.replace(trainer.cfg, draft=algo.options(
                 **{f.name: getattr(trainer.cfg.draft, f.name) for f in dataclasses.fields(trainer.cfg.draft)
                    if f.name != "algorithm"}, algorithm="eagle31", norm_output=True))
-            draft = algo.build_draft(cfg, target, _vocab_of(trainer))
-            trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, _vocab_of(trainer)), cfg,
+            algo = algo.bind(cfg)
+            draft = algo.build_draft(target, _vocab_of(trainer))
+            trainer = DraftTrainer(algo, draft, algo.train_state(target, _vocab_of(trainer)), cfg,
                                    torch.device("cpu"))
         mbs = [feature_batch(target, rows[:2]), feature_batch(target, rows[2:])]
         mbs = mbs if budget is None else pack_micro_batches(mbs, budget)  # as a packed plan's source hands them

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-from specforge.algorithms import get_algorithm
 from specforge.algorithms.dflash.algorithm import DFlashOptions
 from specforge.algorithms.dflash.loss import anchor_keys, sample_anchors
 from specforge.algorithms.dflash.model import DFlashDraft
@@ -22,6 +21,7 @@ from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import Config, TrainConfig, load_config
 from specforge.models.features import TrainBatch
+from specforge.registry import get_algorithm
 from specforge.training.slicing import pack_micro_batches
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.dflash import tiny_cfg
@@ -43,7 +43,7 @@ def _cfg(name, **train):
     else:
         d = PEagleOptions(algorithm="peagle", parallel_tokens=3)
     cfg = Config(draft=d, train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
-    return get_algorithm(d.algorithm), cfg
+    return get_algorithm(d.algorithm).bind(cfg), cfg
 
 
 def _draft(name, dtype):
@@ -126,8 +126,8 @@ def _micro_batches(name, dtype, draft=None):
 
 def _loss_counts_grads(algo, cfg, draft, state, batches):
     """The step's loss over ``batches`` as the trainer computes it (the global normalizer first)."""
-    total = sum(algo.normalizer(draft, b, cfg, STEP) for b in batches)
-    losses, counts = zip(*(algo.loss(draft, b, state, cfg, STEP, total) for b in batches))
+    total = sum(algo.normalizer(draft, b, STEP) for b in batches)
+    losses, counts = zip(*(algo.loss(draft, b, state, STEP, total) for b in batches))
     loss = sum(losses)
     return loss, sum(counts), torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad])
 
@@ -144,7 +144,7 @@ def test_each_sample_draws_its_anchors_packed_or_padded():
     def per_sample(batches):
         out = []
         for b in batches:
-            anchors, keep, _ = algo._anchors(None, b, cfg, STEP)
+            anchors, keep, _ = algo._anchors(None, b, STEP)
             doc = getattr(b, "doc_ids_BT", None)
             pos = getattr(b, "position_ids_BT", None)
             for r in range(anchors.shape[0]):
@@ -197,7 +197,7 @@ def test_packed_loss_equals_unpacked(name, dtype, tol):
     torch.testing.assert_close(l1, l0, rtol=tol, atol=tol)
     assert torch.equal(c1[:, col], c0[:, col])  # the same rows count at every block position / depth
     torch.testing.assert_close(c1, c0, rtol=tol, atol=tol)
-    assert algo.metrics(c1.double(), cfg).keys() == algo.metrics(c0.double(), cfg).keys()
+    assert algo.metrics(c1.double()).keys() == algo.metrics(c0.double()).keys()
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol)
 
@@ -257,14 +257,19 @@ def test_a_packed_row_counts_the_anchors_of_all_its_samples():
 
     from specforge.algorithms.dflash.memory import anchors_per_row
     from specforge.dryrun import memory_plan
+    from specforge.seam import RunFacts
 
     def cfg(*over):
         return load_config(None, ["draft.algorithm=dflash", "draft.num_anchors=64", "data.max_length=512", *over])
 
-    assert anchors_per_row(cfg(), 512) == 64 and anchors_per_row(cfg(), 40) == 39  # one sample a row
+    def anchors(c, T):
+        facts = RunFacts.of(c)
+        return anchors_per_row(facts.draft.num_anchors, facts.samples_per_row, T)
+
+    assert anchors(cfg(), 512) == 64 and anchors(cfg(), 40) == 39  # one sample a row
     packed = cfg("train.pack_tokens=4096", "train.batch_size=4", "train.grad_accum=2")
-    assert anchors_per_row(packed, 4096) == 8 * 64
-    assert anchors_per_row(cfg("draft.num_anchors=3", "train.pack_tokens=512", "train.batch_size=64"), 10) == 7
+    assert anchors(packed, 4096) == 8 * 64
+    assert anchors(cfg("draft.num_anchors=3", "train.pack_tokens=512", "train.batch_size=64"), 10) == 7
     configs = Path(__file__).parent.parent / "configs"
     base = ["data.max_length=512", "train.batch_size=4"]
     plain = memory_plan(load_config(configs / "smollm2-135m-dflash-cpu.yaml", base))[0]

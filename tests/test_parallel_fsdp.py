@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from specforge.algorithms import get_algorithm
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+from specforge.registry import bound_algorithm
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.ranks import check_close, run_sp, sample_rows, setup_sp, sp_cfg
 
@@ -18,7 +18,7 @@ def _reference(path):
     """Single process, the two samples as two micro-batches; losses + params after each step."""
     draft, teacher, batches = setup_sp()
     cfg = sp_cfg()
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"))
     out = {"loss": [], "params": []}
     for b in batches:
         out["loss"].append(trainer.step([sample_rows(b, 0), sample_rows(b, 1)])["loss"])
@@ -38,10 +38,10 @@ def _dp_rank(rank, world, ref_path):
     assert (groups.dp_rank, groups.sp_size) == (train_ranks.index(rank), 1)
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
-    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg, get_algorithm(cfg.draft.algorithm))
+    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg.train.precision, bound_algorithm(cfg))
     assert not isinstance(draft.embed_tokens.weight, DTensor)  # frozen: replicated, never gathered
     assert isinstance(draft.lm_head.weight, DTensor) and isinstance(draft.fc.weight, DTensor)
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if groups.dp_rank == 0 else None
     for step, b in enumerate(batches):
         m = trainer.step([sample_rows(b, groups.dp_rank)])

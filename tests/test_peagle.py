@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge.algorithms import algorithm_name, get_algorithm, load_draft
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import load_config
 from specforge.models.target import TargetModel, forward_aux
+from specforge.registry import algorithm_name, get_algorithm, load_draft
 from specforge.training.checkpoint import save_checkpoint
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -283,9 +283,9 @@ def test_build_draft_is_eagle3s_draft_plus_the_mask(assets, target):
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:N] = True
     vocab = DraftVocab(torch.zeros(N, dtype=torch.long), t2d)
-    draft = ALGO.build_draft(cfg, target, vocab)
-    eagle = get_algorithm("eagle3").build_draft(load_config(None, [f"{k}={v}" for k, v in (
-        ("draft.vocab_size", 64), ("model.target_path", assets / "target"))]), target, vocab)
+    draft = ALGO.bind(cfg).build_draft(target, vocab)
+    eagle = get_algorithm("eagle3").bind(load_config(None, [f"{k}={v}" for k, v in (
+        ("draft.vocab_size", 64), ("model.target_path", assets / "target"))])).build_draft(target, vocab)
     mine = draft.state_dict()
     assert all(torch.equal(mine[k], v) for k, v in eagle.state_dict().items())
     assert draft.config.mask_token_id == V - 1  # no mask token, no unused slot: the highest id outside the vocab

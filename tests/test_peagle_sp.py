@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from specforge.algorithms import get_algorithm
 from specforge.algorithms.eagle3.loss import ttt_loss
 from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
 from specforge.config import Config, TrainConfig
+from specforge.registry import bound_algorithm, get_algorithm
 from specforge.training.slicing import sp_slice_batch
 from tests.helpers.ranks import H, N, V, check_close, draft_and_batches, run_sp
 
@@ -43,7 +43,7 @@ def test_one_slice_without_trimming_equals_full_loss():
     params = [p for p in draft.parameters() if p.requires_grad]
     l_ref, c_ref = ttt_loss(draft, b, teacher, K)
     g_ref = torch.autograd.grad(l_ref, params)
-    l_sp, c_sp = ttt_loss(draft, sp_slice_batch(b, 0, 1, ALGO.sp_halo(_cfg())), teacher, K)
+    l_sp, c_sp = ttt_loss(draft, sp_slice_batch(b, 0, 1, ALGO.bind(_cfg()).sp_halo()), teacher, K)
     g_sp = torch.autograd.grad(l_sp, params)
     assert torch.allclose(l_sp, l_ref, atol=1e-6) and torch.equal(c_sp[:, 0], c_ref[:, 0])
     for (name, _), a, c in zip([(n, p) for n, p in draft.named_parameters() if p.requires_grad], g_sp, g_ref):
@@ -63,11 +63,11 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
     groups = dims.build(list(range(world)), rank, timeout_s=90)
     cfg = _cfg()
     draft, teacher, batches = _setup()
-    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
-        m = trainer.step([sp_slice_batch(full, groups.sp_rank, groups.sp_size, ALGO.sp_halo(cfg))])
+        m = trainer.step([sp_slice_batch(full, groups.sp_rank, groups.sp_size, ALGO.bind(cfg).sp_halo())])
         grads = grads_full(draft)
         if rank == 0:
             rm = ref["metrics"][step]

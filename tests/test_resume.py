@@ -26,10 +26,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge.algorithms import get_algorithm, load_draft
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.config import Config, TrainConfig
 from specforge.data.vocab import DraftVocab
+from specforge.registry import get_algorithm, load_draft
 from specforge.training.checkpoint import CheckpointManager, load_train_state
 from specforge.training.trainer import run_identity
 from tests.helpers.ray_run import cfg_overrides, losses
@@ -47,13 +47,18 @@ def _cfg(**train) -> Config:
 FACTS = {"data": "cache-abc", "num_samples": 12, "global_batch": 2}
 
 
+def identity_of(cfg, *args, **kwargs) -> dict:
+    """``run_identity`` of an EAGLE-3 run of ``cfg`` (its algorithm bound to it)."""
+    return run_identity(EAGLE3.bind(cfg), cfg, *args, **kwargs)
+
+
 def test_checkpoint_is_servable_by_another_user_and_resumes_exactly(tmp_path):
     target, rows, trainer = setup_trainer()
     batch = feature_batch(target, rows)
     for _ in range(2):
         trainer.step([batch])
     vocab = DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
-    identity = run_identity(EAGLE3, _cfg(), target, vocab, FACTS, total_steps=10)
+    identity = identity_of(_cfg(), target, vocab, FACTS, total_steps=10)
     old = os.umask(0o022)
     try:
         path = CheckpointManager(tmp_path, identity=identity).save(trainer)
@@ -92,7 +97,7 @@ def test_checkpoint_is_servable_by_another_user_and_resumes_exactly(tmp_path):
 def test_resume_refuses_another_run_naming_what_differs(tmp_path):
     target, _, trainer = setup_trainer()
     vocab = DraftVocab(trainer.draft.d2t, trainer.draft.t2d)
-    saved = run_identity(EAGLE3, _cfg(), target, vocab, FACTS, total_steps=10)
+    saved = identity_of(_cfg(), target, vocab, FACTS, total_steps=10)
     CheckpointManager(tmp_path, identity=saved).save(trainer)
 
     def refused(identity) -> str:
@@ -105,19 +110,19 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
     original = up.detach().clone()
     with torch.no_grad():  # a fine-tune of the same target that moved one matrix a little
         up.mul_(1.001)
-    msg = refused(run_identity(EAGLE3, _cfg(), target, vocab, FACTS, total_steps=10))
+    msg = refused(identity_of(_cfg(), target, vocab, FACTS, total_steps=10))
     assert msg.count(": checkpoint ") == 1 and "target: checkpoint" in msg
     with torch.no_grad():
         up.copy_(original)
     other_vocab = DraftVocab(vocab.d2t.roll(1), vocab.t2d)
-    assert "vocab: checkpoint" in refused(run_identity(EAGLE3, _cfg(), target, other_vocab, FACTS, total_steps=10))
-    msg = refused(run_identity(EAGLE3, _cfg(lr=2e-2), target, vocab, {**FACTS, "data": "cache-other", "global_batch": 4},
+    assert "vocab: checkpoint" in refused(identity_of(_cfg(), target, other_vocab, FACTS, total_steps=10))
+    msg = refused(identity_of(_cfg(lr=2e-2), target, vocab, {**FACTS, "data": "cache-other", "global_batch": 4},
                                total_steps=10))
     for part in ("data: checkpoint 'cache-abc', this run 'cache-other'", "global_batch: checkpoint 2, this run 4",
                  "train.lr: checkpoint 0.01, this run 0.02", "checkpoint.resume=false"):
         assert part in msg, (part, msg)
     # a changed schedule (train.max_steps, via the LR horizon): the keys, both values, and both ways forward
-    msg = refused(run_identity(EAGLE3, _cfg(lr=2e-2), target, vocab, FACTS, total_steps=30))
+    msg = refused(identity_of(_cfg(lr=2e-2), target, vocab, FACTS, total_steps=30))
     for part in ("total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs): checkpoint 10, "
                  "this run 30", "train.lr: checkpoint 0.01, this run 0.02", "restore these values",
                  f"draft.init_from={tmp_path}", "Training a finished draft longer"):
@@ -127,7 +132,7 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
     _, _, same = setup_trainer(seed=2)
     cfg = _cfg()
     cfg.draft.attention = "eager"
-    assert CheckpointManager(tmp_path, identity=run_identity(EAGLE3, cfg, target, vocab, FACTS, total_steps=10)).load(same) == 0
+    assert CheckpointManager(tmp_path, identity=identity_of(cfg, target, vocab, FACTS, total_steps=10)).load(same) == 0
 
 
 def test_train_ranks_at_different_steps_are_refused():

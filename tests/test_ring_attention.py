@@ -202,16 +202,16 @@ def _check_negative_controls(groups, P, report):
 
 def _check_draft_step(groups, dims, ref_path, report):
     """One DraftTrainer step through parallelize_draft: loss and full gradients vs the single process."""
-    from specforge.algorithms import get_algorithm
     from specforge.parallel.fsdp import grads_full
     from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+    from specforge.registry import bound_algorithm
     from specforge.training.slicing import sp_slice_batch
     from specforge.training.trainer import DraftTrainer
 
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
-    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"),
+    draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
                            reduce_sum=sum_over_train_ranks(groups))
     m = trainer.step([sp_slice_batch(batches[0], groups.sp_rank, groups.sp_size, L + 1)])
     grads = grads_full(draft)

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from specforge.algorithms import get_algorithm
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, gather_to_first
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+from specforge.registry import bound_algorithm
 from specforge.training.checkpoint import CheckpointManager, load_train_state
 from specforge.training.trainer import DraftTrainer
 from tests.helpers.ranks import sample_rows, setup_sp, sp_cfg
@@ -31,8 +31,8 @@ def _sharded_trainer(rank):
     groups = ParallelDims(dp=2).build([0, 1], rank, timeout_s=90)
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
-    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg.train.precision, bound_algorithm(cfg))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     return trainer, [sample_rows(b, rank) for b in batches]
 
 

@@ -212,7 +212,7 @@ def _run(argv, capsys):
 def test_vllm_export_carries_the_window_and_speculators_gives_our_logits(tmp_path, target_dir, capsys):
     from transformers import LlamaForCausalLM
 
-    from specforge.algorithms import load_draft
+    from specforge.registry import load_draft
 
     W, T, steps = 7, 24, 3
     ckpt = _checkpoint(tmp_path / "ckpts", target_dir, W)

@@ -232,10 +232,10 @@ def test_one_ttt_train_step(name):
 def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     """EAGLE-3's teacher (its train state + the TTT loss's ``teacher_probs``) = HF's logits on the draft
     vocab rows, renormalized over them: Gemma's final soft-cap included, where the HF class applies it."""
-    from specforge.algorithms import get_algorithm
     from specforge.algorithms.eagle3.loss import teacher_probs, ttt_loss_reference
     from specforge.config import Config
     from specforge.data.vocab import DraftVocab
+    from specforge.registry import get_algorithm
 
     target = built(name)
     ids, mask = _ids()
@@ -246,7 +246,7 @@ def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     t2d[keep] = True
     vocab = DraftVocab(d2t=keep - torch.arange(48), t2d=t2d)
     eagle3 = get_algorithm("eagle3")
-    head = eagle3.train_state(Config(), target, vocab)
+    head = eagle3.bind(Config()).train_state(target, vocab)
     assert head.softcap == targets.logit_softcap(target.model.config)
     with torch.no_grad():
         hf_logits = target.model(input_ids=ids, attention_mask=mask).logits[valid][:, keep]
@@ -261,14 +261,14 @@ def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     cfg = Config()
     cfg.draft.vocab_size, cfg.draft.ttt_length, cfg.draft.ttt_warmup_steps = 48, 2, 0
     with torch.no_grad():
-        loss, _ = eagle3.loss(draft, batch, head, cfg, 0, None)
+        loss, _ = eagle3.bind(cfg).loss(draft, batch, head, 0, None)
         want, _ = ttt_loss_reference(draft, batch, head.weight_NH, 2, cfg.draft.ttt_decay, softcap=head.softcap)
         torch.testing.assert_close(loss, want)
     if head.softcap:  # negative control: the uncapped teacher is another distribution
         raw = teacher_probs(feats.last_hidden_BTH[valid], head.weight_NH)
         assert not torch.allclose(raw, hf_logits.softmax(-1), atol=1e-3)
         with torch.no_grad():
-            assert not torch.allclose(eagle3.loss(draft, batch, head.weight_NH, cfg, 0, None)[0], want)
+            assert not torch.allclose(eagle3.bind(cfg).loss(draft, batch, head.weight_NH, 0, None)[0], want)
 
 
 # ---------------------------------------------------------------- the README table

@@ -25,13 +25,13 @@ import torch
 from safetensors.torch import load_file
 
 from specforge import export
-from specforge.algorithms import load_draft
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_target
 from specforge.cli import run_cli
 from specforge.config import ModelConfig
 from specforge.engines import llamacpp
 from specforge.models.target import forward_aux, load_target, text_tower
+from specforge.registry import load_draft
 from specforge.targets import FAMILIES, LLAMACPP, SGLANG, VLLM, tiny
 from specforge.training.checkpoint import save_checkpoint
 from tests.helpers.export import SGLANG_PARAMS, load_speculators, sglang_load, step_logits

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from specforge.algorithms import load_draft
 from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
 from specforge.algorithms.eagle3.loss import ttt_logits
+from specforge.registry import load_draft
 from specforge.training.batch import global_batch_ids, split_for_ranks
 from specforge.training.checkpoint import CheckpointManager, latest_checkpoint, save_checkpoint
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
@@ -39,15 +39,22 @@ def test_grad_accumulation_equals_one_big_batch():
 
 
 def test_the_trainer_runs_the_algorithm_it_is_given_and_refuses_another():
-    """DraftTrainer takes its algorithm; one that is not the config's draft.algorithm is refused
-    (the step would otherwise run one algorithm's loss on another's draft)."""
-    from specforge.algorithms import get_algorithm
+    """DraftTrainer takes its algorithm bound to the run; one that is not the config's draft.algorithm
+    is refused (the step would otherwise run one algorithm's loss on another's draft), and so is the
+    registry's unbound object (its hooks would have no options)."""
+    from specforge.registry import get_algorithm
     from specforge.training.trainer import DraftTrainer
 
     _, _, trainer = setup_trainer()
-    assert trainer.algorithm is EAGLE3  # the one it was given (the control: the config's own is accepted)
+    # the one it was given, bound to the run (the control: the config's own is accepted)
+    assert type(trainer.algorithm) is type(EAGLE3) and trainer.algorithm.opt is trainer.cfg.draft
     with pytest.raises(ValueError, match="DraftTrainer got algorithm 'dflash'.*draft.algorithm is 'eagle3'"):
-        DraftTrainer(get_algorithm("dflash"), trainer.draft, trainer.state, trainer.cfg, torch.device("cpu"))
+        DraftTrainer(get_algorithm("dflash").bind(trainer.cfg), trainer.draft, trainer.state, trainer.cfg,
+                     torch.device("cpu"))
+    with pytest.raises(ValueError, match="DraftTrainer got algorithm 'eagle3' unbound.*bound_algorithm"):
+        DraftTrainer(EAGLE3, trainer.draft, trainer.state, trainer.cfg, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="unbound algorithm; bind it"):
+        EAGLE3.loss(trainer.draft, None, trainer.state, 0, None)
 
 
 def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):
@@ -109,12 +116,12 @@ def test_ttt_warmup_trains_step_0_alone_then_the_full_unroll():
     _, _, short = setup_trainer()
     short.cfg.draft.ttt_length = 1
     batch = feature_batch(target, rows)
-    assert EAGLE3.unroll_length(warm.cfg, warm.step_count, training=True) == 1
+    assert warm.algorithm.unroll_length(warm.step_count, training=True) == 1
     w1, s1 = warm.step([batch]), short.step([batch])
     assert w1["loss"] == s1["loss"]
     for k, v in trainable_params(warm).items():
         torch.testing.assert_close(v, trainable_params(short)[k], rtol=0, atol=0)
-    assert EAGLE3.unroll_length(warm.cfg, warm.step_count, training=True) == 3
+    assert warm.algorithm.unroll_length(warm.step_count, training=True) == 3
     w2, s2 = warm.step([batch]), short.step([batch])
     assert w2["loss"] > s2["loss"] * 1.2  # steps 1 and 2 add their (decayed) losses
     assert warm.evaluate([batch])["loss_2"] > 0  # evaluation always unrolls the full length

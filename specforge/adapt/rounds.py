@@ -41,7 +41,6 @@ import yaml
 
 from specforge.adapt.proxy import TrafficProxy
 from specforge.adapt.traffic import Ledger
-from specforge.algorithms import algorithm_of, feature_layers, get_algorithm, load_draft, read_draft_config
 from specforge.capture import capture_store
 from specforge.compat import check_drafts
 from specforge.config import Config
@@ -70,6 +69,7 @@ from specforge.files import open_safetensors
 from specforge.models.target import load_target, resolve_target_path
 from specforge.models.vllm_engine import engine_factory
 from specforge.preflight import check_writable
+from specforge.registry import algorithm_of, feature_layers, get_algorithm, load_draft, read_draft_config
 from specforge.runtime.plan import replayable_ids
 from specforge.tracking import MetricsLogger
 from specforge.training.checkpoint import latest_checkpoint

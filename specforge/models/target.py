@@ -51,6 +51,11 @@ class TargetModel:
         return family_of(self.model.config)
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The text tower's decoder layers, in order."""
+        return _decoder_layers(self.model)
+
+    @property
     def split(self) -> bool:
         """Are the target's layers spread over several devices (``model.num_gpus`` > 1)?"""
         return len(set(getattr(self.model, "hf_device_map", {}).values())) > 1

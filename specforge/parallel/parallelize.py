@@ -5,9 +5,9 @@ The whole API (a Ray train worker, or any launcher with a default process group)
     dims = ParallelDims(dp=..., sp_ulysses=cfg.parallel.sp_ulysses, sp_ring=cfg.parallel.sp_ring)
     groups = dims.build(train_ranks, dist.get_rank(), cfg.parallel.backend, cfg.parallel.timeout_s)
     #   ^ on EVERY rank of the default group (rollout ranks get None back)
-    algo = get_algorithm(cfg.draft.algorithm)                     # the runtime looks it up, once
-    draft = parallelize_draft(draft, dims, groups, cfg, algo)    # 1. SP core swap, 2. FSDP2
-    trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
+    algo = bound_algorithm(cfg)                                   # the runtime looks it up and binds it, once
+    draft = parallelize_draft(draft, dims, groups, cfg.train.precision, algo)  # 1. SP core swap, 2. FSDP2
+    trainer = DraftTrainer(algo, draft, algo.train_state(target, vocab), cfg, device,
                            reduce_sum=sum_over_train_ranks(groups))
     # each step, on each train rank, with this SP rank's slice of its DP group's micro-batches
     # (specforge/training/slicing.py says which rows + halo, so a data plane sends only those):
@@ -31,21 +31,23 @@ from specforge.device import autocast_dtype
 from specforge.parallel.dims import ParallelDims, ParallelGroups
 from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy, full_state_dict
 from specforge.parallel.sp import apply_sp
+from specforge.seam import Training
 
 __all__ = ["ParallelDims", "ParallelGroups", "parallelize_draft", "mixed_precision", "sum_over_train_ranks",
            "full_state_dict"]
 
 
-def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[ParallelGroups], cfg, algo) -> nn.Module:
-    """THE ordered parallelization of the draft (in place; returns it). ``cfg``: the full Config;
-    ``algo``: the run's algorithm (its ``sp_cores`` name what sequence parallelism wraps)."""
+def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[ParallelGroups], precision: str,
+                      algo: Training) -> nn.Module:
+    """THE ordered parallelization of the draft (in place; returns it). ``precision``: ``train.precision``;
+    ``algo``: the run's bound algorithm (its ``sp_cores`` name what sequence parallelism wraps)."""
     if groups is None or dims.world == 1:
         return draft
     # 1. sequence parallel: wrap the attention cores the algorithm names (no parameters, so before sharding)
     if dims.sp > 1:
         apply_sp(draft, algo.sp_cores(draft), groups.ulysses_group, groups.ring_group)
     # 2. FSDP2 over all dp*sp train ranks, gradients summed
-    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(cfg.train.precision, groups.device), sum_gradients=True)
+    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(precision, groups.device), sum_gradients=True)
     return draft
 
 

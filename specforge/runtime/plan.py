@@ -22,7 +22,6 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
 from specforge.contracts import FeatureSpec, Layout, SampleRef, StepPlan, Transfer
 from specforge.data.packing import packed_rows
@@ -32,6 +31,7 @@ from specforge.data.vocab import build_draft_vocab, save_draft_vocab
 from specforge.models.target import load_tokenizer, resolve_target_path
 from specforge.parallel.bounds import split_slices
 from specforge.parallel.dims import ParallelDims
+from specforge.registry import bound_algorithm, feature_layers
 from specforge.targets import text_config
 from specforge.training.batch import global_batch_ids, replay_batch_ids, replayed_before, split_for_ranks
 from specforge.training.init_from import init_vocab_path
@@ -73,7 +73,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
 
     target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),  # an image-text target's text tower
                                                         trust_remote_code=cfg.model.trust_remote_code))
-    algo = get_algorithm(cfg.draft.algorithm)
+    algo = bound_algorithm(cfg)
     path = init_vocab_path(algo, cfg, target_cfg.vocab_size)  # draft.init_from: the folder's mapping
     if path is None:
         build_vocab(algo, cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
@@ -147,9 +147,9 @@ def open_offline_store(cfg: Config, expect=None):
 def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Path:
     """THE draft vocab of an offline run: the most frequent loss tokens of every sample it trains
     on (replayed ones too, so the vocab covers both stores), written once per (data, size)."""
-    algo = get_algorithm(cfg.draft.algorithm)
+    algo = bound_algorithm(cfg)
     V = store.meta.vocab_size
-    n = algo.draft_vocab_size(cfg, V)
+    n = algo.draft_vocab_size(V)
     path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"store-{key}-n{n}.safetensors"
     path = init_vocab_path(algo, cfg, store.meta.vocab_size) or path  # draft.init_from: the folder's mapping
     if not path.is_file():
@@ -221,7 +221,7 @@ class Planner:
         self.total_steps = total_steps(cfg, len(data.lengths), data.num_replay)
         self.spec = FeatureSpec.hidden_states(data.hidden_size, data.wire_dtype, data.num_aux_layers)
 
-        self.halo = get_algorithm(cfg.draft.algorithm).sp_halo(cfg)  # rows past its slice an SP rank reads
+        self.halo = bound_algorithm(cfg).sp_halo()  # rows past its slice an SP rank reads
         self._cache: dict[int, StepPlan] = {}
         n_eval = min(EVAL_SAMPLES, len(data.eval_lengths)) // self.dp * self.dp
         if cfg.train.eval_every and not n_eval:

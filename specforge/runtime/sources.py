@@ -25,13 +25,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from specforge.algorithms import get_algorithm
 from specforge.config import Config
 from specforge.contracts import Layout, StepPlan
 from specforge.data.prepare import prepare_dataset
 from specforge.data.store import FeatureStore, store_meta, store_root
 from specforge.models.features import TrainBatch
 from specforge.models.target import load_tokenizer
+from specforge.registry import bound_algorithm
 from specforge.runtime.completion import Completion
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
 from specforge.runtime.plan import open_offline_store, store_split
@@ -42,7 +42,7 @@ from specforge.training.trainer import local_batches
 
 def _halo(cfg: Config) -> int:
     """Rows past its slice a sequence-parallel rank reads (the algorithm's ``sp_halo``)."""
-    return get_algorithm(cfg.draft.algorithm).sp_halo(cfg)
+    return bound_algorithm(cfg).sp_halo()
 
 
 def open_data(cfg: Config):

@@ -27,7 +27,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from specforge.algorithms import feature_layers, get_algorithm
 from specforge.config import Config
 from specforge.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.data.packing import target_packs
@@ -38,6 +37,7 @@ from specforge.models.target import capture, load_target
 from specforge.models.vllm_engine import EngineError, die_with_engine, engine_factory
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+from specforge.registry import bound_algorithm, feature_layers
 from specforge.runtime.actors import DistributedWorker, control
 from specforge.runtime.dataplane import SendHandle, SendWindow, wire_features
 from specforge.runtime.sources import build_source, build_transport, open_data
@@ -177,12 +177,12 @@ class TrainWorker(DistributedWorker):
                              on_host=not colocated, packed=colocated and cfg.rollout.pack_tokens is not None,
                              engine_for=engine_factory(cfg) if colocated else None)
         vocab = load_draft_vocab(layout.vocab_path)
-        algo = get_algorithm(cfg.draft.algorithm)
-        draft = algo.build_draft(cfg, target, vocab)
+        algo = bound_algorithm(cfg)
+        draft = algo.build_draft(target, vocab)
         if cfg.draft.init_from is not None and resumed_checkpoint(cfg) is None:  # a resume takes its checkpoint
             apply_init_from(algo, cfg, draft)
-        draft = parallelize_draft(draft.to(device), ParallelDims.from_config(cfg), groups, cfg, algo)
-        self.trainer = DraftTrainer(algo, draft, algo.train_state(cfg, target, vocab), cfg, device,
+        draft = parallelize_draft(draft.to(device), ParallelDims.from_config(cfg), groups, cfg.train.precision, algo)
+        self.trainer = DraftTrainer(algo, draft, algo.train_state(target, vocab), cfg, device,
                                     reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)
         self.lost: Optional[str] = None  # set once the train ranks agreed a plan's features were lost

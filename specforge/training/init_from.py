@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from specforge.algorithms import published_algorithm_name
 from specforge.config import Config
 from specforge.data.vocab import DraftVocab, save_draft_vocab
+from specforge.registry import published_algorithm_name
 from specforge.training.checkpoint import latest_checkpoint
 from specforge.training.trainer import checkpoint_root
 
@@ -119,7 +119,7 @@ def check_init_from(cfg: Config) -> None:
 
 def read_published(algo, cfg: Config) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as ours, weights named as the draft's saved keys) of the run's ``init_from``;
-    ``algo``: the run's algorithm (``get_algorithm(cfg.draft.algorithm)``, looked up by the caller)."""
+    ``algo``: the run's algorithm (``registry.bound_algorithm(cfg)``, looked up by the caller)."""
     check_init_from(cfg)
     return algo.read_published(Path(cfg.draft.init_from).expanduser())
 
@@ -136,7 +136,7 @@ def published_vocab(algo, cfg: Config, weights: dict[str, torch.Tensor], target_
     if "d2t" not in weights or "t2d" not in weights:
         return None
     vocab = DraftVocab(weights["d2t"].to(torch.int64), weights["t2d"].to(torch.bool))
-    n, want = vocab.draft_vocab_size, algo.draft_vocab_size(cfg, target_vocab_size)
+    n, want = vocab.draft_vocab_size, algo.draft_vocab_size(target_vocab_size)
     if vocab.target_vocab_size != target_vocab_size:
         raise ValueError(f"{what}: its vocab mapping is over a target vocabulary of {vocab.target_vocab_size} tokens, "
                          f"the target has {target_vocab_size}: start from a draft of this target (model.target_path)")

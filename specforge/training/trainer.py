@@ -4,7 +4,7 @@
 teacher rows), and runs THE train step (the algorithm's loss forward/backward over micro-batches,
 clipping, AdamW, schedule). Every train worker (``runtime/workers.py``) and the single process
 (``specforge/train.py``: ``python -m specforge.train``) run it, on FSDP2-sharded drafts when there
-are several; only where the features come from differs. The algorithm (``specforge.algorithms``)
+are several; only where the features come from differs. The algorithm (``specforge/seam.py``, bound to the run)
 decides the loss and the metrics; this file never asks which one runs. Nor how a micro-batch is laid
 out: a source hands it over in its final layout (padded rows, or a packed row whose ``doc_ids_BT``
 the algorithm reads: ``data/packing.py``).
@@ -25,6 +25,7 @@ from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.features import TrainBatch
 from specforge.models.target import TargetModel, capture
+from specforge.seam import Training
 from specforge.training.batch import collate, pad_id
 from specforge.training.checkpoint import set_aside, tensor_digest
 from specforge.training.optim import build_optimizer
@@ -48,12 +49,12 @@ def vocab_path(cfg: Config, data_key: str) -> Path:
     return Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}-{cfg.draft.algorithm}.safetensors"
 
 
-def build_vocab(algo, cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
+def build_vocab(algo: Training, cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
     """The draft vocab of this data + tokenizer, cached next to the tokenized data."""
     path = vocab_path(cfg, data_key)
     if path.is_file():
         return load_draft_vocab(path)
-    vocab = build_draft_vocab(train_rows, target_vocab_size, algo.draft_vocab_size(cfg, target_vocab_size))
+    vocab = build_draft_vocab(train_rows, target_vocab_size, algo.draft_vocab_size(target_vocab_size))
     path.parent.mkdir(parents=True, exist_ok=True)
     save_draft_vocab(vocab, path)
     return vocab
@@ -65,7 +66,7 @@ RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_ste
                "train.weight_decay", "train.betas", "train.max_grad_norm", "train.precision")
 
 
-def run_identity(algo, cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
+def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
     """What a checkpoint must share with the run resuming it: hashes of the target weights and the
     vocab mapping, the data (``plan.run_facts``: key, sample count, global batch), the LR horizon
     and the config keys that change the math (``RESUME_KEYS``, and ``algo``'s ``identity``)."""
@@ -80,7 +81,7 @@ def run_identity(algo, cfg: Config, target: TargetModel, vocab: DraftVocab, fact
         **facts,
         "total_steps": total_steps,
         **{k: get(k) for k in RESUME_KEYS},
-        **algo.identity(cfg),
+        **algo.identity(),
     }
 
 
@@ -90,17 +91,18 @@ def run_identity(algo, cfg: Config, target: TargetModel, vocab: DraftVocab, fact
 class DraftTrainer:
     """THE train step, shared by every placement (single process, colocated, disaggregated)."""
 
-    def __init__(self, algorithm, draft: torch.nn.Module, state, cfg: Config, device: torch.device,
+    def __init__(self, algorithm: Training, draft: torch.nn.Module, state, cfg: Config, device: torch.device,
                  reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x, total_steps: Optional[int] = None):
-        # algorithm: the draft algorithm's hooks (``specforge.algorithms.get_algorithm``): its loss,
-        # normalizer, counters and metrics are what a step runs; it must be the config's draft.algorithm.
+        # algorithm: the config's draft algorithm bound to it (``registry.bound_algorithm(cfg)``): its
+        # loss, normalizer, counters and metrics are what a step runs.
         # state: the algorithm's frozen train state (``algorithm.train_state``; EAGLE-3: the teacher rows).
         # reduce_sum sums a tensor over all train ranks (data and sequence parallel; identity in one
         # process): the loss is normalized by the GLOBAL denominator, so gradients are summed.
         # total_steps: the LR schedule's horizon (default train.max_steps).
-        if algorithm.name != cfg.draft.algorithm:
-            raise ValueError(f"DraftTrainer got algorithm {algorithm.name!r} for a config whose draft.algorithm is "
-                             f"{cfg.draft.algorithm!r}; pass get_algorithm(cfg.draft.algorithm)")
+        bound = getattr(algorithm, "facts", None) is not None
+        if algorithm.name != cfg.draft.algorithm or not bound:
+            raise ValueError(f"DraftTrainer got algorithm {algorithm.name!r}{'' if bound else ' unbound'} for a config "
+                             f"whose draft.algorithm is {cfg.draft.algorithm!r}; pass registry.bound_algorithm(cfg)")
         self.draft, self.cfg, self.device, self.reduce_sum, self.algorithm = draft, cfg, device, reduce_sum, algorithm
         # small (EAGLE-3: N x H) and fp32; autocast casts it down where it runs
         self.state = state.to(device, torch.float32) if hasattr(state, "to") else state
@@ -124,11 +126,11 @@ class DraftTrainer:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
         on the trainer's device (summed there: no host sync per micro-batch)."""
         algo = self.algorithm
-        counts = torch.zeros(algo.counts_shape(self.cfg), dtype=torch.float64, device=self.device)
+        counts = torch.zeros(algo.counts_shape(), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             mb = _compute_dtype(mb, self.amp_dtype)
             with autocast(self.device, self.amp_dtype):
-                loss, c = algo.loss(self.draft, mb, self.state, self.cfg, self.step_count, normalizer)
+                loss, c = algo.loss(self.draft, mb, self.state, self.step_count, normalizer)
             if torch.is_grad_enabled():
                 loss.backward()
             counts[: c.shape[0]] += c.to(self.device)
@@ -141,7 +143,7 @@ class DraftTrainer:
         self.draft.train()
         useful = _useful_tokens(micro_batches)
         micro_batches = self.on_device(micro_batches)
-        local = sum(self.algorithm.normalizer(self.draft, mb, cfg, self.step_count) for mb in micro_batches)
+        local = sum(self.algorithm.normalizer(self.draft, mb, self.step_count) for mb in micro_batches)
         total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device)).item()
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
@@ -157,7 +159,7 @@ class DraftTrainer:
         host = torch.cat([counts.reshape(-1), gn.reshape(1).to(counts)]).cpu()
         synchronize(self.device)  # train_ms: the optimizer step has finished, not just been launched
         train_ms = (time.perf_counter() - t0) * 1000
-        out = self.algorithm.metrics(host[:-1].view(counts.shape), cfg)
+        out = self.algorithm.metrics(host[:-1].view(counts.shape))
         out.update(
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=host[-1].item(),
@@ -172,7 +174,7 @@ class DraftTrainer:
         """Metrics of ``batches`` (summed over all train ranks), no update."""
         self.draft.eval()
         # the metrics hooks read host counters, as step's do (one copy to the host)
-        return self.algorithm.metrics(self._counts(self.on_device(batches), None).cpu(), self.cfg)
+        return self.algorithm.metrics(self._counts(self.on_device(batches), None).cpu())
 
 
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int,

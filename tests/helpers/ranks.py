@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from specforge.algorithms import get_algorithm
 from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -20,6 +19,7 @@ from specforge.parallel.dims import ParallelDims
 from specforge.parallel.fsdp import full_state_dict, grads_full
 from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
+from specforge.registry import bound_algorithm
 from specforge.training.slicing import sp_slice_batch
 from specforge.training.trainer import DraftTrainer
 
@@ -69,7 +69,7 @@ def sp_reference(setup=setup_sp, cfg=sp_cfg) -> dict:
     """The single process over ``setup()``'s batches: metrics, gradients after every step, final parameters."""
     draft, teacher, batches = setup()
     c = cfg()
-    trainer = DraftTrainer(get_algorithm(c.draft.algorithm), draft, teacher, c, torch.device("cpu"))
+    trainer = DraftTrainer(bound_algorithm(c), draft, teacher, c, torch.device("cpu"))
     out = {"metrics": [], "grads": []}
     for b in batches:
         out["metrics"].append(trainer.step([b]))
@@ -119,8 +119,8 @@ def sp_rank(rank, world, dims_tuple, ref_path, packed=False):
     draft, teacher, batches = setup_sp()
     if dims_tuple == (1, 2, 1):
         _check_ulysses_head_plans(groups)
-    draft = parallelize_draft(draft, dims, groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
         if dims.dp > 1:  # each DP rank takes its share of the samples
@@ -177,6 +177,6 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def fp32_step(samples) -> tuple[dict, dict]:
     draft, teacher, batches = setup_sp()
     cfg = sp_cfg()
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"))
     m = trainer.step([sample_rows(batches[0], i) for i in samples])
     return m, {k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None}

@@ -33,8 +33,9 @@ def setup_trainer(seed=0, **train):
     vocab = build_draft_vocab(rows, V, 48)
     cfg = Config(draft=Eagle3Options(vocab_size=48, ttt_length=3, ttt_warmup_steps=train.pop("ttt_warmup_steps", 0)),
                  train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0, **train))
-    draft = EAGLE3.build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(EAGLE3, draft, EAGLE3.train_state(cfg, target, vocab), cfg, torch.device("cpu"))
+    algo = EAGLE3.bind(cfg)
+    draft = algo.build_draft(target, vocab)
+    trainer = DraftTrainer(algo, draft, algo.train_state(target, vocab), cfg, torch.device("cpu"))
     return target, rows, trainer
 
 

@@ -1,4 +1,4 @@
-"""DFlash behind the draft-algorithm seam: what the runtime calls (``specforge.algorithms``).
+"""DFlash behind the draft-algorithm seam: what the runtime calls (``specforge.seam``).
 
 Features: ``draft.num_layers`` target layer outputs by default (``model.aux_layer_ids`` sets them),
 concatenated as the aux feature, plus the target argmax (labels = the target's greedy next token,
@@ -45,15 +45,16 @@ from specforge.algorithms.dflash.propose import DFlashProposer
 from specforge.algorithms.dflash.sp import RingBlocks, gather_rows, ring_comm
 from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
 from specforge.files import read_safetensors_folder
+from specforge.seam import Binds
 
 CHUNK_BLOCKS = 16  # blocks whose full-vocab logits exist at once (recomputed in backward)
 EVAL_STEP = -1  # held-out metrics draw the same anchors at every periodic eval
 
 
-def anchor_seed(cfg, step: int) -> int:
-    """The anchors' seed of a step: a function of (train.seed, step) alone; each sample's draw adds
+def anchor_seed(seed: int, step: int) -> int:
+    """The anchors' seed of a step: a function of (``train.seed``, step) alone; each sample's draw adds
     its own tokens (``loss.anchor_keys``), so packed and unpacked rows draw the same anchors per sample."""
-    return hash((cfg.train.seed, step)) & 0xFFFFFFFF
+    return hash((seed, step)) & 0xFFFFFFFF
 
 
 @dataclass
@@ -72,7 +73,7 @@ class DFlashOptions(DraftConfig):
     sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
 
 
-class DFlash:
+class DFlash(Binds):
     name = "dflash"
     options = DFlashOptions
     architecture = "DFlashDraftModel"
@@ -101,30 +102,33 @@ class DFlash:
                           f"{self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
         return errors
 
-    def feature_layers(self, cfg, num_layers: int) -> list[int]:
-        return layer_ids_or_default(cfg, num_layers, default_target_layer_ids(num_layers, cfg.draft.num_layers))
+    # ---------------------------------------------------------------- bound to a run (bind)
 
-    def draft_vocab_size(self, cfg, target_vocab_size: int) -> int:
+    def feature_layers(self, num_layers: int) -> list[int]:
+        return layer_ids_or_default(self.run.aux_layer_ids, num_layers,
+                                    default_target_layer_ids(num_layers, self.opt.num_layers))
+
+    def draft_vocab_size(self, target_vocab_size: int) -> int:
         """DFlash predicts the target's whole vocabulary (its public format has no draft vocab): the
         file only marks the ids the data use most, so that the mask token can be one outside them."""
-        return min(cfg.draft.vocab_size, target_vocab_size - 1)
+        return min(self.opt.vocab_size, target_vocab_size - 1)
 
-    def identity(self, cfg) -> dict:
+    def identity(self) -> dict:
         """Every draft.* key but vocab_size (refused unless the default, config_errors) and init_from
         (where a fresh run's weights came from, not what a step computes)."""
-        return {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
+        return {f"draft.{f.name}": getattr(self.opt, f.name) for f in dataclasses.fields(self.opt)
                 if f.name not in ("vocab_size", "init_from")}
 
-    def sp_halo(self, cfg) -> int:
+    def sp_halo(self) -> int:
         # a block anchored at a ring rank's last row reads labels and loss mask up to block_size - 1 rows past it
-        return cfg.draft.block_size - 1 if self.ring_sp else 0
+        return self.opt.block_size - 1 if self.ring_sp else 0
 
     def sp_cores(self, draft) -> list:
         # the slot the ring wrapper goes on; the SP path reads its ring (sp.ring_comm), never calls it
         return [(draft, "sp_attention")] if self.ring_sp else []
 
-    def check(self, cfg, target_config) -> None:
-        p = cfg.parallel
+    def check(self, target_config) -> None:
+        p = self.run
         keys = f"config keys 'parallel.sp_ulysses'={p.sp_ulysses} / 'parallel.sp_ring'={p.sp_ring}"
         if p.sp_ring > 1 and not self.ring_sp:
             raise ValueError(f"{keys}: {self.title} has no sequence parallelism; use 1 and data parallelism "
@@ -132,13 +136,13 @@ class DFlash:
         if p.sp_ulysses > 1:
             raise ValueError(f"{keys}: {self.title} has no Ulysses sequence parallelism" +
                              (", only ring (parallel.sp_ring)" if self.ring_sp else "") + "; use parallel.sp_ulysses=1")
-        m = cfg.draft.mask_token_id
+        m = self.opt.mask_token_id
         if m is not None and m >= target_config.vocab_size:
             raise ValueError(f"config key 'draft.mask_token_id'={m} is not a token of the target "
                              f"({target_config.vocab_size} tokens)")
 
-    def _draft_config(self, cfg, target, vocab):
-        d = cfg.draft
+    def _draft_config(self, target, vocab):
+        d = self.opt
         mask = d.mask_token_id
         if mask is None:  # the highest id outside the draft vocab: never a frequent assistant token
             mask = int((~vocab.t2d.bool()).nonzero().max())
@@ -151,17 +155,17 @@ class DFlash:
     def _new_draft(self, dcfg):
         return DFlashDraft(dcfg)
 
-    def build_draft(self, cfg, target, vocab):
-        dcfg = self._draft_config(cfg, target, vocab)
+    def build_draft(self, target, vocab):
+        dcfg = self._draft_config(target, vocab)
         with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone
-            torch.manual_seed(cfg.train.seed)
+            torch.manual_seed(self.run.seed)
             draft = self._new_draft(dcfg)
         return draft.set_target_weights(target.embed_weight_VH, target.lm_head_weight_VH)
 
-    def train_state(self, cfg, target, vocab):
+    def train_state(self, target, vocab):
         return None
 
-    def _anchors(self, draft, batch, cfg, step: int):
+    def _anchors(self, draft, batch, step: int):
         """``(anchors, keep, ring)``: the micro-batch's anchors, as indices into this rank's rows; ``ring``
         (``sp.RingBlocks``) on a ring rank (the anchors drawn over the whole micro-batch, whose ids and
         loss mask the ranks all-gather, then those in its rows kept), else None."""
@@ -169,34 +173,34 @@ class DFlash:
         comm = ring_comm(draft) if hasattr(batch, "num_rows") else None
         if comm is None:
             doc_ids_BT = getattr(batch, "doc_ids_BT", None)  # packed rows (data/packing.py): anchors per sample
-            keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(cfg, step), doc_ids_BT)
-            anchors, keep = sample_anchors(batch.loss_mask_BT, cfg.draft.num_anchors, doc_ids_BT=doc_ids_BT, keys_BT=keys)
+            keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(self.run.seed, step), doc_ids_BT)
+            anchors, keep = sample_anchors(batch.loss_mask_BT, self.opt.num_anchors, doc_ids_BT=doc_ids_BT, keys_BT=keys)
             ring = None
         else:
             C = batch.num_rows
             ids = gather_rows(batch.input_ids_BT[:, :C], comm)
             mask = gather_rows(batch.loss_mask_BT[:, :C], comm)
-            keys = anchor_keys(ids, mask, anchor_seed(cfg, step))
-            anchors, keep = sample_anchors(mask, cfg.draft.num_anchors, keys_BT=keys)
+            keys = anchor_keys(ids, mask, anchor_seed(self.run.seed, step))
+            anchors, keep = sample_anchors(mask, self.opt.num_anchors, keys_BT=keys)
             anchors, keep = local_anchors(anchors, keep, batch.start, batch.start + C)
             ring = RingBlocks(comm, batch.start)
         return anchors, keep, ring
 
-    def _blocks(self, draft, batch, cfg, step: int):
+    def _blocks(self, draft, batch, step: int):
         c = draft.config
-        anchors, keep, ring = self._anchors(draft, batch, cfg, step)
+        anchors, keep, ring = self._anchors(draft, batch, step)
         labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
         labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size,
                                           getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels_BNK, valid, ring
 
-    def normalizer(self, draft, batch, cfg, step: int) -> float:
-        valid = self._blocks(draft, batch, cfg, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma, valid.device)).sum())
+    def normalizer(self, draft, batch, step: int) -> float:
+        valid = self._blocks(draft, batch, step)[3]
+        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
 
-    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
         c = draft.config
-        anchors, keep, labels, valid, ring = self._blocks(draft, batch, cfg, step)
+        anchors, keep, labels, valid, ring = self._blocks(draft, batch, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
         if ring is None:  # packed rows: positions restart per sample, a block sees its own sample only
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
@@ -204,30 +208,32 @@ class DFlash:
         else:
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, batch.position_ids_BT, ring=ring)
         norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
-        return block_loss(draft.logits, hidden, labels, valid, cfg.draft.loss_gamma, norm, CHUNK_BLOCKS)
+        return block_loss(draft.logits, hidden, labels, valid, self.opt.loss_gamma, norm, CHUNK_BLOCKS)
 
-    def counts_shape(self, cfg) -> tuple[int, int]:
-        return (cfg.draft.block_size, 4)
+    def counts_shape(self) -> tuple[int, int]:
+        return (self.opt.block_size, 4)
 
-    def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
+    def metrics(self, counts: torch.Tensor) -> dict[str, float]:
         # block row k drafts the k-th token after the anchor: logged as position k-1, as EAGLE-3's
         # acc_0 is its first drafted token, so dashboards and the end-of-run line read both alike
         out = {}
-        for key, v in metrics_from_counts(counts, cfg.draft.loss_gamma).items():
+        for key, v in metrics_from_counts(counts, self.opt.loss_gamma).items():
             m = re.fullmatch(r"(loss|acc)_(\d+)", key)
             out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
         return out
 
-    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
+    def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         # ring SP: a rank holds R = T / ring context rows, and in the worst case every block of the
         # micro-batch is anchored in its rows; the ring kernel's held/received K/V blocks, per-row
         # visibility and score chunks are counted as the single process's SDPA terms over R rows
         rows = shape.R if shape.sp > 1 else shape.T
-        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, anchors_per_row(cfg, shape.T),
+        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, anchors_per_row(self.opt.num_anchors, self.run.samples_per_row, shape.T),
                            precision)
 
-    def memory_keys(self, cfg) -> list[str]:
+    def memory_keys(self) -> list[str]:
         return ["draft.num_anchors"]
+
+    # ---------------------------------------------------------------- a saved draft (unbound)
 
     def hf_config(self, draft) -> dict:
         return self._module("export").to_hf_config(draft.config)

@@ -29,13 +29,12 @@ class DFlashDims:
                    c.vocab_size, c.context_width, c.num_hidden_layers, c.block_size)
 
 
-def anchors_per_row(cfg, T: int) -> int:
+def anchors_per_row(num_anchors: int, samples_per_row: int, T: int) -> int:
     """The most anchors a row of ``T`` tokens draws: ``draft.num_anchors`` per sample, and a sample
     of n tokens has at most n - 1 (an anchor's next token is in its sample). A packed row
     (``train.pack_tokens``) holds up to the rank's samples of a step (batch_size x grad_accum),
     each of at least num_anchors + 1 tokens in the worst case."""
-    A = cfg.draft.num_anchors
-    samples = 1 if cfg.train.pack_tokens is None else cfg.train.batch_size * cfg.train.grad_accum
+    A, samples = num_anchors, samples_per_row
     fit = (T // (A + 1)) * A + max(0, T % (A + 1) - 1)
     return max(1, min(A * samples, fit))
 

@@ -73,9 +73,9 @@ class DSpark(DFlash):
 
     # ---------------------------------------------------------------- training
 
-    def _draft_config(self, cfg, target, vocab):
-        base = super()._draft_config(cfg, target, vocab)
-        d = cfg.draft
+    def _draft_config(self, target, vocab):
+        base = super()._draft_config(target, vocab)
+        d = self.opt
         return DSparkConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                             markov_rank=d.markov_rank, confidence_head=d.confidence_head,
                             sample_from_anchor=d.sample_from_anchor)
@@ -83,21 +83,21 @@ class DSpark(DFlash):
     def _new_draft(self, dcfg):
         return DSparkDraft(dcfg)
 
-    def _targets(self, draft, batch, cfg, step: int):
+    def _targets(self, draft, batch, step: int):
         c = draft.config
-        anchors, keep, _ = self._anchors(draft, batch, cfg, step)  # DFlash's, per sample (no ring: refused)
+        anchors, keep, _ = self._anchors(draft, batch, step)  # DFlash's, per sample (no ring: refused)
         labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
                                                  anchors, keep, c.block_size, c.shift,
                                                  getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels, valid, prev_pos
 
-    def normalizer(self, draft, batch, cfg, step: int) -> float:
-        valid = self._targets(draft, batch, cfg, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], cfg.draft.loss_gamma, valid.device)).sum())
+    def normalizer(self, draft, batch, step: int) -> float:
+        valid = self._targets(draft, batch, step)[3]
+        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
 
-    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        c, d = draft.config, cfg.draft
-        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, cfg, step)
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
+        c, d = draft.config, self.opt
+        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
         def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
@@ -110,16 +110,17 @@ class DSpark(DFlash):
         return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
                      getattr(batch, "doc_ids_BT", None), heads=heads)
 
-    def counts_shape(self, cfg) -> tuple[int, int]:
-        return (cfg.draft.block_size + int(cfg.draft.sample_from_anchor), 7)
+    def counts_shape(self) -> tuple[int, int]:
+        return (self.opt.block_size + int(self.opt.sample_from_anchor), 7)
 
-    def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
-        d = cfg.draft
+    def metrics(self, counts: torch.Tensor) -> dict[str, float]:
+        d = self.opt
         return dspark_metrics(counts, d.loss_gamma, d.confidence_weight, d.confidence_head,
                               teacher=bool(d.kl_weight) or d.confidence_head)
 
-    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        return dspark_step(draft.config, shape.B, shape.T, anchors_per_row(cfg, shape.T), precision,
+    def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
+        return dspark_step(draft.config, shape.B, shape.T,
+                           anchors_per_row(self.opt.num_anchors, self.run.samples_per_row, shape.T), precision,
                            CHUNK_BLOCKS)
 
     # ---------------------------------------------------------------- a saved draft

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Literal, Optional
 
 import torch
@@ -36,7 +35,7 @@ from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_tar
 from specforge.algorithms.eagle3.propose import EagleProposer
 from specforge.algorithms.eagle3.published import as_ours, is_speculators, read_published
 from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
-from specforge.models.target import _decoder_layers
+from specforge.seam import Binds
 from specforge.targets import logit_softcap
 
 
@@ -73,11 +72,15 @@ def default_layers(num_layers: int) -> list[int]:
 def aux_layer_ids(model_cfg, num_layers: int) -> list[int]:
     """The target layer outputs an EAGLE-3 draft fuses (``model.aux_layer_ids`` of ``model_cfg``, a
     ``ModelConfig``, or the default); a ValueError naming the key unless 3 sorted unique ids in 0..L-2."""
-    return layer_ids_or_default(SimpleNamespace(model=model_cfg), num_layers, default_layers(num_layers),
-                                AUX_LAYERS, "an EAGLE-3 draft")
+    return eagle3_layers(model_cfg.aux_layer_ids, num_layers)
 
 
-class Eagle3:
+def eagle3_layers(ids, num_layers: int) -> list[int]:
+    """``ids`` (``model.aux_layer_ids``) checked, or the default when None."""
+    return layer_ids_or_default(ids, num_layers, default_layers(num_layers), AUX_LAYERS, "an EAGLE-3 draft")
+
+
+class Eagle3(Binds):
     name = "eagle3"
     options = Eagle3Options
     architecture = "LlamaForCausalLMEagle3"
@@ -91,107 +94,110 @@ class Eagle3:
     def config_errors(self, cfg) -> list[str]:
         ids = cfg.model.aux_layer_ids
         errors = [] if ids is None else aux_layer_errors(ids, count=AUX_LAYERS, who="an EAGLE-3 draft")
-        w = cfg.draft.sliding_window
-        if w is not None and w <= self.diagonal_keys(cfg):
-            errors.append(f"config key 'draft.sliding_window'={w} must exceed {self.diagonal_keys(cfg)} (a drafted "
-                          f"token must see the {self.diagonal_keys(cfg)} drafted before it); choose at least "
-                          f"{self.diagonal_keys(cfg) + 1}, typically 1024 or more")
+        w, seen = cfg.draft.sliding_window, self.diagonal_keys(cfg.draft)
+        if w is not None and w <= seen:
+            errors.append(f"config key 'draft.sliding_window'={w} must exceed {seen} (a drafted token must see "
+                          f"the {seen} drafted before it); choose at least {seen + 1}, typically 1024 or more")
         if cfg.draft.attention == "flex" and cfg.parallel.sp_ring > 1:
             errors.append(f"config key 'draft.attention'='flex' does not apply with parallel.sp_ring="
                           f"{cfg.parallel.sp_ring}: ring attention runs its own block kernels (parallel/ring.py); "
                           "use draft.attention=auto, or parallel.sp_ulysses instead of the ring")
         return errors
 
-    def diagonal_keys(self, cfg) -> int:
+    def diagonal_keys(self, options) -> int:
         """The most draft-token keys one query attends besides the step-0 ones (TTT steps - 1)."""
-        return cfg.draft.ttt_length - 1
+        return options.ttt_length - 1
 
-    def feature_layers(self, cfg, num_layers: int) -> list[int]:
-        return aux_layer_ids(cfg.model, num_layers)
+    # ---------------------------------------------------------------- bound to a run (bind)
 
-    def draft_vocab_size(self, cfg, target_vocab_size: int) -> int:
-        return cfg.draft.vocab_size
+    def feature_layers(self, num_layers: int) -> list[int]:
+        return eagle3_layers(self.run.aux_layer_ids, num_layers)
 
-    def identity(self, cfg) -> dict:
+    def draft_vocab_size(self, target_vocab_size: int) -> int:
+        return self.opt.vocab_size
+
+    def identity(self) -> dict:
         """Every draft.* key but the attention impl and init_from, under the names every EAGLE-3
         checkpoint's identity holds (so each resumes): without the algorithm's name, ttt_warmup_steps
         as train.ttt_warmup_steps, sliding_window only when set."""
-        out = {f"draft.{f.name}": getattr(cfg.draft, f.name) for f in dataclasses.fields(cfg.draft)
+        out = {f"draft.{f.name}": getattr(self.opt, f.name) for f in dataclasses.fields(self.opt)
                if f.name not in _NOT_IDENTITY}
         out["train.ttt_warmup_steps"] = out.pop("draft.ttt_warmup_steps")
         if out["draft.sliding_window"] is None:  # full attention: no key, as identities without a window hold
             del out["draft.sliding_window"]
         return out
 
-    def sp_halo(self, cfg) -> int:
+    def sp_halo(self) -> int:
         """Step i of row t reads x_{t+1+i}, the teacher/argmax at t+1+i and the loss mask at t+2+i."""
-        return cfg.draft.ttt_length + 1
+        return self.opt.ttt_length + 1
 
     def sp_cores(self, draft) -> list:
         return [(draft.midlayer.self_attn, "core")]
 
-    def check(self, cfg, target_config) -> None:
-        if cfg.draft.vocab_size > target_config.vocab_size:
-            raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's vocabulary "
+    def check(self, target_config) -> None:
+        if self.opt.vocab_size > target_config.vocab_size:
+            raise ValueError(f"config key 'draft.vocab_size'={self.opt.vocab_size} exceeds the target's vocabulary "
                              f"({target_config.vocab_size} tokens); choose at most {target_config.vocab_size}")
 
-    def build_draft(self, cfg, target, vocab):
+    def build_draft(self, target, vocab):
         """A fresh draft shaped from the target, embedding copied (frozen), lm_head warm-started."""
-        dcfg = draft_config_from_target(target.config, cfg.draft, target.aux_layer_ids)
+        dcfg = draft_config_from_target(target.config, self.opt, target.aux_layer_ids)
         with torch.random.fork_rng(devices=[]):  # the init is a function of the seed alone, whatever ran before
-            torch.manual_seed(cfg.train.seed)
+            torch.manual_seed(self.run.seed)
             draft = Eagle3Draft(dcfg)
         draft.set_vocab(vocab.d2t, vocab.t2d)
         draft.init_embeddings_from_target(target.embed_weight_VH)
-        if cfg.draft.init_lm_head_from_target and dcfg.hidden_size == dcfg.target_hidden_size:
+        if self.opt.init_lm_head_from_target and dcfg.hidden_size == dcfg.target_hidden_size:
             draft.init_lm_head_from_target(target.lm_head_weight_VH)
             with torch.no_grad():  # lm_head rows were trained against this norm's scale (Gemma-style: 1 + w)
                 draft.norm.weight.copy_(target.final_norm_scale_H.to(draft.norm.weight))
-        if cfg.draft.init_midlayer_from_target:
-            layers = _decoder_layers(target.model)
+        if self.opt.init_midlayer_from_target:
+            layers = target.decoder_layers
             draft.init_midlayer_from_target(layers[min(max(target.aux_layer_ids) + 1, len(layers) - 1)],
                                             target.aux_layer_ids.index(max(target.aux_layer_ids)))
         return draft
 
-    def train_state(self, cfg, target, vocab):
+    def train_state(self, target, vocab):
         """The teacher over the draft vocab (a ``TeacherHead``): the target's lm_head rows of the
         draft vocab (N x H) and its family's final logit soft-cap, if its HF class applies one."""
         return TeacherHead(teacher_weight_from_target(target.lm_head_weight_VH, vocab.d2t).clone(),
                            logit_softcap(target.model.config))
 
-    def unroll_length(self, cfg, step: int, training: bool) -> int:
+    def unroll_length(self, step: int, training: bool) -> int:
         """TTT steps a step trains: 1 during ``draft.ttt_warmup_steps``, then ``draft.ttt_length``
         (evaluation: always all). A function of the step alone, so every rank agrees without talking."""
-        return 1 if training and step < cfg.draft.ttt_warmup_steps else cfg.draft.ttt_length
+        return 1 if training and step < self.opt.ttt_warmup_steps else self.opt.ttt_length
 
-    def normalizer(self, draft, batch, cfg, step: int) -> float:
-        return float(num_valid_rows(batch, draft.t2d, cfg.draft.ttt_length))
+    def normalizer(self, draft, batch, step: int) -> float:
+        return float(num_valid_rows(batch, draft.t2d, self.opt.ttt_length))
 
-    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        steps = self.unroll_length(cfg, step, torch.is_grad_enabled())
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
+        steps = self.unroll_length(step, torch.is_grad_enabled())
         total = None if normalizer is None else max(normalizer, 1.0)  # no valid row anywhere: a zero loss
         head = state if isinstance(state, TeacherHead) else TeacherHead(state)  # a bare N x H tensor: no soft-cap
-        return ttt_loss(draft, batch, head.weight_NH, steps, cfg.draft.ttt_decay, num_valid_global=total,
+        return ttt_loss(draft, batch, head.weight_NH, steps, self.opt.ttt_decay, num_valid_global=total,
                         softcap=head.softcap)
 
-    def counts_shape(self, cfg) -> tuple[int, int]:
-        return (cfg.draft.ttt_length, 4)
+    def counts_shape(self) -> tuple[int, int]:
+        return (self.opt.ttt_length, 4)
 
-    def metrics(self, counts: torch.Tensor, cfg) -> dict[str, float]:
-        return metrics_from_counts(counts, cfg.draft.ttt_decay)
+    def metrics(self, counts: torch.Tensor) -> dict[str, float]:
+        return metrics_from_counts(counts, self.opt.ttt_decay)
 
-    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
+    def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         d = Eagle3Dims.of(draft.config)
         # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities;
         # flex (every step fused, no probabilities) is counted by its own terms
-        precision = dataclasses.replace(precision, step0_fused=gpu and cfg.draft.attention in ("auto", "sdpa")
-                                        and cfg.draft.sliding_window is None)  # a window: the fast core
+        precision = dataclasses.replace(precision, step0_fused=gpu and self.opt.attention in ("auto", "sdpa")
+                                        and self.opt.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
-        core = "flex" if cfg.draft.attention == "flex" else "fast"
-        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, cfg.draft.sliding_window, core)
+        core = "flex" if self.opt.attention == "flex" else "fast"
+        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, self.opt.sliding_window, core)
 
-    def memory_keys(self, cfg) -> list[str]:
+    def memory_keys(self) -> list[str]:
         return ["parallel.sp_ulysses / parallel.sp_ring (split T)", "draft.sliding_window (bounds the keys a row scores)"]
+
+    # ---------------------------------------------------------------- a saved draft (unbound)
 
     def hf_config(self, draft) -> dict:
         return draft.config.to_hf_config()

@@ -216,7 +216,7 @@ def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], fl
 
 def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     """SGLang: the checkpoint's served files as they are; vLLM: speculators' converter. Returns the
-    serve command. ``req``: the ``ExportRequest`` (``specforge.algorithms``)."""
+    serve command. ``req``: the ``ExportRequest`` (``specforge.seam``)."""
     refuse_window(engine, json.loads((Path(draft_dir) / "config.json").read_text()), repr(str(draft_dir)))
     if engine == "sglang":
         sglang.copy_served(draft_dir, out_dir)

@@ -53,18 +53,18 @@ class Eagle31(Eagle3):
             errors.append(f"config keys {msg}")
         return errors
 
-    def build_draft(self, cfg, target, vocab):
+    def build_draft(self, target, vocab):
         """EAGLE-3's draft, initialised as EAGLE-3 initialises it (the same seed, the same numbers),
         made an EAGLE-3.1 draft with the fc-side norms its flags ask for (at 1)."""
-        draft = super().build_draft(cfg, target, vocab)
-        return Eagle31Draft.adopt(draft, Eagle31DraftConfig.of(draft.config, **flags_of(cfg.draft)))
+        draft = super().build_draft(target, vocab)
+        return Eagle31Draft.adopt(draft, Eagle31DraftConfig.of(draft.config, **flags_of(self.opt)))
 
-    def loss(self, draft, batch, state, cfg, step: int, normalizer: Optional[float]):
-        return super().loss(for_loss(draft), batch, state, cfg, step, normalizer)
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
+        return super().loss(for_loss(draft), batch, state, step, normalizer)
 
-    def memory_step(self, cfg, draft, shape, precision, gpu: bool) -> dict:
-        step = super().memory_step(cfg, draft, shape, precision, gpu)
-        extra = eagle31_terms(Eagle3Dims.of(draft.config), shape, precision, flags_of(cfg.draft))
+    def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
+        step = super().memory_step(draft, shape, precision, gpu)
+        extra = eagle31_terms(Eagle3Dims.of(draft.config), shape, precision, flags_of(self.opt))
         return {phase: terms + extra for phase, terms in step.items()}
 
     def owns_checkpoint(self, hf_config: dict) -> bool:

@@ -42,12 +42,12 @@ class PEagleOptions(Eagle3Options):
     ttt_decay: float = field(default=0.7, metadata={"unit": "(0, 1]"})  # depth d's loss weight: ttt_decay**d
 
 
-def resolve_mask_token_id(cfg, tokenizer, vocab_size: int, t2d: torch.Tensor) -> int:
+def resolve_mask_token_id(options, tokenizer, vocab_size: int, t2d: torch.Tensor) -> int:
     """``draft.mask_token_id``, else the tokenizer's mask token, else ``len(tokenizer)`` (an id the
     tokenizer never produces) when the target has such a slot, else the highest id outside the draft
     vocab (never one of the frequent assistant tokens). Its embedding row is trained either way."""
-    if cfg.draft.mask_token_id is not None:
-        return int(cfg.draft.mask_token_id)
+    if options.mask_token_id is not None:
+        return int(options.mask_token_id)
     if tokenizer is not None:
         m = getattr(tokenizer, "mask_token_id", None)
         if m is not None and 0 <= int(m) < vocab_size:
@@ -79,52 +79,52 @@ class PEagle(Eagle3):
                               f"not peagle ({fix}); remove it")
         return errors
 
-    def identity(self, cfg) -> dict:
-        out = super().identity(cfg)
+    def identity(self) -> dict:
+        out = super().identity()
         for key in ("draft.ttt_length", "train.ttt_warmup_steps"):  # refused: never differ
             out.pop(key, None)
         return out
 
-    def sp_halo(self, cfg) -> int:
+    def sp_halo(self) -> int:
         """Depth d of row t reads x_{t+1} (depth 0), the teacher/argmax at t+1+d, the loss mask at t+2+d."""
-        return cfg.draft.parallel_tokens + 1
+        return self.opt.parallel_tokens + 1
 
-    def check(self, cfg, target_config) -> None:
-        super().check(cfg, target_config)
-        H = cfg.draft.hidden_size
+    def check(self, target_config) -> None:
+        super().check(target_config)
+        H = self.opt.hidden_size
         if H is not None and H != target_config.hidden_size:
             raise ValueError(f"config key 'draft.hidden_size'={H}: a P-EAGLE draft has the target's hidden size "
                              f"({target_config.hidden_size}; speculators' and vLLM's loaders refuse another); remove it")
-        m = cfg.draft.mask_token_id
+        m = self.opt.mask_token_id
         if m is not None and m >= target_config.vocab_size:
             raise ValueError(f"config key 'draft.mask_token_id'={m} is not a token of the target "
                              f"({target_config.vocab_size} tokens)")
 
-    def build_draft(self, cfg, target, vocab):
+    def build_draft(self, target, vocab):
         """EAGLE-3's draft as EAGLE-3 builds it (the same tensors), with the mask: its embedding the
         target's row of the mask token, ``mask_hidden`` random (a function of the seed alone)."""
-        base = super().build_draft(cfg, target, vocab)
+        base = super().build_draft(target, vocab)
         if base.config.hidden_size != base.config.target_hidden_size:  # check() names the key first
-            raise ValueError(f"config key 'draft.hidden_size'={cfg.draft.hidden_size}: a P-EAGLE draft has the "
+            raise ValueError(f"config key 'draft.hidden_size'={self.opt.hidden_size}: a P-EAGLE draft has the "
                              f"target's hidden size ({base.config.target_hidden_size}); remove it")
-        mask = resolve_mask_token_id(cfg, target.tokenizer, base.config.vocab_size, vocab.t2d)
+        mask = resolve_mask_token_id(self.opt, target.tokenizer, base.config.vocab_size, vocab.t2d)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.train.seed + 1)
-            draft = PEagleDraft.from_eagle3(base, mask, cfg.draft.parallel_tokens)
+            torch.manual_seed(self.run.seed + 1)
+            draft = PEagleDraft.from_eagle3(base, mask, self.opt.parallel_tokens)
         draft.init_mask_from_target(target.embed_weight_VH)
         return draft
 
-    def unroll_length(self, cfg, step: int, training: bool) -> int:
-        return cfg.draft.parallel_tokens  # no chain, no warmup: every depth from the first step
+    def unroll_length(self, step: int, training: bool) -> int:
+        return self.opt.parallel_tokens  # no chain, no warmup: every depth from the first step
 
-    def normalizer(self, draft, batch, cfg, step: int) -> float:
-        return float(num_valid_rows(batch, draft.t2d, cfg.draft.parallel_tokens))
+    def normalizer(self, draft, batch, step: int) -> float:
+        return float(num_valid_rows(batch, draft.t2d, self.opt.parallel_tokens))
 
-    def counts_shape(self, cfg) -> tuple[int, int]:
-        return (cfg.draft.parallel_tokens, 4)
+    def counts_shape(self) -> tuple[int, int]:
+        return (self.opt.parallel_tokens, 4)
 
-    def memory_keys(self, cfg) -> list[str]:
-        return ["draft.parallel_tokens", *super().memory_keys(cfg)]
+    def memory_keys(self) -> list[str]:
+        return ["draft.parallel_tokens", *super().memory_keys()]
 
     # memory_step: EAGLE-3's TTT unroll with L = parallel_tokens (the shape's ttt = sp_halo - 1). A rough
     # but honest bound: the same rows, keys and loss per depth; a depth >= 1 reads one expanded

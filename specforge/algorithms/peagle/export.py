@@ -31,10 +31,10 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from specforge.algorithms import read_draft_config
 from specforge.algorithms.eagle3 import export as eagle3_export
 from specforge.algorithms.peagle.model import ARCHITECTURE, PEagleDraft, PEagleDraftConfig
 from specforge.engines.vllm import quiet_speculators
+from specforge.registry import read_draft_config
 from specforge.training.checkpoint import load_draft_folder
 
 __all__ = ["ARCHITECTURE", "ONLY_VLLM", "check_checkpoint", "load_peagle", "export", "export_vllm", "serve_command",

@@ -1,0 +1,240 @@
+"""The draft-algorithm seam, at the ground of the package (imports no torch and nothing of specforge):
+the roles an algorithm plays, each a small protocol its callers take, and the run facts its hooks are
+bound to. The registry (``specforge/registry.py``) turns a name or a saved folder into an algorithm.
+
+An algorithm is one package under ``specforge/algorithms/`` exposing ``ALGORITHM``, an object that
+plays every role below. Unbound (as the registry hands it out) it reads configs and saved drafts:
+``Configured``, ``Format`` and ``Drafting``. ``bind(cfg)`` reads what its hooks need of one run, once
+(``RunFacts``: its ``draft.*`` options and the few run keys that change its math), and returns the
+object the run trains with, which also plays ``Training`` and ``MemoryTerms``; their hooks take no
+config. Each caller names the one role it uses in its signature.
+
+Why these roles: each is what one part of the project asks, and no caller asks two of them apart
+from the runtime that builds the run. The config layer checks keys before anything loads
+(``Configured``); the trainer, the workers and the planner build and train a draft (``Training``);
+the memory model and the dry run count a step (``MemoryTerms``); checkpoints, ``draft.init_from``,
+``python -m specforge.export`` and llama.cpp read and write a saved draft (``Format``); the eval
+drafts with a loaded one (``Drafting``).
+
+Legend of the hooks: B batch, T tokens, K aux layers, H the target's hidden size. ``batch`` is a
+``TrainBatch`` (or an ``SPTrainBatch``): the target features of the layers ``feature_layers`` chose
+(``aux_hidden_BTKH``: K layer outputs concatenated, K*H wide), the last hidden state, the target
+argmax, the input ids and the loss mask, whatever the feature source.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+if TYPE_CHECKING:  # annotations only: the seam imports no torch
+    import torch
+
+__all__ = ["RunFacts", "ExportRequest", "Configured", "Training", "MemoryTerms", "Format", "Drafting",
+           "DraftAlgorithm", "BoundAlgorithm", "Binds"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What an algorithm's bound hooks read of one run: its own options and the run keys that change
+    what its step computes or counts. Read once, by ``bind``."""
+
+    draft: Any  # the run's ``draft.*`` options (an instance of the algorithm's ``options`` class)
+    seed: int  # train.seed: a fresh draft's init and random anchors are functions of it
+    aux_layer_ids: Optional[tuple[int, ...]]  # model.aux_layer_ids (None: the algorithm's default)
+    sp_ulysses: int = 1  # parallel.sp_ulysses
+    sp_ring: int = 1  # parallel.sp_ring
+    samples_per_row: int = 1  # samples one train row may hold: batch_size x grad_accum when packed, else 1
+
+    @classmethod
+    def of(cls, cfg) -> RunFacts:
+        """The facts of a run config (``specforge.config.Config``)."""
+        ids = cfg.model.aux_layer_ids
+        tr = cfg.train
+        return cls(draft=cfg.draft, seed=tr.seed, aux_layer_ids=None if ids is None else tuple(ids),
+                   sp_ulysses=cfg.parallel.sp_ulysses, sp_ring=cfg.parallel.sp_ring,
+                   samples_per_row=1 if tr.pack_tokens is None else tr.batch_size * tr.grad_accum)
+
+
+@dataclass
+class ExportRequest:
+    """What ``python -m specforge.export`` hands an algorithm's ``export`` hook."""
+
+    out: Path  # the final folder (the hook writes into a temporary one, renamed into place)
+    target: Optional[str]  # the target's HF folder or hub id (None: not given and not needed)
+    target_config: Any = None  # its transformers config
+    num_speculative_tokens: Optional[int] = None  # vllm: the proposal length asked for
+
+
+# ---------------------------------------------------------------- unbound roles
+
+
+class Configured(Protocol):
+    """What the config layer asks before anything loads, and the binding to one run."""
+
+    name: str
+    options: type  # a ``config.DraftConfig`` subclass: the ``draft.*`` keys this algorithm reads
+
+    def config_errors(self, cfg) -> list[str]:
+        """Checks of the config alone: one message per problem, naming the key."""
+
+    def bind(self, cfg) -> BoundAlgorithm:
+        """This algorithm with ``RunFacts.of(cfg)``: the object a run trains, counts and saves with."""
+
+
+class Format(Protocol):
+    """A saved draft: its checkpoint, the published folders it reads, its engine exports."""
+
+    name: str
+    architecture: str  # config.json ``architectures`` entry of its saved folder
+    engines: tuple[str, ...]  # the engines whose export it writes (``specforge.export.ENGINES``)
+    llamacpp_spec_type: Optional[str]  # ``llama-server --spec-type`` (None: llama.cpp cannot serve it)
+    gguf_architecture: Optional[str]  # ``general.architecture`` of its draft GGUF
+
+    def hf_config(self, draft) -> dict:
+        """The checkpoint's config.json (the format its servers load)."""
+
+    def owns_checkpoint(self, hf_config: dict) -> bool:
+        """Whether a saved folder's config.json is this algorithm's (the registry asks the last
+        registered first, so a refinement of an earlier format claims its own folders)."""
+
+    def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
+        """Whether a draft GGUF (its ``general.architecture`` and tensor names) is this algorithm's."""
+
+    def check_checkpoint(self, path) -> tuple[dict, Any]:
+        """``(config.json, weights or None)`` of a valid saved folder; a ValueError naming every problem."""
+
+    def load(self, path, target) -> torch.nn.Module:
+        """A saved draft folder, with the frozen parts taken from ``target``."""
+
+    def owns_published(self, hf_config: dict) -> bool:
+        """Whether a published draft folder's config.json (ours, or an engine's format this algorithm
+        reads: SGLang, speculators/vLLM, z-lab's DFlash) is this algorithm's (``draft.init_from``;
+        asked last registered first, as ``owns_checkpoint``)."""
+
+    def read_published(self, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+        """``(config.json in our saved format, weights named as the draft's export_state_dict)`` of a
+        published folder this algorithm owns; only the names are mapped, nothing is checked against a
+        run (``specforge/training/init_from.py`` loads them strictly into a fresh draft)."""
+
+    def tokens_per_round(self, hf_config: dict) -> int:
+        """Draft tokens a round an engine is told to ask for by default."""
+
+    def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
+        """The most draft tokens one round can propose (None: no bound)."""
+
+    def export(self, engine: str, draft_dir: Path, out_dir: Path, req: ExportRequest) -> str:
+        """Write ``engine``'s format (sglang, vllm) into ``out_dir``; returns the serve command."""
+
+    def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
+        """The config.json llama.cpp's converter reads for this draft (a staged copy's)."""
+
+
+class Drafting(Protocol):
+    """What the eval drafts with, given a loaded draft."""
+
+    dynamic_drafting: bool  # whether the eval also runs it with cost-based early stops (a chain, not a block)
+
+    def proposer(self, draft, dtype: Optional[torch.dtype]):
+        """The eval's proposer: ``start(ids, aux_TH)``, ``propose(k, costs=None)``, ``accept(new, aux_TH)``."""
+
+
+# ---------------------------------------------------------------- bound roles (hooks take no config)
+
+
+class Training(Protocol):
+    """What the planner, the workers and the trainer ask of a bound algorithm."""
+
+    packs: bool  # whether its loss keeps the samples of a packed row apart (``train.pack_tokens``; else refused)
+    packs_sp: bool  # whether it does so with sequence parallelism too (its SP cores take the rows' sample ids)
+
+    def feature_layers(self, num_layers: int) -> list[int]:
+        """The target layer outputs the draft reads (``model.aux_layer_ids`` or the default)."""
+
+    def check(self, target_config) -> None:
+        """What the config cannot say alone (against the target's config.json): a ValueError naming the key."""
+
+    def draft_vocab_size(self, target_vocab_size: int) -> int:
+        """Entries of the run's draft-vocab file."""
+
+    def identity(self) -> dict[str, Any]:
+        """The config values a checkpoint must share with the run resuming it (what changes the math)."""
+
+    def sp_halo(self) -> int:
+        """Rows past its own slice a sequence-parallel rank reads (0: the algorithm refuses SP)."""
+
+    def sp_cores(self, draft) -> list[tuple[torch.nn.Module, str]]:
+        """``(module, attribute)`` of each attention core sequence parallelism wraps."""
+
+    def build_draft(self, target, vocab) -> torch.nn.Module:
+        """A fresh draft shaped for ``target`` (a ``TargetModel``), its init a function of the seed alone."""
+
+    def train_state(self, target, vocab) -> Any:
+        """Frozen tensors the loss needs besides the draft (EAGLE-3: the teacher rows), or None."""
+
+    def normalizer(self, draft, batch, step: int) -> float:
+        """This micro-batch's share of the loss denominator (summed over micro-batches and ranks)."""
+
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, counts)`` of one micro-batch: the loss is its share of the global mean when
+        ``normalizer`` (the global sum) is given; counts are raw float64 sums, reduced once."""
+
+    def counts_shape(self) -> tuple[int, int]:
+        """The shape of the summed counters."""
+
+    def metrics(self, counts: torch.Tensor) -> dict[str, float]:
+        """Rates from the summed counters (loss, per-position accuracy, simulated acceptance tau)."""
+
+    def hf_config(self, draft) -> dict:
+        """The checkpoint's config.json (what a checkpoint of the run saves)."""
+
+
+class MemoryTerms(Protocol):
+    """What the memory model and the dry run count of a bound algorithm's step."""
+
+    def sp_halo(self) -> int:
+        """Rows past its own slice a sequence-parallel rank reads (the step's rows grow by it)."""
+
+    def memory_step(self, draft, shape, precision, gpu: bool) -> dict[str, list]:
+        """The memory model's terms of one micro-batch's step (``specforge.memory``), by phase."""
+
+    def memory_keys(self) -> list[str]:
+        """Config keys that shrink a train device's step, for the memory refusal's message."""
+
+
+class DraftAlgorithm(Configured, Format, Drafting, Protocol):
+    """A registry entry: every unbound role."""
+
+
+class BoundAlgorithm(DraftAlgorithm, Training, MemoryTerms, Protocol):
+    """An algorithm bound to one run (``bind``): every role."""
+
+    facts: RunFacts
+
+
+class Binds:
+    """The binding every algorithm shares: the registry's object is unbound (``facts`` None); ``bind``
+    returns a copy of it holding one run's facts, which its bound hooks read (``run``; ``opt``: the
+    options)."""
+
+    facts: Optional[RunFacts] = None
+
+    def bind(self, cfg) -> BoundAlgorithm:
+        bound = copy.copy(self)
+        bound.facts = RunFacts.of(cfg)
+        return bound
+
+    @property
+    def run(self) -> RunFacts:
+        """The bound run's facts; a RuntimeError on the registry's unbound object."""
+        if self.facts is None:
+            raise RuntimeError(f"{type(self).__name__}: a run's hook was called on the registry's unbound "
+                               "algorithm; bind it to the run first (registry.bound_algorithm(cfg))")
+        return self.facts
+
+    @property
+    def opt(self):
+        """The bound run's ``draft.*`` options."""
+        return self.run.draft
