@@ -1,5 +1,6 @@
 """JSON over HTTP to the engines we start or are pointed at (vLLM, llama.cpp, an OpenAI-compatible
-endpoint): one POST and one health probe, standard library only, every wait bounded by a timeout.
+endpoint): one POST, one health probe and the wait for a starting server, standard library only,
+every wait bounded by a timeout.
 
 Callers turn :class:`HttpFailure` into their own one-line error (which key or engine, what to do).
 """
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.error
 import urllib.request
+from typing import Callable, Literal
 
 
 class HttpFailure(Exception):
@@ -55,3 +58,18 @@ def healthy(url: str, timeout_s: float) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError, http.client.HTTPException):
         return False
+
+
+def wait_healthy(url: str, deadline: float, exited: Callable[[], bool], poll_s: float = 0.5,
+                 probe_timeout_s: float = 5) -> Literal["ready", "exited", "timeout"]:
+    """Poll ``url`` (a starting server's ``/health``) until it answers 200 (``"ready"``), ``exited()``
+    says the server's process has died (``"exited"``, asked first each round) or ``deadline``
+    (``time.monotonic()``) passes (``"timeout"``). The caller words the error of each."""
+    while True:
+        if exited():
+            return "exited"
+        if healthy(url, timeout_s=probe_timeout_s):
+            return "ready"
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(poll_s)

@@ -80,3 +80,19 @@ def test_healthy_only_on_200(server):
     assert healthy(f"{server}/health", 5)
     assert not healthy(f"{server}/loading", 5)  # 503 while an engine loads: the negative control
     assert get_text(f"{server}/health", 5) == "ok"
+
+
+def test_wait_healthy_says_ready_exited_or_timeout(server):
+    """A server that answers is ready; a dead process is said at once, before the deadline (the control:
+    the same dead server with the process alive waits out its deadline)."""
+    import time
+
+    from specforge.jsonhttp import wait_healthy
+
+    dead = f"http://127.0.0.1:{_closed_port()}/health"
+    assert wait_healthy(f"{server}/health", time.monotonic() + 5, exited=lambda: False) == "ready"
+    t0 = time.monotonic()
+    assert wait_healthy(dead, t0 + 30, exited=lambda: True) == "exited"
+    assert time.monotonic() - t0 < 5
+    assert wait_healthy(dead, time.monotonic() + 0.3, exited=lambda: False, poll_s=0.05) == "timeout"
+    assert wait_healthy(f"{server}/loading", time.monotonic() + 0.3, exited=lambda: False, poll_s=0.05) == "timeout"

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from specforge.compat import check_draft_shape
-from specforge.jsonhttp import HttpFailure, get_text, healthy, post_json
+from specforge.jsonhttp import HttpFailure, get_text, post_json, wait_healthy
 from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
 
@@ -423,14 +423,13 @@ class LlamaServer:
         self.stop()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise self._fail(f"exited with code {self.proc.returncode} while starting")
-            if healthy(f"{self.url}/health", timeout_s=2):  # False while loading (503) or not listening yet
-                return
-            time.sleep(0.2)
-        raise self._fail(f"did not answer /health within {self.start_timeout_s:.0f} s")
+        # /health is not 200 while the server loads (503) or before it listens
+        state = wait_healthy(f"{self.url}/health", time.monotonic() + self.start_timeout_s,
+                             exited=lambda: self.proc.poll() is not None, poll_s=0.2, probe_timeout_s=2)
+        if state == "exited":
+            raise self._fail(f"exited with code {self.proc.returncode} while starting")
+        if state == "timeout":
+            raise self._fail(f"did not answer /health within {self.start_timeout_s:.0f} s")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from specforge.jsonhttp import HttpFailure, healthy, post_json
+from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
 
 INSTALL = "bash scripts/install_vllm.sh"
 SERVED_NAME = "target"
@@ -225,20 +225,18 @@ class VllmEngine:
         return line[-300:] + f" (log: {self.log_path})"
 
     def _wait_ready(self, deadline: float) -> None:
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineError(f"rollout.backend=vllm: the vLLM engine for {self.spec.model_path} exited "
-                                  f"({self.proc.returncode}) while starting: {self._why_dead()}")
-            if healthy(f"{self.url}/health", timeout_s=5):
-                return
-            if time.monotonic() > deadline:
-                if self.proc is None:
-                    raise EngineError(f"config key 'rollout.vllm_endpoint'={self.url!r}: no vLLM engine answers at "
-                                      f"{self.url}/health; start one (python -m specforge.capture --config ... "
-                                      "--vllm-command PORT prints the command) or unset rollout.vllm_endpoint")
-                raise EngineError(f"rollout.backend=vllm: the vLLM engine did not become ready in time "
-                                  f"(rollout.vllm_startup_timeout_s): {self._why_dead()}")
-            time.sleep(0.5)
+        state = wait_healthy(f"{self.url}/health", deadline,
+                             exited=lambda: self.proc is not None and self.proc.poll() is not None)
+        if state == "exited":
+            raise EngineError(f"rollout.backend=vllm: the vLLM engine for {self.spec.model_path} exited "
+                              f"({self.proc.returncode}) while starting: {self._why_dead()}")
+        if state == "timeout" and self.proc is None:
+            raise EngineError(f"config key 'rollout.vllm_endpoint'={self.url!r}: no vLLM engine answers at "
+                              f"{self.url}/health; start one (python -m specforge.capture --config ... "
+                              "--vllm-command PORT prints the command) or unset rollout.vllm_endpoint")
+        if state == "timeout":
+            raise EngineError(f"rollout.backend=vllm: the vLLM engine did not become ready in time "
+                              f"(rollout.vllm_startup_timeout_s): {self._why_dead()}")
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
