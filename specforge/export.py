@@ -44,7 +44,7 @@ from specforge.config import EMBEDDED_TARGET, ModelConfig
 from specforge.engines import llamacpp
 from specforge.engines.llamacpp import OUTTYPES  # what llama.cpp's converter writes itself
 from specforge.registry import algorithm_of, read_draft_config
-from specforge.seam import ExportRequest
+from specforge.seam import ExportRequest, Format
 
 ENGINES = ("sglang", "vllm", "llama.cpp")
 
@@ -172,7 +172,7 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     return algo.export(args.engine, draft, tmp, req)
 
 
-def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, draft_config: dict, algo) -> str:
+def export_gguf(args: argparse.Namespace, draft: Path, tmp: Path, target: str, draft_config: dict, algo: Format) -> str:
     if not Path(target).is_dir():
         raise ValueError(f"--target {target!r} is not a local folder: llama.cpp's converter reads the target's "
                          "HF folder (config, tokenizer, embedding); download it and pass --target <folder>")

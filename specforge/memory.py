@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from specforge.contracts import DTYPE_BYTES, MAX_STEPS_AHEAD, FeatureSpec
+from specforge.seam import MemoryTerms
 from specforge.targets import family_of, target_head_dim, text_config
 
 GiB = 2**30
@@ -361,7 +362,7 @@ def engine_client_terms(t: "TargetDims", B: int, T: int, aux_layers: int, chunk_
             Term("capture (vLLM): one argmax chunk of logits", min(chunk_tokens, n) * t.V * (t.dtype_bytes + 8))]
 
 
-def plan(cfg, algo, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
+def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
     """Every kind of device of ``cfg``'s placement at its peak. ``algo``: the run's algorithm (its
     ``memory_step`` terms), ``target``: the ``TargetModel`` (meta
     device is enough), ``draft``: the run's draft (meta), ``state_bytes``: the algorithm's frozen train
@@ -473,7 +474,7 @@ def available_bytes(cfg) -> tuple[Optional[int], str]:
     return None, "no GPU here and ray.gpu_memory_gib unset"
 
 
-def check_fits(devices: Sequence[DeviceMemory], available: Optional[int], where: str, cfg, algo) -> None:
+def check_fits(devices: Sequence[DeviceMemory], available: Optional[int], where: str, cfg, algo: MemoryTerms) -> None:
     """ValueError (one line) naming the device, its predicted peak, the GiB available and the keys
     that shrink it (``algo``'s ``memory_keys`` among them), when a device's peak exceeds ``available``."""
     if available is None:
@@ -498,7 +499,7 @@ def host_available_bytes() -> Optional[int]:
     return None
 
 
-def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], cfg, algo) -> None:
+def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], cfg, algo: MemoryTerms) -> None:
     """A CPU run: ValueError (one line) when its processes' predicted peaks together exceed this
     machine's available memory, naming the largest process and the keys that shrink it."""
     if available is None or not devices:
@@ -513,7 +514,7 @@ def check_host_fits(devices: Sequence[DeviceMemory], available: Optional[int], c
             "prints every term)")
 
 
-def _keys_for(dev: DeviceMemory, cfg, algo) -> str:
+def _keys_for(dev: DeviceMemory, cfg, algo: MemoryTerms) -> str:
     if dev.device.startswith("rollout"):
         return ("rollout batch (train.batch_size, train.grad_accum; more rollout.num_workers), data.max_length, "
                 "placement.max_inflight_mb or model.num_gpus")

