@@ -30,13 +30,13 @@ class DFlashDims:
 
 
 def anchors_per_row(num_anchors: int, samples_per_row: int, T: int) -> int:
-    """The most anchors a row of ``T`` tokens draws: ``draft.num_anchors`` per sample, and a sample
-    of n tokens has at most n - 1 (an anchor's next token is in its sample). A packed row
-    (``train.pack_tokens``) holds up to the rank's samples of a step (batch_size x grad_accum),
-    each of at least num_anchors + 1 tokens in the worst case."""
-    A, samples = num_anchors, samples_per_row
+    """The most anchors a row of ``T`` tokens draws: ``num_anchors`` (``draft.num_anchors``) per
+    sample, and a sample of n tokens has at most n - 1 (an anchor's next token is in its sample). A
+    row holds up to ``samples_per_row`` samples (``seam.RunFacts``: packed, the rank's samples of a
+    step, batch_size x grad_accum; else 1), each of at least num_anchors + 1 tokens in the worst case."""
+    A = num_anchors
     fit = (T // (A + 1)) * A + max(0, T % (A + 1) - 1)
-    return max(1, min(A * samples, fit))
+    return max(1, min(A * samples_per_row, fit))
 
 
 def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
