@@ -129,7 +129,8 @@ def train_and_eval(cfg, target, vocab, store: FeatureStore, eval_batches, steps:
 
     torch.manual_seed(cfg.train.seed)
     draft = EAGLE3.build_draft(cfg, target, vocab)
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, EAGLE3.train_state(cfg, target, vocab), cfg, target.device)
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, EAGLE3.train_state(cfg, target, vocab), cfg,
+                           target.device)
     pad = pad_id(target.tokenizer)
     t0 = time.perf_counter()
     for step in range(steps):
@@ -181,7 +182,8 @@ def feature_error(store: FeatureStore, ref: dict, target, chunk: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=100, help="train rows captured")
-    ap.add_argument("--train-steps", type=int, default=150, help="draft steps per store for the acceptance check (0 = skip)")
+    ap.add_argument("--train-steps", type=int, default=150,
+                    help="draft steps per store for the acceptance check (0 = skip)")
     ap.add_argument("--reads", type=int, default=200, help="random 2-sample batches read per format")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="scratch folder (default: a temp dir, removed after)")
@@ -227,7 +229,8 @@ def main() -> int:
             from specforge.algorithms import get_algorithm
             from specforge.training.trainer import build_vocab
 
-            vocab = build_vocab(get_algorithm(cfg.draft.algorithm), cfg, data.train, target.config.vocab_size, data.cache_key)
+            vocab = build_vocab(get_algorithm(cfg.draft.algorithm), cfg, data.train, target.config.vocab_size,
+                                data.cache_key)
             eval_batches = fp32_batches(target, data.eval, cfg.model.argmax_chunk_tokens)
             for d, s in stores.items():
                 acc[d] = train_and_eval(cfg, target, vocab, s, eval_batches, args.train_steps)
@@ -236,15 +239,19 @@ def main() -> int:
             shutil.rmtree(scratch, ignore_errors=True)
 
     head = ["format", "bytes/token on disk", "bytes/token (formula)", "files", "capture tok/s (fwd+write)",
-            "write-only tok/s", "read tok/s (batches of 2)", "hidden rel. L2 err vs fp32*", "argmax from stored last hidden = fp32*"]
+            "write-only tok/s", "read tok/s (batches of 2)", "hidden rel. L2 err vs fp32*",
+            "argmax from stored last hidden = fp32*"]
     body = [
         f"`python benchmarks/bench_store.py --samples {args.samples} --train-steps {args.train_steps}` -- "
         f"{header_markdown(info)} | **load avg (1/5/15 min)** before {load_before}, after {load_avg()}",
         "",
-        f"SmolLM2-135M target (fp32, H {H}, 3 captured layers), {len(data.train)} ShareGPT train rows, {tokens:,} tokens "
+        f"SmolLM2-135M target (fp32, H {H}, 3 captured layers), {len(data.train)} ShareGPT train rows, "
+        f"{tokens:,} tokens "
         f"(max_length {cfg.data.max_length}), {args.threads} threads. One capture pass feeds all three sinks "
-        f"(target forward {secs['forward']:.1f} s = {tokens / secs['forward']:,.0f} tok/s, shared); each write is timed "
-        f"alone. Stores: 64 MB shards. Read = {args.reads} random 2-sample batches padded into a TrainBatch, page cache warm. "
+        f"(target forward {secs['forward']:.1f} s = {tokens / secs['forward']:,.0f} tok/s, shared); "
+        "each write is timed "
+        f"alone. Stores: 64 MB shards. Read = {args.reads} random 2-sample batches padded into a TrainBatch, "
+        "page cache warm. "
         "The machine is shared with other jobs (2 cores): rates are indicative.",
         "",
         markdown_table(head, rows),
@@ -257,7 +264,8 @@ def main() -> int:
         body += [
             "",
             f"What int8 does to acceptance: two drafts (draft vocab {cfg.draft.vocab_size}), same seed and data order, "
-            f"{args.train_steps} steps of batch {cfg.train.batch_size} each, trained from the bf16 and from the int8 store, "
+            f"{args.train_steps} steps of batch {cfg.train.batch_size} each, "
+            "trained from the bf16 and from the int8 store, "
             f"evaluated on fp32 features of {NUM_EVAL} held-out conversations (simulated acceptance length tau, TTT "
             f"length {cfg.draft.ttt_length}). A short run: the draft is far from converged.",
             "",
