@@ -348,7 +348,8 @@ def engine_terms(cfg, target_bytes: int, gpu: bool, gpu_bytes: Optional[int]) ->
     share = int(r.vllm_gpu_memory_utilization * (gpu_bytes or H100_80GB))
     return [Term(f"vLLM engine: target weights / rollout.tp_size={r.tp_size}", weights),
             Term("vLLM engine: KV and hidden-states cache, activations, CUDA graphs (the rest of "
-                 f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x the GPU)", max(share - weights, 0))]
+                 f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x the GPU)",
+                 max(share - weights, 0))]
 
 
 def engine_client_terms(t: "TargetDims", B: int, T: int, aux_layers: int, chunk_tokens: int) -> list[Term]:

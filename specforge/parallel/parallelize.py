@@ -45,7 +45,8 @@ def parallelize_draft(draft: nn.Module, dims: ParallelDims, groups: Optional[Par
     if dims.sp > 1:
         apply_sp(draft, algo.sp_cores(draft), groups.ulysses_group, groups.ring_group)
     # 2. FSDP2 over all dp*sp train ranks, gradients summed
-    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(cfg.train.precision, groups.device), sum_gradients=True)
+    apply_fsdp(draft, groups.fsdp_mesh, mp_policy=mixed_precision(cfg.train.precision, groups.device),
+               sum_gradients=True)
     return draft
 
 

@@ -97,8 +97,8 @@ class DFlash:
             errors.append(f"config key 'draft.sliding_window'={w} is below 'draft.block_size'={cfg.draft.block_size}: "
                           "a block's rows must see each other; use at least the block size, or null (full attention)")
         if cfg.draft.vocab_size != DraftConfig.vocab_size:
-            errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, not "
-                          f"{self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
+            errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, "
+                          f"not {self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
         return errors
 
     def feature_layers(self, cfg, num_layers: int) -> list[int]:
@@ -170,7 +170,8 @@ class DFlash:
         if comm is None:
             doc_ids_BT = getattr(batch, "doc_ids_BT", None)  # packed rows (data/packing.py): anchors per sample
             keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(cfg, step), doc_ids_BT)
-            anchors, keep = sample_anchors(batch.loss_mask_BT, cfg.draft.num_anchors, doc_ids_BT=doc_ids_BT, keys_BT=keys)
+            anchors, keep = sample_anchors(batch.loss_mask_BT, cfg.draft.num_anchors, doc_ids_BT=doc_ids_BT,
+                                           keys_BT=keys)
             ring = None
         else:
             C = batch.num_rows
