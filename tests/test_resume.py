@@ -111,15 +111,15 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
         up.copy_(original)
     other_vocab = DraftVocab(vocab.d2t.roll(1), vocab.t2d)
     assert "vocab: checkpoint" in refused(run_identity(EAGLE3, _cfg(), target, other_vocab, FACTS, total_steps=10))
-    msg = refused(run_identity(EAGLE3, _cfg(lr=2e-2), target, vocab, {**FACTS, "data": "cache-other", "global_batch": 4},
-                               total_steps=10))
+    msg = refused(run_identity(EAGLE3, _cfg(lr=2e-2), target, vocab,
+                               {**FACTS, "data": "cache-other", "global_batch": 4}, total_steps=10))
     for part in ("data: checkpoint 'cache-abc', this run 'cache-other'", "global_batch: checkpoint 2, this run 4",
                  "train.lr: checkpoint 0.01, this run 0.02", "checkpoint.resume=false"):
         assert part in msg, (part, msg)
     # a changed schedule (train.max_steps, via the LR horizon): the keys, both values, and both ways forward
     msg = refused(run_identity(EAGLE3, _cfg(lr=2e-2), target, vocab, FACTS, total_steps=30))
-    for part in ("total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs): checkpoint 10, "
-                 "this run 30", "train.lr: checkpoint 0.01, this run 0.02", "restore these values",
+    for part in ("total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs): "
+                 "checkpoint 10, this run 30", "train.lr: checkpoint 0.01, this run 0.02", "restore these values",
                  f"draft.init_from={tmp_path}", "Training a finished draft longer"):
         assert part in msg, (part, msg)
     assert "checkpoint.resume=false" not in msg
@@ -127,7 +127,8 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
     _, _, same = setup_trainer(seed=2)
     cfg = _cfg()
     cfg.draft.attention = "eager"
-    assert CheckpointManager(tmp_path, identity=run_identity(EAGLE3, cfg, target, vocab, FACTS, total_steps=10)).load(same) == 0
+    assert CheckpointManager(
+        tmp_path, identity=run_identity(EAGLE3, cfg, target, vocab, FACTS, total_steps=10)).load(same) == 0
 
 
 def test_train_ranks_at_different_steps_are_refused():

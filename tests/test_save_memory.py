@@ -32,7 +32,8 @@ def _sharded_trainer(rank):
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg, get_algorithm(cfg.draft.algorithm))
-    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(get_algorithm(cfg.draft.algorithm), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     return trainer, [sample_rows(b, rank) for b in batches]
 
 
