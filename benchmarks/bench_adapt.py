@@ -184,8 +184,9 @@ def main() -> int:
           f"{len(general_prompts)} general held-out prompts")
 
     port = free_port()
-    overrides = [f"adapt.dir={out / 'adapt'}", f"adapt.draft={Path(args.draft).resolve()}", f"adapt.rounds={args.rounds}",
-                 f"adapt.min_rows={args.min_rows}", f"adapt.steps={args.steps}", f"adapt.port={port}",
+    overrides = [f"adapt.dir={out / 'adapt'}", f"adapt.draft={Path(args.draft).resolve()}",
+                 f"adapt.rounds={args.rounds}", f"adapt.min_rows={args.min_rows}", f"adapt.steps={args.steps}",
+                 f"adapt.port={port}",
                  f"adapt.threads={args.threads}", f"train.num_threads={args.threads}", "tracking.wandb=false"]
     if args.reference_store:
         overrides.append(f"adapt.reference_store={args.reference_store}")
@@ -228,15 +229,18 @@ def main() -> int:
     for i, path in enumerate(live):
         r = rounds[i - 1] if i else {}
         swap_end = r.get("time", 0)
-        in_swap = [s for a, b, s in load.log if r.get("swap_s") is not None and b >= swap_end - r["swap_s"] - 1 and a <= swap_end]
+        in_swap = [s for a, b, s in load.log
+                   if r.get("swap_s") is not None and b >= swap_end - r["swap_s"] - 1 and a <= swap_end]
         gate = (f"{r['domain_live']:.3f} -> {r['domain_candidate']:.3f} / {r['general_live']:.3f} -> "
                 f"{r['general_candidate']:.3f}" if "domain_live" in r else "-")
         table.append([i or "start", r.get("status", "-"), r.get("train_rows", "-"), r.get("steps", "-"), gate,
                       f"{dom[path]:.3f}", f"{gen[path]:.3f}",
-                      f"{r['swap_s']:.1f} s, {r.get('in_flight_at_switch', 0)} in flight, {sum(1 for s in in_swap if s != 200)} errors / {len(in_swap)}"
+                      f"{r['swap_s']:.1f} s, {r.get('in_flight_at_switch', 0)} in flight, "
+                     f"{sum(1 for s in in_swap if s != 200)} errors / {len(in_swap)}"
                       if r.get("swap_s") is not None else "-"])
         points.append((i, dom[path], gen[path]))
-    text = markdown_table(["round", "status", "training rows", "steps", "gate (our eval): domain / general, live -> candidate",
+    text = markdown_table(["round", "status", "training rows", "steps",
+                           "gate (our eval): domain / general, live -> candidate",
                            "llama.cpp domain", "llama.cpp general", "swap under load"], table)
     summary = (f"{len(during)} requests through the proxy in {minutes:.1f} min while adapt served, {errors} errors"
                f" ({late} more sent after its last round, while it shut down); "

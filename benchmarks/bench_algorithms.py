@@ -161,7 +161,8 @@ def main() -> int:
         rows.append(row)
         points.append({"name": name, "setting": r["setting"], "acceptance": r["acceptance_length"],
                        "by_position": r["acceptance_by_position"], "draft_ms": r["draft_ms_per_round"],
-                       "verify_ms": r["verify_ms_per_round"], "served": engine["tokens_per_forward"] if engine else None})
+                       "verify_ms": r["verify_ms_per_round"],
+                       "served": engine["tokens_per_forward"] if engine else None})
     alone = next((e for e in served.values() if e["draft"] == "target alone"), None)
     table = markdown_table(["draft", "setting", "train wall min", "steps", "acceptance length",
                             "accepted by position", "drafted/round", "draft ms/round", "verify ms/round", "speedup",
@@ -176,7 +177,8 @@ def main() -> int:
            "by an earlier run of this script (checkpoints reused; train wall min = the training loop's own clock "
            "from each run's metrics.jsonl, start-up not included)")
     body = (f"`python benchmarks/bench_algorithms.py{flags}`\n\n**Current figures**: {header_markdown()} · 1-minute "
-            f"load average before the eval {load:.1f} (2 cores; the trainings ran one after the other, nothing else heavy).\n\n"
+            f"load average before the eval {load:.1f} (2 cores; the trainings ran one after the other, "
+            "nothing else heavy).\n\n"
             f"Every draft trained from the same feature store (the default's 300 captured conversations, target layers "
             f"[1, 14, 26]) {how}; {args.prompts} held-out ShareGPT prompts x "
             f"{args.max_new_tokens} new tokens, greedy, every output equal to plain greedy decoding.\n\n" + table)

@@ -39,7 +39,8 @@ TARGET_SPEEDUP = 1.3
 
 def groups_of(data, per_group: int, cap: int, step: int) -> list[list[dict]]:
     ids = global_batch_ids(len(data.train), per_group * DP_GROUPS, seed=0, step=step)
-    rows = [{"input_ids": r["input_ids"][:cap], "loss_mask": r["loss_mask"][:cap]} for r in (data.train[i] for i in ids)]
+    rows = [{"input_ids": r["input_ids"][:cap], "loss_mask": r["loss_mask"][:cap]}
+            for r in (data.train[i] for i in ids)]
     return [[rows[i] for i in micro[0]] for micro in split_for_ranks(list(range(len(rows))), DP_GROUPS, 1)]
 
 
@@ -110,8 +111,9 @@ def main() -> None:
     pad = target.tokenizer.pad_token_id or 0
     results = [run_case(target, data, g, cap, args.reps, pad) for g, cap in CASES]
     rows = [[f"{r['per_group']} x {DP_GROUPS}", r["cap"], f"{r['tokens']:.0f}", f"{100 * r['pad_frac']:.0f}%",
-             f"{r['separate_s']:.3f}", f"{r['separate_tps']:.0f}", f"{r['batched_s']:.3f}", f"**{r['batched_tps']:.0f}**",
-             f"{r['speedup']:.2f}x", "yes" if r["speedup"] >= TARGET_SPEEDUP else "no"] for r in results]
+             f"{r['separate_s']:.3f}", f"{r['separate_tps']:.0f}", f"{r['batched_s']:.3f}",
+             f"**{r['batched_tps']:.0f}**", f"{r['speedup']:.2f}x",
+             "yes" if r["speedup"] >= TARGET_SPEEDUP else "no"] for r in results]
     table = markdown_table(["samples (per group x groups)", "token cap", "real tokens/step", "padding (batched)",
                             "per-group fwd s", "per-group tokens/s", "batched fwd s", "batched tokens/s",
                             "speedup", f">= {TARGET_SPEEDUP}x"], rows)

@@ -90,7 +90,8 @@ def main() -> None:
     body = (f"{header_markdown(machine_info())}\n\n`python benchmarks/bench_engine.py --draft {args.draft}` "
             f"({len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy, {args.threads} threads, "
             f"llama-server from `scripts/install_llamacpp.sh`; load average before {' '.join(load_before)}, after "
-            f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])})\n\n{table}\n\nBreak-even (`--spec-synth-len L`, "
+            f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])})\n\n{table}\n\n"
+            "Break-even (`--spec-synth-len L`, "
             f"{args.synth_prompts} prompts): the acceptance a draft needs on this target\n\n{be}\n")
     print(body)
     if not args.no_readme:

@@ -125,7 +125,8 @@ def main() -> int:
     rows = []
     for attention in args.attention.split(","):
         draft = make_draft(shape["draft_vocab"], dict(shape), attention).to(device)
-        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
+        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4,
+                                fused=device.type == "cuda")
         W = (torch.randn(shape["draft_vocab"], shape["hidden"]) * 0.02).bfloat16().to(device)
         for T in (int(t) for t in args.T.split(",")):
             batches = [batch_of(draft, [T], device)]

@@ -114,12 +114,14 @@ def plot_scaling(points: list[dict], path: Path) -> None:
     for lever in dict.fromkeys(p["lever"] for p in points):
         ps = sorted((p for p in points if p["lever"] == lever), key=lambda p: p["samples"])
         for ax, key in zip(axes, ("acc_0", "tau")):
-            ax.plot([p["samples"] for p in ps], [p[key] for p in ps], "o-", label=f"{lever}, {ps[0]['epochs']:g} epochs")
+            ax.plot([p["samples"] for p in ps], [p[key] for p in ps], "o-",
+                    label=f"{lever}, {ps[0]['epochs']:g} epochs")
     for ax, key, goal in zip(axes, ("acc_0", "tau"), (0.6, 2.5)):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("distinct train samples (conversations)")
         ax.set_ylabel(f"held-out {key}" + (" (simulated chain 7)" if key == "tau" else ""))
-        ax.axhline(goal, color="gray", ls="--", lw=0.8, label=f"needed for acceptance 2.5: ~{goal}" if key == "acc_0" else "target 2.5")
+        ax.axhline(goal, color="gray", ls="--", lw=0.8,
+                   label=f"needed for acceptance 2.5: ~{goal}" if key == "acc_0" else "target 2.5")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -138,7 +140,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--fractions", default="1", help="data scaling: train on these fractions of the samples")
     ap.add_argument("--epochs", type=float, default=0.0, help="with --fractions: stop after this many epochs")
-    ap.add_argument("--plot-only", action="store_true", help="redraw bench_data_scaling.png from bench_data_scaling.json")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw bench_data_scaling.png from bench_data_scaling.json")
     args = ap.parse_args()
     png = SCALING.with_suffix(".png")
     if args.plot_only:
@@ -155,14 +158,16 @@ def main() -> int:
     if args.epochs:  # the data-scaling points, kept and plotted
         SCALING.write_text(json.dumps(points, indent=1) + "\n")
         plot_scaling(points, png)
-    rows = [[p["lever"], p["samples"], " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
+    rows = [[p["lever"], p["samples"],
+             " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
              p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]] for p in points]
-    table = markdown_table(["lever", "train samples", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1", "acc_2",
-                            "tau (sim., chain 7)"], rows)
+    table = markdown_table(["lever", "train samples", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1",
+                            "acc_2", "tau (sim., chain 7)"], rows)
     n = len(store.ids)
     how = f"--epochs {args.epochs:g} --fractions {args.fractions}" if args.epochs else f"--minutes {args.minutes:g}"
     body = (f"`python benchmarks/bench_levers.py --store {args.store} --levers {args.levers} {how}` -- "
-            f"{header_markdown()}\n\n{n - 16} stored samples train, 16 held out; batch {args.batch_size} rows, fp32.\n\n"
+            f"{header_markdown()}\n\n{n - 16} stored samples train, 16 held out; batch {args.batch_size} rows, "
+            "fp32.\n\n"
             + table)
     print(body)
     title = "Data scaling: held-out acceptance vs distinct samples" if args.epochs else \

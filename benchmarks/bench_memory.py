@@ -138,7 +138,8 @@ def _config(case: Case):
     if case.algo == "eagle3":
         draft = Eagle3Options(ttt_length=case.ttt, attention=case.attention, sliding_window=case.window)
     else:
-        draft = DFlashOptions(algorithm="dflash", num_layers=case.layers, block_size=case.block, num_anchors=case.anchors)
+        draft = DFlashOptions(algorithm="dflash", num_layers=case.layers, block_size=case.block,
+                              num_anchors=case.anchors)
     return Config(draft=draft, train=TrainConfig(precision=case.precision, warmup_steps=0, num_workers=case.world))
 
 
@@ -192,7 +193,8 @@ def measure(case: Case, groups=None) -> int:
 
                 apply_sp(draft, get_algorithm(case.algo).sp_cores(draft), groups.ulysses_group, groups.ring_group)
             apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy() if case.mp else None)
-        trainer = DraftTrainer(bound_algorithm(cfg), draft, state, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+        trainer = DraftTrainer(bound_algorithm(cfg), draft, state, cfg, torch.device("cpu"),
+                               reduce_sum=sum_over_train_ranks(groups))
         first = _batch(case, g, groups)
         trainer.step([first])
         del first

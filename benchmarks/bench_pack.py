@@ -13,7 +13,8 @@ Each ``--run`` is a finished ``scripts/train_eagle3.sh`` output folder (its ``me
 are the samples' own tokens, padding left out (``useful_tokens`` of each logged train step, one row
 every ``train.log_every`` steps: a sample of the steps, scaled to all of them for the run's total);
 "train step" counts the step's own time (``train_ms``: forward, backward, optimizer), "run" the
-loop's wall time to its last step (``time_s``: feature reads, periodic evals and saves included). Both runs are the same recipe,
+loop's wall time to its last step (``time_s``: feature reads, periodic evals and saves included). Both runs \
+are the same recipe,
 data and seed; only ``train.pack_tokens`` differs.
 """
 

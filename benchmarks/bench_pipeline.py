@@ -66,7 +66,8 @@ def run_scenario(name: str, extra: list[str], steps: int, reps: int) -> dict:
         t = cluster.timeout_s
         fwd = [collect([w.forward_only.remote(plan(steps + i)) for w in cluster.rollout.actors],
                        cluster.rollout.labels, t, "forward_only") for i in range(reps)]
-        trn = collect([w.train_repeat.remote(reps) for w in cluster.train.actors], cluster.train.labels, t, "train_repeat")
+        trn = collect([w.train_repeat.remote(reps) for w in cluster.train.actors], cluster.train.labels, t,
+                      "train_repeat")
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -75,7 +76,8 @@ def run_scenario(name: str, extra: list[str], steps: int, reps: int) -> dict:
     step_s = sum(r["step_s"] for r in recs)
     e2e = sum(r["tokens"] for r in recs) / step_s
     wait = sum(r["train_wait_ms"] for r in recs) / 1e3 / step_s
-    rollout = statistics.median(sum(r.metrics["tokens"] for r in f) / (max(r.timings_ms["forward"] for r in f) / 1e3) for f in fwd)
+    rollout = statistics.median(sum(r.metrics["tokens"] for r in f) / (max(r.timings_ms["forward"] for r in f) / 1e3)
+                                for f in fwd)
     step_tokens = sum(r.metrics["tokens_local"] for r in trn)
     train_ms = statistics.median(max(r.timings_ms[f"train_{i}"] for r in trn) for i in range(reps))
     train = step_tokens / (train_ms / 1e3)

@@ -49,11 +49,13 @@ def main() -> int:
     run([PY, "-m", "specforge.train", *common, "train.max_steps=1", "train.lr=1e-12", f"train.output_dir={untrained}",
          "checkpoint.resume=false"])
     results = [("prompt-lookup", evaluate("prompt-lookup", out / "eval-pld.json", args), None)]
-    results.append(("untrained draft", evaluate(str(untrained / "checkpoints" / "step-000001"), out / "eval-untrained.json", args), None))
+    results.append(("untrained draft",
+                    evaluate(str(untrained / "checkpoints" / "step-000001"), out / "eval-untrained.json", args), None))
     train_s = run([PY, "-m", module, *common, f"train.max_minutes={args.minutes}", "train.max_steps=100000",
                    f"train.output_dir={out / 'trained'}", "checkpoint.resume=false"])
     ckpt = sorted((out / "trained" / "checkpoints").glob("step-*"))[-1]
-    results.append((f"trained {ckpt.name} ({args.trainer})", evaluate(str(ckpt), out / "eval-trained.json", args), train_s))
+    results.append((f"trained {ckpt.name} ({args.trainer})", evaluate(str(ckpt), out / "eval-trained.json", args),
+                    train_s))
 
     rows = [
         [name, f"{r['acceptance_length']:.2f}", " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]),
@@ -62,14 +64,18 @@ def main() -> int:
         for name, r, s in results
     ]
     table = markdown_table(
-        ["draft", "acceptance length (chain 7)", "accepted by position", "target tok/s", "spec tok/s", "speedup", "train wall min"],
+        ["draft", "acceptance length (chain 7)", "accepted by position", "target tok/s", "spec tok/s", "speedup",
+         "train wall min"],
         rows,
     )
     body = (
-        f"`python benchmarks/bench_quality.py --minutes {args.minutes:g} --trainer {args.trainer}` -- {header_markdown()}\n\n"
-        f"{args.prompts} held-out ShareGPT prompts (cut before the first assistant turn), {args.max_new_tokens} new tokens "
+        f"`python benchmarks/bench_quality.py --minutes {args.minutes:g} --trainer {args.trainer}` -- "
+        f"{header_markdown()}\n\n"
+        f"{args.prompts} held-out ShareGPT prompts (cut before the first assistant turn), "
+        f"{args.max_new_tokens} new tokens "
         "each, greedy; the speculative output equals plain greedy decoding token for token (checked). Acceptance "
-        "length = tokens per target verify forward, bonus token included. Target: trained >= 2.5, prompt-lookup ~1.3.\n\n"
+        "length = tokens per target verify forward, bonus token included. Target: trained >= 2.5, "
+        "prompt-lookup ~1.3.\n\n"
         + table
     )
     print(body)

@@ -123,7 +123,8 @@ def _rank(rank: int, world: int, method: str, phase: str, out_dir: str) -> None:
     batch = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"].float(), b["last_hidden_BTH"].float(),
                        b["target_ids_BT"])
     draft = parallelize_draft(draft, ParallelDims(dp=world), groups, cfg.train.precision, bound_algorithm(cfg))
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     trainer.step([batch])
     gc.collect()
     dist.barrier()

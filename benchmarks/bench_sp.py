@@ -22,7 +22,8 @@ first step ("step peak"), which is what sequence parallelism divides. The report
 maximum over ranks; "memory model" is ``specforge/memory.py``'s peak for the same rank and step
 (``bench_memory.predict``: tensors the step holds at its fullest phase, no interpreter baseline, so
 compare it with the step peak plus the draft's weights; ``--predict-only`` lists it for lengths not
-run here). ``--window W``: the draft's sliding window. Time = median over the measured steps of the slowest rank. Every rank runs
+run here). ``--window W``: the draft's sliding window. Time = median over the measured steps of the slowest
+rank. Every rank runs
 ``--threads`` torch threads (default 1: two-thread OpenMP regions on this shared, loaded 2-core
 machine measured ~3x slower than one thread), so SP 2 uses both cores and SP 4 oversubscribes
 them 2x: time is only indicative; memory is the measurement.
@@ -90,9 +91,11 @@ def _rank(rank: int, world: int, T: int, steps: int, out_dir: str, mode: str = "
     draft.midlayer.self_attn.core.window = window
     teacher = torch.randn(DRAFT_VOCAB, 576) * 0.05
     b = make_batch(1, T, draft)
-    full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"], b["target_ids_BT"])
+    full = TrainBatch(b["input_ids_BT"], b["loss_mask_BT"], b["aux_hidden_BTKH"], b["last_hidden_BTH"],
+                      b["target_ids_BT"])
     draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, cfg.draft.ttt_length + 1)]
     base = _rss_mb()
     times = []
@@ -129,7 +132,8 @@ def plot(results: list[dict], path: Path, mode: str) -> None:
         axes[0].plot(Ts, [r["peak_mb"] for r in rs], "o-", label=f"SP {sp}")
         axes[1].plot(Ts, [r["step_peak_mb"] for r in rs], "o-", label=f"SP {sp}")
         axes[2].plot(Ts, [r["step_s"] for r in rs], "o-", label=f"SP {sp}")
-    for ax, title in zip(axes, ["peak RSS per rank (MB)", "step peak above baseline (MB)", "step time (s, oversubscribed)"]):
+    for ax, title in zip(axes, ["peak RSS per rank (MB)", "step peak above baseline (MB)",
+                                "step time (s, oversubscribed)"]):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_title(title)
@@ -183,8 +187,8 @@ def main() -> int:
         flags = (f" --window {args.window}" if args.window else "") + (f" --predict-only {args.predict_only}"
                                                                           if args.predict_only else "")
         body = (f"{header_markdown(info)}\n\n`python benchmarks/bench_sp.py --seqs {args.seqs} --sps {args.sps} "
-                f"--steps {args.steps} --threads {args.threads} --mode {args.mode}{flags}`: see the script docstring for "
-                f"what is measured.\n\n{table}\n\n![]({png.name})\n")
+                f"--steps {args.steps} --threads {args.threads} --mode {args.mode}{flags}`: see the script "
+                f"docstring for what is measured.\n\n{table}\n\n![]({png.name})\n")
         title = {"ulysses": "Ulysses", "ring": "ring", "allgather": "all-gather ring reference"}[args.mode]
         if args.window:
             title += f", sliding window {args.window}"

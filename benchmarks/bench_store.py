@@ -181,7 +181,8 @@ def feature_error(store: FeatureStore, ref: dict, target, chunk: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=100, help="train rows captured")
-    ap.add_argument("--train-steps", type=int, default=150, help="draft steps per store for the acceptance check (0 = skip)")
+    ap.add_argument("--train-steps", type=int, default=150,
+                    help="draft steps per store for the acceptance check (0 = skip)")
     ap.add_argument("--reads", type=int, default=200, help="random 2-sample batches read per format")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="scratch folder (default: a temp dir, removed after)")
@@ -236,16 +237,17 @@ def main() -> int:
             shutil.rmtree(scratch, ignore_errors=True)
 
     head = ["format", "bytes/token on disk", "bytes/token (formula)", "files", "capture tok/s (fwd+write)",
-            "write-only tok/s", "read tok/s (batches of 2)", "hidden rel. L2 err vs fp32*", "argmax from stored last hidden = fp32*"]
+            "write-only tok/s", "read tok/s (batches of 2)", "hidden rel. L2 err vs fp32*",
+            "argmax from stored last hidden = fp32*"]
     body = [
         f"`python benchmarks/bench_store.py --samples {args.samples} --train-steps {args.train_steps}` -- "
         f"{header_markdown(info)} | **load avg (1/5/15 min)** before {load_before}, after {load_avg()}",
         "",
-        f"SmolLM2-135M target (fp32, H {H}, 3 captured layers), {len(data.train)} ShareGPT train rows, {tokens:,} tokens "
-        f"(max_length {cfg.data.max_length}), {args.threads} threads. One capture pass feeds all three sinks "
-        f"(target forward {secs['forward']:.1f} s = {tokens / secs['forward']:,.0f} tok/s, shared); each write is timed "
-        f"alone. Stores: 64 MB shards. Read = {args.reads} random 2-sample batches padded into a TrainBatch, page cache warm. "
-        "The machine is shared with other jobs (2 cores): rates are indicative.",
+        f"SmolLM2-135M target (fp32, H {H}, 3 captured layers), {len(data.train)} ShareGPT train rows, "
+        f"{tokens:,} tokens (max_length {cfg.data.max_length}), {args.threads} threads. One capture pass feeds all "
+        f"three sinks (target forward {secs['forward']:.1f} s = {tokens / secs['forward']:,.0f} tok/s, shared); "
+        f"each write is timed alone. Stores: 64 MB shards. Read = {args.reads} random 2-sample batches padded into "
+        "a TrainBatch, page cache warm. The machine is shared with other jobs (2 cores): rates are indicative.",
         "",
         markdown_table(head, rows),
         "",
@@ -257,9 +259,9 @@ def main() -> int:
         body += [
             "",
             f"What int8 does to acceptance: two drafts (draft vocab {cfg.draft.vocab_size}), same seed and data order, "
-            f"{args.train_steps} steps of batch {cfg.train.batch_size} each, trained from the bf16 and from the int8 store, "
-            f"evaluated on fp32 features of {NUM_EVAL} held-out conversations (simulated acceptance length tau, TTT "
-            f"length {cfg.draft.ttt_length}). A short run: the draft is far from converged.",
+            f"{args.train_steps} steps of batch {cfg.train.batch_size} each, trained from the bf16 and from the int8 "
+            f"store, evaluated on fp32 features of {NUM_EVAL} held-out conversations (simulated acceptance length tau, "
+            f"TTT length {cfg.draft.ttt_length}). A short run: the draft is far from converged.",
             "",
             markdown_table(["trained from", "tau (sim. acceptance length)", "acc step 0", "train s"], [
                 ["bfloat16 store", f"{b['tau']:.3f}", f"{b['acc_0']:.3f}", f"{b['seconds']:.0f}"],

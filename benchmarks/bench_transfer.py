@@ -166,7 +166,8 @@ def run(sizes_mb: list[float], write_readme: bool) -> None:
             *(f"{median[k]:.2f} ({best[k]:.2f})" for k in best),
             f"{ours / best_raw:.2f}x", f"{ours / median['object store']:.1f}x",
         ])
-        print(f"{size} MB, median (best) GB/s: " + ", ".join(f"{k} {median[k]:.2f} ({best[k]:.2f})" for k in best), flush=True)
+        print(f"{size} MB, median (best) GB/s: " + ", ".join(f"{k} {median[k]:.2f} ({best[k]:.2f})" for k in best),
+              flush=True)
     group.shutdown()
     ray.shutdown()
 
@@ -205,7 +206,8 @@ def bytes_per_token_table() -> str:
         logits_bf16 = 3 * h * 2 + v * 2 + ids
         logits_fp32 = 3 * h * 2 + v * 4 + ids
         rows.append([name, h, v, f"{ours:,} ({ours / 1024:.1f} KiB)", f"{logits_bf16:,} ({logits_bf16 / 1024:.1f} KiB)",
-                     f"{logits_fp32:,} ({logits_fp32 / 1024:.1f} KiB)", f"{logits_bf16 / ours:.1f}x / {logits_fp32 / ours:.1f}x"])
+                     f"{logits_fp32:,} ({logits_fp32 / 1024:.1f} KiB)",
+                     f"{logits_bf16 / ours:.1f}x / {logits_fp32 / ours:.1f}x"])
     return markdown_table(["target", "H", "V", "ours: aux 3H + last H (bf16) + ids, B", "aux + logits bf16, B",
                            "aux + logits fp32, B", "logits/ours (bf16 / fp32)"], rows)
 

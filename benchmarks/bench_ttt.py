@@ -120,7 +120,8 @@ def flex_section(args, info, precision) -> str:
     table = markdown_table(["batch", "draft vocab", "fast s/step", "fast tokens/s", "flex s/step", "flex tokens/s",
                             "flex / fast time"], rows)
     return (f"`python benchmarks/bench_ttt.py --flex` -- {header_markdown(info)}\n\n"
-            f"The train step of the section \"TTT train step\" ({precision}, {args.threads} threads, SmolLM2-135M-shaped "
+            f"The train step of the section \"TTT train step\" ({precision}, {args.threads} threads, "
+            "SmolLM2-135M-shaped "
             "draft) with the `fast` core (what `draft.attention: auto` runs on a CPU) and the `flex` core "
             "(`flex_attention` over the concatenated keys). On a CPU torch 2.13 runs flex_attention eagerly as a "
             "dense reference (full scores materialized) and refuses its backward behind a guard, which this "

@@ -70,7 +70,8 @@ def trace_growth(actor=None, top: int = 6) -> list[str]:
     gc.collect()
     holder = actor if actor is not None else sys.modules[__name__]
     diff = tracemalloc.take_snapshot().compare_to(holder._soak_base, "lineno")
-    return [f"{d.size_diff / 1024:+.1f} KB in {d.count_diff:+d} blocks at {d.traceback[0].filename}:{d.traceback[0].lineno}"
+    return [f"{d.size_diff / 1024:+.1f} KB in {d.count_diff:+d} blocks at "
+            f"{d.traceback[0].filename}:{d.traceback[0].lineno}"
             for d in sorted(diff, key=lambda d: -d.size_diff)[:top]]
 
 
@@ -205,7 +206,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--every", type=int, default=25, help="RSS sample interval (steps)")
     ap.add_argument("--warmup", type=int, default=50, help="growth is measured from this step (a sample step)")
-    ap.add_argument("--budget-steps", type=float, default=3.0, help="placement.max_inflight_mb = this many of the largest step")
+    ap.add_argument("--budget-steps", type=float, default=3.0,
+                    help="placement.max_inflight_mb = this many of the largest step")
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--settle", action="store_true",
                     help="gc.collect() + malloc_trim(0) in every process before each RSS sample (memory in use, "
@@ -227,7 +229,8 @@ def main() -> None:
     kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
     within = "within" if res["peak"] <= res["budget"] else "OVER"
     summary = (f"{res['steps']} steps in {res['seconds']:.0f} s; in-flight high-water mark {kib(res['peak'])} "
-               f"({within} placement.max_inflight_mb = {kib(res['budget'])} = {args.budget_steps:g} x the largest possible step; "
+               f"({within} placement.max_inflight_mb = {kib(res['budget'])} = {args.budget_steps:g} x "
+               "the largest possible step; "
                f"the largest step of the run: {kib(res['max_step'])}); {res['events']} in-flight log events")
     print(header_markdown(info))
     for label, pts in res["samples"].items():  # the raw series, to tell a slope from a warm-up step
@@ -237,7 +240,8 @@ def main() -> None:
     if not args.no_readme:
         cmd = (f"`nice -n 19 python benchmarks/soak.py --steps {args.steps} --every {args.every} --warmup {args.warmup}"
                f"{' --settle' if args.settle else ''}`")
-        body = f"{cmd} -- {header_markdown(info)}\n\n{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\n{table}\n\n{summary}\n"
+        body = (f"{cmd} -- {header_markdown(info)}\n\n{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\n"
+                f"{table}\n\n{summary}\n")
         append_section(TITLE, body)
 
 

@@ -61,12 +61,14 @@ def main() -> int:
     add_run_args(ap, "soak-adapt")
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds to see recorded before the end (adapt runs on until then)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds to see recorded before the end (adapt runs on until then)")
     ap.add_argument("--min-rows", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64, help="per served request")
     ap.add_argument("--threads", type=int, default=1, help="adapt's and llama-server's threads (1 + 1 on 2 cores)")
-    ap.add_argument("--max-minutes", type=float, default=None, help="stop then even if rounds are missing (default 1.5x)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="stop then even if rounds are missing (default 1.5x)")
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("overrides", nargs="*", help="more adapt keys, e.g. adapt.general_prompts=8")
     args = ap.parse_args()
@@ -152,9 +154,10 @@ def main() -> int:
               f"{r['minutes']:.1f}"] for r in rounds]
     text = markdown_table(["round", "status", "training rows", "steps", "why (when not swapped)", "minutes"], table)
     when = ", ".join(f"{k} at {(v - t0) / 60:.1f} min" for k, v in events.items())
-    summary = (f"{len(load.log)} requests from {args.clients} clients in {minutes:.1f} min ({when}). While adapt was up: "
-               f"{answered} answered, {errors} errors ({at_kill} in flight at adapt's SIGKILL, {server_gap} between the "
-               f"llama-server kill and its next answer), of which {lost} got no answer at all; while it was down (its kill "
+    summary = (f"{len(load.log)} requests from {args.clients} clients in {minutes:.1f} min ({when}). "
+               f"While adapt was up: {answered} answered, {errors} errors ({at_kill} in flight at adapt's SIGKILL, "
+               f"{server_gap} between the llama-server kill and its next answer), of which {lost} got no answer "
+               "at all; while it was down (its kill "
                f"to its restart answering, {(down[1] - down[0]):.1f} s): {len(during_down)} requests, "
                f"{sum(1 for r in during_down if r[2] == 200)} answered. Rounds recorded: {len(rounds)}; drafts named "
                f"in metrics.jsonl and state.json missing: {len(missing)}; adapt's exit code {proc.returncode} "
@@ -168,7 +171,8 @@ def main() -> int:
                                                  "down_requests": len(during_down), "missing": missing,
                                                  "exit": proc.returncode}, indent=2))
     if not args.no_readme:
-        body = (f"{header_markdown(machine_info())}\n\n`python benchmarks/soak_adapt.py --minutes {args.minutes:g} --clients "
+        body = (f"{header_markdown(machine_info())}\n\n"
+                f"`python benchmarks/soak_adapt.py --minutes {args.minutes:g} --clients "
                 f"{args.clients} --rounds {args.rounds} --min-rows {args.min_rows} --steps {args.steps} --threads "
                 f"{args.threads} {' '.join(args.overrides)}` (start draft: `{args.draft}`)\n\n{text}\n\n{summary}\n")
         append_section(TITLE, body)

@@ -136,7 +136,8 @@ def _capture(cfg, target, data, progress: bool, source: Optional[str]) -> Path:
     meta = store_meta(cfg, target, source=source or data.cache_key)
     return write_store(target, data.train, store_root(cfg), meta, cfg.store.dtype, cfg.store.shard_mb,
                        cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress,
-                       max_tokens=max(CAPTURE_TOKENS, cfg.rollout.pack_tokens or 0), pack_tokens=cfg.rollout.pack_tokens)
+                       max_tokens=max(CAPTURE_TOKENS, cfg.rollout.pack_tokens or 0),
+                       pack_tokens=cfg.rollout.pack_tokens)
 
 
 def vllm_command(cfg, listen: str, storage: str = SERVER_STORAGE) -> str:

@@ -62,8 +62,9 @@ class DataConfig:
         if self.min_length < 0:
             raise ValueError(f"config key 'data.min_length'={self.min_length!r} must be >= 0 (0 keeps every length)")
         if self.min_length > self.max_length:
-            raise ValueError(f"config key 'data.min_length'={self.min_length!r} exceeds data.max_length={self.max_length} "
-                             "(rows are cut at max_length, none could be kept); lower data.min_length or raise data.max_length")
+            raise ValueError(f"config key 'data.min_length'={self.min_length!r} exceeds "
+                             f"data.max_length={self.max_length} (rows are cut at max_length, none could be kept); "
+                             "lower data.min_length or raise data.max_length")
 
 
 @dataclass
@@ -256,7 +257,8 @@ class AdaptConfig:
     serve: bool = True  # run llama-server with the live draft behind the logging proxy (swapped on a passed gate)
     host: str = "127.0.0.1"
     port: int = 8090  # the proxy clients talk to (0: a free port, printed)
-    rounds: Optional[int] = None  # stop after this many rounds (None: until interrupted; without serve: till the traffic runs dry)
+    # stop after this many rounds (None: until interrupted; without serve: till the traffic runs dry)
+    rounds: Optional[int] = None
     min_rows: int = 32  # new training rows that start a round
     holdout_share: float = 0.2  # share of traffic rows (by content hash) kept for the gate, never trained on
     steps: int = 60  # fine-tune steps per round (train.max_minutes also bounds it)
@@ -373,7 +375,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             raise ValueError(f"config key {key!r} was replaced: {_REPLACED[key]}")
         if name not in fields:
             if prefix == "draft." and (owner := _draft_key_owner(name)):
-                raise ValueError(f"config key {key!r}={value!r} applies to draft.algorithm={owner}, not {data.get('algorithm', DEFAULT_ALGORITHM)}; "
+                raise ValueError(f"config key {key!r}={value!r} applies to draft.algorithm={owner}, "
+                                 f"not {data.get('algorithm', DEFAULT_ALGORITHM)}; "
                                  f"remove it (or set draft.algorithm={owner})")
             raise ValueError(f"unknown config key {key!r}; allowed here: {', '.join(sorted(fields))}")
         tp = hints[name]
@@ -468,8 +471,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 # Numeric ranges a type cannot say: key -> (lowest, inclusive). A null Optional passes.
 _AT_LEAST = {
-    "model.argmax_chunk_tokens": 1, "model.num_gpus": 1, "data.max_length": 8, "data.max_samples": 1, "data.num_eval": 0,
-    "data.num_proc": 1, "draft.vocab_size": 2, "draft.intermediate_size": 1,
+    "model.argmax_chunk_tokens": 1, "model.num_gpus": 1, "data.max_length": 8, "data.max_samples": 1,
+    "data.num_eval": 0, "data.num_proc": 1, "draft.vocab_size": 2, "draft.intermediate_size": 1,
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1,
     "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
     "train.grad_accum": 1,
@@ -481,8 +484,8 @@ _AT_LEAST = {
     "regenerate.max_samples": 1, "regenerate.max_turns": 1,
 }
 _POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
-             "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s", "placement.max_inflight_mb", "store.shard_mb",
-             "regenerate.timeout_s")
+             "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s", "placement.max_inflight_mb",
+             "store.shard_mb", "regenerate.timeout_s")
 _UNIT = {"train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
 
 
@@ -525,7 +528,8 @@ def validate(cfg: Config) -> None:
     naming the dotted key, its value and what is allowed."""
     errors = _range_errors(cfg)
     if cfg.train.max_steps is None and cfg.train.epochs is None:
-        errors.append("config keys 'train.max_steps' and 'train.epochs' may not both be null (nothing would stop training)")
+        errors.append("config keys 'train.max_steps' and 'train.epochs' may not both be null "
+                      "(nothing would stop training)")
     if len(cfg.train.betas) != 2 or not all(0 <= b < 1 for b in cfg.train.betas):
         errors.append(f"config key 'train.betas'={cfg.train.betas!r} must be two values in [0, 1)")
     if cfg.train.precision == "fp16":  # before any worker starts; "auto" never trains in fp16 (DraftTrainer)
@@ -560,7 +564,8 @@ def packing_errors(cfg: Config) -> list[str]:
     if cfg.parallel.sp_ulysses * cfg.parallel.sp_ring > 1 and not getattr(get_algorithm(cfg.draft.algorithm),
                                                                            "packs_sp", False):
         return [f"config key 'train.pack_tokens' is refused for draft.algorithm={cfg.draft.algorithm} with sequence "
-                f"parallelism (parallel.sp_ulysses={cfg.parallel.sp_ulysses}, parallel.sp_ring={cfg.parallel.sp_ring}): "
+                f"parallelism (parallel.sp_ulysses={cfg.parallel.sp_ulysses}, "
+                f"parallel.sp_ring={cfg.parallel.sp_ring}): "
                 "its SP cores do not keep packed samples apart yet (EAGLE-3 and EAGLE-3.1 do); unset "
                 "train.pack_tokens or set both to 1"]
     return []
@@ -589,7 +594,8 @@ def backend_errors(cfg: Config) -> list[str]:
         return [f"config key 'rollout.tp_size'={r.tp_size} must be at least 1"]
     if cfg.model.num_gpus > 1:
         return [f"config key 'model.num_gpus'={cfg.model.num_gpus} splits a transformers target by layers; with "
-                "rollout.backend=vllm set rollout.tp_size instead (the engine's tensor parallelism) and model.num_gpus=1"]
+                "rollout.backend=vllm set rollout.tp_size instead (the engine's tensor parallelism) and "
+                "model.num_gpus=1"]
     if r.tp_size > 1 and cfg.placement.mode == "colocated":
         return [f"config key 'rollout.tp_size'={r.tp_size}: a colocated engine shares its train worker's one GPU; "
                 "use placement.mode=disaggregated for a tensor-parallel engine (its rollout worker gets tp_size GPUs)"]
@@ -635,7 +641,8 @@ def aux_layer_errors(ids: list[int], num_layers: Optional[int] = None, count: Op
         return [f"{key}: name at least one target layer"]
     if list(ids) != sorted(set(ids)):
         return [f"{key}: must be in ascending order without repeats (SGLang concatenates them in layer order)"
-                + (f", e.g. {sorted(set(ids))}" if count is None or len(set(ids)) == count else ", e.g. the default: leave the key unset")]
+                + (f", e.g. {sorted(set(ids))}" if count is None or len(set(ids)) == count
+                   else ", e.g. the default: leave the key unset")]
     top = "L-2" if num_layers is None else num_layers - 2
     if ids[0] < 0 or (num_layers is not None and ids[-1] > num_layers - 2):
         where = "" if num_layers is None else f" (the target has {num_layers} layers)"

@@ -190,7 +190,8 @@ class StepReport:
 def _is_tensor_like(obj: Any) -> bool:
     # Checked by type name so this module needs neither torch nor numpy.
     for klass in type(obj).__mro__:
-        if (klass.__module__, klass.__name__) in {("torch", "Tensor"), ("torch._C", "TensorBase"), ("numpy", "ndarray")}:
+        if (klass.__module__, klass.__name__) in {("torch", "Tensor"), ("torch._C", "TensorBase"),
+                                                  ("numpy", "ndarray")}:
             return True
     return False
 

@@ -85,7 +85,8 @@ class DryRun:
 def read_target_config(cfg: Config, target_config: Optional[str] = None):
     """``(hf_config, where it came from)``, without weights (see the module docstring)."""
     path = Path(target_config) if target_config else None
-    if path is None and cfg.model.target_path != EMBEDDED_TARGET and not Path(cfg.model.target_path).expanduser().exists():
+    if (path is None and cfg.model.target_path != EMBEDDED_TARGET
+            and not Path(cfg.model.target_path).expanduser().exists()):
         path = shipped_config(cfg.model.target_path)
     if path is None:
         return load_target_config(cfg.model), f"{cfg.model.target_path} (its config.json)"
@@ -273,7 +274,8 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
         loaded = r.shipped_bytes if r.shipped_bytes else r.target_bytes
         target = f"its 1/{r_.tp_size} of the target in the vLLM engine"
         print(f"  the target runs in vLLM (rollout.backend=vllm): tensor parallel over rollout.tp_size={r_.tp_size} "
-              f"{'GPUs' if _on_gpus(cfg) else 'CPU ranks'} per {'rollout' if cfg.placement.mode == 'disaggregated' else 'train'} "
+              f"{'GPUs' if _on_gpus(cfg) else 'CPU ranks'} per "
+              f"{'rollout' if cfg.placement.mode == 'disaggregated' else 'train'} "
               f"worker{', experts spread over them' if r_.expert_parallel else ''}; weights as vLLM loads them "
               f"{_gib(loaded)} = {_gib(-(-loaded // r_.tp_size))} per GPU; the engine takes "
               f"rollout.vllm_gpu_memory_utilization={r_.vllm_gpu_memory_utilization} of each GPU (weights, KV and "

@@ -127,7 +127,8 @@ def start_output(out: Path, draft: Path, force: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; pass a folder path")
     if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {str(out)!r} exists and is not empty; choose a new folder or pass --force to replace it")
+        raise ValueError(f"--out {str(out)!r} exists and is not empty; "
+                         "choose a new folder or pass --force to replace it")
     here, there = out.resolve(), draft.resolve()
     if here == there or here in there.parents:
         raise ValueError(f"--out {str(out)!r} holds the checkpoint being exported; choose another folder")

@@ -349,7 +349,8 @@ def engine_terms(cfg, target_bytes: int, gpu: bool, gpu_bytes: Optional[int]) ->
     share = int(r.vllm_gpu_memory_utilization * (gpu_bytes or H100_80GB))
     return [Term(f"vLLM engine: target weights / rollout.tp_size={r.tp_size}", weights),
             Term("vLLM engine: KV and hidden-states cache, activations, CUDA graphs (the rest of "
-                 f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x the GPU)", max(share - weights, 0))]
+                 f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} x the GPU)",
+                 max(share - weights, 0))]
 
 
 def engine_client_terms(t: "TargetDims", B: int, T: int, aux_layers: int, chunk_tokens: int) -> list[Term]:
@@ -362,7 +363,8 @@ def engine_client_terms(t: "TargetDims", B: int, T: int, aux_layers: int, chunk_
             Term("capture (vLLM): one argmax chunk of logits", min(chunk_tokens, n) * t.V * (t.dtype_bytes + 8))]
 
 
-def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares: Sequence[int], gpu: bool) -> list[DeviceMemory]:
+def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares: Sequence[int],
+         gpu: bool) -> list[DeviceMemory]:
     """Every kind of device of ``cfg``'s placement at its peak. ``algo``: the run's algorithm (its
     ``memory_step`` terms), ``target``: the ``TargetModel`` (meta
     device is enough), ``draft``: the run's draft (meta), ``state_bytes``: the algorithm's frozen train

@@ -110,7 +110,8 @@ def _figure(title: str, panels: list[tuple[str, list[tuple[str, str]]]], train: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: optional (matplotlib)
 
-    panels = [(y, [(k, lb) for k, lb in lines if _series(train, k)[0] or _series(heldout, k)[0]]) for y, lines in panels]
+    panels = [(y, [(k, lb) for k, lb in lines if _series(train, k)[0] or _series(heldout, k)[0]])
+              for y, lines in panels]
     panels = [p for p in panels if p[1]]
     if not panels:
         return None
@@ -144,13 +145,16 @@ def run_figures(path: str | Path) -> dict:
     acc_pos = [(k, k) for k in _positions(both, "acc")]
     vs = " (solid: train, dashed: held-out)" if heldout else ""
     specs = {
-        "loss.png": ("loss" + vs, [("loss", [("loss", "loss (decayed TTT sum)")]), ("loss per TTT position", loss_pos)]),
+        "loss.png": ("loss" + vs, [("loss", [("loss", "loss (decayed TTT sum)")]),
+                                   ("loss per TTT position", loss_pos)]),
         "accuracy.png": ("accuracy" + vs, [("accuracy per TTT position", acc_pos),
                                            ("tau (simulated acceptance length)", [("tau", "tau")])]),
-        "time.png": ("time per step", [("ms", [("rollout_forward_ms", "rollout forward"), ("transfer_ms", "transfer (send)"),
-                                               ("train_ms", "train"), ("train_wait_ms", "train wait (idle for features)")])]),
+        "time.png": ("time per step", [("ms", [("rollout_forward_ms", "rollout forward"),
+                                               ("transfer_ms", "transfer (send)"), ("train_ms", "train"),
+                                               ("train_wait_ms", "train wait (idle for features)")])]),
         "throughput.png": ("throughput", [("tokens/s", [("tokens_per_s", "tokens/s")]),
-                                          ("bytes", [("inflight_bytes", "in flight"), ("transfer_bytes", "sent this step")]),
+                                          ("bytes", [("inflight_bytes", "in flight"),
+                                                     ("transfer_bytes", "sent this step")]),
                                           ("optimizer", [("lr", "lr"), ("grad_norm", "grad norm")])]),
     }
     # held-out rows (and the warm-up span) only where they mean something: not time or bytes

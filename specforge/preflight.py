@@ -201,10 +201,10 @@ def check_store_eval(cfg: Config, store) -> None:
     held = len(store_split(store, cfg)["eval"])
     if cfg.train.eval_every and min(held, EVAL_SAMPLES) < dp:
         raise ValueError(
-            f"config key 'train.eval_every'={cfg.train.eval_every}: periodic eval needs {dp} held-out sample(s) (one per "
-            f"data-parallel group), but from a feature store of {len(store.ids)} samples it holds out {held} (the last "
-            f"min(data.num_eval={cfg.data.num_eval}, {EVAL_SAMPLES}, a tenth of the store)); fill the store with at least "
-            f"{10 * dp} samples or set train.eval_every=0")
+            f"config key 'train.eval_every'={cfg.train.eval_every}: periodic eval needs {dp} held-out sample(s) "
+            f"(one per data-parallel group), but from a feature store of {len(store.ids)} samples it holds out "
+            f"{held} (the last min(data.num_eval={cfg.data.num_eval}, {EVAL_SAMPLES}, a tenth of the store)); "
+            f"fill the store with at least {10 * dp} samples or set train.eval_every=0")
 
 
 # ---------------------------------------------------------------- resources

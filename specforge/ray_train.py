@@ -178,11 +178,11 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
         return gpus_per_worker(cfg, kind) if use_gpu else 0
 
     n_roll = num_rollout(cfg)
-    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus("rollout"), label="rollout", args=(cfg,), timeout_s=setup_timeout,
-                           resources=cfg.ray.rollout_resources) \
+    rollout = spawn_actors(RolloutWorker, n_roll, num_gpus=gpus("rollout"), label="rollout", args=(cfg,),
+                           timeout_s=setup_timeout, resources=cfg.ray.rollout_resources) \
         if n_roll else ActorGroup([], [])
-    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus("train"), label="train", args=(cfg,), timeout_s=setup_timeout,
-                         resources=cfg.ray.train_resources)
+    train = spawn_actors(TrainWorker, cfg.train.num_workers, num_gpus=gpus("train"), label="train", args=(cfg,),
+                         timeout_s=setup_timeout, resources=cfg.ray.train_resources)
     mailbox = mailbox_name = None
     if cfg.placement.transport == "object_store" and n_roll:
         mailbox_name = f"{MAILBOX_NAME}-{os.getpid()}-{next(_GENERATION)}"  # a respawn's is new

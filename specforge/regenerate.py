@@ -278,7 +278,8 @@ class VllmBackend:
             gens = list(pool.map(one, prompts))
         feats = None
         if self.capture:
-            rows = [{"input_ids": p.ids + out, "loss_mask": [1] * (len(p.ids) + len(out))} for p, (out, _) in zip(prompts, gens)]
+            rows = [{"input_ids": p.ids + out, "loss_mask": [1] * (len(p.ids) + len(out))}
+                    for p, (out, _) in zip(prompts, gens)]
             ids, _, attn = collate(rows, pad_id(self.target.tokenizer))
             feats = capture_features(self.target, ids, attn, self.cfg.model.argmax_chunk_tokens)
         answers = []
@@ -322,7 +323,8 @@ class OpenAIBackend:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _complete(self, prompt: Prompt) -> Answer:
-        body = {"model": self.model_name, "messages": [{"role": m["role"], "content": m["content"]} for m in prompt.messages],
+        body = {"model": self.model_name,
+                "messages": [{"role": m["role"], "content": m["content"]} for m in prompt.messages],
                 "max_tokens": prompt.max_new_tokens, "temperature": self.r.temperature, "top_p": self.r.top_p,
                 "seed": prompt.seed}
         reply = self._post_with_retries(json.dumps(body).encode())
@@ -330,7 +332,8 @@ class OpenAIBackend:
             choice = reply["choices"][0]
             text = choice["message"]["content"] or ""
         except (KeyError, IndexError, TypeError) as e:
-            raise EndpointError(f"endpoint {self.url} answered without choices[0].message.content: {str(reply)[:200]}") from e
+            raise EndpointError(f"endpoint {self.url} answered without choices[0].message.content: "
+                                f"{str(reply)[:200]}") from e
         n = (reply.get("usage") or {}).get("completion_tokens")
         n = n if isinstance(n, int) else len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         self.progress(n)
@@ -531,7 +534,8 @@ def _bar(total: int, start: float, desc: str):
         state["tokens"] += n
         redraw = now - state["shown"] >= 1.0
         state["shown"] = now if redraw else state["shown"]
-        bar.set_postfix_str(f"{state['tokens']} tok, {state['tokens'] / max(now - start, 1e-9):.1f} tok/s", refresh=redraw)
+        bar.set_postfix_str(f"{state['tokens']} tok, {state['tokens'] / max(now - start, 1e-9):.1f} tok/s",
+                            refresh=redraw)
 
     return bar, on_tokens
 
@@ -555,7 +559,8 @@ def _open_store(cfg: Config, target, root: Path, settings: dict, template: str, 
     meta = fs.store_meta(cfg, target, source_tag(cfg, settings, template))
     writer = fs.FeatureStoreWriter(root, meta, dtype=cfg.store.dtype, shard_mb=cfg.store.shard_mb)
     todo = [j for j in jobs if j.source_row not in writer.done()]
-    fs.check_disk(root, _estimate_bytes(todo, cfg.data.max_length, fs.bytes_per_token(meta.hidden_size, cfg.store.dtype)))
+    fs.check_disk(root, _estimate_bytes(todo, cfg.data.max_length,
+                                        fs.bytes_per_token(meta.hidden_size, cfg.store.dtype)))
     return writer
 
 
@@ -662,7 +667,8 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
         check_workers("regenerate.num_workers", W, use_gpu, *ray_resources(cfg, started), gpus=cfg.model.num_gpus)
         threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // W)
         env = {"runtime_env": {"env_vars": switches}} if (switches := device.worker_env()) else {}
-        task = ray.remote(_worker).options(num_cpus=1, num_gpus=cfg.model.num_gpus if use_gpu else 0, max_retries=0, **env)
+        task = ray.remote(_worker).options(num_cpus=1, num_gpus=cfg.model.num_gpus if use_gpu else 0, max_retries=0,
+                                           **env)
         refs = [task.remote(cfg, jobs[k::W], str(part_path(output, k, W)),
                             str(store_dir / f"worker-{k}-of-{W}") if store_dir else None, k, threads) for k in range(W)]
         summary = Summary(output=str(output), features=str(store_dir) if store_dir else None)
@@ -703,7 +709,8 @@ def _wait_all(refs: list) -> list:
 def validate(cfg: Config) -> None:
     r = cfg.regenerate
     checks = [
-        (r.backend != "openai" or bool(r.endpoint), "regenerate.endpoint", "is required with regenerate.backend=openai"),
+        (r.backend != "openai" or bool(r.endpoint), "regenerate.endpoint",
+         "is required with regenerate.backend=openai"),
         (r.concurrency >= 1, "regenerate.concurrency", "must be >= 1"),
         (r.timeout_s > 0, "regenerate.timeout_s", "must be > 0"),
         (r.retries >= 0, "regenerate.retries", "must be >= 0"),

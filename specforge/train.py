@@ -35,7 +35,8 @@ def run(cfg: Config) -> Optional[Path]:
 
     local, use_gpu = check_single_process(cfg)  # every check, before anything loads
     if skipped := not_applied(cfg, "single"):
-        print(f"single process: not applying {', '.join(skipped)} (they distribute a run: python -m specforge.ray_train)")
+        print(f"single process: not applying {', '.join(skipped)} "
+              "(they distribute a run: python -m specforge.ray_train)")
     data = prepare(local, use_gpu=use_gpu)
     cluster = LocalCluster(local, data)
     plan = Planner(local, data, cluster.layout)

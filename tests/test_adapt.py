@@ -386,7 +386,8 @@ def test_adapt_checks_draft_store_port_and_traffic_before_any_work(adapt_base, a
         for extra, needles in cases:
             root = tmp_path / "a"
             code, errors = _main([*over, f"adapt.dir={root}", f"adapt.draft={draft}", "adapt.serve=false",
-                                  f"adapt.traffic={traffic}", "adapt.min_rows=8", "adapt.holdout_share=0.3", *extra], capsys)
+                                  f"adapt.traffic={traffic}", "adapt.min_rows=8", "adapt.holdout_share=0.3", *extra],
+                                 capsys)
             assert code == 1 and len(errors) == 1, (extra, errors)
             assert all(n in errors[0] for n in needles), (extra, errors[0])
             assert not (root / "drafts").exists() and not (root / "store").exists(), extra  # nothing done
@@ -398,7 +399,8 @@ def over_store(over):
     return next(o.split("=", 1)[1] for o in over if o.startswith("train.output_dir=")) + "/features"
 
 
-def test_a_rerun_with_a_corrected_draft_gets_past_a_start_copied_from_a_wrong_folder(adapt_base, assets, tmp_path, capsys):
+def test_a_rerun_with_a_corrected_draft_gets_past_a_start_copied_from_a_wrong_folder(adapt_base, assets, tmp_path,
+                                                                                     capsys):
     """An adapt.dir whose drafts/start holds a non-draft (the target's folder), named in state.json:
     the command with a correct adapt.draft gets past it (the start copy follows adapt.draft until a
     round replaces it, and the round in progress starts again)."""

@@ -3,54 +3,89 @@ before any worker starts. One test per case; tiny random Llama target (6 layers,
 
 | input | what it gets | test |
 |---|---|---|
-| ``train.num_workers=64`` on 2 cores | error before Ray starts: keys, 64 CPU needed, cores | test_more_workers_than_cores_* |
-| ``regenerate.num_workers=64`` on 2 cores | error before Ray starts | test_more_regenerate_workers_than_cores_checked_before_ray_starts |
-| ``regenerate.num_workers`` > 1 with ``regenerate.backend=openai`` | error pointing at regenerate.concurrency | test_regenerate_workers_with_the_openai_backend_is_an_error |
-| ``placement.max_inflight_mb`` below one step's features | error before the first step naming the key and the MB needed | tests/test_memory_bound.py::test_a_budget_smaller_than_one_step_is_refused_before_training |
-| workers need GPUs / custom resources the cluster lacks | error naming the resource and the numbers | test_resources_table |
+| ``train.num_workers=64`` on 2 cores | error before Ray starts: keys, 64 CPU needed, cores | \
+test_more_workers_than_cores_* |
+| ``regenerate.num_workers=64`` on 2 cores | error before Ray starts | \
+test_more_regenerate_workers_than_cores_checked_before_ray_starts |
+| ``regenerate.num_workers`` > 1 with ``regenerate.backend=openai`` | error pointing at regenerate.concurrency | \
+test_regenerate_workers_with_the_openai_backend_is_an_error |
+| ``placement.max_inflight_mb`` below one step's features | \
+error before the first step naming the key and the MB needed | \
+tests/test_memory_bound.py::test_a_budget_smaller_than_one_step_is_refused_before_training |
+| workers need GPUs / custom resources the cluster lacks | error naming the resource and the numbers | \
+test_resources_table |
 | ``ray.num_cpus=64`` (oversubscribe on purpose) | accepted | test_ray_num_cpus_oversubscribes_on_purpose |
 | ``train.max_steps=-1`` | error naming the key | test_config_error |
 | ``train.max_minutes=-5`` | error naming the key | test_config_error |
 | other out-of-range numbers (log_every=0, betas, top_p, lr) | error naming key and value | test_config_error |
 | ``model.aux_layer_ids=[26,14,1]`` / ``[1,1,2]`` | error: ascending, no repeats | test_config_error |
 | ``model.aux_layer_ids=[1,2]`` | error: exactly 3 | test_config_error |
-| ``model.aux_layer_ids=[1,14,29]`` (30 layers) / ``[1,14,99]`` | error from config.json, before Ray starts, every placement | test_aux_ids_checked_against_the_target, test_every_placement_checks_the_target_before_ray |
+| ``model.aux_layer_ids=[1,14,29]`` (30 layers) / ``[1,14,99]`` | \
+error from config.json, before Ray starts, every placement | \
+test_aux_ids_checked_against_the_target, test_every_placement_checks_the_target_before_ray |
 | ``draft.vocab_size`` > target vocab | error naming both sizes | test_target_table |
 | ``parallel.sp_ulysses`` > draft heads | error naming the key | test_target_table |
-| ``parallel.sp_ulysses`` that does not divide the heads | accepted: zero heads padded (exact, tests/test_parallel_sp.py) | test_target_table |
-| offline store captured with other aux ids / max_length | refused by the driver, naming the key | test_offline_store_meta_is_checked_by_the_driver |
+| ``parallel.sp_ulysses`` that does not divide the heads | accepted: zero heads padded (exact, \
+tests/test_parallel_sp.py) | test_target_table |
+| offline store captured with other aux ids / max_length | refused by the driver, naming the key | \
+test_offline_store_meta_is_checked_by_the_driver |
 | YAML syntax error in the config file | names the file, line and column | test_yaml_syntax_error_names_the_file |
 | ``lr: 1e-4`` in a YAML file | a float, as on the command line | test_yaml_float_like_the_command_line |
 | override that is not valid YAML (``train.betas=[0.9``) | error naming the override | test_config_error |
 | truncated target ``model.safetensors`` | error naming the file | test_truncated_target_weights_name_the_file |
-| truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | error naming the file | test_truncated_draft_checkpoint_names_the_file |
+| truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | error naming the file | \
+test_truncated_draft_checkpoint_names_the_file |
 | corrupt / truncated feature-store shard | names the shard | test_corrupt_store_shard_names_the_file |
-| data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string content, empty content, no assistant turn | counted skips by reason | test_bad_row_is_a_counted_skip |
+| data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string \
+content, empty content, no assistant turn | counted skips by reason | test_bad_row_is_a_counted_skip |
 | over-long row | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
-| ``data prepare``: missing data path, empty file, no usable rows | one ``error:`` line, exit 1 | test_data_cli_one_line_error |
-| ``eval``: missing model, draft folder that is not a checkpoint | one ``error:`` line, exit 1 | test_eval_one_line_error |
-| any ``python -m specforge.*`` entry point (ray_train, data, train, eval, regenerate, capture) | one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_error_line |
+| ``data prepare``: missing data path, empty file, no usable rows | one ``error:`` line, exit 1 | \
+test_data_cli_one_line_error |
+| ``eval``: missing model, draft folder that is not a checkpoint | one ``error:`` line, exit 1 | \
+test_eval_one_line_error |
+| any ``python -m specforge.*`` entry point (ray_train, data, train, eval, regenerate, capture) | \
+one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_error_line |
 | unknown key, wrong type | error naming the dotted key | tests/test_config.py |
-| ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
-| the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
-| ``checkpoint.resume=false`` where checkpoints are | moved to ``<checkpoint dir>/previous-<time>``, said, hashes kept | test_a_fresh_start_moves_old_checkpoints_aside |
-| eval: a draft of another target with the same shape | error (the fingerprint training_state.pt records) unless ``--allow-mismatch`` | test_eval_refuses_a_draft_of_another_target |
-| eval: ``model.aux_layer_ids`` other than the draft's | error unless ``--allow-mismatch``; without the key each draft runs on its own layers | test_eval_runs_a_draft_on_its_own_layers |
-| eval: a draft shaped for another target (hidden, vocab, layers) | error before the target loads | test_eval_refuses_a_draft_shaped_for_another_target |
+| ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | \
+error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
+| the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | \
+test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
+| ``checkpoint.resume=false`` where checkpoints are | moved to ``<checkpoint dir>/previous-<time>``, said, hashes kept \
+| test_a_fresh_start_moves_old_checkpoints_aside |
+| eval: a draft of another target with the same shape | error (the fingerprint training_state.pt records) unless \
+``--allow-mismatch`` | test_eval_refuses_a_draft_of_another_target |
+| eval: ``model.aux_layer_ids`` other than the draft's | error unless ``--allow-mismatch``; without the key each draft \
+runs on its own layers | test_eval_runs_a_draft_on_its_own_layers |
+| eval: a draft shaped for another target (hidden, vocab, layers) | error before the target loads | \
+test_eval_refuses_a_draft_shaped_for_another_target |
 | eval: ``--num-prompts -3`` (and the other counts) | error naming the flag | test_eval_argument_ranges |
 | ``train.max_steps=0`` | error: >= 1 or null | test_config_error_messages_offer_only_valid_fixes |
-| ``ray.address`` where no Ray head runs | error within ``parallel.timeout_s`` naming the key | test_a_dead_ray_address_fails_within_the_timeout |
-| ``train_eagle3.sh`` with a missing config or an unknown key | one ``error:`` line, exit 1 | test_the_default_script_reports_a_bad_config_in_one_line |
-| truncated ``training_state.pt`` on resume | error naming the file and the fix | test_a_truncated_training_state_names_the_file |
-| a data file that is not UTF-8 | error naming file, line and the fix | test_a_data_file_that_is_not_utf8_names_file_and_line |
+| ``ray.address`` where no Ray head runs | error within ``parallel.timeout_s`` naming the key | \
+test_a_dead_ray_address_fails_within_the_timeout |
+| ``train_eagle3.sh`` with a missing config or an unknown key | one ``error:`` line, exit 1 | \
+test_the_default_script_reports_a_bad_config_in_one_line |
+| truncated ``training_state.pt`` on resume | error naming the file and the fix | \
+test_a_truncated_training_state_names_the_file |
+| a data file that is not UTF-8 | error naming file, line and the fix | \
+test_a_data_file_that_is_not_utf8_names_file_and_line |
 | ``--config configs`` (a folder) | "is a directory", the YAML files in it | test_a_config_folder_is_named_as_one |
-| a small store with periodic eval | the store's real limit (a tenth), before Ray starts | test_a_small_store_with_periodic_eval_names_the_limit |
-| ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
-| ``model.device=cuda`` / ``model.num_gpus=2`` on a machine without CUDA | one line naming the key, the torch build and the way out, before anything loads (train, eval, capture, regenerate) | test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line |
-| a GPU config on a machine without GPUs | one line: the GPUs needed (by worker kind) and found, before the target's config, Ray or the CPUs | test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub |
-| a hub target whose config.json ships in configs/targets/, the hub off or unreachable | the shipped copy, as the dry run reads it | test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off |
-| a truncated, empty or foreign weights/state file at ``draft.init_from``, ``eval --draft``, ``export --draft``, a resumed checkpoint, ``adapt.draft``, the cached vocab file | one line naming the file (``specforge/files.py``, the one reader) | test_a_broken_weights_file_is_one_error_line_naming_it |
-| ``bench_ttt.py`` on a CPU without bf16 | times the precision training runs (``--precision``), names it | test_bench_ttt_measures_the_precision_training_runs |
+| a small store with periodic eval | the store's real limit (a tenth), before Ray starts | \
+test_a_small_store_with_periodic_eval_names_the_limit |
+| ``model.aux_layer_ids=[1,14,14]`` / endpoint without ``http://`` / ``train.lr=0`` | \
+a valid suggestion / the URL to use / no null offered | test_config_error_messages_offer_only_valid_fixes |
+| ``model.device=cuda`` / ``model.num_gpus=2`` on a machine without CUDA | \
+one line naming the key, the torch build and the way out, before anything loads (train, eval, capture, regenerate) | \
+test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line |
+| a GPU config on a machine without GPUs | one line: the GPUs needed (by worker kind) and found, before the target's \
+config, Ray or the CPUs | test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub |
+| a hub target whose config.json ships in configs/targets/, the hub off or unreachable | \
+the shipped copy, as the dry run reads it | test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off |
+| a truncated, empty or foreign weights/state file at ``draft.init_from``, ``eval --draft``, ``export --draft``, a \
+resumed checkpoint, ``adapt.draft``, the cached vocab file | \
+one line naming the file (``specforge/files.py``, the one reader) | \
+test_a_broken_weights_file_is_one_error_line_naming_it |
+| ``bench_ttt.py`` on a CPU without bf16 | times the precision training runs (``--precision``), names it | \
+test_bench_ttt_measures_the_precision_training_runs |
 """
 
 import json
@@ -239,7 +274,8 @@ def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tm
         pytest.skip("a Ray session is running: the driver would join it")
     monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
     cfg = make_cfg(assets, tmp_path, "regenerate.num_workers=64")
-    with pytest.raises(ValueError, match=r"regenerate\.num_workers=64 workers need 64 CPU .* this machine \(cores = 2\)"):
+    with pytest.raises(ValueError,
+                       match=r"regenerate\.num_workers=64 workers need 64 CPU .* this machine \(cores = 2\)"):
         run_ray(cfg, [], tmp_path / "out.jsonl", None)
     assert not ray.is_initialized()
 
@@ -374,7 +410,8 @@ def _one_error_line(err: str, *needles: str) -> None:
 @pytest.mark.parametrize("case, data, needle", [
     ("missing data path", "nowhere.jsonl", "does not exist"),
     ("empty file", "empty.jsonl", "no usable conversation among 0 rows"),
-    ("no usable rows", "bad.jsonl", "no usable conversation among 2 rows (no assistant turn: 1, empty conversation: 1)"),
+    ("no usable rows", "bad.jsonl",
+     "no usable conversation among 2 rows (no assistant turn: 1, empty conversation: 1)"),
 ])
 def test_data_cli_one_line_error(assets, tmp_path, capsys, case, data, needle):
     from specforge.data.__main__ import main
@@ -564,7 +601,8 @@ def test_eval_runs_a_draft_on_its_own_layers(assets, tmp_path, trained, capsys, 
         str(ckpt): [1, 2, 2], str(relabeled): [0, 2, 4]}
     seen = []
     real = ev.speculative_decode
-    monkeypatch.setattr(ev, "speculative_decode", lambda t, *a, **k: seen.append(list(t.aux_layer_ids)) or real(t, *a, **k))
+    monkeypatch.setattr(ev, "speculative_decode",
+                        lambda t, *a, **k: seen.append(list(t.aux_layer_ids)) or real(t, *a, **k))
     assert _eval(assets, tmp_path, "--draft", str(relabeled)) == 0
     assert seen and all(ids == [0, 2, 4] for ids in seen)
 
@@ -624,7 +662,8 @@ def test_config_error_messages_offer_only_valid_fixes(override, pattern):
 
 def test_a_config_folder_is_named_as_one(tmp_path):
     (tmp_path / "run.yaml").write_text("train:\n  max_steps: 3\n")
-    with pytest.raises(ValueError, match=rf"'{tmp_path}' is a directory; pass a YAML file, one of: {tmp_path / 'run.yaml'}"):
+    with pytest.raises(ValueError,
+                       match=rf"'{tmp_path}' is a directory; pass a YAML file, one of: {tmp_path / 'run.yaml'}"):
         load_config(tmp_path)
 
 
@@ -639,7 +678,8 @@ def test_a_dead_ray_address_fails_within_the_timeout(tmp_path):
         port = s.getsockname()[1]  # free once closed: nothing listens there
     cfg = load_config(None, [f"ray.address=127.0.0.1:{port}", "parallel.timeout_s=10"])
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=rf"'ray\.address'='127\.0\.0\.1:{port}': no Ray head answers there within 10 s"):
+    with pytest.raises(ValueError,
+                       match=rf"'ray\.address'='127\.0\.0\.1:{port}': no Ray head answers there within 10 s"):
         start_ray(cfg, 1)
     assert time.monotonic() - t0 < 10
     with pytest.raises(ValueError, match="must be 'auto' or host:port"):
@@ -755,7 +795,8 @@ def test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line(assets, tmp_pa
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
 
 
-BROKEN = {"truncated": lambda b: b[:100], "empty": lambda b: b"", "foreign": lambda b: b"<html>not a tensor file</html>\n"}
+BROKEN = {"truncated": lambda b: b[:100], "empty": lambda b: b"",
+          "foreign": lambda b: b"<html>not a tensor file</html>\n"}
 
 
 @pytest.mark.parametrize("how", list(BROKEN))

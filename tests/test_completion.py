@@ -97,7 +97,8 @@ def test_a_tensor_off_the_communicators_device_is_refused():
     transport = P2PTransport(device=torch.device("cpu"))
     feats = synthetic_features(SPEC, 0, 5, seed=0)
     bad = {**feats, "loss_mask": feats["loss_mask"].to("meta")}
-    with pytest.raises(ValueError, match=r"sample 0 field 'loss_mask' is on meta, the data plane's communicator on cpu"):
+    with pytest.raises(ValueError,
+                       match=r"sample 0 field 'loss_mask' is on meta, the data plane's communicator on cpu"):
         transport.send_step(plan, {0: bad}, my_rank=0)
     assert transport.bytes_sent == 0
 

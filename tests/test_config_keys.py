@@ -95,7 +95,8 @@ def test_single_process_plan_is_the_dp_groups_micro_batches_in_order():
         assert b.transfers == () and a.transfers  # the single process computes its own features
     assert one.schedule(3) == [("train", 3), ("eval", 4), ("train", 4)]
     # eval: the first 8 held-out samples (a multiple of the DP groups), micro-batched like training
-    assert dist.task(("eval", 4)).split == "eval" and dist.task(("eval", 4)).micro_batches == (((0, 1), (2, 3)), ((4, 5), (6, 7)))
+    assert (dist.task(("eval", 4)).split == "eval"
+            and dist.task(("eval", 4)).micro_batches == (((0, 1), (2, 3)), ((4, 5), (6, 7))))
 
 
 def test_periodic_eval_without_held_out_samples_is_rejected():

@@ -96,7 +96,8 @@ def test_plan_holds_micro_batches_and_padded_lengths_and_colocated_plans_no_tran
     assert plan.padded_lengths == ((9, 3), (4, 7))
     colocated = plan_step(0, groups, [], [[1], [2]], SPEC, micro_batch_size=2, split="eval")
     assert colocated.transfers == () and colocated.rollout_batches == () and colocated.recv_bytes(1) == 0
-    assert (colocated.micro_batches, colocated.padded_lengths, colocated.split) == (plan.micro_batches, plan.padded_lengths, "eval")
+    assert ((colocated.micro_batches, colocated.padded_lengths, colocated.split)
+            == (plan.micro_batches, plan.padded_lengths, "eval"))
 
 
 def test_balanced_assignment_evens_tokens_and_round_robin_cycles():

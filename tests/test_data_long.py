@@ -67,7 +67,8 @@ def test_min_length_keeps_long_rows_and_the_split_holds(tok, tmp_path):
     assert held and not held & train_rows and all(set(c.rows) <= held for c in convs if c.index in held)
     assert [list(r["input_ids"]) for r in heldout_rows(cfg, tok)] == [list(r) for r in long.eval["input_ids"]]
     # the cache key moves with the new keys, and stays what it was without them
-    assert cache_key(cfg.data, tok, tok.chat_template) != cache_key(load_config(None, base).data, tok, tok.chat_template)
+    assert (cache_key(cfg.data, tok, tok.chat_template)
+            != cache_key(load_config(None, base).data, tok, tok.chat_template))
     plain = DataConfig(path=str(path), max_length=256, num_eval=2)
     assert cache_key(plain, tok, tok.chat_template) == cache_key(DataConfig(path=str(path), max_length=256, num_eval=2,
                                                                             min_length=0), tok, tok.chat_template)

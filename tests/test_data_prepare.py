@@ -127,8 +127,10 @@ def test_embedded_small(tmp_path):
 
 
 def test_num_proc_matches_serial(tok, data_file):
-    serial = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=2), tok, cache_dir=None, progress=False)
-    par = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=2, num_proc=2), tok, cache_dir=None, progress=False)
+    serial = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=2), tok, cache_dir=None,
+                             progress=False)
+    par = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=2, num_proc=2), tok, cache_dir=None,
+                          progress=False)
     assert list(par.train) == list(serial.train) and list(par.eval) == list(serial.eval)
     assert par.stats.skipped == serial.stats.skipped and par.stats.first_skips == serial.stats.first_skips
 

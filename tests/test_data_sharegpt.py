@@ -20,7 +20,8 @@ GOOD_MSG = conv(("user", "q"), ("assistant", "a"), style="messages")
 def test_normalize_roles_and_styles():
     assert normalize_record(GOOD) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert normalize_record(GOOD_MSG) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    mixed = {"messages": [{"from": "system", "value": "s"}, {"role": "human", "content": "u"}, {"from": "chatgpt", "value": "a"}]}
+    mixed = {"messages": [{"from": "system", "value": "s"}, {"role": "human", "content": "u"},
+                          {"from": "chatgpt", "value": "a"}]}
     assert [m["role"] for m in normalize_record(mixed)] == ["system", "user", "assistant"]
     for alias in ("bing", "bard", "GPT", "Assistant"):
         assert normalize_record(conv(("human", "u"), (alias, "a")))[1]["role"] == "assistant"

@@ -53,8 +53,9 @@ class Peer(DistributedWorker):
             feats = {sid: synthetic_features(SPEC, sid, lengths[sid], seed) for sid in plan.batch_of(rank)}
             handle = transport.send_step(plan, feats)
             window.push(handle)
-            digests = {f"{plan.step}/{t.sample_id}/{t.dst_rank}/{name}": _digest(feats[t.sample_id][name][t.start : t.stop])
-                       for t in plan.sends_of(rank) for name in SPEC.names}
+            digests = {
+                f"{plan.step}/{t.sample_id}/{t.dst_rank}/{name}": _digest(feats[t.sample_id][name][t.start : t.stop])
+                for t in plan.sends_of(rank) for name in SPEC.names}
             out.append((StepReport(rank, plan.step, bytes_sent=handle.nbytes), digests))
         window.drain()
         return out
@@ -65,7 +66,8 @@ class Peer(DistributedWorker):
         # Budget of one byte: still posts one step ahead (the minimum), exercising the queue.
         prefetcher, seen = Prefetcher(transport, plans, max_inflight_bytes=1), 0
         for plan, batches in prefetcher:
-            digests = {f"{plan.step}/{sid}/{rank}/{name}": _digest(fb[name]) for sid, fb in batches.items() for name in fb}
+            digests = {f"{plan.step}/{sid}/{rank}/{name}": _digest(fb[name])
+                       for sid, fb in batches.items() for name in fb}
             owned = {str(sid): float(fb.end - fb.start) for sid, fb in batches.items()}
             out.append((StepReport(rank, plan.step, metrics=owned, bytes_recv=prefetcher.bytes_recv - seen), digests))
             seen = prefetcher.bytes_recv
@@ -122,7 +124,8 @@ def test_dp_steps_receivers_get_exactly_what_was_sent(peers):
 
 @pytest.mark.ray
 def test_sp_slices_with_halo_unpacked(peers):
-    plans = [plan_step(s, [[SampleRef(10 + s, 9), SampleRef(20 + s, 4)]], ROLLOUT, [TRAIN], SPEC, halo=2) for s in range(2)]
+    plans = [plan_step(s, [[SampleRef(10 + s, 9), SampleRef(20 + s, 4)]], ROLLOUT, [TRAIN], SPEC, halo=2)
+             for s in range(2)]
     sent, received, reports = _run(peers, plans, "p2p", pack=False)
     assert sent == received
     owned = [r.metrics for r in reports if r.rank in TRAIN and r.step == 0]

@@ -88,7 +88,8 @@ def test_every_tensor_factory_in_the_package_names_its_device():
 
 
 def test_the_device_rule_flags_what_it_should_negative_control():
-    own = own_factories({"m": "import torch\ndef weights(k: int, gamma: float, device: torch.device) -> torch.Tensor:\n    pass\n"})
+    own = own_factories({"m": "import torch\ndef weights(k: int, gamma: float, device: torch.device) -> torch.Tensor:\n"
+                              "    pass\n"})
     assert own == {"weights": 2}
     src = "\n".join([
         "import torch",

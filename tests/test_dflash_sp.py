@@ -82,7 +82,8 @@ def _forward_err(groups, comm, skip_hop=-1, wrong_mask=False, window=None, ref_w
     batch = _batches(draft.config.context_width, torch.float64)[0]
     anchors, keep = sample_anchors(batch.loss_mask_BT, 6, torch.Generator().manual_seed(1))
     ids = build_block_ids(batch.input_ids_BT, anchors, K, 96)
-    w = torch.randn(*ids.shape, draft.config.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    w = torch.randn(*ids.shape, draft.config.hidden_size, generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
     ctx = batch.aux_hidden_BTKH.clone().requires_grad_()
     ref = draft(ctx, ids, anchors, keep)
     (ref * w).sum().backward()

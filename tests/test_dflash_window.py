@@ -145,7 +145,8 @@ def test_exports_write_the_window_where_the_engine_reads_it(tmp_path, capsys):
     full = save_dflash(tiny_draft(torch.float32), tmp_path / "full", torch.float32)  # the control: no window
     assert run("sglang", full, tmp_path / "s2") == 0
     cfg = to_hf_config(win.config)
-    assert from_hf_config(cfg).sliding_window == W and from_hf_config(to_hf_config(tiny_draft().config)).sliding_window is None
+    assert (from_hf_config(cfg).sliding_window == W
+            and from_hf_config(to_hf_config(tiny_draft().config)).sliding_window is None)
     staged = llamacpp_config(cfg, {})  # what llama.cpp's converter reads (use_sliding_window + sliding_window)
     assert staged["use_sliding_window"] and staged["sliding_window"] == W and staged["is_causal"] is False
     for bad in ({**cfg, "layer_types": ["sliding_attention", "full_attention"]}, {k: v for k, v in cfg.items()

@@ -81,7 +81,8 @@ def test_the_frozen_embedding_is_counted_whole_on_every_train_rank():
     embedding = 262208 * 5376 * 4
     assert r.draft_params - r.draft_trainable == 262208 * 5376
     assert r.per_device["train"] > embedding + r.state_bytes  # the old formula gave ~3.3 GiB: below the embedding
-    old = -(-(MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable) // cfg.train.num_workers) + r.state_bytes
+    old = (-(-(MASTER_BYTES * r.draft_params + OPTIMIZER_BYTES * r.draft_trainable) // cfg.train.num_workers)
+           + r.state_bytes)
     assert old < embedding < r.per_device["train"]
     assert 7.0 * 2**30 < r.per_device["train"] < 8.5 * 2**30  # ~7.7 GiB: embedding + shard + teacher rows
 

@@ -172,14 +172,16 @@ def test_vllm_export_gives_our_logits_in_speculators(tmp_path, target_dir, targe
         (out / "config.json").write_text(json.dumps({**config, f: False}))
         assert differ(ours, speculators_logits(out, target, ids)), f"{f} flipped: same logits"
     (out / "config.json").write_text(json.dumps(config))
-    save_file({k: v for k, v in written.items() if k not in extra}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v for k, v in written.items() if k not in extra}, out / "model.safetensors",
+              metadata={"format": "pt"})
     assert differ(ours, speculators_logits(out, target, ids)), "speculators loads a missing norm as 1, silently"
 
 
 def test_vllm_export_checks_the_norms_it_adds(tmp_path, target_dir, target, capsys, monkeypatch):
     ckpt = save(make_draft(target, **TRAINER_DEFAULTS), tmp_path / "ckpts")
     monkeypatch.setattr(e31_export, "add_tensors", lambda out, tensors: None)  # what the converter alone writes
-    code, _, err = run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir], capsys)
+    code, _, err = run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir],
+                       capsys)
     assert code == 1 and "speculators' converter wrote" in err and "input_norm.weight missing" in err, err
     assert not (tmp_path / "vllm").exists()
 
@@ -200,8 +202,8 @@ def test_an_engine_refuses_a_flag_it_would_ignore(tmp_path, target_dir, target, 
     out = tmp_path / "out"
     code, _, err = run(["--draft", ckpt, "--engine", engine, "--out", out, "--target", target_dir], capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
-    assert re.search(f"--engine {re.escape(engine)}: the EAGLE-3.1 draft( .*)? sets {flag}=true, which {re.escape(engine)} "
-                     "does not read", err), err
+    assert re.search(f"--engine {re.escape(engine)}: the EAGLE-3.1 draft( .*)? sets {flag}=true, "
+                     f"which {re.escape(engine)} does not read", err), err
     assert f"export it for {others}, or train it with draft.{flag}=false" in err, err
     assert not out.exists() and not list(tmp_path.glob(".out*")), "the refused export left files behind"
 
@@ -435,8 +437,8 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path):
         "draft.norm_output=false", "model.dtype=float32", "model.device=cpu", "data.max_samples=48", "data.num_eval=12",
         "data.max_length=256", "draft.vocab_size=2048", "draft.ttt_warmup_steps=0", "train.max_steps=40",
         "train.epochs=null", "train.max_minutes=null", "train.batch_size=4", "train.eval_every=0",
-        "train.log_every=10", "train.precision=fp32", f"train.output_dir={tmp_path}", f"store.dir={tmp_path / 'features'}",
-        "tracking.wandb=false", "checkpoint.keep_last=1"])
+        "train.log_every=10", "train.precision=fp32", f"train.output_dir={tmp_path}",
+        f"store.dir={tmp_path / 'features'}", "tracking.wandb=false", "checkpoint.keep_last=1"])
     capture_store(cfg, progress=False)
     ckpt = Path(train(cfg))
     assert json.loads((ckpt / "config.json").read_text())["norm_before_fc"] is True

@@ -224,7 +224,8 @@ def test_server_that_cannot_start_shows_its_log(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"this is not a GGUF file" * 100)
     srv = LlamaServer(bad, start_timeout_s=60)
-    with pytest.raises(ValueError, match=r"(?s)llama-server exited with code .*--- its log \(tail\) ---.*invalid magic") as e:
+    with pytest.raises(ValueError,
+                       match=r"(?s)llama-server exited with code .*--- its log \(tail\) ---.*invalid magic") as e:
         with srv:
             pass
     assert "broken.gguf" in str(e.value)
@@ -271,7 +272,8 @@ def test_a_draft_llamacpp_does_not_serve_is_refused(tmp_path):
     from specforge.models.target import resolve_target_path
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
-    with pytest.raises(ValueError, match=r"MedusaModel.*serves .*DFlashDraftModel, .*LlamaForCausalLMEagle3 drafts; serve it with the engine it was trained for"):
+    with pytest.raises(ValueError, match=r"MedusaModel.*serves .*DFlashDraftModel, .*LlamaForCausalLMEagle3 drafts; "
+                                         r"serve it with the engine it was trained for"):
         convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
 
 

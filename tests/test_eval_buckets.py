@@ -73,7 +73,8 @@ def test_each_bucket_counts_its_own_prompts_rounds():
     assert got[">=40"]["prompts"] == 0 and got[">=40"]["acceptance_length"] is None  # empty: no figure, not 0
     # the buckets add up to the overall figure (the same definition)
     assert rep.acceptance_length == pytest.approx(80 / 48)
-    assert sum(b["tokens"] for b in rep.buckets) / sum(b["verify_forwards"] for b in rep.buckets) == rep.acceptance_length
+    assert (sum(b["tokens"] for b in rep.buckets) / sum(b["verify_forwards"] for b in rep.buckets)
+            == rep.acceptance_length)
 
 
 def test_bucket_rows_and_labels():
@@ -95,7 +96,8 @@ def test_bad_bucket_edges_are_one_error_line(text, capsys):
 
 @pytest.mark.parametrize("args, needle", [
     (["--min-prompt-tokens", "1"], "--min-prompt-tokens must be >= 2, got 1"),
-    (["--min-prompt-tokens", "500", "--max-prompt-tokens", "100"], "--min-prompt-tokens 500 exceeds --max-prompt-tokens 100"),
+    (["--min-prompt-tokens", "500", "--max-prompt-tokens", "100"],
+     "--min-prompt-tokens 500 exceeds --max-prompt-tokens 100"),
 ])
 def test_bad_prompt_limits_are_one_error_line(args, needle, capsys):
     assert run_cli(lambda: ev.main(["--draft", "prompt-lookup", *args])) == 1
@@ -136,7 +138,8 @@ def test_cli_prints_and_writes_the_buckets(cli, tmp_path, capsys):
     assert [b["bucket"] for b in row["buckets"]] == ["<10", "10-20", "20-40", ">=40"]
     assert [b["prompts"] for b in row["buckets"]] == [1, 1, 1, 0]
     assert row["buckets"][-1]["acceptance_length"] is None
-    assert [float(c) for c in cells[2:5]] == pytest.approx([b["acceptance_length"] for b in row["buckets"][:3]], abs=5e-4)
+    assert [float(c) for c in cells[2:5]] == pytest.approx([b["acceptance_length"] for b in row["buckets"][:3]],
+                                                           abs=5e-4)
     assert report["prompt_tokens"] == [8, 14, 30] and report["bucket_edges"] == [10, 20, 40]
     assert report["unreachable_buckets"] == [">=40"] and report["max_prompt_tokens"] == 35
     total = sum(b["tokens"] for b in row["buckets"]) / sum(b["verify_forwards"] for b in row["buckets"])

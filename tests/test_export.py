@@ -53,7 +53,8 @@ def make_checkpoint(root: Path, target_dir: Path, aux_ids, step=5, identity=None
     draft.reset_parameters(std=0.1)
     draft.set_vocab(torch.sort(torch.randperm(V)[:N]).values - torch.arange(N))
     draft.init_embeddings_from_target(target.model.embed_tokens.weight)
-    return save_checkpoint(root, step, cfg.to_hf_config(), draft.export_state_dict(), train_state={"step": step, "identity": identity or {}})
+    return save_checkpoint(root, step, cfg.to_hf_config(), draft.export_state_dict(),
+                           train_state={"step": step, "identity": identity or {}})
 
 
 def run(argv, capsys):
@@ -178,7 +179,8 @@ def test_vllm_comparison_fails_on_unshifted_ids_or_wrong_d2t(tmp_path, target_di
     # 1. the layer ids copied as they are (SGLang's numbers in vLLM's convention): other features
     with monkeypatch.context() as m:
         m.setattr(eagle3_export, "speculators_layer_ids", lambda ids: list(ids))
-        assert run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "ids", "--target", target_dir], capsys)[0] == 0
+        assert run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "ids", "--target", target_dir],
+                   capsys)[0] == 0
     ours, theirs = logits_ours_and_speculators(ckpt, tmp_path / "ids", target_dir)[0]
     assert not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
     # 2. d2t lost (zeros: draft id = target id, as for a full-vocab draft): logits land on other tokens
@@ -192,7 +194,8 @@ def test_vllm_comparison_fails_on_unshifted_ids_or_wrong_d2t(tmp_path, target_di
 
 def test_vllm_export_of_a_draft_with_its_own_hidden_size(tmp_path, target_dir, capsys):
     ckpt = make_checkpoint(tmp_path / "ckpts", target_dir, [1, 3, 4], hidden=32)
-    assert run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir], capsys)[0] == 0
+    assert run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir],
+               capsys)[0] == 0
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     weights = load_file(tmp_path / "vllm" / "model.safetensors")
     # vLLM's llama_eagle3: fc input = 3 x target_hidden_size; embed_tokens loaded when present
@@ -273,10 +276,12 @@ def test_bad_input_is_one_error_line(tmp_path, target_dir, capsys):
         (["--draft", ckpt, "--engine", "sglang", "--out", tmp_path / "o4", "--outtype", "q8_0"], "llama.cpp only"),
         (["--draft", ckpt, "--engine", "llama.cpp", "--out", tmp_path / "o5", "--outtype", "q4"], "--outtype 'q4'"),
         (["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "o6", "--target", tmp_path / "small"],
-         "--target .*small': draft .* fuses target layers \\[1, 3, 4\\], but this target has only 3 layers: export it for"),
+         "--target .*small': draft .* fuses target layers \\[1, 3, 4\\], but this target has only 3 layers: "
+         "export it for"),
         (["--engine", "sglang", "--out", tmp_path / "o7"], "--draft"),
         *[(["--draft", tmp_path / "medusa", "--engine", e, "--out", tmp_path / "o8"],
-           "\\['MedusaModel'\\] is none of .*DFlashDraftModel.*LlamaForCausalLMEagle3.*; not a draft checkpoint this project wrote")
+           "\\['MedusaModel'\\] is none of .*DFlashDraftModel.*LlamaForCausalLMEagle3.*; "
+           "not a draft checkpoint this project wrote")
           for e in ("sglang", "vllm", "llama.cpp")],
     ]
     capsys.readouterr()  # the setup's progress bars

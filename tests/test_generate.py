@@ -30,7 +30,8 @@ def _hf_greedy(model, prompt: list[int], max_new: int, stop: set[int]) -> list[i
 
 def _prompts(n: int, lo: int = 3, hi: int = 20, vocab: int = 320) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
 
 
 def test_greedy_equals_uncached_reference_with_ragged_prompts_and_stops():

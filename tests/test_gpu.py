@@ -127,7 +127,8 @@ def _bf16_rank_gpu(rank, world, ref_path):
     draft, teacher, batches = setup_sp()
     draft.to(here)
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher.to(here), cfg, here, reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher.to(here), cfg, here,
+                           reduce_sum=sum_over_train_ranks(groups))
     m = trainer.step([sample_rows(batches[0], rank)])
     grads = {k: g.cpu() for k, g in grads_full(draft).items()}
     if rank != 0:
@@ -176,7 +177,8 @@ def test_ttt_cores_match_eager_on_gpu(impl, num_keys):
         got = torch.autograd.grad(out.float(), [q, *ks, *vs], grad)
         want = torch.autograd.grad(ref, [q, *ks, *vs], grad)
         for g, w in zip(got, want):
-            torch.testing.assert_close(g.float(), w.float(), atol=5 * tol, rtol=5 * tol)  # bf16 leaves: bf16 grads on both sides
+            torch.testing.assert_close(g.float(), w.float(), atol=5 * tol,
+                                       rtol=5 * tol)  # bf16 leaves: bf16 grads on both sides
 
 
 def test_capture_on_gpu_equals_cpu():
@@ -218,8 +220,10 @@ def test_gpt_oss_captures_with_flex_attention_as_eager_does():
         ids = torch.randint(3, 256, (2, 40), device="cuda")
         feats[impl] = capture(TargetModel(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3],
                                           device=torch.device("cuda", 0)), ids, torch.ones_like(ids))
-    torch.testing.assert_close(feats["flex_attention"].aux_hidden_BTKH, feats["eager"].aux_hidden_BTKH, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(feats["flex_attention"].last_hidden_BTH, feats["eager"].last_hidden_BTH, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feats["flex_attention"].aux_hidden_BTKH, feats["eager"].aux_hidden_BTKH, atol=1e-4,
+                               rtol=1e-4)
+    torch.testing.assert_close(feats["flex_attention"].last_hidden_BTH, feats["eager"].last_hidden_BTH, atol=1e-4,
+                               rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------- runs on Ray

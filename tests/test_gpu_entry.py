@@ -1,7 +1,8 @@
 """The GPU suite on ONE GPU: every entry point, each algorithm (part of ``bash scripts/test.sh -m gpu``).
 
 One CPU device cannot show a device mismatch, and kernels and multi-GPU runs alone do not run the
-entry points: a run can stop at step 1 on a GPU although every CPU test passes. Here, on one CUDA device, with a bf16 target and the GPU precision policy (``train.precision=auto``):
+entry points: a run can stop at step 1 on a GPU although every CPU test passes. Here, on one CUDA
+device, with a bf16 target and the GPU precision policy (``train.precision=auto``):
 
 * per algorithm (EAGLE-3, EAGLE-3.1, P-EAGLE, DFlash, DSpark): ``python -m specforge.train`` for 6
   steps; the same run killed after its step-3 checkpoint and run again, whose losses equal the
@@ -207,8 +208,8 @@ def test_the_target_in_vllm_on_the_device(tmp_path):
     except ValueError as err:
         pytest.skip(str(err))
     write_tiny_assets(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-    args = overrides(tmp_path, tmp_path / "online", "eagle3", "rollout.backend=vllm", "rollout.vllm_args=[--enforce-eager]",
-                     "placement.mode=colocated",
+    args = overrides(tmp_path, tmp_path / "online", "eagle3", "rollout.backend=vllm",
+                     "rollout.vllm_args=[--enforce-eager]", "placement.mode=colocated",
                      "train.max_steps=3", "checkpoint.every_steps=0", "checkpoint.resume=false")
     cfg = load_config(None, args)
     layers = [1, 2, 4]
@@ -295,8 +296,8 @@ def test_memory_model_within_ten_percent_of_the_measured_peak(algorithm):
     s = memory.SeqShape(1, T, 1, 1, max(algo.sp_halo() - 1, 0))
     features = T * (K * H * 2 + H * 2 + 3 * 8)  # bf16 features, int64 ids / mask / argmax
     state_bytes = sum(t.numel() * 4 for t in _state_tensors(state))  # the trainer holds it in fp32
-    dm = memory.train_device("train", 1, memory.DraftParams.of(draft), p, algo.memory_step(draft, s, p, DEVICE == "cuda"),
-                             state_bytes, features)
+    step = algo.memory_step(draft, s, p, DEVICE == "cuda")
+    dm = memory.train_device("train", 1, memory.DraftParams.of(draft), p, step, state_bytes, features)
     phase = max((k for k in dm.phases if k != "checkpoint save"), key=dm.phase_bytes)
     predicted = dm.held_bytes + dm.phase_bytes(phase)
     if DEVICE != "cuda":

@@ -169,7 +169,8 @@ def test_missing_extra_and_misshapen_tensors_are_one_error(tmp_path, target):
 
 def test_another_algorithm_a_non_draft_and_a_vocab_size_are_refused(tmp_path, target):
     _, folder = source_eagle3(tmp_path, target)
-    with pytest.raises(ValueError, match=r"holds a eagle3 draft, but draft.algorithm is 'dflash': set draft.algorithm=eagle3"):
+    with pytest.raises(ValueError,
+                       match=r"holds a eagle3 draft, but draft.algorithm is 'dflash': set draft.algorithm=eagle3"):
         check_init_from(run_cfg(tmp_path, seed=2, algorithm="dflash", init_from=folder))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
@@ -177,7 +178,8 @@ def test_another_algorithm_a_non_draft_and_a_vocab_size_are_refused(tmp_path, ta
         check_init_from(run_cfg(tmp_path, seed=2, init_from=tmp_path / "model"))
     with pytest.raises(ValueError, match="no such folder"):
         check_init_from(run_cfg(tmp_path, seed=2, init_from=tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match=f"its draft vocab has {N} tokens, draft.vocab_size is 40: set draft.vocab_size={N}"):
+    with pytest.raises(ValueError,
+                       match=f"its draft vocab has {N} tokens, draft.vocab_size is 40: set draft.vocab_size={N}"):
         vocab_path_of(run_cfg(tmp_path, seed=2, init_from=folder, vocab_size=40), V)
     with pytest.raises(ValueError, match="target vocabulary of 320 tokens, the target has 400"):
         vocab_path_of(run_cfg(tmp_path, seed=2, init_from=folder), 400)
@@ -207,7 +209,8 @@ def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
     windowed = run_cfg(tmp_path, seed=1, sliding_window=4)
     draft = EAGLE3.bind(windowed).build_draft(target, own_vocab())
     folder = save_checkpoint(tmp_path / "windowed", 1, EAGLE3.hf_config(draft), draft.export_state_dict())
-    with pytest.raises(ValueError, match=r"its sliding window is 4, the run's draft has null \(set draft.sliding_window=4\)"):
+    with pytest.raises(ValueError,
+                       match=r"its sliding window is 4, the run's draft has null \(set draft.sliding_window=4\)"):
         trainer_path(run_cfg(tmp_path, seed=2, init_from=folder), target, None)
 
 

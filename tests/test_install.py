@@ -35,5 +35,6 @@ def test_the_default_runs_stated_duration_is_the_measured_one():
     ranges = {name: (int(m.group(1)), int(m.group(2))) for name, m in stated.items() if m}
     assert len(ranges) == 2 and len(set(ranges.values())) == 1, ranges
     low, high = ranges["README.md"]
-    latest = re.search(r"Latest default run from a fresh clone: (\d+(?:\.\d+)?) min", (REPO / "benchmarks/README.md").read_text())
+    latest = re.search(r"Latest default run from a fresh clone: (\d+(?:\.\d+)?) min",
+                       (REPO / "benchmarks/README.md").read_text())
     assert latest and low <= float(latest.group(1)) <= high, (latest and latest.group(1), low, high)

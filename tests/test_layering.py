@@ -44,8 +44,9 @@ def _imports(folder: str) -> set[str]:
 
 
 @pytest.mark.parametrize("folder, forbidden", [
-    ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train",  # and .training
-                "specforge.algorithms.")),  # the seam and the registry only
+    # specforge.train covers .training too; specforge.algorithms.: no algorithm package (the seam and registry may)
+    ("models", ("ray", "torch.distributed", "specforge.parallel", "specforge.runtime", "specforge.train",
+                "specforge.algorithms.")),
     ("parallel", ("ray", "specforge.runtime", "specforge.train", "specforge.models")),
     ("training", ("ray", "specforge.runtime")),
     ("data", ("ray", "specforge.runtime", "specforge.train")),  # the store hands over models/features' TrainBatch
@@ -199,8 +200,8 @@ def test_the_test_import_check_passes_helpers(source):
 # Each module's layer; an import (at the top or inside a function) points to its own layer or below.
 # A name maps to the layer of its longest listed prefix; every module must fall under one.
 LAYERS = {
-    0: ("specforge", "specforge.seam", "specforge.registry", "specforge.device", "specforge.cli", "specforge.plot", "specforge.files",
-        "specforge.jsonhttp", "specforge.contracts"),
+    0: ("specforge", "specforge.seam", "specforge.registry", "specforge.device", "specforge.cli", "specforge.plot",
+        "specforge.files", "specforge.jsonhttp", "specforge.contracts"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
     3: ("specforge.training",),
@@ -219,7 +220,8 @@ UPWARD: set[tuple[str, str]] = set()
 LOOKUPS = {"get_algorithm", "feature_layers", "algorithm_of", "algorithm_name", "load_draft"}
 LOOKUP_FLOOR, LOOKUP_ALLOWED = 4, {"specforge.config", "specforge.registry"}
 # modules that import no torch at their import time (CLI start-up and config errors before torch loads)
-TORCH_FREE = ("specforge.seam", "specforge.registry", "specforge.algorithms", "specforge.cli", "specforge.config", "specforge.targets", "specforge.tracking",
+TORCH_FREE = ("specforge.seam", "specforge.registry", "specforge.algorithms", "specforge.cli", "specforge.config",
+              "specforge.targets", "specforge.tracking",
               "specforge.compat", "specforge.memory", "specforge.train", "specforge.export", "specforge.plot",
               "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.contracts",
               "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
@@ -250,7 +252,8 @@ def import_edges(source: str, module: str, is_package: bool = False) -> list[tup
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             if isinstance(child, ast.Import):
-                out.extend((a.name, child.lineno, in_function, []) for a in child.names if a.name.startswith("specforge"))
+                out.extend((a.name, child.lineno, in_function,
+                            []) for a in child.names if a.name.startswith("specforge"))
             elif isinstance(child, ast.ImportFrom):
                 base = absolute_module(child, module, is_package)
                 if base.startswith("specforge"):
@@ -359,7 +362,8 @@ def test_below_the_runtime_the_algorithm_is_handed_down():
             continue
         for name, line, _, names in import_edges(source, mod, mod in packages):
             if name == "specforge.registry" and set(names) & LOOKUPS:
-                bad.append(f"{mod} line {line} imports {sorted(set(names) & LOOKUPS)}: take the algorithm as an argument")
+                bad.append(f"{mod} line {line} imports {sorted(set(names) & LOOKUPS)}: "
+                           "take the algorithm as an argument")
     assert not bad, "\n".join(bad)
 
 
@@ -420,7 +424,8 @@ def test_the_layer_check_catches_a_relative_upward_import_in_a_package_init():
     """Negative control: in a sub-package's ``__init__`` a relative import starts from the package itself,
     so ``..runtime`` from specforge/training/__init__.py is specforge.runtime (layer 4 over 3)."""
     assert import_edges("from . import batch", "specforge.training", is_package=True)[0][0] == "specforge.training"
-    assert import_edges("from .batch import x", "specforge.training", is_package=True)[0][0] == "specforge.training.batch"
+    assert import_edges("from .batch import x", "specforge.training",
+                        is_package=True)[0][0] == "specforge.training.batch"
     assert upward_imports({"specforge.training": "from ..runtime.plan import Planner"}, packages={"specforge.training"})
     assert upward_imports({"specforge.models": "def f():\n    from ..eval import main"}, packages={"specforge.models"})
     assert not upward_imports({"specforge.runtime": "from ..training.trainer import DraftTrainer"},
@@ -540,7 +545,8 @@ def benchmark_graph(sources: dict[str, str]) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names = [node.module] + ([f"benchmarks.{a.name}" for a in node.names] if node.module == "benchmarks" else [])
+                names = [node.module] + ([f"benchmarks.{a.name}" for a in node.names]
+                                         if node.module == "benchmarks" else [])
             for name in names:
                 parts = name.split(".")
                 stem = parts[1] if parts[0] == "benchmarks" and len(parts) > 1 else parts[0]
@@ -556,7 +562,8 @@ def test_no_import_circle_between_benchmarks():
 
 def test_the_benchmark_circle_check_catches_a_circle():
     """Negative control: each way a benchmark imports another counts, inside a function too."""
-    pair = {"bench_ttt": "from benchmarks import launches", "launches": "def f():\n    from benchmarks import bench_ttt"}
+    pair = {"bench_ttt": "from benchmarks import launches",
+            "launches": "def f():\n    from benchmarks import bench_ttt"}
     assert import_cycles(benchmark_graph(pair)) == [["bench_ttt", "launches"]]
     three = {"a": "import benchmarks.b", "b": "from c import x", "c": "from benchmarks.a import y", "common": ""}
     assert import_cycles(benchmark_graph(three)) == [["a", "b", "c"]]

@@ -41,7 +41,8 @@ def _bf16_rank(rank, world, ref_path):
     apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy())  # what parallelize_draft does on CUDA
     seen = []
     draft.register_forward_pre_hook(lambda m, _: seen.append(m.midlayer.self_attn.q_proj.weight.dtype))  # after FSDP's
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     m = trainer.step([sample_rows(batches[0], rank)])
     grads = grads_full(draft)  # collective
     assert seen and set(seen) == {torch.bfloat16}, seen  # the policy's unsharded params are bf16 in the forward

@@ -169,7 +169,8 @@ def test_no_counted_row_predicts_across_a_boundary():
 
 def _loss_and_grads(draft, batches, W, loss_fn=ttt_loss, L=4):
     params = [p for p in draft.parameters() if p.requires_grad]
-    total = sum(float(valid_rows(b.loss_mask_BT, b.target_ids_BT, draft.t2d, 1, getattr(b, "doc_ids_BT", None))[0].sum())
+    total = sum(float(valid_rows(b.loss_mask_BT, b.target_ids_BT, draft.t2d, 1,
+                                 getattr(b, "doc_ids_BT", None))[0].sum())
                 for b in batches)
     losses, counts = zip(*(loss_fn(draft, b, W, ttt_length=L, num_valid_global=total) for b in batches))
     loss = sum(losses)

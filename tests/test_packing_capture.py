@@ -137,7 +137,8 @@ def test_store_capture_features_equal(target, rows):
     assert padded.keys() == packed.keys() == set(range(len(rows)))
     for sid, want in padded.items():
         got = packed[sid]
-        assert torch.equal(got["input_ids_T"], want["input_ids_T"]) and torch.equal(got["loss_mask_T"], want["loss_mask_T"])
+        assert (torch.equal(got["input_ids_T"], want["input_ids_T"])
+                and torch.equal(got["loss_mask_T"], want["loss_mask_T"]))
         torch.testing.assert_close(got["aux_hidden_TKH"], want["aux_hidden_TKH"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got["last_hidden_TH"], want["last_hidden_TH"], atol=1e-5, rtol=1e-5)
         assert torch.equal(got["target_ids_T"], want["target_ids_T"])
@@ -170,7 +171,8 @@ def test_rollout_worker_features_equal(target, rows):
     def forward(pack_tokens):
         w = RolloutWorker.__new__(RolloutWorker)  # the forward alone: no process group, no transport
         w.rank, w.target, w.data = 0, target, types.SimpleNamespace(train=_Split(rows))
-        w.cfg = load_config(None, ["data.max_length=16"] + ([f"rollout.pack_tokens={pack_tokens}"] if pack_tokens else []))
+        w.cfg = load_config(None, ["data.max_length=16"]
+                            + ([f"rollout.pack_tokens={pack_tokens}"] if pack_tokens else []))
         w.transport = types.SimpleNamespace(device=torch.device("cpu"))
         return w._forward(plan)
 
@@ -215,7 +217,8 @@ def test_memory_model_counts_a_packed_target_forward():
     padded = {x.name: x.nbytes for x in capture_terms(t, B, T, layers, 16)}
     assert packed["capture: attention masks (4D), one packed row of 8,192 tokens"] == 8192**2  # bool, B = 1
     assert padded["capture: attention masks (4D)"] == B * T * T
-    assert packed["capture: the batch's features in the padded layout (rollout.pack_tokens)"] == B * T * (4 * 4096 * 2 + 8)
+    assert (packed["capture: the batch's features in the padded layout (rollout.pack_tokens)"]
+            == B * T * (4 * 4096 * 2 + 8))
     # a row never holds more than the batch's tokens
     assert "capture: attention masks (4D), one packed row of 4,096 tokens" in {
         x.name for x in forward_terms(t, 1, T, layers, 16, 65536)}
@@ -251,7 +254,8 @@ def test_packed_forwards_pick_an_attention_that_skips_cross_sample_scores(monkey
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
     assert capture_attention(llama, cuda, packed=True, dtype=torch.bfloat16) == "flex_attention"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else real(name, *a))
     assert capture_attention(llama, cuda, packed=True, dtype=torch.bfloat16) == "flash_attention_2"
     assert capture_attention(llama, cuda, packed=True, dtype=torch.float32) == "flex_attention"  # flash: 16-bit only
     assert capture_attention(llama, cuda, packed=False, dtype=torch.bfloat16) == "default"  # control: padded

@@ -61,7 +61,8 @@ def test_packed_plan_sends_each_rank_its_part_of_each_sample():
     assert row_offsets([10, 7]) == [0, 10]
 
     g = torch.Generator().manual_seed(0)
-    whole = [WholeSample({"input_ids": torch.randint(1, 50, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.long),
+    whole = [WholeSample({"input_ids": torch.randint(1, 50, (n,), generator=g),
+                          "loss_mask": torch.ones(n, dtype=torch.long),
                           "aux_hidden": torch.randn(n, 24, generator=g), "last_hidden": torch.randn(n, 8, generator=g),
                           "target_ids": torch.randint(0, 50, (n,), generator=g)}) for n in (10, 7)]
     for rank in (1, 2):

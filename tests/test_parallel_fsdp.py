@@ -41,7 +41,8 @@ def _dp_rank(rank, world, ref_path):
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg.train.precision, bound_algorithm(cfg))
     assert not isinstance(draft.embed_tokens.weight, DTensor)  # frozen: replicated, never gathered
     assert isinstance(draft.lm_head.weight, DTensor) and isinstance(draft.fc.weight, DTensor)
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if groups.dp_rank == 0 else None
     for step, b in enumerate(batches):
         m = trainer.step([sample_rows(b, groups.dp_rank)])
@@ -72,7 +73,8 @@ def test_dp2_x_ulysses2_matches_single_process(tmp_path):
 def test_rank_layout_ulysses_innermost():
     d = ParallelDims(dp=2, sp_ulysses=2, sp_ring=2)
     assert d.world == 8 and d.sp == 4
-    assert [d.coords(i) for i in (0, 1, 2, 3, 4, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
+    assert [d.coords(i) for i in (0, 1, 2, 3, 4, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 1,
+                                                                                                                 1)]
     lists = d._rank_lists([10, 11, 12, 13, 14, 15, 16, 17])  # train ranks need not start at 0
     assert lists[0] == list(range(10, 18))  # fsdp: all train ranks
     assert [10, 11] in lists and [10, 12] in lists  # a ulysses group, a ring group

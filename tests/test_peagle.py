@@ -36,7 +36,8 @@ def assets(tmp_path_factory):
     random head's next-token distribution is nearly uniform: a loss that can fall), and a tiny ShareGPT file."""
     from tests.helpers.data import write_tiny_assets
 
-    write_tiny_assets(root := tmp_path_factory.mktemp("peagle-assets"), head_scale=20, hidden_size=H, num_hidden_layers=L)
+    write_tiny_assets(root := tmp_path_factory.mktemp("peagle-assets"), head_scale=20, hidden_size=H,
+                      num_hidden_layers=L)
     return root
 
 
@@ -135,7 +136,8 @@ def _rewrite(src: Path, dest: Path, **tensors) -> Path:
     for f in src.iterdir():
         if f.name != "model.safetensors":
             (dest / f.name).write_bytes(f.read_bytes())
-    save_file({**load_file(src / "model.safetensors"), **tensors}, dest / "model.safetensors", metadata={"format": "pt"})
+    save_file({**load_file(src / "model.safetensors"), **tensors}, dest / "model.safetensors",
+              metadata={"format": "pt"})
     return dest
 
 
@@ -290,7 +292,8 @@ def test_build_draft_is_eagle3s_draft_plus_the_mask(assets, target):
     assert all(torch.equal(mine[k], v) for k, v in eagle.state_dict().items())
     assert draft.config.mask_token_id == V - 1  # no mask token, no unused slot: the highest id outside the vocab
     assert torch.equal(draft.mask_embed.detach(), target.embed_weight_VH[V - 1].detach())
-    assert not draft.embed_tokens.weight.requires_grad and draft.mask_embed.requires_grad and draft.mask_hidden.requires_grad
+    assert (not draft.embed_tokens.weight.requires_grad and draft.mask_embed.requires_grad
+            and draft.mask_hidden.requires_grad)
     with pytest.raises(ValueError, match=r"'draft\.hidden_size'=32: a P-EAGLE draft has the target's hidden size"):
         check_run(run_cfg(assets, assets / "unused", "draft.hidden_size=32"))
     with pytest.raises(ValueError, match=r"'draft\.ttt_length'=3 applies to draft\.algorithm=eagle3, not peagle"):

@@ -64,7 +64,8 @@ def _sp_rank(rank, world, dims_tuple, ref_path):
     cfg = _cfg()
     draft, teacher, batches = _setup()
     draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
         m = trainer.step([sp_slice_batch(full, groups.sp_rank, groups.sp_size, ALGO.bind(cfg).sp_halo())])

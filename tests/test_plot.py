@@ -58,7 +58,8 @@ def _run_rows(steps=12, eval_every=4, per_epoch=5, warmup=0):
                "train_ms": 10.0}
         for i in range(3):
             trained = i == 0 or s > warmup
-            rec.update({f"loss_{i}": 2.0 / (s + i) if trained else 0.0, f"acc_{i}": 0.05 * s / (i + 1) if trained else 0.0,
+            rec.update({f"loss_{i}": 2.0 / (s + i) if trained else 0.0,
+                        f"acc_{i}": 0.05 * s / (i + 1) if trained else 0.0,
                         f"accept_rate_{i}": 0.3 if trained else 0.0})
         rows.append(rec)
         if s % eval_every == 0:

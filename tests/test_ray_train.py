@@ -33,7 +33,8 @@ def disaggregated(assets, tmp_path_factory, ray_session):
 
     rt.gather = recording_gather
     try:
-        path = rt.fit(make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1", "train.eval_every=2"))
+        path = rt.fit(make_cfg(assets, out, "placement.mode=disaggregated", "rollout.num_workers=1",
+                               "train.eval_every=2"))
     finally:
         rt.gather = real
     return out, path, received

@@ -282,7 +282,8 @@ def test_rows_whose_features_were_lost_are_regenerated(tok, target, tmp_path, mo
     again = FakeEngine(tok)
     monkeypatch.setattr(engine, "generate", again)
     s = rg.regenerate(cfg, target=target)
-    assert s.rows_resumed == 3 and [p.split("user\n")[1][:7] for p in again.prompts] == ["hello d", "hello e", "hello f"]
+    assert (s.rows_resumed == 3
+            and [p.split("user\n")[1][:7] for p in again.prompts] == ["hello d", "hello e", "hello f"])
     final = [r["source_row"] for r in out_rows(tmp_path / "out.jsonl")]
     assert final == FeatureStore(tmp_path / "features").ids == [0, 1, 2, 3, 4, 5]
 

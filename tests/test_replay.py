@@ -77,8 +77,8 @@ def test_held_out_samples_of_either_store_are_never_trained(assets, stores, tmp_
     from specforge.data.store import FeatureStore
     from specforge.runtime.plan import ReplayStores, store_split
 
-    cfg = _cfg(assets, tmp_path, stores, "train.grad_accum=4", "train.num_workers=1", "train.max_steps=60", "train.eval_every=5",
-               "store.replay_share=0.5")
+    cfg = _cfg(assets, tmp_path, stores, "train.grad_accum=4", "train.num_workers=1", "train.max_steps=60",
+               "train.eval_every=5", "store.replay_share=0.5")
     own, ref = FeatureStore(stores / "own"), FeatureStore(stores / "ref")
     both = ReplayStores(own, ref)
     split = store_split(both, cfg)
@@ -182,7 +182,8 @@ def _sample(i: int, n: int = 6, H: int = 8) -> dict:
     g = torch.Generator().manual_seed(i)
     return {"input_ids": torch.randint(0, 50, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.long),
             "aux_hidden": torch.randn(n, 3 * H, generator=g).bfloat16(),
-            "last_hidden": torch.randn(n, H, generator=g).bfloat16(), "target_ids": torch.randint(0, 50, (n,), generator=g)}
+            "last_hidden": torch.randn(n, H, generator=g).bfloat16(),
+            "target_ids": torch.randint(0, 50, (n,), generator=g)}
 
 
 def test_append_adds_new_samples_and_skips_existing_ones(tmp_path):

@@ -123,8 +123,8 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
         assert part in msg, (part, msg)
     # a changed schedule (train.max_steps, via the LR horizon): the keys, both values, and both ways forward
     msg = refused(identity_of(_cfg(lr=2e-2), target, vocab, FACTS, total_steps=30))
-    for part in ("total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs): checkpoint 10, "
-                 "this run 30", "train.lr: checkpoint 0.01, this run 0.02", "restore these values",
+    for part in ("total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs): "
+                 "checkpoint 10, this run 30", "train.lr: checkpoint 0.01, this run 0.02", "restore these values",
                  f"draft.init_from={tmp_path}", "Training a finished draft longer"):
         assert part in msg, (part, msg)
     assert "checkpoint.resume=false" not in msg

@@ -290,7 +290,8 @@ def test_flash_block_kernel_matches_torch_kernel():
     dout = torch.randn(q.shape, device="cuda", generator=g).bfloat16()
     assert FlashKernel.available(q)
     for causal in (True, False):
-        (of, lf), (ot, lt) = FlashKernel().forward(q, k, v, causal, 0.125), TorchKernel().forward(q, k, v, causal, 0.125)
+        (of, lf), (ot, lt) = (FlashKernel().forward(q, k, v, causal, 0.125),
+                              TorchKernel().forward(q, k, v, causal, 0.125))
         assert (of - ot).abs().max() < 2e-2 and (lf - lt).abs().max() < 1e-2
         lse = lt + 0.5  # the union's lse is larger than one block's
         out = ot.bfloat16()

@@ -32,7 +32,8 @@ def _sharded_trainer(rank):
     cfg = sp_cfg()
     draft, teacher, batches = setup_sp()
     draft = parallelize_draft(draft, ParallelDims(dp=2), groups, cfg.train.precision, bound_algorithm(cfg))
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     return trainer, [sample_rows(b, rank) for b in batches]
 
 

@@ -165,7 +165,8 @@ def test_config_key_checks_and_config_json_round_trip(tmp_path):
         load_config(None, ["draft.sliding_window=4"])  # ttt_length 7: six drafted tokens before the last
     with pytest.raises(ValueError, match=r"draft\.sliding_window"):
         load_config(None, ["draft.sliding_window=0"])
-    with pytest.raises(ValueError, match=r"'draft\.sliding_window'=2048 applies to draft\.algorithm=eagle3, not peagle"):
+    with pytest.raises(ValueError,
+                       match=r"'draft\.sliding_window'=2048 applies to draft\.algorithm=eagle3, not peagle"):
         load_config(None, ["draft.algorithm=peagle", "draft.sliding_window=2048"])
     assert load_config(None, ["draft.sliding_window=2048"]).draft.sliding_window == 2048
     assert load_config(None, ["draft.algorithm=eagle31", "draft.sliding_window=2048"]).draft.sliding_window == 2048
@@ -199,7 +200,8 @@ def _checkpoint(root: Path, target_dir: Path, window) -> Path:
     draft.reset_parameters(std=0.1)
     draft.set_vocab(torch.sort(torch.randperm(V)[:N]).values - torch.arange(N))
     draft.init_embeddings_from_target(target.model.embed_tokens.weight)
-    return save_checkpoint(root, 5, cfg.to_hf_config(), draft.export_state_dict(), train_state={"step": 5, "identity": {}})
+    return save_checkpoint(root, 5, cfg.to_hf_config(), draft.export_state_dict(),
+                           train_state={"step": 5, "identity": {}})
 
 
 def _run(argv, capsys):
@@ -216,7 +218,8 @@ def test_vllm_export_carries_the_window_and_speculators_gives_our_logits(tmp_pat
 
     W, T, steps = 7, 24, 3
     ckpt = _checkpoint(tmp_path / "ckpts", target_dir, W)
-    code, out, err = _run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir], capsys)
+    code, out, err = _run(["--draft", ckpt, "--engine", "vllm", "--out", tmp_path / "vllm", "--target", target_dir],
+                          capsys)
     assert code == 0, err
     tl = json.loads((tmp_path / "vllm" / "config.json").read_text())["transformer_layer_config"]
     assert tl["sliding_window"] == W and tl["layer_types"] == ["sliding_attention"]

@@ -129,7 +129,8 @@ def test_gpus_each_worker_asks_for():
     from specforge.preflight import check_resources, check_workers, needed_resources
 
     # the shipped config runs the target in vLLM over rollout.tp_size=4 GPUs: 1 rollout x 4 GPUs + 4 train x 1
-    assert needed_resources(load_config(CONFIGS / "llama3.3-70b-instruct.yaml"), use_gpu=True) == {"CPU": 5.0, "GPU": 8.0}
+    assert (needed_resources(load_config(CONFIGS / "llama3.3-70b-instruct.yaml"), use_gpu=True)
+            == {"CPU": 5.0, "GPU": 8.0})
     split = ["rollout.backend=hf", "rollout.tp_size=1", "model.num_gpus=4"]  # the same GPUs, split by layers
     cfg = load_config(CONFIGS / "llama3.3-70b-instruct.yaml", split)  # 1 rollout x 4 GPUs + 4 train x 1
     assert needed_resources(cfg, use_gpu=True) == {"CPU": 5.0, "GPU": 8.0}
@@ -172,7 +173,8 @@ def test_bad_num_gpus_is_refused_before_anything_loads(capsys):
     assert main(["rollout.tp_size=2"]) == 1
     err = capsys.readouterr().err
     assert "rollout.tp_size" in err and "model.num_gpus" in err and err.count("\n") == 1
-    assert "model.num_gpus=4" in not_applied(load_config(None, ["placement.mode=offline", "model.num_gpus=4"]), "offline")
+    assert "model.num_gpus=4" in not_applied(load_config(None, ["placement.mode=offline", "model.num_gpus=4"]),
+                                             "offline")
 
 
 _RSS = """

@@ -70,13 +70,17 @@ QUIRKS = {
     "phi3": lambda: _cfg("phi3").rope_parameters["partial_rotary_factor"] == 0.75
     and hasattr(_layer("phi3", 0).self_attn, "qkv_proj"),
     "gpt_oss": lambda: hasattr(_layer("gpt_oss", 0).self_attn, "sinks")
-    and _cfg("gpt_oss").rope_parameters["rope_type"] == "yarn" and set(targets.sliding_windows(_cfg("gpt_oss"))) == {8, None},
-    "deepseek_v3": lambda: _cfg("deepseek_v3").kv_lora_rank == 32 and _cfg("deepseek_v3").rope_parameters["rope_type"] == "yarn"
-    and hasattr(_layer("deepseek_v3", 1).mlp, "shared_experts") and not hasattr(_layer("deepseek_v3", 0).mlp, "experts"),
+    and _cfg("gpt_oss").rope_parameters["rope_type"] == "yarn"
+    and set(targets.sliding_windows(_cfg("gpt_oss"))) == {8, None},
+    "deepseek_v3": lambda: _cfg("deepseek_v3").kv_lora_rank == 32
+    and _cfg("deepseek_v3").rope_parameters["rope_type"] == "yarn"
+    and hasattr(_layer("deepseek_v3", 1).mlp, "shared_experts")
+    and not hasattr(_layer("deepseek_v3", 0).mlp, "experts"),
     "glm4_moe": lambda: _cfg("glm4_moe").rope_parameters["partial_rotary_factor"] == 0.5
     and hasattr(_layer("glm4_moe", 1).mlp, "shared_experts"),
     "mixtral": lambda: all(hasattr(_layer("mixtral", i).mlp, "experts") for i in range(6)),
-    "qwen2_5_vl": lambda: "mrope_section" in _cfg("qwen2_5_vl").rope_parameters and built("qwen2_5_vl").family.image_text,
+    "qwen2_5_vl": lambda: "mrope_section" in _cfg("qwen2_5_vl").rope_parameters
+    and built("qwen2_5_vl").family.image_text,
     "qwen3_vl": lambda: _cfg("qwen3_vl").rope_parameters.get("mrope_interleaved") is True,
 }
 
@@ -323,7 +327,8 @@ def test_module_without_a_text_tower():
 
 def test_aux_ids_on_linear_attention_layers(monkeypatch):
     cfg = built("qwen3_next").model.config
-    targets.check_target(cfg, [0, 2, 3])  # SGLang captures any layer's output (its qwen3_next set_eagle3_layers_to_capture)
+    # SGLang captures any layer's output (its qwen3_next set_eagle3_layers_to_capture)
+    targets.check_target(cfg, [0, 2, 3])
     fam = targets.family_of(cfg)
     monkeypatch.setitem(targets._BY_TYPE, "qwen3_next", dataclasses.replace(fam, aux_on_linear_layers=False))
     with pytest.raises(ValueError, match=r"linear-attention layer\(s\) \[0, 2\].*choose 3 of \[3\]"):

@@ -159,7 +159,8 @@ def test_llamacpp_export_refuses_a_family_it_cannot_serve(name, root, capsys):
     assert not out.exists()
 
 
-needs_llamacpp = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built: bash scripts/install_llamacpp.sh")
+needs_llamacpp = pytest.mark.skipif(not llamacpp.installed(),
+                                    reason="llama.cpp is not built: bash scripts/install_llamacpp.sh")
 
 # What llama.cpp's converter needs of a tiny target beyond our tiny model (test setup, not family traits):
 # a tokenizer it recognises (SmolLM2's BPE; Gemma 4's converter reads only a Llama-style byte-fallback BPE,
@@ -222,7 +223,8 @@ def converted(root):
             base = root / name / "llamacpp"
             target_dir = llamacpp_target(name, base / "target")
             ckpt = draft_checkpoint(target_dir, base / "ckpts")
-            argv = ["--draft", str(ckpt), "--engine", "llama.cpp", "--out", str(base / "gguf"), "--target", str(target_dir)]
+            argv = ["--draft", str(ckpt), "--engine", "llama.cpp", "--out", str(base / "gguf"),
+                    "--target", str(target_dir)]
             jobs[name] = (target_dir, pool.submit(export.main, argv),
                           pool.submit(llamacpp.convert_target, target_dir, base / "target.gguf"))
         yield jobs

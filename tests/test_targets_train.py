@@ -64,7 +64,8 @@ class Scripted:
 
 
 def _prompt():
-    return torch.randint(3, 250, (11,), generator=torch.Generator().manual_seed(2)).tolist()  # past every sliding window (8)
+    # past every sliding window (8)
+    return torch.randint(3, 250, (11,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
 @pytest.mark.parametrize("name", SLOW)

@@ -10,7 +10,8 @@ from specforge.tracking import PARTED_ACC0, MetricsLogger, end_summary, overlay_
 
 
 def _history():
-    train = [{"step": s, "loss": 3.0 / s, "acc_0": 0.05 * s, "acc_1": 0.02 * s, "tau": 1 + 0.05 * s} for s in range(1, 13)]
+    train = [{"step": s, "loss": 3.0 / s, "acc_0": 0.05 * s, "acc_1": 0.02 * s, "tau": 1 + 0.05 * s}
+             for s in range(1, 13)]
     heldout = [{"step": s, "loss": 2.5, "acc_0": 0.31, "acc_1": 0.1, "tau": 1.33} for s in (4, 8, 12)]
     return {"train": train, "eval": heldout}
 

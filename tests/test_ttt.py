@@ -201,7 +201,8 @@ def test_hot_loops_chunk_by_device_and_the_chunk_never_changes_the_result():
         for a, b in zip(linear_soft_cross_entropy(h, W, teacher, tidx, chunk=chunk), default):
             torch.testing.assert_close(a, b)
     q = torch.randn(1, 4, 300, 8, dtype=torch.float64)
-    k, v = [torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2)], [torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2)]
+    k, v = ([torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2)],
+            [torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2)])
     ref = ttt_attention_eager(q, k, v)
     for chunk in (None, 37, CHUNK_GPU):
         torch.testing.assert_close(ttt_attention_fast(q, k, v, chunk=chunk), ref)

@@ -77,7 +77,8 @@ def _qkv(B, Hq, Hk, T, D, n, T0=None, dtype=torch.float64):
     return q, ks, vs
 
 
-@pytest.mark.parametrize("n,q_offset,T0,chunk", [(0, 0, None, 4), (3, 0, None, 4), (2, 5, 20, 3), (1, 0, 14, 128), (2, 0, None, 7)])
+@pytest.mark.parametrize("n,q_offset,T0,chunk",
+                         [(0, 0, None, 4), (3, 0, None, 4), (2, 5, 20, 3), (1, 0, 14, 128), (2, 0, None, 7)])
 def test_fast_core_equals_eager_forward_and_backward(n, q_offset, T0, chunk):
     q, ks, vs = _qkv(2, 4, 2, 10, 8, n, T0)
     g = torch.randn(2, 4, 10, 8, dtype=torch.float64)

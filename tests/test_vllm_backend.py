@@ -2,7 +2,8 @@
 ``scripts/install_vllm.sh``; ``scripts/test.sh`` installs it, so these fail, not skip, without it).
 
 Each engine start costs ~30-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
-the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests. The reference is our transformers capture of the same tiny random target in
+the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests. \
+The reference is our transformers capture of the same tiny random target in
 fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own negative control).
 """
 
@@ -344,8 +345,8 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
 
     def spawn(*args, **kw):
         cluster = real_spawn(*args, **kw)
-        pids = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid) for w in cluster.rollout.actors],
-                       timeout=60)
+        pids = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid)
+                        for w in cluster.rollout.actors], timeout=60)
         spawned.append((cluster, pids))
         return cluster
 

@@ -122,7 +122,8 @@ class State:
         try:
             data = json.loads(path.read_text())
         except ValueError as e:
-            raise ValueError(f"adapt state {path} is not valid JSON ({e}); restore it or point adapt.dir elsewhere") from None
+            raise ValueError(f"adapt state {path} is not valid JSON ({e}); "
+                             "restore it or point adapt.dir elsewhere") from None
         return cls(**{k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}})
 
     def save(self, root: Path) -> None:
@@ -170,7 +171,8 @@ def start_changed(cfg: Config, root: Path, state: State) -> bool:
     src, start = start_draft(cfg), root / "drafts" / "start"
     if not state.live or not (src / "config.json").is_file() or not (start / "config.json").is_file():
         return False
-    names = sorted({p.name for p in src.resolve().iterdir() if p.is_file()} | {p.name for p in start.iterdir() if p.is_file()})
+    names = sorted({p.name for p in src.resolve().iterdir() if p.is_file()}
+                   | {p.name for p in start.iterdir() if p.is_file()})
     return any(not ((src / n).is_file() and (start / n).is_file() and filecmp.cmp(src / n, start / n, shallow=False))
                for n in names)
 
@@ -195,7 +197,8 @@ def check(cfg: Config):
     changed = start_changed(cfg, root, state)
     if changed and state.live != str(start):
         raise ValueError(f"adapt.draft={str(start_draft(cfg))!r} is not the draft {str(root)!r} started from (its "
-                         f"copy: {str(start)!r}), and rounds have replaced that one (live: {state.live!r}): set adapt.draft "
+                         f"copy: {str(start)!r}), and rounds have replaced that one (live: {state.live!r}): "
+                         "set adapt.draft "
                          f"back to continue them, or start over from the new draft with `{RESET}` and the same "
                          f"arguments (it moves {str(root)!r} aside)")
     if state.live and not changed:
@@ -204,7 +207,8 @@ def check(cfg: Config):
         live = Path(state.live)
     else:
         live = start_draft(cfg)
-        _check_draft(cfg, live, "adapt.draft", "set adapt.draft to a draft folder of this config (a run's checkpoints/latest)")
+        _check_draft(cfg, live, "adapt.draft",
+                     "set adapt.draft to a draft folder of this config (a run's checkpoints/latest)")
     check_drafts([str(live)], cfg, False)
     target = _check_reference(cfg, root) if a.replay_share > 0 else None
     if a.serve:
@@ -229,7 +233,8 @@ def _check_draft(cfg: Config, path: Path, what: str, fix: str) -> None:
     try:
         check_init_from(probe)
     except ValueError as e:
-        why = str(e).replace(f"config key 'draft.init_from'={str(path)!r}", "it").replace("config key 'draft.init_from': ", "")
+        why = (str(e).replace(f"config key 'draft.init_from'={str(path)!r}", "it")
+               .replace("config key 'draft.init_from': ", ""))
         raise ValueError(f"{what}={str(path)!r} cannot start a round's fine-tune ({why}); {fix}") from None
     for f in sorted(path.glob("*.safetensors")):  # the headers only: a truncated or foreign file, named now
         with open_safetensors(f, f"{what}'s weights file", fix):
@@ -249,7 +254,8 @@ def _check_reference(cfg: Config, root: Path):
     diffs = meta_differences(store.meta, want, "the store", "this config", ignore=("source",))
     if diffs:
         raise ValueError(f"adapt.reference_store={str(ref)!r} holds features of another setup than this config: "
-                         f"{'; '.join(diffs)}; name the store captured with this model.target_path, model.aux_layer_ids "
+                         f"{'; '.join(diffs)}; name the store captured with this model.target_path, "
+                         "model.aux_layer_ids "
                          "and data.max_length (the one the live draft was trained on), or set adapt.replay_share=0")
     if not replayable_ids(store):
         raise ValueError(f"adapt.reference_store={str(ref)!r} holds {len(store.ids)} samples, none of which may be "
@@ -284,13 +290,13 @@ def _check_traffic(cfg: Config, root: Path, state: State) -> None:
     if new < a.min_rows:
         raise ValueError(f"adapt.traffic={str(path)!r}: {new} new usable training row(s) ({got.summary()}), fewer than "
                          f"adapt.min_rows={a.min_rows}: no round can run; add served chat completions (rows "
-                         "{\"messages\": [...], \"completion\": \"...\"}, or ShareGPT / messages rows with the assistant "
-                         "turns) or lower adapt.min_rows")
+                         "{\"messages\": [...], \"completion\": \"...\"}, or ShareGPT / messages rows "
+                         "with the assistant turns) or lower adapt.min_rows")
     if ledger.counts["gate"] + got.gate == 0:
         usable = ledger.counts["train"] + got.train
-        raise ValueError(f"adapt.holdout_share={a.holdout_share:g}: none of the {usable} usable traffic rows falls in the "
-                         "held-out slice the gate measures on (a row's slice follows from its content); raise "
-                         "adapt.holdout_share or add traffic")
+        raise ValueError(f"adapt.holdout_share={a.holdout_share:g}: none of the {usable} usable traffic rows "
+                         "falls in the held-out slice the gate measures on (a row's slice follows from its content); "
+                         "raise adapt.holdout_share or add traffic")
 
 
 # ---------------------------------------------------------------- the live server
@@ -359,7 +365,8 @@ class Adapter:
                 self.servers = LlamaServers(self.cfg, self.root)
             self.server = self.servers.start(Path(self.state.live))
             self.proxy = TrafficProxy(self.server.url, self.traffic, self.a.host, self.a.port).__enter__()
-            self.log(f"adapt: serving {self.state.live} behind {self.proxy.url} (OpenAI API; traffic -> {self.traffic})")
+            self.log(f"adapt: serving {self.state.live} behind {self.proxy.url} "
+                     f"(OpenAI API; traffic -> {self.traffic})")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -418,7 +425,8 @@ class Adapter:
                                f"(adapt.server_restarts={self.a.server_restarts}); its log:\n{_log_tail(self.server)}")
         self.state.restarts += 1
         self.state.save(self.root)
-        self.log(f"adapt: the live server died (code {self.server.proc.returncode}); starting it again with {self.state.live}")
+        self.log(f"adapt: the live server died (code {self.server.proc.returncode}); "
+                 f"starting it again with {self.state.live}")
         self.server.stop()
         self.server = self.servers.start(Path(self.state.live))
         self.proxy.switch(self.server.url)
@@ -431,8 +439,9 @@ class Adapter:
         row = {"round": n, "live_before": self.state.live, "train_rows": self.ledger.counts["train"],
                "gate_rows": self.ledger.counts["gate"], "skipped_rows": sum(self.state.skipped.values()),
                "duplicate_rows": self.state.duplicates, "replay_share": self.a.replay_share}
-        self.log(f"adapt: round {n} ({self.state.phase}): {row['train_rows']} training rows, {row['gate_rows']} held out, "
-                 f"{row['skipped_rows']} malformed skipped, {row['duplicate_rows']} duplicates")
+        self.log(f"adapt: round {n} ({self.state.phase}): {row['train_rows']} training rows, "
+                 f"{row['gate_rows']} held out, {row['skipped_rows']} malformed skipped, "
+                 f"{row['duplicate_rows']} duplicates")
         try:
             if self.state.phase == "capture":
                 self._server_check()
@@ -538,7 +547,8 @@ class Adapter:
         datasets.disable_progress_bars()  # its "Saving the dataset" bars, every round
         data = dataclasses.replace(self.cfg.data, path=str(self.ledger.train_path), num_eval=0, max_samples=None,
                                    join_parts=False)
-        cfg = dataclasses.replace(self.cfg, data=data, store=dataclasses.replace(self.cfg.store, dir=str(self.root / "store")))
+        cfg = dataclasses.replace(self.cfg, data=data,
+                                  store=dataclasses.replace(self.cfg.store, dir=str(self.root / "store")))
         capture_store(cfg, progress=False, target=self.target(), source=STORE_SOURCE)
 
     def round_config(self, rdir: Path) -> dict:
@@ -550,8 +560,8 @@ class Adapter:
             cfg["store"].update(replay_dir=str(reference_store(self.cfg)), replay_share=a.replay_share)
         cfg["train"].update(output_dir=str(rdir), max_steps=a.steps, epochs=None, lr=a.lr, eval_every=0,
                             warmup_steps=min(self.cfg.train.warmup_steps, a.steps // 10))
-        cfg["checkpoint"].update(dir=None, resume=True, every_steps=max(1, min(self.cfg.checkpoint.every_steps or a.steps,
-                                                                                  a.steps // 4 or 1)))
+        cfg["checkpoint"].update(dir=None, resume=True,
+                                 every_steps=max(1, min(self.cfg.checkpoint.every_steps or a.steps, a.steps // 4 or 1)))
         for key in cfg["draft"]:  # a from-scratch warmup (e.g. TTT step 0 alone first) is not redone on a trained draft
             if key.endswith("warmup_steps"):
                 cfg["draft"][key] = 0
@@ -564,7 +574,8 @@ class Adapter:
         path = rdir / "config.yaml"
         path.write_text(yaml.safe_dump(self.round_config(rdir), sort_keys=False))
         log = rdir / "train.log"
-        self.log(f"adapt: round {self.state.round}: fine-tuning {self.a.steps} steps from {self.state.live} (log: {log})")
+        self.log(f"adapt: round {self.state.round}: fine-tuning {self.a.steps} steps from {self.state.live} "
+                 f"(log: {log})")
 
         with open(log, "ab") as f:  # the child goes when adapt does (a killed adapt resumes the round itself)
             proc = subprocess.Popen([sys.executable, "-m", "specforge.train", "--config", str(path)],
@@ -624,7 +635,8 @@ class Adapter:
             why.append(f"general acceptance fell {out['general_live']:.3f} -> {out['general_candidate']:.3f}, more "
                        f"than adapt.gate_margin={a.gate_margin:g}")
         out.update(passed=not why, why="; ".join(why))
-        self.log(f"adapt: round {self.state.round} gate: domain {out['domain_live']:.3f} -> {out['domain_candidate']:.3f} "
+        self.log(f"adapt: round {self.state.round} gate: domain {out['domain_live']:.3f} -> "
+                 f"{out['domain_candidate']:.3f} "
                  f"({len(domain)} prompts), general {out['general_live']:.3f} -> {out['general_candidate']:.3f} "
                  f"({len(general)} prompts): {'passed' if not why else 'failed'}")
         return out
@@ -657,7 +669,8 @@ class Adapter:
             out["swap_s"] = round(time.time() - t0, 3)
         self.state.live = str(new)
         self.state.save(self.root)
-        self.log(f"adapt: round {n}: live draft is now {new}" + (f" (served behind {self.proxy.url})" if self.proxy else ""))
+        self.log(f"adapt: round {n}: live draft is now {new}"
+                 + (f" (served behind {self.proxy.url})" if self.proxy else ""))
         return out
 
     def _record(self, row: dict) -> None:

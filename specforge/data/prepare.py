@@ -19,7 +19,8 @@ tokenizer or template therefore never reuses a stale cache.
 
 Rows: ``max_samples`` keeps the first N usable conversations (usable = normalized and at least
 one loss token after truncation, and at least ``min_length`` tokens; with ``join_parts`` a
-conversation is every consecutive part of one chat, see ``data/sharegpt.py``). The eval split is the LAST ``num_eval`` of the kept rows
+conversation is every consecutive part of one chat, see ``data/sharegpt.py``). The eval split is the LAST \
+``num_eval`` of the kept rows
 (deterministic, never trained on); train is everything before it. Order is the source order;
 shuffling is the sampler's job (a pure function of seed, epoch, step).
 """
@@ -223,7 +224,8 @@ def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, c
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = mp.get_context("fork")
-    with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tokenizer, max_length, chat_template, min_length)) as pool:
+    with ctx.Pool(num_proc, initializer=_worker_init,
+                  initargs=(tokenizer, max_length, chat_template, min_length)) as pool:
         # imap keeps source order; the pool is terminated on exit if we stop early (max_samples)
         yield from pool.imap(_tokenize_one, convs, chunksize=32)
 
@@ -258,7 +260,8 @@ def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) 
         bar.close()
     if stats.rows_kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in stats.skipped.items()) or "no rows at all"
-        raise ValueError(f"data.path {data_cfg.path!r}: no usable conversation among {stats.rows_read} rows ({reasons})")
+        raise ValueError(f"data.path {data_cfg.path!r}: no usable conversation among {stats.rows_read} rows "
+                         f"({reasons})")
     n_train = split_point(stats.rows_kept, data_cfg.num_eval)
     n_eval = stats.rows_kept - n_train
     if n_train == 0:
@@ -274,7 +277,8 @@ def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) 
 
 
 def split_point(rows_kept: int, num_eval: int) -> int:
-    """THE held-out rule (``data/heldout.py`` reads it for eval and regenerate): rows before the eval split among ``rows_kept`` usable rows (the train split's size)."""
+    """THE held-out rule (``data/heldout.py`` reads it for eval and regenerate): rows before the eval split \
+among ``rows_kept`` usable rows (the train split's size)."""
     return rows_kept - min(max(num_eval, 0), rows_kept)
 
 

@@ -131,7 +131,8 @@ def resolve_data_files(path: Union[str, Path]) -> list[Path]:
         if not files:
             raise ValueError(f"data.path {str(path)!r} is a folder without .json/.jsonl files")
         return files
-    raise ValueError(f"data.path {str(path)!r} does not exist (expected a JSON/JSONL file, a folder, or {EMBEDDED_DATA!r})")
+    raise ValueError(f"data.path {str(path)!r} does not exist "
+                     f"(expected a JSON/JSONL file, a folder, or {EMBEDDED_DATA!r})")
 
 
 def normalize_record(record) -> list[dict]:
@@ -186,7 +187,8 @@ def _iter_json_list(text: str, name: str) -> Iterator[tuple[object, Optional[Mal
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            yield None, MalformedRow(TRUNCATED_JSON, f"{name} at char {pos}: {e.msg}; {n - pos} chars dropped"), f"{name}@{pos}"
+            yield (None, MalformedRow(TRUNCATED_JSON, f"{name} at char {pos}: {e.msg}; {n - pos} chars dropped"),
+                   f"{name}@{pos}")
             return
         yield obj, None, f"{name}@{pos}"
 
@@ -256,7 +258,8 @@ def _joined(group: list[tuple[int, object, str]]) -> tuple[int, object, None, st
     return index, {"id": first["id"], "conversations": turns}, None, source, tuple(i for i, _, _ in group)
 
 
-def _iter_records(path: Union[str, Path], join_parts: bool) -> Iterator[tuple[int, object, Optional[MalformedRow], str, tuple]]:
+def _iter_records(path: Union[str, Path],
+                  join_parts: bool) -> Iterator[tuple[int, object, Optional[MalformedRow], str, tuple]]:
     """(index, record, error, source, parts) per source row, or per joined chat with ``join_parts``."""
     index = 0
     group: list[tuple[int, object, str]] = []

@@ -52,7 +52,8 @@ def resolve_chat_template(tokenizer, chat_template: Optional[str] = None) -> str
     return template
 
 
-def render(tokenizer, messages: Sequence[dict], chat_template: Optional[str] = None, add_generation_prompt: bool = False) -> str:
+def render(tokenizer, messages: Sequence[dict], chat_template: Optional[str] = None,
+           add_generation_prompt: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -91,7 +92,8 @@ def assistant_char_spans(
             break
         head = render(tokenizer, messages[:i], chat_template, add_generation_prompt=True) if i > 0 else None
         turn = render(tokenizer, messages[: i + 1], chat_template)
-        if head is not None and full_text.startswith(head) and full_text.startswith(turn) and cursor <= len(head) < len(turn):
+        if (head is not None and full_text.startswith(head) and full_text.startswith(turn)
+                and cursor <= len(head) < len(turn)):
             start, end = len(head), len(turn)
             while end > start and full_text[end - 1].isspace():
                 end -= 1

@@ -102,7 +102,8 @@ def build_draft_vocab(rows_or_counts: Any, target_vocab_size: int, draft_vocab_s
                 raise ValueError(f"token id {k} outside the target vocab of {V}")
             counts[int(k)] = int(v)
     elif isinstance(rows_or_counts, (np.ndarray, torch.Tensor)):
-        counts = np.asarray(rows_or_counts.cpu() if isinstance(rows_or_counts, torch.Tensor) else rows_or_counts).astype(np.int64)
+        counts = np.asarray(rows_or_counts.cpu() if isinstance(rows_or_counts, torch.Tensor)
+                            else rows_or_counts).astype(np.int64)
         if counts.shape != (V,):
             raise ValueError(f"counts must have shape ({V},), got {tuple(counts.shape)}")
     else:
@@ -155,7 +156,8 @@ def load_draft_vocab(path: Union[str, Path]) -> DraftVocab:
         raise ValueError(f"draft vocab {path}: content hash mismatch (file corrupted or edited)")
     target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
     in_range = d2t.numel() == 0 or (int(target_ids.min()) >= 0 and int(target_ids.max()) < t2d.numel())
-    if not in_range or int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()) or not bool((target_ids[1:] > target_ids[:-1]).all()):
+    if (not in_range or int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all())
+            or not bool((target_ids[1:] > target_ids[:-1]).all())):
         raise ValueError(f"draft vocab {path}: d2t and t2d disagree")
     cov = meta.get("coverage")
     return DraftVocab(d2t=d2t, t2d=t2d, coverage=float(cov) if cov else None)

@@ -87,7 +87,8 @@ def find_server() -> Path:
     if not (server.is_file() and os.access(server, os.X_OK)):
         where = f"${DIR_ENV}={d}" if os.environ.get(DIR_ENV) else str(d)
         raise ValueError(f"llama.cpp is not installed (no llama-server in {where}); run `{INSTALL}` "
-                         f"(builds it once, ~6 min on 2 idle cores) or point ${DIR_ENV} at a folder with bin/llama-server")
+                         f"(builds it once, ~6 min on 2 idle cores) or point ${DIR_ENV} at a folder with "
+                         "bin/llama-server")
     return server
 
 
@@ -369,7 +370,8 @@ class LlamaServer:
         self.target_gguf, self.draft_gguf = Path(target_gguf), draft_gguf and Path(draft_gguf)
         for f in (self.target_gguf, self.draft_gguf):
             if f is not None and not f.is_file():
-                raise ValueError(f"GGUF file {str(f)!r} does not exist; convert it first (convert_target / convert_draft)")
+                raise ValueError(f"GGUF file {str(f)!r} does not exist; "
+                                 "convert it first (convert_target / convert_draft)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start_timeout_s, self.log_drafts = start_timeout_s, log_drafts
@@ -406,7 +408,8 @@ class LlamaServer:
             return "(no log)"
 
     def _fail(self, what: str) -> ValueError:
-        return ValueError(f"llama-server {what}; command: {' '.join(self.args)}\n--- its log (tail) ---\n{self.log_tail()}")
+        return ValueError(f"llama-server {what}; command: {' '.join(self.args)}\n"
+                          f"--- its log (tail) ---\n{self.log_tail()}")
 
     def __enter__(self) -> "LlamaServer":
         self._logdir = tempfile.TemporaryDirectory(prefix="specforge-llama-server-")

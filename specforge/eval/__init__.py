@@ -408,7 +408,8 @@ def evaluate_settings(
             for s, t, n, runs in zip(settings, totals, ties, per_prompt)]
 
 
-def _warm_up(target: TargetModel, settings: Sequence[Setting], prompt: Sequence[int], chain: int, eos: set[int]) -> None:
+def _warm_up(target: TargetModel, settings: Sequence[Setting], prompt: Sequence[int], chain: int,
+             eos: set[int]) -> None:
     """Untimed: first calls pay for allocations and kernel selection, on both sides."""
     greedy_run(target, prompt, 4, set())
     for s in settings:
@@ -521,13 +522,15 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="also write every row as JSON here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dtype=bfloat16")
     ap.add_argument("--allow-mismatch", action="store_true",
-                    help="evaluate a draft even if it records another target, or model.aux_layer_ids differs from its own")
+                    help="evaluate a draft even if it records another target, "
+                         "or model.aux_layer_ids differs from its own")
 
     add_arguments(ap)  # --engine llama.cpp and its settings
     args = ap.parse_args(argv)
     engine_settings(args)  # every --engine-* value, before a server (or anything else) starts
     for flag, value, low in (("--chain", args.chain, 1), ("--num-prompts", args.num_prompts, 1),
-                             ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2),
+                             ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--max-prompt-tokens", args.max_prompt_tokens, 2),
                              ("--threads", args.threads, 1), ("--min-prompt-tokens", args.min_prompt_tokens, 2)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -547,7 +550,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return served.main(args, cfg)
 
     aux_ids = check_drafts(args.draft, cfg, args.allow_mismatch)  # before any weights load
-    target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))  # in cfg.model.dtype: the dtype the features were captured in
+    # in cfg.model.dtype: the dtype the features were captured in
+    target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
     for name in aux_ids:
         if note := check_target_weights(name, target.model, args.allow_mismatch):
             print(note, file=sys.stderr)
@@ -564,7 +568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for rep in reports:
         print(format_report(rep))
     note = prompt_note(args.bucket_edges, cap, max_positions, args)
-    print(f"\nacceptance length by prompt length in tokens ({'--long: longest held-out contexts' if args.long else 'first turns'}; "
+    print(f"\nacceptance length by prompt length in tokens "
+          f"({'--long: longest held-out contexts' if args.long else 'first turns'}; "
           "header: prompts per bucket; blank: no prompt there)" + (f"\n{note}" if note else ""))
     print(format_buckets(reports, bucket_labels(args.bucket_edges)))
     if args.json:

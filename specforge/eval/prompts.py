@@ -94,7 +94,8 @@ def pick_prompts(cfg, tokenizer, args, max_positions: Optional[int]) -> tuple[li
     if args.long:
         prompts = heldout.long_prompts(cfg, tokenizer, args.num_prompts, cap, args.min_prompt_tokens)
     else:
-        prompts = heldout.eval_prompts(heldout.heldout_rows(cfg, tokenizer), args.num_prompts, cap, args.min_prompt_tokens)
+        prompts = heldout.eval_prompts(heldout.heldout_rows(cfg, tokenizer), args.num_prompts, cap,
+                                       args.min_prompt_tokens)
     if not prompts:
         raise ValueError(f"no held-out prompt of {args.min_prompt_tokens}-{cap} tokens; lower --min-prompt-tokens, "
                          "raise --max-prompt-tokens or data.num_eval" + ("" if args.long else ", or use --long"))
@@ -115,5 +116,5 @@ def prompt_note(edges: Sequence[int], cap: int, max_positions: Optional[int], ar
 def prompt_meta(prompts: Sequence[Sequence[int]], cap: int, args, note: Optional[str]) -> dict:
     """What the JSON says about the prompts behind the buckets."""
     return {"bucket_edges": list(args.bucket_edges), "long_prompts": bool(args.long), "max_prompt_tokens": cap,
-            "prompt_tokens": [len(p) for p in prompts], "unreachable_buckets": unreachable_buckets(args.bucket_edges, cap),
-            "bucket_note": note}
+            "prompt_tokens": [len(p) for p in prompts],
+            "unreachable_buckets": unreachable_buckets(args.bucket_edges, cap), "bucket_note": note}

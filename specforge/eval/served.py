@@ -1,6 +1,7 @@
 """Drafts served by llama.cpp: ``python -m specforge.eval --engine llama.cpp --draft CKPT ...``.
 
-The target and every draft llama.cpp serves (``--spec-type`` its algorithm's: draft-eagle3, draft-dflash, draft-dspark; from the
+The target and every draft llama.cpp serves (``--spec-type`` its algorithm's: draft-eagle3, draft-dflash, \
+draft-dspark; from the
 draft's architecture) are converted with llama.cpp's converter (``engines/llamacpp.py``),
 ``llama-server`` runs the target alone and the target + each draft at each ``--spec-draft-n-max``
 / ``--spec-draft-p-min`` setting, all on the held-out prompts ``specforge.eval`` uses (the same
@@ -130,7 +131,8 @@ def run_settings(target_gguf: Path, settings: Sequence[Setting], prompts: Sequen
 
 
 def context_size(prompts: Sequence[Sequence[int]], max_new: int) -> int:
-    """llama-server's ``-c``: the longest prompt + the new tokens + a round's draft tokens (LlamaServer's 4096 at least)."""
+    """llama-server's ``-c``: the longest prompt + the new tokens + a round's draft tokens \
+(LlamaServer's 4096 at least)."""
     return max(4096, max((len(p) for p in prompts), default=0) + max_new + 64)
 
 
@@ -151,7 +153,8 @@ def format_row(r: EngineRow) -> str:
         return (f"| {r.draft} | - | - | {r.prompts} | 1.000 | 1.000 | - | {r.tokens_per_s:.1f} | 1.00x | "
                 f"{r.equal_outputs}/{r.prompts} |")
     mark = " **best**" if r.best else ""
-    return (f"| {r.draft} | {r.n_max}{mark} | {r.p_min:g} | {r.prompts} | {r.acceptance:.3f} | {r.tokens_per_forward:.3f} | "
+    return (f"| {r.draft} | {r.n_max}{mark} | {r.p_min:g} | {r.prompts} | {r.acceptance:.3f} | "
+            f"{r.tokens_per_forward:.3f} | "
             f"{r.drafted_per_round:.2f} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | {r.equal_outputs}/{r.prompts} |")
 
 
@@ -243,14 +246,16 @@ def main(args, cfg) -> int:
     for name in drafts:
         best = [r for r in rows if r.draft == name and r.best]
         print(f"best for {name}: " + (f"--spec-draft-n-max {best[0].n_max} --spec-draft-p-min {best[0].p_min:g} "
-                                      f"({best[0].speedup:.2f}x)" if best else "none: no setting matched the target alone's outputs"))
+                                      f"({best[0].speedup:.2f}x)" if best
+                                      else "none: no setting matched the target alone's outputs"))
     note = prompt_note(args.bucket_edges, cap, max_positions, args)
     print("\ntokens per target forward by prompt length in tokens (header: prompts per bucket; blank: no prompt there)"
           + (f"\n{note}" if note else ""))
     print(format_buckets([r for r in rows if r.n_max], bucket_labels(args.bucket_edges)))
     if args.json:
         meta = prompt_meta(prompts, cap, args, note)
-        Path(args.json).write_text(json.dumps({"engine": "llama.cpp", **meta, "rows": [asdict(r) for r in rows]}, indent=2))
+        Path(args.json).write_text(json.dumps({"engine": "llama.cpp", **meta, "rows": [asdict(r) for r in rows]},
+                                              indent=2))
     return 0
 
 

@@ -276,7 +276,8 @@ def capture_attention(family, device: torch.device, packed: bool = False, dtype:
     ``packed`` rows (``rollout.pack_tokens``) on CUDA: an implementation that skips the cross-sample
     scores instead of masking them (SDPA computes every score of the row under a row x row mask):
     flash-attention 2's variable-length path (transformers reads the samples' bounds from the restarting
-    position ids) where flash-attn is installed, the class has it and ``dtype`` is 16-bit, else flex attention (a block mask
+    position ids) where flash-attn is installed, the class has it and ``dtype`` is 16-bit, else flex attention \
+(a block mask
     per sample) where the class has it. On the CPU SDPA stays (benchmarks/README.md, "Packing: the
     target forward": flex only broke even there). Not measured on a GPU yet."""
     import transformers  # lazy: heavy (transformers)

@@ -200,8 +200,8 @@ class VllmEngine:
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{port}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(GROUP_GUARD + spec.command(port, self.storage, str(python)), env=spec.env(python),
-                                         stdout=log,
+            self.proc = subprocess.Popen(GROUP_GUARD + spec.command(port, self.storage, str(python)),
+                                         env=spec.env(python), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
                                          preexec_fn=_die_with_parent)
         try:
@@ -347,7 +347,8 @@ def server_command(spec: EngineSpec, port: int, storage: str = SERVER_STORAGE, h
     python = engine_python(spec.python)
     cmd = spec.command(port, storage, str(python), host)
     env = spec.env(python)
-    env = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD") if k in env)
+    env = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
+                   if k in env)
     return env + " " + " ".join(shlex.quote(c) for c in cmd)
 
 

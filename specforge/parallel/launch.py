@@ -64,6 +64,7 @@ def _join(ctx, fn: Callable, init_file: Path, world_size: int) -> bool:
         return ctx.join(timeout=0.5)
     except mp.ProcessExitedException as e:
         if e.signal_name and all(Path(f"{init_file}.done{r}").exists() for r in range(world_size)):
-            warnings.warn(f"{fn.__name__}: {e} after all {world_size} ranks finished (process-group teardown)", stacklevel=2)
+            warnings.warn(f"{fn.__name__}: {e} after all {world_size} ranks finished (process-group teardown)",
+                          stacklevel=2)
             return True
         raise

@@ -57,7 +57,8 @@ import torch.distributed as dist
 
 from specforge.device import loop_chunk, matmul_dtype, row_chunks
 
-__all__ = ["RingComm", "ring_ttt_attention", "ring_grad_pass", "TorchKernel", "FlashKernel", "pick_kernel", "block_band"]
+__all__ = ["RingComm", "ring_ttt_attention", "ring_grad_pass", "TorchKernel", "FlashKernel", "pick_kernel",
+           "block_band"]
 
 # Query rows per iteration of the torch block kernel (as the fast TTT core: CPU / GPU).
 CHUNK_CPU, CHUNK_GPU = 128, 512
@@ -317,7 +318,8 @@ class _RingTTTAttention(torch.autograd.Function):
             src = (r - s) % P
             role, band = _role(src, r, q.shape[3], left)
             if role is not None:
-                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band, _docs(doc_ids_BT, src, r, q.shape[3]))
+                o, l = kernel.forward(q, kv[0], kv[1], role == "causal", scale, band,
+                                      _docs(doc_ids_BT, src, r, q.shape[3]))
                 out, lse = (o, l) if out is None else _merge(out, lse, o, l)
             if pending is not None:
                 kv = pending.wait()
@@ -436,7 +438,8 @@ def ring_ttt_attention(q_BHCD: torch.Tensor, keys: Sequence[torch.Tensor], value
         if k.shape[2] != C:
             raise ValueError(f"ring attention: keys[{j}] has {k.shape[2]} rows, expected this rank's block of {C}")
     if doc_ids_BT is not None and tuple(doc_ids_BT.shape) != (B, comm.size * C):
-        raise ValueError(f"ring attention: doc_ids_BT is {tuple(doc_ids_BT.shape)}, expected the whole row ({B}, {comm.size * C})")
+        raise ValueError(f"ring attention: doc_ids_BT is {tuple(doc_ids_BT.shape)}, "
+                         f"expected the whole row ({B}, {comm.size * C})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dt = matmul_dtype(q_BHCD, keys[0], values[0])
     q = q_BHCD.to(dt).reshape(B, Hkv, Hq // Hkv, C, D)

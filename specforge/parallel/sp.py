@@ -20,7 +20,8 @@ except attention, so only the attention cores the algorithm names (``sp_cores``;
   step-0 part is computed block by block (later blocks skipped) and merged by log-sum-exp with the
   diagonal keys of later TTT steps, which stay local; the backward rings dK/dV back to their
   owners. Per-rank step-0 K/V memory is a few blocks of ``1/P`` of the sequence (its own, the
-  held one, the one in flight), never the whole sequence. Block kernels: plain torch (CPU, any dtype) or yunchang's flash-attn wrappers (CUDA,
+  held one, the one in flight), never the whole sequence. Block kernels: plain torch (CPU, any dtype) or \
+yunchang's flash-attn wrappers (CUDA,
   fp16/bf16, when flash-attn is installed).
 * :class:`AllGatherRingAttention` -- the former context parallel by all-gather, kept as a reference
   (tests, benchmarks): the step-0 keys/values are gathered along the sequence (an exact autograd
@@ -207,7 +208,8 @@ class UlyssesAttention(nn.Module):
         q = prep(q_BHTD, False)
         ks = [self._cache.get(k, lambda x: prep(x, True)) for k in keys]
         vs = [self._cache.get(v, lambda x: prep(x, True)) for v in values]
-        kw = {} if doc_ids_BT is None else {"doc_ids_BT": self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))}
+        kw = {} if doc_ids_BT is None else {
+            "doc_ids_BT": self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))}
         out = heads_to_seq(self.inner(q, ks, vs, q_offset=0, **kw), self.group)
         return out[:, :Hq] if pad else out
 
@@ -254,7 +256,8 @@ class AllGatherRingAttention(nn.Module):
         self._cache.start(keys[0])
         k0 = self._cache.get(keys[0], lambda x: gather_seq(x, self.group))
         v0 = self._cache.get(values[0], lambda x: gather_seq(x, self.group))
-        kw = {} if doc_ids_BT is None else {"doc_ids_BT": self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))}
+        kw = {} if doc_ids_BT is None else {
+            "doc_ids_BT": self._cache.get(doc_ids_BT, lambda x: gather_ids(x, self.group))}
         return self.inner(q_BHTD, [k0, *keys[1:]], [v0, *values[1:]], q_offset=offset, **kw)
 
 

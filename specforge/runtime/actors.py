@@ -238,7 +238,8 @@ def check_ray_address(address: Optional[str], timeout_s: float) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise ValueError(f"config key 'ray.address'={address!r}: no Ray head answers there within {timeout_s:g} s "
-                         f"({e.strerror or e}); start one (ray start --head --port={port}) or fix the address") from None
+                         f"({e.strerror or e}); start one (ray start --head --port={port}) "
+                         "or fix the address") from None
 
 
 def start_ray(cfg: Config, num_actors: int) -> bool:

@@ -269,7 +269,8 @@ class P2PTransport:
     def _op(self, op, buf: torch.Tensor, peer: int, plan: StepPlan, index: int) -> dist.P2POp:
         return dist.P2POp(op, buf, group=self.group, group_peer=peer, tag=_tag(plan, index))
 
-    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
+    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features],
+                  my_rank: Optional[int] = None) -> SendHandle:
         """Post this rank's sends of ``plan`` (full-length features per sample; slicing is done
         here). The tensors must stay unchanged until ``wait()`` returns."""
         rank, spec = self.resolve_rank(my_rank), plan.feature_spec
@@ -319,7 +320,8 @@ class P2PTransport:
             n = tr.num_tokens
             views = {f.name: buf[base + off : base + off + size] for f, off, size in layout} if n else {}
             tensors = {f.name: views[f.name].view(torch_dtype(f.dtype)).view(f.shape(n)) if n
-                       else torch.empty(f.shape(0), dtype=torch_dtype(f.dtype), device=self.device) for f in spec.fields}
+                       else torch.empty(f.shape(0), dtype=torch_dtype(f.dtype), device=self.device)
+                       for f in spec.fields}
             batches[tr.sample_id] = FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, tensors)
             if not n:
                 continue
@@ -473,13 +475,15 @@ class ObjectStoreTransport:
             raise ValueError("ObjectStoreTransport needs my_rank (or rank= at construction)")
         return rank
 
-    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features], my_rank: Optional[int] = None) -> SendHandle:
+    def send_step(self, plan: StepPlan, features_by_sample: Mapping[int, Features],
+                  my_rank: Optional[int] = None) -> SendHandle:
         rank, items, nbytes = self.resolve_rank(my_rank), {}, 0
         self.log.record(sum(plan.feature_spec.nbytes(tr.num_tokens) for tr in plan.sends_of(rank)))
         for index, tr in enumerate(plan.transfers):
             if tr.src_rank != rank:
                 continue
-            tensors = {f.name: _slice(features_by_sample[tr.sample_id], f, tr) for f in plan.feature_spec.fields}  # device: the sender's own
+            tensors = {f.name: _slice(features_by_sample[tr.sample_id], f, tr)  # device: the sender's own
+                       for f in plan.feature_spec.fields}
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
             items[f"{plan.split}:{plan.step}:{index}"] = self._ray.put(tensors)
         done = self._mailbox.put.remote(items)
@@ -497,7 +501,8 @@ class ObjectStoreTransport:
             refs = self._ray.get(refs_ref, timeout=self.timeout_s)
             values = self._ray.get(refs, timeout=self.timeout_s)
             self.log.record(-nbytes)
-            return {tr.sample_id: FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, dict(v)) for (_, tr), v in zip(mine, values)}
+            return {tr.sample_id: FeatureBatch(tr.sample_id, tr.start, tr.end, tr.stop, dict(v))
+                    for (_, tr), v in zip(mine, values)}
 
         return PendingRecv(plan, finish, nbytes)
 

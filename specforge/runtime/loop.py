@@ -80,7 +80,8 @@ class LocalCluster:
     def __init__(self, cfg: Config, data: RunData):
         self.layout = Layout(cfg.placement.mode, (), (0,), data.vocab_path)
         self.worker = TrainWorker(cfg)
-        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths), data.num_replay), run_facts(cfg, data))
+        self.start_step = self.worker.setup(self.layout, total_steps(cfg, len(data.lengths), data.num_replay),
+                                            run_facts(cfg, data))
 
     def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool):
         w = self.worker
@@ -191,13 +192,15 @@ def train_loop(cfg: Config, cluster, plan: Planner, logger, deadline: Optional[f
     deadline = run_deadline(cfg) if deadline is None else deadline
     inflight: collections.deque[InFlight] = collections.deque()
     done, i = cluster.start_step, 0
-    limit = f", or {cfg.train.max_minutes:g} min if sooner" if cfg.train.max_minutes else ""  # a time-bounded phase says so
+    # a time-bounded phase says so
+    limit = f", or {cfg.train.max_minutes:g} min if sooner" if cfg.train.max_minutes else ""
     bar = tqdm(total=plan.total_steps, initial=done, desc=f"train ({cfg.placement.mode}{limit})", dynamic_ncols=True)
     t_last = time.perf_counter()
     recent, heldout = collections.deque(maxlen=RECENT_STEPS), None  # for the end-of-training line
     try:
         while True:
-            while i < len(todo) and time.time() < deadline and has_room(inflight, plan.recv_bytes(plan.task(todo[i])), budget):
+            while (i < len(todo) and time.time() < deadline
+                   and has_room(inflight, plan.recv_bytes(plan.task(todo[i])), budget)):
                 p, i = plan.task(todo[i]), i + 1
                 upcoming = [plan.task(todo[i])] if i < len(todo) else []  # its receives go up early
                 save = saves_after(p, upcoming[0] if upcoming else None, every)

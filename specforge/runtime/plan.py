@@ -71,7 +71,8 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
     data = prepare_dataset(cfg.data, tokenizer, chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir)
     print(data.stats.table())
 
-    target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),  # an image-text target's text tower
+    # an image-text target's text tower
+    target_cfg = text_config(AutoConfig.from_pretrained(resolve_target_path(cfg.model),
                                                         trust_remote_code=cfg.model.trust_remote_code))
     algo = bound_algorithm(cfg)
     path = init_vocab_path(algo, cfg, target_cfg.vocab_size)  # draft.init_from: the folder's mapping
@@ -227,8 +228,8 @@ class Planner:
         if cfg.train.eval_every and not n_eval:
             raise ValueError(f"config key 'train.eval_every'={cfg.train.eval_every}: periodic eval needs at least "
                              f"{self.dp} held-out samples (one per data-parallel group), the held-out split has "
-                             f"{len(data.eval_lengths)} (data.num_eval={cfg.data.num_eval}); raise data.num_eval or set "
-                             "train.eval_every=0")
+                             f"{len(data.eval_lengths)} (data.num_eval={cfg.data.num_eval}); raise data.num_eval "
+                             "or set train.eval_every=0")
         self._eval: Optional[StepPlan] = self._plan(0, list(range(n_eval)), "eval") if n_eval else None
         self.check_budget(int(cfg.placement.max_inflight_mb * 2**20))
 
@@ -303,9 +304,9 @@ class Planner:
         if need > budget_bytes:
             raise ValueError(
                 f"config key 'placement.max_inflight_mb'={self.cfg.placement.max_inflight_mb:g} is smaller than one "
-                f"step's features: a step of {self.global_batch} samples of {max(self.data.lengths, default=0)} tokens (the "
-                f"longest) sends {need / 2**20:.3g} MB; set placement.max_inflight_mb >= {math.ceil(need / 2**20 * 100) / 100:g} "
-                "(twice that lets rollout overlap training)")
+                f"step's features: a step of {self.global_batch} samples of {max(self.data.lengths, default=0)} "
+                f"tokens (the longest) sends {need / 2**20:.3g} MB; set placement.max_inflight_mb >= "
+                f"{math.ceil(need / 2**20 * 100) / 100:g} (twice that lets rollout overlap training)")
 
 
 # ------------------------------------------------------------------------------ one step: samples -> StepPlan

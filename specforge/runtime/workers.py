@@ -124,7 +124,8 @@ class RolloutWorker(DistributedWorker):
             die_with_engine(self.target.engine, e)
         fields = {"aux_hidden": f.aux_hidden_BTKH, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
                   "input_ids": input_ids_BT, "loss_mask": loss_mask_BT}
-        per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows], self.transport.device)
+        per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows],
+                                   self.transport.device)
         return dict(zip(ids, per_sample))
 
     def forward_only(self, plan: StepPlan) -> StepReport:
@@ -132,7 +133,8 @@ class RolloutWorker(DistributedWorker):
         t0 = time.perf_counter()
         tokens = float(sum(int(f["input_ids"].shape[0]) for f in self._forward(plan).values()))
         synchronize(self.device)
-        return StepReport(self.rank, plan.step, metrics={"tokens": tokens}, timings_ms={"forward": (time.perf_counter() - t0) * 1e3})
+        return StepReport(self.rank, plan.step, metrics={"tokens": tokens},
+                          timings_ms={"forward": (time.perf_counter() - t0) * 1e3})
 
     def leave_communicator(self) -> None:
         """Let every posted send leave before the communicator goes (the driver bounds the wait)."""
@@ -201,7 +203,8 @@ class TrainWorker(DistributedWorker):
                 batches = self.source.next_batches(plan, upcoming)
             except Exception as e:  # a data-plane peer is gone (or a store read failed): tell the others
                 err = e
-            failed = self.trainer.reduce_sum(torch.tensor([float(err is not None)], dtype=torch.float64, device=self.trainer.device)).item()
+            failed = self.trainer.reduce_sum(torch.tensor([float(err is not None)], dtype=torch.float64,
+                                                          device=self.trainer.device)).item()
             if failed:
                 why = f"{type(err).__name__}: {err}" if err is not None else "another train rank's features were lost"
                 self.lost = f"{plan.split} step {plan.step}: {why}"
@@ -259,12 +262,14 @@ class TrainWorker(DistributedWorker):
             m = self.trainer.step(self._last_batches)
             synchronize(self.device)
             times.append((time.perf_counter() - t0) * 1e3)
-        return StepReport(self.rank, -1, metrics={"tokens_local": m["tokens"]}, timings_ms={f"train_{i}": t for i, t in enumerate(times)})
+        return StepReport(self.rank, -1, metrics={"tokens_local": m["tokens"]},
+                          timings_ms={f"train_{i}": t for i, t in enumerate(times)})
 
     def _record(self, kind: str, step: int, metrics: dict) -> None:
         """Keep the run-wide part of a plan's metrics (this rank's token count and timings are not)."""
-        self.recent_rows.append({"kind": kind, "step": step, **{k: float(v) for k, v in metrics.items()
-                                                                if k not in ("tokens", "train_ms") and isinstance(v, (int, float))}})
+        self.recent_rows.append({"kind": kind, "step": step,
+                                 **{k: float(v) for k, v in metrics.items()
+                                    if k not in ("tokens", "train_ms") and isinstance(v, (int, float))}})
 
     def save(self) -> Optional[str]:
         """Write the newest state (collective over the train ranks; the first one writes) with the

@@ -66,7 +66,8 @@ def gemma3_text():
     return Gemma3TextConfig(**_text(intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
                                     head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                     layer_types=["sliding_attention"] * 5 + ["full_attention"],
-                                    final_logit_softcapping=0.5, attn_logit_softcapping=50.0,  # a cap the tiny logits reach
+                                    # a cap the tiny logits reach
+                                    final_logit_softcapping=0.5, attn_logit_softcapping=50.0,
                                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                         "rope_theta": 1000000.0},
                                                      "sliding_attention": {"rope_type": "default",
@@ -115,7 +116,7 @@ def mixtral():
                                  num_local_experts=4, num_experts_per_tok=2))
 
 
-# ---------------------------------------------------------------- image-text models: text tower + a 1-layer vision tower
+# --------------------------------------------------------------- image-text models: text tower + a 1-layer vision tower
 
 
 def qwen3_5():

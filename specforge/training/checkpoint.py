@@ -136,7 +136,8 @@ def load_draft_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         hf_config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{str(cfg_file)!r} is not valid JSON ({e}): a truncated or hand-edited draft checkpoint") from None
+        raise ValueError(f"{str(cfg_file)!r} is not valid JSON ({e}): "
+                         "a truncated or hand-edited draft checkpoint") from None
     return hf_config, read_safetensors(w_file, "draft checkpoint file", "use another checkpoint folder (step-*) or "
                                        "retrain (a truncated or corrupt draft checkpoint)")
 
@@ -164,7 +165,8 @@ def rescue_roots(root: Path) -> list[Path]:
     """Where a save that cannot be written under ``root`` goes instead, in order: a sibling
     folder, then the temp folder (the state must not be lost because one disk is full or read-only)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return [root.with_name(f"{root.name}.rescue-{stamp}"), Path(tempfile.gettempdir()) / f"specforge-rescue-{stamp}-{os.getpid()}"]
+    return [root.with_name(f"{root.name}.rescue-{stamp}"),
+            Path(tempfile.gettempdir()) / f"specforge-rescue-{stamp}-{os.getpid()}"]
 
 
 def save_or_rescue(root: Path, step: int, *args, **kwargs) -> Path:
@@ -179,8 +181,9 @@ def save_or_rescue(root: Path, step: int, *args, **kwargs) -> Path:
             except OSError:
                 continue
             raise CheckpointNotSaved(
-                f"could not write checkpoint step {step} under {str(root)!r} ({first.strerror or first}); it is saved in "
-                f"{str(saved)!r} instead: resume from it with checkpoint.dir={alt}, or copy it where you want it") from first
+                f"could not write checkpoint step {step} under {str(root)!r} ({first.strerror or first}); "
+                f"it is saved in {str(saved)!r} instead: resume from it with checkpoint.dir={alt}, "
+                "or copy it where you want it") from first
         raise
 
 
@@ -224,11 +227,13 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], sample: int = 0,
 def data_cursor(step: int, global_batch: int, num_samples: int) -> dict[str, int]:
     """Where the data order stands after ``step`` optimizer steps (order = f(seed, epoch, step))."""
     epoch, offset = divmod(step * global_batch, max(num_samples, 1))
-    return {"step": step, "epoch": epoch, "sample_offset": offset, "global_batch": global_batch, "num_samples": num_samples}
+    return {"step": step, "epoch": epoch, "sample_offset": offset, "global_batch": global_batch,
+            "num_samples": num_samples}
 
 
 # Run-identity entries that are not config keys themselves: the keys a user sets to change them.
-IDENTITY_KEYS = {"total_steps": "total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs)"}
+IDENTITY_KEYS = {
+    "total_steps": "total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs)"}
 SCHEDULE = ("total_steps", "train.lr", "train.min_lr_ratio", "train.warmup_steps")  # what "train longer" changes
 
 
@@ -301,7 +306,8 @@ class CheckpointManager:
         if trainer.step_count == self.saved_step:
             return None
         draft = trainer.draft
-        assert self.writer == is_first_rank(draft), "the writer must be the FSDP mesh's first rank (where the gathers land)"
+        assert self.writer == is_first_rank(draft), (
+            "the writer must be the FSDP mesh's first rank (where the gathers land)")
         keys = set(draft.export_state_dict())  # the SGLang keys (sharded entries: no gather)
         # Both gathers are collective and land in the writer's host memory only ({} elsewhere); the
         # frozen target embedding is not saved, so it is not copied either.

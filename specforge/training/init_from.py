@@ -95,8 +95,8 @@ def check_init_from(cfg: Config) -> None:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"config key 'draft.init_from'={path!r}: no such folder; give a published draft folder (a "
-                         "checkpoints/step-N or checkpoints/latest of ours, an SGLang, speculators/vLLM or z-lab DFlash "
-                         "folder), or drop the key")
+                         "checkpoints/step-N or checkpoints/latest of ours, an SGLang, speculators/vLLM or z-lab "
+                         "DFlash folder), or drop the key")
     root = checkpoint_root(cfg).expanduser().resolve()
     if not cfg.checkpoint.resume and folder.resolve().is_relative_to(root):
         raise ValueError(f"config key 'draft.init_from'={path!r} lies in this run's checkpoint folder {str(root)!r}, "
@@ -104,8 +104,8 @@ def check_init_from(cfg: Config) -> None:
                          "elsewhere, or give the run another train.output_dir / checkpoint.dir")
     f = folder / "config.json"
     if not f.is_file():
-        raise ValueError(f"config key 'draft.init_from'={path!r} has no config.json: not a draft folder; give the folder "
-                         "that holds the draft's config.json and safetensors")
+        raise ValueError(f"config key 'draft.init_from'={path!r} has no config.json: not a draft folder; "
+                         "give the folder that holds the draft's config.json and safetensors")
     try:
         hf_config = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -142,7 +142,8 @@ def published_vocab(algo: Training, cfg: Config, weights: dict[str, torch.Tensor
         raise ValueError(f"{what}: its vocab mapping is over a target vocabulary of {vocab.target_vocab_size} tokens, "
                          f"the target has {target_vocab_size}: start from a draft of this target (model.target_path)")
     if n != want:
-        raise ValueError(f"{what}: its draft vocab has {n} tokens, draft.vocab_size is {want}: set draft.vocab_size={n}")
+        raise ValueError(f"{what}: its draft vocab has {n} tokens, draft.vocab_size is {want}: "
+                         f"set draft.vocab_size={n}")
     ids = vocab.target_ids
     if n and (int(ids.min()) < 0 or int(ids.max()) >= target_vocab_size or ids.unique().numel() != n):
         raise ValueError(f"{what}: its d2t maps draft ids outside the target vocabulary 0..{target_vocab_size - 1} "
@@ -165,7 +166,8 @@ def init_vocab_path(algo: BoundAlgorithm, cfg: Config, target_vocab_size: int) -
         vocab = published_vocab(algo, cfg, read_published(algo, cfg)[1], target_vocab_size, where(cfg))
     if vocab is None:
         return None
-    path = Path(cfg.model.cache_dir).expanduser() / "vocab" / f"init-{vocab.content_hash()[:16]}-n{vocab.draft_vocab_size}.safetensors"
+    path = (Path(cfg.model.cache_dir).expanduser() / "vocab"
+            / f"init-{vocab.content_hash()[:16]}-n{vocab.draft_vocab_size}.safetensors")
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         save_draft_vocab(vocab, path)

@@ -29,8 +29,8 @@ from specforge.data.packing import packed_rows
 from specforge.models.features import TrainBatch
 from specforge.parallel.bounds import slice_bounds
 
-__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch", "batch_from_samples",
-           "pack_micro_batches"]
+__all__ = ["SPTrainBatch", "PackedBatch", "PackedSPTrainBatch", "WholeSample", "slice_bounds", "sp_slice_batch",
+           "batch_from_samples", "pack_micro_batches"]
 
 
 @dataclass
@@ -182,4 +182,5 @@ def _fields(samples: Sequence, T: int, pad_id: int, start: int, end: int, wend: 
                 out[b, lo - start : hi - start] = s[name][lo - first_row : hi - first_row]
         return out
 
-    return {f: stack(k, end if k == "aux_hidden" else wend, pad_id if k == "input_ids" else 0) for k, f in SAMPLE_FIELDS.items()}
+    return {f: stack(k, end if k == "aux_hidden" else wend, pad_id if k == "input_ids" else 0)
+            for k, f in SAMPLE_FIELDS.items()}

@@ -46,7 +46,8 @@ def keep_old_checkpoints(cfg: Config) -> None:
 
 def vocab_path(cfg: Config, data_key: str) -> Path:
     """Where the draft vocab of this data + tokenizer is cached (workers load it from here)."""
-    return Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{cfg.draft.vocab_size}-{cfg.draft.algorithm}.safetensors"
+    return (Path(cfg.model.cache_dir).expanduser() / "vocab"
+            / f"{data_key}-n{cfg.draft.vocab_size}-{cfg.draft.algorithm}.safetensors")
 
 
 def build_vocab(algo: Training, cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
@@ -66,7 +67,8 @@ RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_ste
                "train.weight_decay", "train.betas", "train.max_grad_norm", "train.precision")
 
 
-def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict, total_steps: int) -> dict:
+def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict,
+                 total_steps: int) -> dict:
     """What a checkpoint must share with the run resuming it: hashes of the target weights and the
     vocab mapping, the data (``plan.run_facts``: key, sample count, global batch), the LR horizon
     and the config keys that change the math (``RESUME_KEYS``, and ``algo``'s ``identity``)."""
@@ -113,7 +115,8 @@ class DraftTrainer:
             if cfg.train.precision == "fp16":
                 raise ValueError("config key 'train.precision'='fp16' is refused (no loss scaling); use 'bf16'")
             self.amp_dtype = None
-        self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train, total_steps or cfg.train.max_steps)
+        self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train,
+                                                         total_steps or cfg.train.max_steps)
         self.step_count = 0
 
     def on_device(self, micro_batches: Sequence[TrainBatch]) -> list[TrainBatch]:
@@ -203,4 +206,5 @@ def _compute_dtype(mb: TrainBatch, amp_dtype: Optional[torch.dtype]) -> TrainBat
     upcast here, once, whatever source they came from (under autocast they stay as they are)."""
     if amp_dtype is not None or mb.aux_hidden_BTKH.dtype == torch.float32:
         return mb
-    return dataclasses.replace(mb, aux_hidden_BTKH=mb.aux_hidden_BTKH.float(), last_hidden_BTH=mb.last_hidden_BTH.float())
+    return dataclasses.replace(mb, aux_hidden_BTKH=mb.aux_hidden_BTKH.float(),
+                               last_hidden_BTH=mb.last_hidden_BTH.float())

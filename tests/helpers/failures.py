@@ -32,7 +32,8 @@ def killing(group: str, index: int, after_step: int):
 
     def spawn(*args, **kw):
         cluster = real_spawn(*args, **kw)
-        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in getattr(cluster, group).actors], timeout=60)
+        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in getattr(cluster, group).actors],
+                       timeout=60)
         spawned.append((cluster, pids))
         return cluster
 

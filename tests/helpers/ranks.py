@@ -28,7 +28,8 @@ SAMPLE_LENGTHS = (T, 21)  # the two samples of every batch of draft_and_batches 
 
 
 def sp_cfg() -> Config:
-    return Config(draft=Eagle3Options(ttt_length=L), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_grad_norm=10.0))
+    return Config(draft=Eagle3Options(ttt_length=L), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0,
+                                                                       max_grad_norm=10.0))
 
 
 def draft_and_batches(make_draft, mask_token_id=None):
@@ -54,7 +55,8 @@ def draft_and_batches(make_draft, mask_token_id=None):
         ids[1, SAMPLE_LENGTHS[1] :] = 0  # right padding of row 1
         tgt = torch.where(torch.rand(2, T, generator=g) < 0.8, inv[torch.randint(0, N, (2, T), generator=g)],
                           torch.randint(0, V, (2, T), generator=g))
-        batches.append(TrainBatch(ids, mask, torch.randn(2, T, 3 * H, generator=g), torch.randn(2, T, H, generator=g), tgt))
+        batches.append(TrainBatch(ids, mask, torch.randn(2, T, 3 * H, generator=g), torch.randn(2, T, H, generator=g),
+                                  tgt))
     return draft, teacher, batches
 
 
@@ -120,13 +122,14 @@ def sp_rank(rank, world, dims_tuple, ref_path, packed=False):
     if dims_tuple == (1, 2, 1):
         _check_ulysses_head_plans(groups)
     draft = parallelize_draft(draft, dims, groups, cfg.train.precision, bound_algorithm(cfg))
-    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"), reduce_sum=sum_over_train_ranks(groups))
+    trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"),
+                           reduce_sum=sum_over_train_ranks(groups))
     ref = torch.load(ref_path) if rank == 0 else None
     for step, full in enumerate(batches):
         if dims.dp > 1:  # each DP rank takes its share of the samples
             per = full.input_ids_BT.shape[0] // dims.dp
-            full = TrainBatch(*(getattr(full, f)[groups.dp_rank * per : (groups.dp_rank + 1) * per]
-                                for f in ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")))
+            fields = ("input_ids_BT", "loss_mask_BT", "aux_hidden_BTKH", "last_hidden_BTH", "target_ids_BT")
+            full = TrainBatch(*(getattr(full, f)[groups.dp_rank * per : (groups.dp_rank + 1) * per] for f in fields))
         lengths = list(SAMPLE_LENGTHS) if packed else None
         local = [sp_slice_batch(full, groups.sp_rank, groups.sp_size, L + 1, lengths)
                  if groups.sp_size > 1 or packed else full]

@@ -42,7 +42,8 @@ def setup_trainer(seed=0, **train):
 def feature_batch(target, rows):
     """The TrainBatch of ``rows`` with ``target``'s captured features."""
     ids, mask, attn = collate(rows, 0)
-    return dataclasses.replace(TrainBatch.from_features(ids, mask, capture(target, ids, attn)), length_B=attn.sum(dim=1))
+    return dataclasses.replace(TrainBatch.from_features(ids, mask, capture(target, ids, attn)),
+                               length_B=attn.sum(dim=1))
 
 
 def trainable_params(trainer):

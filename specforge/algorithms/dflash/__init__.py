@@ -11,6 +11,6 @@ from .loss import dflash_loss, metrics_from_counts, next_token_labels, sample_an
 from .model import ContextCache, DFlashConfig, DFlashDraft, build_block_mask
 from .propose import propose_block, spec_decode_greedy
 
-__all__ = ["ALGORITHM", "ContextCache", "DFlashConfig", "DFlashDraft", "build_block_mask", "dflash_loss", "from_hf_config",
-           "load_dflash", "metrics_from_counts", "next_token_labels", "propose_block", "sample_anchors",
-           "save_dflash", "spec_decode_greedy", "to_hf_config"]
+__all__ = ["ALGORITHM", "ContextCache", "DFlashConfig", "DFlashDraft", "build_block_mask", "dflash_loss",
+           "from_hf_config", "load_dflash", "metrics_from_counts", "next_token_labels", "propose_block",
+           "sample_anchors", "save_dflash", "spec_decode_greedy", "to_hf_config"]

@@ -98,8 +98,8 @@ class DFlash(Binds):
             errors.append(f"config key 'draft.sliding_window'={w} is below 'draft.block_size'={cfg.draft.block_size}: "
                           "a block's rows must see each other; use at least the block size, or null (full attention)")
         if cfg.draft.vocab_size != DraftConfig.vocab_size:
-            errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, not "
-                          f"{self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
+            errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, "
+                          f"not {self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
         return errors
 
     # ---------------------------------------------------------------- bound to a run (bind)
@@ -174,7 +174,8 @@ class DFlash(Binds):
         if comm is None:
             doc_ids_BT = getattr(batch, "doc_ids_BT", None)  # packed rows (data/packing.py): anchors per sample
             keys = anchor_keys(batch.input_ids_BT, batch.loss_mask_BT, anchor_seed(self.run.seed, step), doc_ids_BT)
-            anchors, keep = sample_anchors(batch.loss_mask_BT, self.opt.num_anchors, doc_ids_BT=doc_ids_BT, keys_BT=keys)
+            anchors, keep = sample_anchors(batch.loss_mask_BT, self.opt.num_anchors, doc_ids_BT=doc_ids_BT,
+                                           keys_BT=keys)
             ring = None
         else:
             C = batch.num_rows
@@ -227,8 +228,8 @@ class DFlash(Binds):
         # micro-batch is anchored in its rows; the ring kernel's held/received K/V blocks, per-row
         # visibility and score chunks are counted as the single process's SDPA terms over R rows
         rows = shape.R if shape.sp > 1 else shape.T
-        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, anchors_per_row(self.opt.num_anchors, self.run.samples_per_row, shape.T),
-                           precision)
+        anchors = anchors_per_row(self.opt.num_anchors, self.run.samples_per_row, shape.T)
+        return dflash_step(DFlashDims.of(draft.config), shape.B, rows, anchors, precision)
 
     def memory_keys(self) -> list[str]:
         return ["draft.num_anchors"]

@@ -111,7 +111,8 @@ def from_hf_config(d: Mapping) -> DFlashConfig:
     heads = d["num_attention_heads"]
     return DFlashConfig(
         hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=d.get("num_key_value_heads", heads), head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        num_key_value_heads=d.get("num_key_value_heads", heads),
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
         intermediate_size=d["intermediate_size"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         rope_theta=theta, max_position_embeddings=d.get("max_position_embeddings", 8192),
         vocab_size=d["vocab_size"], num_target_layers=d["num_target_layers"],
@@ -184,7 +185,8 @@ def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algor
             want = {k: tuple(v.shape) for k, v in model_cls(cfg).export_state_dict().items()}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"draft {str(draft_dir)!r} is not a valid {architecture} checkpoint: {e}") from None
-    with open_safetensors(draft_dir / "model.safetensors", "draft checkpoint file", "use another checkpoint folder") as st:
+    with open_safetensors(draft_dir / "model.safetensors", "draft checkpoint file",
+                          "use another checkpoint folder") as st:
         got = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
     bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
     if bad:

@@ -195,7 +195,8 @@ class Eagle3(Binds):
         return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, self.opt.sliding_window, core)
 
     def memory_keys(self) -> list[str]:
-        return ["parallel.sp_ulysses / parallel.sp_ring (split T)", "draft.sliding_window (bounds the keys a row scores)"]
+        return ["parallel.sp_ulysses / parallel.sp_ring (split T)",
+                "draft.sliding_window (bounds the keys a row scores)"]
 
     # ---------------------------------------------------------------- a saved draft (unbound)
 
@@ -217,7 +218,8 @@ class Eagle3(Binds):
     def owns_published(self, hf_config: dict) -> bool:
         """Its own folders (SGLang's format), and a speculators EAGLE-3 export whose flags make it
         this algorithm's (``owns_checkpoint`` of those fields named as ours)."""
-        return self.owns_checkpoint(hf_config) or (is_speculators(hf_config) and self.owns_checkpoint(as_ours(hf_config)))
+        return self.owns_checkpoint(hf_config) or (is_speculators(hf_config)
+                                                   and self.owns_checkpoint(as_ours(hf_config)))
 
     def read_published(self, path):
         return read_published(path)

@@ -70,7 +70,8 @@ def config_errors(hf_config: dict) -> list[str]:
 
 def tensor_errors(hf_config: dict, weights: dict[str, torch.Tensor],
                   want: Optional[dict[str, tuple[tuple[int, ...], torch.dtype]]] = None,
-                  unexpected: str = " (SGLang would drop it silently)", why: Optional[dict[str, str]] = None) -> list[str]:
+                  unexpected: str = " (SGLang would drop it silently)",
+                  why: Optional[dict[str, str]] = None) -> list[str]:
     """Missing / unexpected keys, wrong shapes or dtypes, and an inconsistent vocab mapping.
 
     ``want`` (name -> shape, dtype; default EAGLE-3's ``expected_tensors``) lets a variant of the
@@ -205,7 +206,8 @@ def check_converted(ours: dict[str, torch.Tensor], out: Path, ids: list[int], fl
             errors.append(f"{name} differs from our {k}")
     config = json.loads((Path(out) / "config.json").read_text())
     if config.get("eagle_aux_hidden_state_layer_ids") != ids:
-        errors.append(f"eagle_aux_hidden_state_layer_ids {config.get('eagle_aux_hidden_state_layer_ids')}, expected {ids}")
+        errors.append(f"eagle_aux_hidden_state_layer_ids {config.get('eagle_aux_hidden_state_layer_ids')}, "
+                      f"expected {ids}")
     errors += [f"{k} is {config.get(k)!r}, expected {v}" for k, v in flags.items() if config.get(k) is not v]
     got = window_of(config.get("transformer_layer_config") or {})
     if got != window:

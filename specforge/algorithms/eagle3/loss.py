@@ -310,7 +310,8 @@ def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH, softcap=None):
     return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
 
 
-def _step_rows(valid_LBR: torch.Tensor, sp_rows: Optional[int]) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+def _step_rows(valid_LBR: torch.Tensor,
+               sp_rows: Optional[int]) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Every unroll step's rows at once: ``t_len[i]``, the rows step i must compute (t < 1 + the last
     row counted at any step >= i: a row's later steps depend on its own earlier steps; step 0 also
     provides the keys; all ``R`` of an SP slice, the same shapes on every rank), and step i's

@@ -381,7 +381,8 @@ class Eagle3Draft(nn.Module):
             self.embed_tokens.weight.requires_grad_(True)
 
     @torch.no_grad()
-    def init_lm_head_from_target(self, target_lm_head_weight_VH: torch.Tensor, d2t: Optional[torch.Tensor] = None) -> None:
+    def init_lm_head_from_target(self, target_lm_head_weight_VH: torch.Tensor,
+                                 d2t: Optional[torch.Tensor] = None) -> None:
         """``lm_head.weight[d] = target_lm_head[d + d2t[d]]`` (needs equal hidden sizes)."""
         if d2t is not None:
             self.set_vocab(d2t)
@@ -601,7 +602,8 @@ class ChainDrafter:
         a, mlp, layer = draft.midlayer.self_attn, draft.midlayer.mlp, draft.midlayer
         self.dtype = dtype or draft.fc.weight.dtype
         w = lambda t: t.detach().to(self.dtype)  # noqa: E731
-        self.w_fc, self.w_o, self.w_down, self.w_lm = w(draft.fc.weight), w(a.o_proj.weight), w(mlp.down_proj.weight), w(draft.lm_head.weight)
+        self.w_fc, self.w_o, self.w_down, self.w_lm = (w(draft.fc.weight), w(a.o_proj.weight), w(mlp.down_proj.weight),
+                                                       w(draft.lm_head.weight))
         self.w_qkv = w(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))  # reads [norm(e) | norm(h)]
         self.w_gate_up = w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         self.norms = [(w(n.weight), n.eps) for n in (layer.input_layernorm, layer.hidden_norm,

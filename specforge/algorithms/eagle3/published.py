@@ -37,7 +37,8 @@ def read_published(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     weights = read_written(path)
     if is_speculators(hf_config):
         hf_config = from_speculators(path)
-        weights = {"midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k: v for k, v in weights.items()}
+        weights = {"midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k: v
+                   for k, v in weights.items()}
     else:
         weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
     return hf_config, vocab_tensors(hf_config, frozen_embedding_dropped(hf_config, weights))

@@ -71,7 +71,8 @@ def refuse_ignored(engine: str, hf_config: dict, where: Optional[str] = None) ->
     flags = [f for f in FLAGS if hf_config.get(f)]
     ok = [e for e, ignored in IGNORED.items() if not set(ignored) & set(flags)]
     raise ValueError(f"--engine {engine}: the EAGLE-3.1 draft{f' {where}' if where else ''} sets "
-                     f"{' and '.join(f'{f}=true' for f in bad)}, which {engine} does not read (it would serve the draft "
+                     f"{' and '.join(f'{f}=true' for f in bad)}, which {engine} does not read "
+                     "(it would serve the draft "
                      f"without {'them' if len(bad) > 1 else 'it'}, silently computing other logits); export it for "
                      f"{' or '.join(ok)}, or train it with {' and '.join(f'draft.{f}=false' for f in bad)}")
 
@@ -104,9 +105,10 @@ def check_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     errors = eagle3_export.config_errors(hf_config) + flag_errors(hf_config)
     if not errors:
         extra = extra_tensors(hf_config)
-        why = {k: f"config.json sets {'norm_before_fc' if k.startswith('input_norm.') else 'fc_norm'}: true" for k in extra}
-        errors = eagle3_export.tensor_errors(hf_config, weights, want={**eagle3_export.expected_tensors(hf_config), **extra},
-                                             why=why)
+        why = {k: f"config.json sets {'norm_before_fc' if k.startswith('input_norm.') else 'fc_norm'}: true"
+               for k in extra}
+        errors = eagle3_export.tensor_errors(hf_config, weights,
+                                             want={**eagle3_export.expected_tensors(hf_config), **extra}, why=why)
     if errors:
         raise ValueError(f"{str(path)!r} is not a valid EAGLE-3.1 {ARCHITECTURE} checkpoint: " + "; ".join(errors)
                          + ". Export a checkpoint written by specforge training (a step-* folder)")
@@ -128,7 +130,8 @@ def load_eagle31(path: str | Path, target=None) -> Eagle31Draft:
 # ---------------------------------------------------------------- vLLM (speculators' converter)
 
 
-def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, speculative_tokens: Optional[int] = None) -> Path:
+def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str,
+                speculative_tokens: Optional[int] = None) -> Path:
     """EAGLE-3's vLLM export (speculators' converter, our layer ids renumbered) told all four flags,
     then the fc-side norms it drops added to the written safetensors, then everything checked."""
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter  # lazy: optional (speculators)

@@ -75,8 +75,8 @@ class PEagle(Eagle3):
                          ("ttt_warmup_steps", "it has no chain to warm up"),
                          ("sliding_window", "a P-EAGLE draft attends the whole context here")):
             if getattr(cfg.draft, key) != getattr(Eagle3Options, key):
-                errors.append(f"config key 'draft.{key}'={getattr(cfg.draft, key)!r} applies to draft.algorithm=eagle3, "
-                              f"not peagle ({fix}); remove it")
+                errors.append(f"config key 'draft.{key}'={getattr(cfg.draft, key)!r} applies to "
+                              f"draft.algorithm=eagle3, not peagle ({fix}); remove it")
         return errors
 
     def identity(self) -> dict:
@@ -94,7 +94,8 @@ class PEagle(Eagle3):
         H = self.opt.hidden_size
         if H is not None and H != target_config.hidden_size:
             raise ValueError(f"config key 'draft.hidden_size'={H}: a P-EAGLE draft has the target's hidden size "
-                             f"({target_config.hidden_size}; speculators' and vLLM's loaders refuse another); remove it")
+                             f"({target_config.hidden_size}; speculators' and vLLM's loaders refuse another); "
+                             "remove it")
         m = self.opt.mask_token_id
         if m is not None and m >= target_config.vocab_size:
             raise ValueError(f"config key 'draft.mask_token_id'={m} is not a token of the target "

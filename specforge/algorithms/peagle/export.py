@@ -55,7 +55,8 @@ def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple[int, ...], torch.
     with torch.device("meta"):
         draft = PEagleDraft(cfg)
     dtype = getattr(torch, cfg.torch_dtype)
-    return {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in draft.export_state_dict().items()}
+    return {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype)
+            for k, v in draft.export_state_dict().items()}
 
 
 def config_errors(hf_config: dict) -> list[str]:
@@ -70,7 +71,8 @@ def config_errors(hf_config: dict) -> list[str]:
         return errors + ["peagle_config is missing, expected {mask_token_id, parallel_tokens}"]
     V, M, K = hf_config.get("vocab_size"), extra.get("mask_token_id"), extra.get("parallel_tokens")
     if not (isinstance(M, int) and isinstance(V, int) and 0 <= M < V):
-        errors.append(f"peagle_config.mask_token_id is {M!r}, expected a target token id (0..{V if V is None else V - 1})")
+        errors.append(f"peagle_config.mask_token_id is {M!r}, "
+                      f"expected a target token id (0..{V if V is None else V - 1})")
     if not (isinstance(K, int) and K >= 1):
         errors.append(f"peagle_config.parallel_tokens is {K!r}, expected an integer >= 1")
     Ht = hf_config.get("target_hidden_size")
@@ -93,7 +95,8 @@ def check_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         errors = tensor_errors(hf_config, weights)
     if errors:
         raise ValueError(f"{str(path)!r} is not a valid P-EAGLE ({ARCHITECTURE}) checkpoint: " + "; ".join(errors)
-                         + ". Export a checkpoint written by specforge training with draft.algorithm=peagle (a step-* folder)")
+                         + ". Export a checkpoint written by specforge training with draft.algorithm=peagle "
+                           "(a step-* folder)")
     return hf_config, weights
 
 
@@ -127,7 +130,8 @@ def target_embedding(target: str, V: int, H: int) -> torch.Tensor:
     return W
 
 
-def served_tensors(hf_config: dict, weights: dict[str, torch.Tensor], embed_VH: torch.Tensor) -> dict[str, torch.Tensor]:
+def served_tensors(hf_config: dict, weights: dict[str, torch.Tensor],
+                   embed_VH: torch.Tensor) -> dict[str, torch.Tensor]:
     """Our checkpoint's tensors under speculators' names, in the checkpoint's dtype."""
     M = int(hf_config["peagle_config"]["mask_token_id"])
     dtype = getattr(torch, hf_config["torch_dtype"])
@@ -160,10 +164,12 @@ def speculators_config(hf_config: dict, target: str, speculative_tokens: int):
         eagle_aux_hidden_state_layer_ids=ids, mask_token_id=int(hf_config["peagle_config"]["mask_token_id"]),
         speculators_config=SpeculatorsConfig(
             algorithm="peagle", default_proposal_method="greedy", verifier=verifier,
-            proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy", speculative_tokens=int(speculative_tokens))]))
+            proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy",
+                                                        speculative_tokens=int(speculative_tokens))]))
 
 
-def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str, speculative_tokens: Optional[int] = None) -> Path:
+def export_vllm(draft_dir: str | Path, out_dir: str | Path, target: str,
+                speculative_tokens: Optional[int] = None) -> Path:
     """Write speculators' P-EAGLE folder into ``out_dir`` (which must exist) from the (validated)
     checkpoint; ``target`` is the verifier's HF folder or hub id (its embedding is read from it)."""
     hf_config, weights = check_checkpoint(draft_dir)
@@ -205,7 +211,8 @@ def check_written(want: dict[str, torch.Tensor], out: Path, hf_config: dict, spe
         errors.append(f"eagle_aux_hidden_state_layer_ids {cfg.eagle_aux_hidden_state_layer_ids}, expected {ids}")
     if cfg.speculators_config.proposal_methods[0].speculative_tokens != speculative_tokens:
         errors.append(f"speculative_tokens is not {speculative_tokens}")
-    if cfg.transformer_layer_config.vocab_size != hf_config["vocab_size"] or cfg.draft_vocab_size != hf_config["draft_vocab_size"]:
+    if (cfg.transformer_layer_config.vocab_size != hf_config["vocab_size"]
+            or cfg.draft_vocab_size != hf_config["draft_vocab_size"]):
         errors.append("vocab_size / draft_vocab_size differ from the checkpoint's")
     if errors:
         raise ValueError(f"the P-EAGLE export {str(out)!r} was written wrongly: " + "; ".join(errors))
@@ -222,7 +229,9 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     if engine != "vllm":
         raise ValueError(f"--engine {engine}: {ONLY_VLLM}")
     if req.target is None:
-        raise ValueError("--target: the vLLM export of a P-EAGLE draft reads the target's embedding; pass its HF folder")
+        raise ValueError("--target: the vLLM export of a P-EAGLE draft reads the target's embedding; "
+                         "pass its HF folder")
 
     export_vllm(draft_dir, out_dir, req.target, req.num_speculative_tokens)
-    return serve_command(req.target, req.out, req.num_speculative_tokens or parallel_tokens(read_draft_config(draft_dir)))
+    return serve_command(req.target, req.out,
+                         req.num_speculative_tokens or parallel_tokens(read_draft_config(draft_dir)))

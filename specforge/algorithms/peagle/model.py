@@ -159,7 +159,8 @@ class PEagleDraft(Eagle3Draft):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out = []
-        kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT[:, : t_len[0]]}  # one tensor for every depth (as EAGLE-3's)
+        # one tensor for every depth (as EAGLE-3's)
+        kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT[:, : t_len[0]]}
         for d, Td in enumerate(t_len):
             if d == 0:  # EAGLE-3's step 0: target features of row t, the embedding of x_{t+1}
                 e, hidden = e_full[:, 1 : 1 + Td], h_real[:, :Td]

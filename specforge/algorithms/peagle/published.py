@@ -36,7 +36,8 @@ def read_published(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     layer, M = spec.transformer_layer_config, int(spec.mask_token_id)
     hf_config = {"architectures": [ARCHITECTURE], "hidden_size": layer.hidden_size, "vocab_size": layer.vocab_size,
                  "draft_vocab_size": spec.draft_vocab_size, "num_hidden_layers": 1,
-                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(k) - 1 for k in spec.eagle_aux_hidden_state_layer_ids]},
+                 "eagle_config": {
+                     "eagle_aux_hidden_state_layer_ids": [int(k) - 1 for k in spec.eagle_aux_hidden_state_layer_ids]},
                  "peagle_config": {"mask_token_id": M}, "rms_norm_eps": layer.rms_norm_eps,
                  "rope_theta": (getattr(layer, "rope_parameters", None) or {}).get("rope_theta"),
                  **window_keys(layer)}
