@@ -133,3 +133,27 @@ def test_training_lowers_the_loss(assets, tmp_path):
     print(ratios)
     assert ratios["1e-2"] < 0.9 and ratios["1e-9"] > 0.95, ratios
 
+
+def test_the_shipped_cpu_recipe_dry_runs_with_its_parts_in_the_memory_plan():
+    """configs/dflash2-smollm2-135m-cpu.yaml: offline from the EAGLE-3 default's store; its draft counts
+    DFlash's parameters plus the convolutions (per layer 2 x (2 t H + 2 t G H)) and the selector
+    (2 V r + H r), and the memory plan its terms."""
+    from pathlib import Path
+
+    from specforge.config import load_config
+    from specforge.dryrun import dry_run
+
+    configs = Path(__file__).parent.parent / "configs"
+    cfg = load_config(configs / "dflash2-smollm2-135m-cpu.yaml")
+    assert (cfg.draft.algorithm, cfg.placement.mode, cfg.store.dir) == ("dflash2", "offline",
+                                                                        "runs/smollm2-135m-cpu/features")
+    r = dry_run(cfg, single_process=True)
+    dflash = dry_run(load_config(configs / "smollm2-135m-dflash-cpu.yaml", ["draft.block_size=8"]),
+                     single_process=True)
+    V, Hd, d = 49152, 576, cfg.draft
+    t, G = d.conv_kernel_size, Hd // d.conv_group_size
+    conv = d.num_layers * 2 * (2 * t * Hd + 2 * t * G * Hd)
+    assert r.draft_trainable - dflash.draft_trainable == conv + 2 * V * d.selector_rank + Hd * d.selector_rank
+    (train,) = r.memory
+    assert any(term.name.startswith("DFlash2 loss") for term in train.phases["backward"])
+    assert train.peak > dflash.memory[0].peak
