@@ -160,8 +160,10 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     draft_config = read_draft_config(draft)
     algo = algorithm_of(draft_config, repr(str(draft)))
     if args.engine not in algo.engines:
+        instead = (f"export this draft for {' or '.join(algo.engines)}" if algo.engines else
+                   "no engine here serves them yet; evaluate it with python -m specforge.eval")
         raise ValueError(f"--engine {args.engine}: {algo.architecture} drafts cannot be served by {args.engine}; "
-                         f"export this draft for {' or '.join(algo.engines)}")
+                         f"{instead}")
     algo.check_checkpoint(draft)
     if args.engine == "sglang" and args.target is None:  # SGLang reads the folder alone: no target needed
         return algo.export(args.engine, draft, tmp, ExportRequest(Path(args.out), None))

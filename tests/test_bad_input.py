@@ -27,6 +27,10 @@ test_aux_ids_checked_against_the_target, test_every_placement_checks_the_target_
 | ``parallel.sp_ulysses`` > draft heads | error naming the key | test_target_table |
 | ``parallel.sp_ulysses`` that does not divide the heads | accepted: zero heads padded (exact, \
 tests/test_parallel_sp.py) | test_target_table |
+| dflash2: bad ``draft.conv_*``/``selector_*``/weights, kernel > block, causal window | names the key | \
+test_dflash2_config_error |
+| dflash2: conv group vs hidden size, top-k vs vocab, ring SP | names the key, nothing loaded | \
+test_dflash2_target_table |
 | offline store captured with other aux ids / max_length | refused by the driver, naming the key | \
 test_offline_store_meta_is_checked_by_the_driver |
 | YAML syntax error in the config file | names the file, line and column | test_yaml_syntax_error_names_the_file |
@@ -193,6 +197,43 @@ def test_target_table(assets, tmp_path, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
         check_run(cfg)
 
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["draft.conv_kernel_size=0"], r"'draft\.conv_kernel_size'=0 must be >= 1"),
+    (["draft.conv_group_size=0"], r"'draft\.conv_group_size'=0 must be >= 1"),
+    (["draft.selector_rank=0"], r"'draft\.selector_rank'=0 must be >= 1"),
+    (["draft.selector_top_k=0"], r"'draft\.selector_top_k'=0 must be >= 1"),
+    (["draft.selector_weight=-1"], r"'draft\.selector_weight'=-1(\.0)? must be >= 0"),
+    (["draft.conv_kernel_size=9"], r"'draft\.conv_kernel_size'=9 exceeds 'draft\.block_size'=8"),
+    (["draft.sliding_window=16", "draft.sliding_window_non_causal=false"],
+     r"'draft\.sliding_window_non_causal'=false with 'draft\.sliding_window'"),
+    (["draft.kl_weight=0"], r"'draft\.kl_weight' and 'draft\.ce_weight' are both 0"),
+    (["draft.markov_rank=8"], r"'draft\.markov_rank'=8 applies to draft\.algorithm=dspark, not dflash2"),
+])
+def test_dflash2_config_error(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(None, ["draft.algorithm=dflash2", *overrides])
+    # control: the same keys at valid values load
+    cfg = load_config(None, ["draft.algorithm=dflash2", "draft.conv_kernel_size=8", "draft.kl_weight=0",
+                             "draft.ce_weight=1", "draft.sliding_window=16", "draft.selector_weight=0"])
+    assert (cfg.draft.conv_kernel_size, cfg.draft.selector_top_k, cfg.draft.sliding_window_non_causal) == (8, 16, True)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["draft.conv_group_size=32"], r"'draft\.conv_group_size'=32 does not divide the target's hidden size 48"),
+    (["draft.selector_top_k=500"], r"'draft\.selector_top_k'=500 exceeds the target's 297 tokens"),
+    (["parallel.sp_ring=2", "train.num_workers=2"], r"DFlash2 has no sequence parallelism"),
+    (["draft.conv_group_size=24", "draft.selector_top_k=297"], None),
+])
+def test_dflash2_target_table(assets, tmp_path, overrides, pattern):
+    base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers="))]
+    cfg = load_config(None, [*base, "draft.algorithm=dflash2", "train.num_workers=1", *overrides])
+    if pattern is None:
+        check_run(cfg)
+        return
+    with pytest.raises(ValueError, match=pattern):
+        check_run(cfg)
 
 def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):
     from specforge.data.store import FeatureStoreWriter, StoreMeta

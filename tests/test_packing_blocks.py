@@ -1,4 +1,4 @@
-"""train.pack_tokens for the block and parallel drafts: DFlash, DSpark, P-EAGLE.
+"""train.pack_tokens for the block and parallel drafts: DFlash, DSpark, DFlash2, P-EAGLE.
 
 As tests/test_packing.py does for EAGLE-3: the reference is the unpacked run (the same samples
 right-padded, one per row). Through each algorithm's hooks (``normalizer``, ``loss``) the packed
@@ -15,6 +15,8 @@ import torch
 from specforge.algorithms.dflash.algorithm import DFlashOptions
 from specforge.algorithms.dflash.loss import anchor_keys, sample_anchors
 from specforge.algorithms.dflash.model import DFlashDraft
+from specforge.algorithms.dflash2.algorithm import DFlash2Options
+from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
 from specforge.algorithms.dspark.algorithm import DSparkOptions
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
 from specforge.algorithms.peagle.algorithm import PEagleOptions
@@ -30,12 +32,15 @@ LENGTHS = (13, 21, 9, 17)  # samples of uneven length (two micro-batches of two)
 BUDGET = 40  # rows of 34 and 26 tokens
 STEP = 3
 PV, PN, PH = 300, 100, 64  # P-EAGLE: target vocab, draft vocab, hidden (the target's)
-ALGOS = ["dflash", "dflash_window", "dspark", "peagle"]
+ALGOS = ["dflash", "dflash_window", "dspark", "dflash2", "peagle"]
 
 
 def _cfg(name, **train):
     """The algorithm, its config (few anchors: a sample's anchors are a random subset of its candidates)."""
-    if name.startswith("dflash"):
+    if name == "dflash2":
+        d = DFlash2Options(algorithm="dflash2", block_size=4, num_anchors=3, num_layers=2, selector_rank=8,
+                           selector_top_k=8, ce_weight=0.5)
+    elif name.startswith("dflash"):
         window = 5 if name == "dflash_window" else None
         d = DFlashOptions(algorithm="dflash", block_size=4, num_anchors=3, num_layers=2, sliding_window=window)
     elif name == "dspark":
@@ -62,6 +67,14 @@ def _draft(name, dtype):
         base = tiny_cfg()
         d = DSparkDraft(DSparkConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                                      markov_rank=8))
+    elif name == "dflash2":
+        base = tiny_cfg()
+        d = DFlash2Draft(DFlash2Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                       selector_rank=8, selector_top_k=8))
+        with torch.no_grad():  # convolutions away from identity: rows of a block mix
+            for pname, p in d.named_parameters():
+                if "_conv." in pname:
+                    p.add_(0.1 * torch.randn_like(p))
     else:
         d = DFlashDraft(tiny_cfg(sliding_window=window))
     with torch.no_grad():  # non-trivial norms and a lm_head that is not near uniform
@@ -220,7 +233,7 @@ def test_a_packed_row_without_its_doc_ids_gives_another_loss(name):
 # ---------------------------------------------------------------- the trainer's step
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "peagle"])
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "peagle"])
 def test_trainer_steps_packed_equal_unpacked(name):
     """Two optimizer steps of the trainer, packed and unpacked, on the same micro-batches: the same
     metrics and weights (fp32)."""
@@ -243,7 +256,11 @@ def test_trainer_steps_packed_equal_unpacked(name):
         # AdamW turns fp32 rounding of a gradient entry near its epsilon (~1e-8) into a different step
         # of up to ~lr: an odd entry may move 1e-4 (P-EAGLE's, seen); every other one agrees to 1e-6
         torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-4)
-        assert ((p1[k] - p0[k]).abs() > 1e-6).float().mean() < 1e-3, k
+        odd = ((p1[k] - p0[k]).abs() > 1e-6).float()
+        if name == "dflash2":  # one odd entry of a small tensor (its selector projection's 256) is over 1e-3 of it
+            assert int(odd.sum()) <= max(1, 1e-3 * p0[k].numel()), k
+        else:
+            assert odd.mean() < 1e-3, k
 
 
 # ---------------------------------------------------------------- the memory model
@@ -285,7 +302,7 @@ def test_a_packed_row_counts_the_anchors_of_all_its_samples():
 # ---------------------------------------------------------------- what is refused
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "peagle"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "dflash2", "peagle"])
 def test_block_and_parallel_drafts_pack_but_not_with_sp(algorithm):
     base = ["data.max_length=512", "train.pack_tokens=4096", f"draft.algorithm={algorithm}"]
     load_config(None, base)
