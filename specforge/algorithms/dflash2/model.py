@@ -115,7 +115,7 @@ class BlockConv(nn.Module):
     def __init__(self, cfg: DFlash2Config):
         super().__init__()
         self.block, self.taps, self.groups = cfg.block_size, cfg.conv_kernel_size, cfg.num_groups
-        self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, cfg.hidden_size))
+        self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, cfg.hidden_size))  # device: module init
         self.kernel_projection = nn.Linear(cfg.hidden_size, 2 * self.taps * self.groups, bias=False)
         self.reset_parameters()
 
@@ -157,8 +157,8 @@ class CandidateSelector(nn.Module):
         super().__init__()
         V, r = cfg.vocab_size, cfg.selector_rank
         self.top_k = cfg.selector_top_k
-        self.predecessor_codebook = nn.Parameter(torch.empty(V, r))
-        self.successor_codebook = nn.Parameter(torch.empty(V, r))
+        self.predecessor_codebook = nn.Parameter(torch.empty(V, r))  # device: module init
+        self.successor_codebook = nn.Parameter(torch.empty(V, r))  # device: module init
         self.hidden_projection = nn.Linear(cfg.hidden_size, r, bias=False)
         for w in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(w, std=cfg.initializer_range)
