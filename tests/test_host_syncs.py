@@ -1,0 +1,71 @@
+"""benchmarks/syncs.py: the host-sync counter counts the device-to-host reads a GPU would make."""
+
+import torch
+
+from benchmarks.syncs import HostSyncs
+
+
+def two_syncs(x, t):
+    x.item()
+    bool(t)
+
+
+def no_sync(x, t):
+    return (x * 2 + t.float()).sum() / x.numel()
+
+
+def test_a_known_sync_counts_and_a_step_without_one_counts_nothing():
+    x, t = torch.tensor(3.0), torch.tensor(True)
+    with HostSyncs() as s:
+        two_syncs(x, t)
+    assert s.count == 2
+    assert s.kinds == {"item / truth value": 2}
+    with HostSyncs() as s:
+        no_sync(x, t)
+    assert s.count == 0
+
+
+def test_each_kind_of_read_counts_once():
+    x = torch.arange(6.0)
+    reads = {
+        ".tolist()": lambda: x.tolist(),
+        ".cpu()": lambda: x.cpu(),
+        '.to("cpu")': lambda: x.to("cpu"),
+        ".numpy()": lambda: x.numpy(),
+        "item / truth value": lambda: float(x.sum()),
+        "nonzero": lambda: x.nonzero(),
+        "boolean-mask index": lambda: x[x > 2],
+        "masked_select": lambda: x.masked_select(x > 2),
+    }
+    for kind, read in reads.items():
+        with HostSyncs() as s:
+            read()
+        assert (s.count, dict(s.kinds)) == (1, {kind: 1}), kind
+
+
+def test_reads_of_host_tensors_and_device_side_work_are_free():
+    x = torch.randn(4, 3, requires_grad=True)
+    idx = torch.tensor([0, 2])
+    with HostSyncs() as s:
+        host = x.detach().cpu()  # the one read
+        host[0, 0].item(), host.tolist(), bool(host.sum() > 0)  # reads of the host copy: free
+        loss = (x[idx] ** 2).sum() + x.to(x.device).mean()  # integer index, .to(the device): no read
+        loss.backward()
+    assert s.count == 1 and s.kinds == {".cpu()": 1}
+    step = torch.tensor(5.0)
+    with HostSyncs() as s:
+        s.mark_host(step)
+        (step + 1).item()  # a host tensor (an optimizer's step counter) and what is computed from it
+        torch.tensor([2.0]).item(), torch.zeros(2, device="cpu").sum().item()  # made on the host
+    assert s.count == 0
+    with HostSyncs() as s:
+        torch.tensor([2.0], device=x.device).item()  # made on the device (x's): a read
+    assert s.count == 1
+
+
+def test_the_counter_leaves_torch_as_it_was():
+    methods = (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.tolist, torch.Tensor.numpy, torch.tensor, torch.zeros)
+    with HostSyncs():
+        pass
+    assert (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.tolist, torch.Tensor.numpy, torch.tensor,
+            torch.zeros) == methods
