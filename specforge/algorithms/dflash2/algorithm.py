@@ -18,13 +18,13 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
-from specforge.algorithms.dflash.loss import build_block_ids, decay_weights
+from specforge.algorithms.dflash.loss import build_block_ids
 from specforge.algorithms.dflash.memory import anchors_per_row
 from specforge.algorithms.dflash2.loss import dflash2_block_loss, dflash2_metrics
 from specforge.algorithms.dflash2.memory import dflash2_step
 from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
 from specforge.algorithms.dflash2.propose import DFlash2Proposer
-from specforge.algorithms.dspark.loss import dspark_targets
+from specforge.algorithms.dspark.algorithm import ShiftedBlocks
 
 
 @dataclass
@@ -50,7 +50,7 @@ class DFlash2Options(DFlashOptions):
     selector_weight: float = field(default=1.0, metadata={"at_least": 0})
 
 
-class DFlash2(DFlash):
+class DFlash2(ShiftedBlocks, DFlash):
     name = "dflash2"
     options = DFlash2Options
     architecture = "DFlash2DraftModel"
@@ -103,18 +103,6 @@ class DFlash2(DFlash):
 
     def _new_draft(self, dcfg):
         return DFlash2Draft(dcfg)
-
-    def _targets(self, draft, batch, step: int):
-        c = draft.config
-        anchors, keep, _ = self._anchors(draft, batch, step)  # DFlash's, per sample (no ring: refused)
-        labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
-                                                 anchors, keep, c.block_size, c.shift,
-                                                 getattr(batch, "doc_ids_BT", None))
-        return anchors, keep, labels, valid, prev_pos
-
-    def normalizer(self, draft, batch, step: int) -> float:
-        valid = self._targets(draft, batch, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
 
     def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
         c, d = draft.config, self.opt

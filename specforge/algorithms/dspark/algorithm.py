@@ -44,7 +44,24 @@ class DSparkOptions(DFlashOptions):
     confidence_weight: float = field(default=1.0, metadata={"at_least": 0})
 
 
-class DSpark(DFlash):
+class ShiftedBlocks:
+    """DFlash's anchors with DSpark's block targets (a block's rows shifted by ``sample_from_anchor``) and
+    their decay-weighted normalizer: shared by DSpark and DFlash2, whose heads read the same targets."""
+
+    def _targets(self, draft, batch, step: int):
+        c = draft.config
+        anchors, keep, _ = self._anchors(draft, batch, step)  # DFlash's, per sample (no ring: refused)
+        labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
+                                                 anchors, keep, c.block_size, c.shift,
+                                                 getattr(batch, "doc_ids_BT", None))
+        return anchors, keep, labels, valid, prev_pos
+
+    def normalizer(self, draft, batch, step: int) -> float:
+        valid = self._targets(draft, batch, step)[3]
+        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
+
+
+class DSpark(ShiftedBlocks, DFlash):
     name = "dspark"
     options = DSparkOptions
     architecture = "DSparkDraftModel"
@@ -82,18 +99,6 @@ class DSpark(DFlash):
 
     def _new_draft(self, dcfg):
         return DSparkDraft(dcfg)
-
-    def _targets(self, draft, batch, step: int):
-        c = draft.config
-        anchors, keep, _ = self._anchors(draft, batch, step)  # DFlash's, per sample (no ring: refused)
-        labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
-                                                 anchors, keep, c.block_size, c.shift,
-                                                 getattr(batch, "doc_ids_BT", None))
-        return anchors, keep, labels, valid, prev_pos
-
-    def normalizer(self, draft, batch, step: int) -> float:
-        valid = self._targets(draft, batch, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
 
     def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
         c, d = draft.config, self.opt
