@@ -381,7 +381,8 @@ def ours_side(T: int):
     cfg = Config(draft=Eagle3Options(ttt_length=TTT_LENGTH, ttt_decay=DECAY, attention="sdpa"),
                  train=TrainConfig(precision="bf16", lr=LR, max_grad_norm=CLIP, max_steps=1000))
     teacher = TeacherHead((torch.randn(w["N"], w["H"], generator=torch.Generator().manual_seed(1)) * 0.02))
-    trainer = DraftTrainer(ALGORITHM, draft, teacher, cfg, torch.device("cpu"))
+    algo = ALGORITHM.bind(cfg) if hasattr(ALGORITHM, "bind") else ALGORITHM  # bound since the seam (5b68ce3)
+    trainer = DraftTrainer(algo, draft, teacher, cfg, torch.device("cpu"))
     batch = TrainBatch(P["input_ids"], P["loss_mask"], P["aux"], P["last"], P["target_ids"])
 
     def step():
