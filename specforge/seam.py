@@ -174,12 +174,15 @@ class Training(Protocol):
     def train_state(self, target, vocab) -> Any:
         """Frozen tensors the loss needs besides the draft (EAGLE-3: the teacher rows), or None."""
 
-    def normalizer(self, draft, batch, step: int) -> float:
-        """This micro-batch's share of the loss denominator (summed over micro-batches and ranks)."""
+    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
+        """This micro-batch's share of the loss denominator (summed over micro-batches and ranks): a
+        0-dim tensor on the batch's device, never read to the host (a read is a GPU sync)."""
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, draft, batch, state, step: int,
+             normalizer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, counts)`` of one micro-batch: the loss is its share of the global mean when
-        ``normalizer`` (the global sum) is given; counts are raw float64 sums, reduced once."""
+        ``normalizer`` (the global sum, a 0-dim float64 tensor on the device) is given; counts are raw
+        float64 sums, reduced once."""
 
     def counts_shape(self) -> tuple[int, int]:
         """The shape of the summed counters."""

@@ -69,3 +69,41 @@ def test_the_counter_leaves_torch_as_it_was():
         pass
     assert (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.tolist, torch.Tensor.numpy, torch.tensor,
             torch.zeros) == methods
+
+
+class FloatNormalizer:
+    """The bound algorithm with the old normalizer hook: a Python float (one host read per micro-batch)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def normalizer(self, draft, batch, step):
+        return float(self.inner.normalizer(draft, batch, step))
+
+
+def test_an_eagle3_train_step_reads_the_device_once_per_micro_batch_and_once_at_its_end():
+    """DraftTrainer.step over two micro-batches: the loss's one read of its sizes per micro-batch
+    (``_step_rows``), the step's one copy of counters and gradient norm; the loss denominator is
+    summed, reduced and divided on the device. Control: a normalizer hook that returns a Python
+    float reads the device once more per micro-batch, and the counter sees it."""
+    from benchmarks.launches import optimizer_steps
+    from tests.helpers.trainer import feature_batch, setup_trainer
+
+    target, rows, trainer = setup_trainer(seed=0)
+    b = feature_batch(target, rows)
+
+    def counted_step():
+        with HostSyncs() as s:
+            s.mark_host(b.length_B, *optimizer_steps(trainer.optimizer))  # host metadata, host counters
+            trainer.step([b, b])
+        return s
+
+    trainer.step([b, b])  # AdamW's state exists from here on
+    s = counted_step()
+    assert (s.count, dict(s.kinds)) == (3, {".tolist()": 2, ".cpu()": 1}), s.where
+    trainer.algorithm = FloatNormalizer(trainer.algorithm)
+    s = counted_step()
+    assert (s.count, s.kinds["item / truth value"]) == (5, 2), s.where

@@ -125,7 +125,7 @@ class DraftTrainer:
         loss mask on the host while its capture wrote the features on the GPU)."""
         return [mb.to(self.device) for mb in micro_batches]
 
-    def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[float]) -> torch.Tensor:
+    def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[torch.Tensor]) -> torch.Tensor:
         """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
         on the trainer's device (summed there: no host sync per micro-batch)."""
         algo = self.algorithm
@@ -146,8 +146,12 @@ class DraftTrainer:
         self.draft.train()
         useful = _useful_tokens(micro_batches)
         micro_batches = self.on_device(micro_batches)
-        local = sum(self.algorithm.normalizer(self.draft, mb, self.step_count) for mb in micro_batches)
-        total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device)).item()
+        # the loss denominator stays on the device (summed there, reduced there, divided there): a host
+        # read of it would be one GPU sync a step
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for mb in micro_batches:
+            local += torch.as_tensor(self.algorithm.normalizer(self.draft, mb, self.step_count), device=self.device)
+        total = self.reduce_sum(local)[0]
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         counts = self._counts(micro_batches, total)

@@ -195,11 +195,11 @@ class DFlash(Binds):
                                           getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels_BNK, valid, ring
 
-    def normalizer(self, draft, batch, step: int) -> float:
+    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
         valid = self._blocks(draft, batch, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
+        return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
         c = draft.config
         anchors, keep, labels, valid, ring = self._blocks(draft, batch, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
@@ -208,7 +208,7 @@ class DFlash(Binds):
                            getattr(batch, "doc_ids_BT", None))
         else:
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, batch.position_ids_BT, ring=ring)
-        norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
+        norm = None if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device)
         return block_loss(draft.logits, hidden, labels, valid, self.opt.loss_gamma, norm, CHUNK_BLOCKS)
 
     def counts_shape(self) -> tuple[int, int]:

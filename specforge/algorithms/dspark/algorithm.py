@@ -56,9 +56,9 @@ class ShiftedBlocks:
                                                  getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels, valid, prev_pos
 
-    def normalizer(self, draft, batch, step: int) -> float:
+    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
         valid = self._targets(draft, batch, step)[3]
-        return float((valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum())
+        return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
 
 class DSpark(ShiftedBlocks, DFlash):
@@ -100,13 +100,14 @@ class DSpark(ShiftedBlocks, DFlash):
     def _new_draft(self, dcfg):
         return DSparkDraft(dcfg)
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
         c, d = draft.config, self.opt
         anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
         def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
-            norm = None if normalizer is None else torch.tensor(normalizer, device=hidden.device)
+            norm = (None if normalizer is None
+                    else torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device))
             return dspark_block_loss(module, hidden, batch, anchors, labels, valid, prev_pos, gamma=d.loss_gamma,
                                      kl_weight=d.kl_weight, ce_weight=d.ce_weight,
                                      confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS)

@@ -157,13 +157,15 @@ def _owned_rows(batch: Any, num_rows: Optional[int]) -> Optional[int]:
     return None if n is None else int(n)
 
 
-def num_valid_rows(batch: Any, t2d_V: torch.Tensor, ttt_length: int, num_rows: Optional[int] = None) -> int:
-    """Rows that count at TTT step 0 (the loss normalizer); only owned rows of an SP slice."""
+def num_valid_rows(batch: Any, t2d_V: torch.Tensor, ttt_length: int,
+                   num_rows: Optional[int] = None) -> torch.Tensor:
+    """Rows that count at TTT step 0 (the loss normalizer); only owned rows of an SP slice. A 0-dim
+    int64 tensor on the batch's device: no host read (the trainer sums and divides on the device)."""
     loss_mask = _get(batch, "loss_mask_BT")
     valid0 = valid_rows(loss_mask, _get(batch, "target_ids_BT"), t2d_V.to(loss_mask.device), 1,
                         _get(batch, "doc_ids_BT", None))[0]
     n = _owned_rows(batch, num_rows)
-    return int((valid0 if n is None else valid0[:, :n]).sum())
+    return (valid0 if n is None else valid0[:, :n]).sum()
 
 
 class _SoftCE(torch.autograd.Function):
@@ -294,40 +296,42 @@ def ttt_logits(draft, batch: Any, ttt_length: int = 7) -> list[torch.Tensor]:
     return draft(ids, aux, pos, [ids.shape[1]] * ttt_length, head=lambda i, h: draft.logits(h))
 
 
-def _teacher(valid_LBR, last_hidden_BTH, teacher_weight_NH, softcap=None):
+def _teacher(used_idx, last_hidden_BTH, teacher_weight_NH, softcap=None):
     """The target distributions over the draft vocab, once, at every position p = t+1+i some
-    counted row uses: ``(teacher_PN, pos_map)``, ``pos_map[b*T + p]`` = its row in ``teacher``."""
+    counted row uses (``used_idx``, flat ``b*T + p``, from ``_step_rows``): ``(teacher_PN, pos_map)``,
+    ``pos_map[b*T + p]`` = its row in ``teacher``."""
+    B, T = last_hidden_BTH.shape[:2]
+    pos_map = torch.full((B * T,), -1, dtype=torch.long, device=used_idx.device)
+    pos_map[used_idx] = torch.arange(used_idx.numel(), device=used_idx.device)
+    return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
+
+
+def _step_rows(valid_LBR: torch.Tensor, T: int, sp_rows: Optional[int]
+               ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Every unroll step's rows at once: ``t_len[i]``, the rows step i must compute (t < 1 + the last
+    row counted at any step >= i: a row's later steps depend on its own earlier steps; step 0 also
+    provides the keys; all ``R`` of an SP slice, the same shapes on every rank), step i's counted
+    rows as ``(b, t)`` index tensors in ``(b, t)`` order, and the flat positions ``b*T + t+1+i`` any
+    counted row reads its teacher at (each once, ascending).
+    The loss's one host read (a GPU sync): every size the host must know, in one copy; the index
+    tensors then come from ``nonzero_static`` at those sizes, which reads nothing back."""
     L, B, R = valid_LBR.shape
-    T = last_hidden_BTH.shape[1]
     used = torch.zeros(B, T, dtype=torch.bool, device=valid_LBR.device)
     for i in range(L):
         n = min(R, T - 1 - i)
         if n > 0:
             used[:, 1 + i : 1 + i + n] |= valid_LBR[i, :, :n]
-    used_idx = used.view(-1).nonzero().squeeze(-1)
-    pos_map = torch.full((B * T,), -1, dtype=torch.long, device=used.device)
-    pos_map[used_idx] = torch.arange(used_idx.numel(), device=used.device)
-    return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
-
-
-def _step_rows(valid_LBR: torch.Tensor,
-               sp_rows: Optional[int]) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every unroll step's rows at once: ``t_len[i]``, the rows step i must compute (t < 1 + the last
-    row counted at any step >= i: a row's later steps depend on its own earlier steps; step 0 also
-    provides the keys; all ``R`` of an SP slice, the same shapes on every rank), and step i's
-    counted rows as ``(b, t)`` index tensors in ``(b, t)`` order.
-    One ``nonzero`` and one host read for all steps (a GPU sync each), not one per step."""
-    L, _, R = valid_LBR.shape
-    nz = valid_LBR.nonzero()  # (n, 3): step, b, t; step-major, then b, then t
-    sizes = valid_LBR.sum(dim=(1, 2))
+    sizes = [valid_LBR.sum(dim=(1, 2)), used.sum().reshape(1)]
     if sp_rows is None:
         later = (valid_LBR.flip(0).int().cumsum(dim=0).flip(0) > 0).any(dim=1)
         idx = torch.arange(1, R + 1, device=valid_LBR.device)
-        host = torch.cat([torch.where(later, idx, 0).amax(dim=1), sizes]).tolist()
-        t_len, counts = [max(int(n), 1) for n in host[:L]], host[L:]
-    else:
-        t_len, counts = [R] * L, sizes.tolist()
-    return t_len, [(part[:, 1], part[:, 2]) for part in nz.split([int(c) for c in counts])]
+        sizes.append(torch.where(later, idx, 0).amax(dim=1))
+    host = torch.cat(sizes).tolist()  # the one read
+    counts, n_used = host[:L], host[L]
+    t_len = [max(int(n), 1) for n in host[L + 1 :]] if sp_rows is None else [R] * L
+    nz = torch.nonzero_static(valid_LBR, size=sum(counts))  # (n, 3): step, b, t; step-major, then b, then t
+    used_idx = torch.nonzero_static(used.view(-1), size=n_used).squeeze(-1)
+    return t_len, [(part[:, 1], part[:, 2]) for part in nz.split([int(c) for c in counts])], used_idx
 
 
 def ttt_loss(
@@ -336,7 +340,7 @@ def ttt_loss(
     teacher_weight_NH: torch.Tensor,
     ttt_length: int = 7,
     decay: float = 0.8,
-    num_valid_global: Optional[float] = None,
+    num_valid_global: Optional[float | torch.Tensor] = None,
     num_rows: Optional[int] = None,
     softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,9 +362,9 @@ def ttt_loss(
     R = T if sp_rows is None else sp_rows  # rows this call computes
     doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows (data/packing.py)
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT)[:, :, :R]  # L,B,R
-    teacher, pos_map = _teacher(valid, last_hidden, teacher_weight_NH, softcap)
     # SP: the same shapes on every rank (collectives inside the attention core)
-    t_len, step_rows = _step_rows(valid, sp_rows)
+    t_len, step_rows, used_idx = _step_rows(valid, T, sp_rows)
+    teacher, pos_map = _teacher(used_idx, last_hidden, teacher_weight_NH, softcap)
     target_flat = target_ids.reshape(-1)
     counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)
     lm_head = []  # cast_once of lm_head.weight, made at the first step: inside the forward (FSDP2 unshards it there)
@@ -383,9 +387,13 @@ def ttt_loss(
             counts[i, 3] = accept.sum()
         return ce_sum * (decay**i)
 
-    normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
+    # the denominator stays on the device (a float or a 0-dim tensor), rounded to the loss's dtype
+    # there, as a Python float would be
+    normalizer = valid[0].sum() if num_valid_global is None else num_valid_global
+    normalizer = torch.as_tensor(normalizer, dtype=torch.float64, device=ids.device).clamp(min=1.0)
     kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT}
-    return sum(draft(ids, aux, pos, t_len, head, **kw)) / max(normalizer, 1.0), counts
+    loss = sum(draft(ids, aux, pos, t_len, head, **kw))
+    return loss / normalizer.to(loss.dtype), counts
 
 
 def ttt_loss_reference(

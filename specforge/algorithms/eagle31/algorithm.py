@@ -59,7 +59,7 @@ class Eagle31(Eagle3):
         draft = super().build_draft(target, vocab)
         return Eagle31Draft.adopt(draft, Eagle31DraftConfig.of(draft.config, **flags_of(self.opt)))
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[float]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
         return super().loss(for_loss(draft), batch, state, step, normalizer)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
