@@ -354,11 +354,13 @@ def optimizer_steps(opt) -> list:
             and not (groups[id(p)].get("capturable") or groups[id(p)].get("fused"))]
 
 
-def ours_side(T: int):
+def ours_side(T: int, attention: str = "sdpa"):
     """Our step as the H200 ran it: ``DraftTrainer.step`` (normalizer, TTT forward with the fused loss
     under bf16 autocast over fp32 weights, backward, clip, AdamW, schedule, its host read), the
-    ``sdpa`` core (what ``draft.attention: auto`` runs on a GPU), the loops chunked as on a GPU. The
-    trainer lives in ``specforge.training`` now and in ``specforge.train`` at 356124e: both are tried."""
+    ``sdpa`` core (what ``draft.attention: auto`` runs on a GPU) or ``attention``, the loops chunked as
+    on a GPU. The trainer lives in ``specforge.training`` now and in ``specforge.train`` at 356124e:
+    both are tried. ``flex``: each flex_attention call a stand-in counted as one fused launch each way
+    (as v0.2.0's), its block masks built anew every step (a batch's row spans differ from the last's)."""
     from specforge.algorithms.eagle3.algorithm import ALGORITHM, Eagle3Options
     from specforge.algorithms.eagle3.loss import TeacherHead
     from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -376,9 +378,9 @@ def ours_side(T: int):
     draft = Eagle3Draft(Eagle3DraftConfig(
         hidden_size=w["H"], intermediate_size=w["I"], num_attention_heads=w["Hq"], num_key_value_heads=w["Hkv"],
         head_dim=w["D"], vocab_size=w["V"], draft_vocab_size=w["N"], rms_norm_eps=EPS, rope_theta=THETA,
-        max_position_embeddings=131072, aux_layer_ids=[1, 15, 28], attention="sdpa"))
+        max_position_embeddings=131072, aux_layer_ids=[1, 15, 28], attention=attention))
     draft.set_vocab(P["vocab"] - torch.arange(w["N"]))
-    cfg = Config(draft=Eagle3Options(ttt_length=TTT_LENGTH, ttt_decay=DECAY, attention="sdpa"),
+    cfg = Config(draft=Eagle3Options(ttt_length=TTT_LENGTH, ttt_decay=DECAY, attention=attention),
                  train=TrainConfig(precision="bf16", lr=LR, max_grad_norm=CLIP, max_steps=1000))
     teacher = TeacherHead((torch.randn(w["N"], w["H"], generator=torch.Generator().manual_seed(1)) * 0.02))
     algo = ALGORITHM.bind(cfg) if hasattr(ALGORITHM, "bind") else ALGORITHM  # bound since the seam (5b68ce3)
@@ -386,9 +388,33 @@ def ours_side(T: int):
     batch = TrainBatch(P["input_ids"], P["loss_mask"], P["aux"], P["last"], P["target_ids"])
 
     def step():
+        if attention == "flex":
+            from specforge.algorithms.eagle3 import attention as core
+
+            core._block_mask.cache_clear()
         trainer.step([batch])
 
-    return step, lambda: optimizer_steps(trainer.optimizer), gpu_loops
+    return step, lambda: optimizer_steps(trainer.optimizer), (gpu_loops if attention != "flex" else flex_gpu_loops)
+
+
+@contextlib.contextmanager
+def flex_gpu_loops():
+    """``gpu_loops``, and our flex core's flex_attention as the stand-in v0.2.0's is measured with."""
+    from specforge.algorithms.eagle3 import attention as core
+
+    def stand_in(device_type):
+        def call(q, K, V, **kwargs):
+            with fused(COMPILED + "flex_attention"):
+                return FlexAttentionStandIn.apply(q, K, V)
+        return call
+
+    saved = core._flex_fn
+    core._flex_fn = stand_in
+    try:
+        with gpu_loops():
+            yield
+    finally:
+        core._flex_fn = saved
 
 
 FUSING = [0]  # > 0 while a region a GPU fuses runs: its copies are inside its kernels, never a memcpy
@@ -545,12 +571,12 @@ def v020_side(T: int, sfup_root: Path = SFUP):
     return step, lambda: optimizer_steps(opt.optimizer), lambda: v020_as_on_gpu(sfup_root)
 
 
-def measure(side: str, T: int, sfup_root: Path = SFUP) -> dict:
+def measure(side: str, T: int, sfup_root: Path = SFUP, attention: str = "sdpa") -> dict:
     """One side's launches and host syncs per step: a warm-up step, a profiled one, a counted one."""
     from benchmarks.syncs import HostSyncs
 
     torch.set_num_threads(int(os.environ.get("LAUNCHES_THREADS", "2")))
-    step, host, context = ours_side(T) if side == "ours" else v020_side(T, sfup_root)
+    step, host, context = ours_side(T, attention) if side == "ours" else v020_side(T, sfup_root)
     times = []
     with context(), gpu_optimizer(), cpu_flex_backward_guard():
         t0 = time.perf_counter()
@@ -568,7 +594,7 @@ def measure(side: str, T: int, sfup_root: Path = SFUP) -> dict:
     # a same-dtype copy between contiguous tensors is a cudaMemcpyAsync on a GPU, no kernel: the profile
     # counted it as an aten::copy_ launch
     kinds["copies / casts"] -= syncs.memcpys
-    return dict(side=side, T=T, launches=sum(kinds.values()), kinds=dict(kinds), top=names.most_common(12),
+    return dict(side=side, T=T, attention=attention if side == "ours" else "flex", launches=sum(kinds.values()), kinds=dict(kinds), top=names.most_common(12),
                 syncs=syncs.count, sync_kinds=dict(syncs.kinds), sync_where=syncs.where.most_common(),
                 memcpys=syncs.memcpys, regions=dict(REGIONS), step_s=times)
 
@@ -584,11 +610,12 @@ def cpu_flex_backward_guard():
         flex_module._validate_device = guard
 
 
-def _run_side(side: str, T: int, project: Path, sfup_root: Path) -> dict:
+def _run_side(side: str, T: int, project: Path, sfup_root: Path, attention: str = "sdpa") -> dict:
     """``measure`` in a process of its own, ``project``'s specforge first on its path."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"launches-{side}-{os.getpid()}-{abs(hash(str(project)))}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--T", str(T), "--project", str(project),
-           "--sfup", str(sfup_root), "--json", str(out)]
+           "--sfup", str(sfup_root), "--json", str(out),
+           "--attention", attention]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     res = json.loads(out.read_text())
@@ -664,11 +691,12 @@ def main() -> None:
     ap.add_argument("--old-project", type=Path, help="--compare: a worktree at the H200 run's commit (356124e)")
     ap.add_argument("--sfup", type=Path, default=SFUP, help="the folder holding sfup/ (SpecForge v0.2.0's code)")
     ap.add_argument("--json", type=Path, help="--side: write the result here")
+    ap.add_argument("--attention", default="sdpa", help="--side ours: our attention core (sdpa: auto on a GPU)")
     ap.add_argument("--no-readme", action="store_true")
     a = ap.parse_args()
     if a.side:
         sys.path[:0] = [str(a.project.resolve()), str(REPO)]
-        res = measure(a.side, a.T, a.sfup.resolve())
+        res = measure(a.side, a.T, a.sfup.resolve(), a.attention)
         import specforge
 
         res["specforge"] = str(Path(specforge.__file__).resolve().parent.parent)
