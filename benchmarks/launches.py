@@ -594,8 +594,9 @@ def measure(side: str, T: int, sfup_root: Path = SFUP, attention: str = "sdpa") 
     # a same-dtype copy between contiguous tensors is a cudaMemcpyAsync on a GPU, no kernel: the profile
     # counted it as an aten::copy_ launch
     kinds["copies / casts"] -= syncs.memcpys
-    return dict(side=side, T=T, attention=attention if side == "ours" else "flex", launches=sum(kinds.values()), kinds=dict(kinds), top=names.most_common(12),
-                syncs=syncs.count, sync_kinds=dict(syncs.kinds), sync_where=syncs.where.most_common(),
+    return dict(side=side, T=T, attention=attention if side == "ours" else "flex", launches=sum(kinds.values()),
+                kinds=dict(kinds), top=names.most_common(12), syncs=syncs.count, sync_kinds=dict(syncs.kinds),
+                sync_where=syncs.where.most_common(),
                 memcpys=syncs.memcpys, regions=dict(REGIONS), step_s=times)
 
 
