@@ -220,3 +220,40 @@ def test_flex_is_predicted_below_the_gpu_default_at_8b_shapes_and_4096_tokens():
     # auto on a GPU: SDPA for step 0, the fast core's T^2/2 probabilities for steps 1..6 (3.4 GiB);
     # flex: O(T) per head (cat(keys), out, lse): the whole step's peak drops by about a fifth
     assert attn["flex"] < attn["auto"] / 4 and peak["flex"] < 0.85 * peak["auto"], (attn, peak)
+
+
+def test_flex_rounds_a_steps_rows_to_whole_blocks_so_shapes_recur(cpu_flex_backward, monkeypatch):
+    """The flex core asks for whole 128-row blocks (at most T): two batches whose last counted rows
+    differ inside one block build one block mask per step shape, not one per batch, and the loss
+    equals the fast core's. Control: without the rounding (row_multiple 1) the second batch builds
+    its own masks."""
+    from specforge.algorithms.eagle3 import loss as loss_module
+
+    T = 300
+    W = torch.randn(N, HT, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    base = _batch(B=2, T=T)
+    base["target_ids_BT"] = _draft("fast").draft_to_target_ids()[base["target_ids_BT"] % N]
+    b200, b180 = (dict(base, loss_mask_BT=torch.ones(2, T, dtype=torch.long)) for _ in range(2))
+    b200["loss_mask_BT"][:, 200:] = 0  # last counted row of step i: 197 - i
+    b180["loss_mask_BT"][:, 180:] = 0  # 177 - i: both inside the block of rows 128..255
+    spans = []
+    real = loss_module._step_rows
+    monkeypatch.setattr(loss_module, "_step_rows", lambda *a: spans.append((out := real(*a))[0]) or out)
+
+    def builds(multiple):
+        d = _draft("flex")
+        if multiple is not None:
+            monkeypatch.setattr(d, "row_multiple", lambda device_type: multiple)
+        attention._block_mask.cache_clear()
+        for b in (b200, b180):
+            ttt_loss(d, b, W, ttt_length=3)
+        return attention._block_mask.cache_info().misses
+
+    assert builds(None) == 3  # one mask per step (0, 1 or 2 diagonal key sets), shared by both batches
+    assert spans[-2:] == [[256, 256, 256]] * 2
+    assert builds(1) == 6  # control: unrounded spans (198, 197, 196 and 178, 177, 176) build anew
+    assert spans[-2:] == [[198, 197, 196], [178, 177, 176]]
+    for b in (b200, b180):
+        fast, flex = (ttt_loss(_draft(impl), b, W, ttt_length=3) for impl in ("fast", "flex"))
+        torch.testing.assert_close(flex[0], fast[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(flex[1], fast[1], rtol=1e-9, atol=1e-12)

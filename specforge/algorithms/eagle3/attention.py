@@ -432,6 +432,10 @@ IMPLS = {"eager": ttt_attention_eager, "fast": ttt_attention_fast, "sdpa": ttt_a
 CHOICES = ("auto", *IMPLS)
 
 
+# flex_attention's block (its default BLOCK_SIZE): the flex core asks for query rows in whole blocks
+FLEX_BLOCK = 128
+
+
 def pick_impl(impl: str, device_type: str) -> str:
     """The core ``impl`` runs on ``device_type``: ``auto`` = ``fast`` on a CPU, ``sdpa`` elsewhere."""
     if impl == "auto":
@@ -465,6 +469,12 @@ class TTTAttentionCore(nn.Module):
             raise ValueError(f"config key 'draft.attention': got {value!r}, expected one of "
                              f"{', '.join(map(repr, CHOICES))}")
         self._impl = value
+
+    def row_multiple(self, device_type: str) -> int:
+        """Rows a TTT step's query span is rounded up to (at most the sequence): ``FLEX_BLOCK`` for
+        ``flex``, so a step's shapes recur from batch to batch (its block mask is cached per shape and
+        a compiled flex_attention compiles once per shape); 1 (no rounding) for the other cores."""
+        return FLEX_BLOCK if pick_impl(self._impl, device_type) == "flex" else 1
 
     def forward(self, q_BHTD, keys, values, q_offset: int = 0, doc_ids_BT: Optional[torch.Tensor] = None):
         fn = IMPLS[pick_impl(self._impl, q_BHTD.device.type)]

@@ -306,11 +306,12 @@ def _teacher(used_idx, last_hidden_BTH, teacher_weight_NH, softcap=None):
     return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
 
 
-def _step_rows(valid_LBR: torch.Tensor, T: int, sp_rows: Optional[int]
+def _step_rows(valid_LBR: torch.Tensor, T: int, sp_rows: Optional[int], multiple: int = 1
                ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Every unroll step's rows at once: ``t_len[i]``, the rows step i must compute (t < 1 + the last
     row counted at any step >= i: a row's later steps depend on its own earlier steps; step 0 also
-    provides the keys; all ``R`` of an SP slice, the same shapes on every rank), step i's counted
+    provides the keys; rounded up to a ``multiple`` (the core's ``row_multiple``), at most ``R``;
+    all ``R`` of an SP slice, the same shapes on every rank), step i's counted
     rows as ``(b, t)`` index tensors in ``(b, t)`` order, and the flat positions ``b*T + t+1+i`` any
     counted row reads its teacher at (each once, ascending).
     The loss's one host read (a GPU sync): every size the host must know, in one copy; the index
@@ -328,7 +329,7 @@ def _step_rows(valid_LBR: torch.Tensor, T: int, sp_rows: Optional[int]
         sizes.append(torch.where(later, idx, 0).amax(dim=1))
     host = torch.cat(sizes).tolist()  # the one read
     counts, n_used = host[:L], host[L]
-    t_len = [max(int(n), 1) for n in host[L + 1 :]] if sp_rows is None else [R] * L
+    t_len = [min(R, -(-max(int(n), 1) // multiple) * multiple) for n in host[L + 1 :]] if sp_rows is None else [R] * L
     nz = torch.nonzero_static(valid_LBR, size=sum(counts))  # (n, 3): step, b, t; step-major, then b, then t
     used_idx = torch.nonzero_static(used.view(-1), size=n_used).squeeze(-1)
     return t_len, [(part[:, 1], part[:, 2]) for part in nz.split([int(c) for c in counts])], used_idx
@@ -363,7 +364,9 @@ def ttt_loss(
     doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows (data/packing.py)
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT)[:, :, :R]  # L,B,R
     # SP: the same shapes on every rank (collectives inside the attention core)
-    t_len, step_rows, used_idx = _step_rows(valid, T, sp_rows)
+    row_multiple = getattr(draft, "row_multiple", None)  # the attention core's (flex: whole blocks)
+    multiple = 1 if row_multiple is None else row_multiple(ids.device.type)
+    t_len, step_rows, used_idx = _step_rows(valid, T, sp_rows, multiple)
     teacher, pos_map = _teacher(used_idx, last_hidden, teacher_weight_NH, softcap)
     target_flat = target_ids.reshape(-1)
     counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)

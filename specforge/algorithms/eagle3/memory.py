@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specforge.algorithms.eagle3 import attention
-from specforge.algorithms.eagle3.attention import window_start
+from specforge.algorithms.eagle3.attention import FLEX_BLOCK, window_start
 from specforge.memory import SeqShape, StepPrecision, Term, norm_saved
 
 
@@ -94,10 +94,12 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     c, B, L = p.compute, s.B, s.ttt
     hq, hkv = _core_heads(d, s.ulysses)
     sp = s.sp > 1
-    rows = [s.R if sp else max(s.T - 2 - i, 1) for i in range(L)]  # rows step i computes (ttt._step_rows)
     uly = s.ulysses > 1
     ring = s.ring > 1  # parallel/ring.py: step-0 K/V blocks passed around, nothing gathered, no probabilities kept
     flex = core == "flex" and not ring  # the ring runs its own kernels whatever the core (config refuses the pair)
+    mult = FLEX_BLOCK if flex else 1  # the core's row_multiple: flex rounds a step's rows up to whole blocks
+    # rows step i computes (loss._step_rows)
+    rows = [s.R if sp else min(s.T, -(-max(s.T - 2 - i, 1) // mult) * mult) for i in range(L)]
     k0rows = s.ulysses * rows[0] if uly else rows[0]  # step-0 keys inside the core
     saved = dict.fromkeys(("norms (fp32 copies) + RoPE", "layer inputs (16-bit)", "q/k/v", "attention core (q, out, "
                            "diagonal k/v)", "causal-block probabilities", "MLP (gate, up, act, product)",

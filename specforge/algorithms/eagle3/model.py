@@ -504,6 +504,11 @@ class Eagle3Draft(nn.Module):
 
     # ---------------------------------------------------------------- training: the TTT unroll
 
+    def row_multiple(self, device_type: str) -> int:
+        """What a TTT step's query rows are rounded up to (the attention core's ``row_multiple``)."""
+        core = self.midlayer.self_attn.core
+        return core.row_multiple(device_type) if hasattr(core, "row_multiple") else 1
+
     def forward(self, input_ids_BT: torch.Tensor, aux_hidden_BTKH: torch.Tensor, position_ids_BT: torch.Tensor,
                 t_len: Sequence[int], head: Optional[Callable[[int, torch.Tensor], Any]] = None,
                 doc_ids_BT: Optional[torch.Tensor] = None) -> list:
