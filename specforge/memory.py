@@ -137,11 +137,9 @@ class SeqShape:
 
 
 def norm_saved(width: int, p: StepPrecision) -> int:
-    """Bytes per row RMSNorm (``models/layers.py``) leaves saved for backward, besides its output: the
-    fp32 input copy ``xf`` and the normalized value (fp32, or the 16-bit copy the weight multiplies)."""
-    if p.compute == 4:
-        return 8 * width
-    return (4 + 2) * width if p.mp else (4 + 4) * width
+    """Bytes per row RMSNorm (``models/layers.py``) leaves saved for backward, besides its output: its
+    input in the compute dtype and the fp32 row scale (its backward recomputes the normalized value)."""
+    return p.compute * width + 4
 
 
 # ---------------------------------------------------------------- the target's capture forward

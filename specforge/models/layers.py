@@ -21,6 +21,41 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """Llama's RMSNorm with a backward of its own that keeps only the input (as it came: 16-bit under
+    autocast) and the fp32 row scale ``rstd``, and recomputes the normalized value from them; autograd
+    through the forward's ops would keep an fp32 copy of the input and the normalized value besides
+    (6-8 bytes per element, not 2-4). The forward is the same ops as before, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xf = xf * rstd
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * xf.to(x.dtype) if weight.dtype == x.dtype else (weight * xf).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        f32 = rstd.dtype
+        xhat = x.to(f32) * rstd
+        if weight.dtype == x.dtype:  # y = w * xhat.to(x.dtype): the product in x's dtype
+            xh = xhat.to(x.dtype)
+            dw = (dy * xh).reshape(-1, xh.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+            dxhat = (dy * weight).to(f32)
+        else:  # y = (w * xhat).to(x.dtype): the product in fp32 (or w's wider dtype)
+            wide = torch.promote_types(weight.dtype, f32)
+            dyw = dy.to(wide)
+            dw = ((dyw * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+                  if ctx.needs_input_grad[1] else None)
+            dxhat = (dyw * weight).to(f32)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dw, None
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm: statistics in fp32, result in the input dtype."""
 
@@ -30,10 +65,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.to(torch.promote_types(dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype) if self.weight.dtype == dtype else (self.weight * xf).to(dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
