@@ -360,7 +360,11 @@ def ours_side(T: int, attention: str = "sdpa"):
     ``sdpa`` core (what ``draft.attention: auto`` runs on a GPU) or ``attention``, the loops chunked as
     on a GPU. The trainer lives in ``specforge.training`` now and in ``specforge.train`` at 356124e:
     both are tried. ``flex``: each flex_attention call a stand-in counted as one fused launch each way
-    (as v0.2.0's), its block masks built anew every step (a batch's row spans differ from the last's)."""
+    (as v0.2.0's), its block masks built anew every step (a new shape: padded rows of another length);
+    ``flex:cached``: the masks of the warm-up step reused (rows of one fixed length: a step's span is
+    rounded up to whole blocks, so its shapes recur)."""
+    cached = attention.endswith(":cached")
+    attention = attention.split(":")[0]
     from specforge.algorithms.eagle3.algorithm import ALGORITHM, Eagle3Options
     from specforge.algorithms.eagle3.loss import TeacherHead
     from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -388,7 +392,7 @@ def ours_side(T: int, attention: str = "sdpa"):
     batch = TrainBatch(P["input_ids"], P["loss_mask"], P["aux"], P["last"], P["target_ids"])
 
     def step():
-        if attention == "flex":
+        if attention == "flex" and not cached:
             from specforge.algorithms.eagle3 import attention as core
 
             core._block_mask.cache_clear()
@@ -628,7 +632,8 @@ def compare_section(rows: list, T: int, info: dict, load: tuple, old: str) -> st
     """The README section: ours at ``old``, ours now, v0.2.0, with ratios and the H200's figures."""
     from benchmarks.common import header_markdown, markdown_table
 
-    names = (f"ours at {old}", f"ours now ({info['commit'][:7]})", "SpecForge v0.2.0")
+    now = [f"ours now ({info['commit'][:7]}, {r['attention']})" for r in rows[1:-1]]
+    names = (f"ours at {old}", *now, "SpecForge v0.2.0")
     up, table = rows[-1], []
     for name, r in zip(names, rows):
         h200 = H200["ours at 356124e"] if name == "ours at 356124e" else H200["v0.2.0"] if r is up else None
@@ -646,7 +651,10 @@ def compare_section(rows: list, T: int, info: dict, load: tuple, old: str) -> st
             "**A CPU proxy, not a GPU measurement**: one train step per side on the same problem (B=1, T="
             f"{T}, the 8B draft's vocabularies 32,000 / 128,256 and GQA ratio, narrow widths: hidden {NARROW['H']}, "
             f"{NARROW['Hq']}/{NARROW['Hkv']} heads x {NARROW['D']}, bf16), each as the H200 run drove it: ours through "
-            "`DraftTrainer.step` with the `sdpa` core (`auto` on a GPU) and the GPU's loop chunks; SpecForge v0.2.0 "
+            "`DraftTrainer.step` with the `sdpa` core (`auto` on a GPU) and the GPU's loop chunks, or with the "
+            "`flex` core (each flex_attention call one fused launch each way, as v0.2.0's; `flex`: its block masks "
+            "built every step, a new shape each batch; `flex:cached`: reused, the shapes of fixed-length rows, "
+            "whose spans the core rounds to whole blocks); SpecForge v0.2.0 "
             "(`../shared/gpu-bench/sfup/`) through `OnlineEagle3Model` + `BF16Optimizer` with its GPU default (flex "
             "attention, Triton loss) and one host copy of its losses. Launches = leaf aten ops less views and "
             "allocations, profiled on the CPU, with what a GPU fuses counted as it runs there: SDPA, flex attention "
@@ -692,7 +700,8 @@ def main() -> None:
     ap.add_argument("--old-project", type=Path, help="--compare: a worktree at the H200 run's commit (356124e)")
     ap.add_argument("--sfup", type=Path, default=SFUP, help="the folder holding sfup/ (SpecForge v0.2.0's code)")
     ap.add_argument("--json", type=Path, help="--side: write the result here")
-    ap.add_argument("--attention", default="sdpa", help="--side ours: our attention core (sdpa: auto on a GPU)")
+    ap.add_argument("--attention", default="sdpa",
+                    help="our attention core (sdpa: auto on a GPU); --compare: a comma list, a row each")
     ap.add_argument("--no-readme", action="store_true")
     a = ap.parse_args()
     if a.side:
@@ -711,7 +720,8 @@ def main() -> None:
     from benchmarks.common import append_section, git_commit, machine_info
 
     load = [open("/proc/loadavg").read().strip()]
-    rows = [_run_side("ours", a.T, a.old_project.resolve(), a.sfup), _run_side("ours", a.T, REPO, a.sfup),
+    rows = [_run_side("ours", a.T, a.old_project.resolve(), a.sfup),
+            *(_run_side("ours", a.T, REPO, a.sfup, core) for core in a.attention.split(",")),
             _run_side("v0.2.0", a.T, REPO, a.sfup)]
     load.append(open("/proc/loadavg").read().strip())
     body = compare_section(rows, a.T, machine_info(), tuple(load), git_commit(a.old_project.resolve())[:7])

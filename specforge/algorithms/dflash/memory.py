@@ -53,7 +53,7 @@ def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
     n, m = B * T, B * Q  # context rows, block rows
     ctx = (norm_saved(d.H, p) + c * d.H + 2 * c * d.D) * n  # hidden_norm, its output, RoPE cos/sin
     ctx += d.layers * (norm_saved(Fk, p) + 2 * c * Fk) * n  # k_norm; k, v of the context (kept as the SDPA's keys)
-    blk_norm = 8 * d.H  # input/post-attention norms of an fp32 stream: the input (aliased) and the normalized value
+    blk_norm = 4 * d.H + 4  # input/post-attention norms of an fp32 stream: the input (aliased), the fp32 row scale
     per_layer = (2 * blk_norm + (3 + 2) * c * d.H  # norms; 16-bit copies of the normed stream for q, k, v, gate, up
                  + norm_saved(Fq, p) + norm_saved(Fk, p)  # q_norm, k_norm
                  + 2 * c * Fq + 4 * d.Hq + c * Fk * 2  # SDPA's q copy, out, lse; the block's k (16-bit), v
