@@ -175,7 +175,8 @@ class Training(Protocol):
         """Frozen tensors the loss needs besides the draft (EAGLE-3: the teacher rows), or None."""
 
     def normalizer(self, draft, batch, step: int) -> float:
-        """This micro-batch's share of the loss denominator (summed over micro-batches and ranks)."""
+        """This micro-batch's share of the loss denominator (summed over micro-batches and ranks); a
+        tuple of floats where the loss averages several terms apart (summed entry by entry)."""
 
     def loss(self, draft, batch, state, step: int, normalizer: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, counts)`` of one micro-batch: the loss is its share of the global mean when

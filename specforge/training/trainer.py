@@ -139,6 +139,15 @@ class DraftTrainer:
             counts[: c.shape[0]] += c.to(self.device)
         return self.reduce_sum(counts)
 
+    def _global_normalizer(self, micro_batches: Sequence[TrainBatch]):
+        """The algorithm's loss denominator summed over ``micro_batches`` and every train rank: a float,
+        or a tuple of floats where its normalizer gives one per term it averages apart (summed entrywise)."""
+        shares = [self.algorithm.normalizer(self.draft, mb, self.step_count) for mb in micro_batches]
+        rows = [[float(x) for x in s] if isinstance(s, (tuple, list)) else [float(s)] for s in shares] or [[0.0]]
+        local = [sum(col) for col in zip(*rows)]  # in Python, in micro-batch order, as a float's sum
+        total = self.reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device)).tolist()
+        return tuple(total) if shares and isinstance(shares[0], (tuple, list)) else total[0]
+
     def step(self, micro_batches: Sequence[TrainBatch]) -> dict[str, float]:
         """One optimizer step over this rank's ``micro_batches``; the loss is normalized by the
         denominator (EAGLE-3: valid rows) of all micro-batches of all train ranks."""
@@ -146,8 +155,7 @@ class DraftTrainer:
         self.draft.train()
         useful = _useful_tokens(micro_batches)
         micro_batches = self.on_device(micro_batches)
-        local = sum(self.algorithm.normalizer(self.draft, mb, self.step_count) for mb in micro_batches)
-        total = self.reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=self.device)).item()
+        total = self._global_normalizer(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         counts = self._counts(micro_batches, total)
