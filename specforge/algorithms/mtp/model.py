@@ -50,6 +50,7 @@ class MTPConfig:
     max_position_embeddings: int = 8192
     vocab_size: int = 49152
     num_speculative_steps: int = 3
+    num_target_layers: int = 30  # the target's layers: the draft reads the last one's output
     target_norm_eps: Optional[float] = None  # the target's final norm (drafting from its last layer's output)
 
     def __post_init__(self):
@@ -73,7 +74,7 @@ class MTPConfig:
                   intermediate_size=get("intermediate_size"), rms_norm_eps=get("rms_norm_eps", 1e-6),
                   rope_theta=get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=scaling,
                   max_position_embeddings=get("max_position_embeddings", 8192), vocab_size=get("vocab_size"),
-                  target_norm_eps=get("rms_norm_eps", 1e-6))
+                  num_target_layers=get("num_hidden_layers"), target_norm_eps=get("rms_norm_eps", 1e-6))
         kw.update(overrides)
         return cls(**kw)
 
@@ -130,13 +131,11 @@ class MTPAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MTPDraft(nn.Module):
-    """Trainable: the two input norms, ``input_proj``, the decoder layer, ``final_layernorm``. Frozen, from
-    the target, never saved: ``embed_tokens``, ``lm_head`` and ``target_norm`` (its final norm)."""
+class MTPLayer(nn.Module):
+    """One MTP step's weights, named as speculators' ``mtp_layers.0`` (and Qwen3-Next's ``mtp.layers.0``)."""
 
     def __init__(self, cfg: MTPConfig):
         super().__init__()
-        self.config = cfg
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.hidden_layernorm = RMSNorm(H, eps)
         self.token_layernorm = RMSNorm(H, eps)
@@ -146,9 +145,30 @@ class MTPDraft(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = GatedMLP(H, cfg.intermediate_size)
         self.final_layernorm = RMSNorm(H, eps)
+
+    def fuse(self, hidden_BTH: torch.Tensor, embeds_BTH: torch.Tensor) -> torch.Tensor:
+        """``input_layernorm(input_proj([token_layernorm(embeds) ; hidden_layernorm(hidden)]))``'s input."""
+        return self.input_proj(torch.cat([self.token_layernorm(embeds_BTH), self.hidden_layernorm(hidden_BTH)], -1))
+
+    def forward(self, hidden_BTH, embeds_BTH, cos, sin, mask=None, past=None) -> torch.Tensor:
+        x = self.fuse(hidden_BTH, embeds_BTH)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.final_layernorm(x)
+
+
+class MTPDraft(nn.Module):
+    """Trainable: ``mtp_layers[0]`` (speculators' names, so a saved folder is its format). Frozen, from
+    the target, never saved: ``embed_tokens``, ``lm_head`` and ``target_norm`` (its final norm)."""
+
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.mtp_layers = nn.ModuleList([MTPLayer(cfg)])
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H).requires_grad_(False)
         self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False).requires_grad_(False)
-        self.target_norm = RMSNorm(H, cfg.target_norm_eps or eps).requires_grad_(False)
+        self.target_norm = RMSNorm(H, cfg.target_norm_eps or cfg.rms_norm_eps).requires_grad_(False)
 
     FROZEN = ("embed_tokens.", "lm_head.", "target_norm.")
 
@@ -172,16 +192,9 @@ class MTPDraft(nn.Module):
         cos, sin = rope_cos_sin(position_ids_BT, inv)
         return cos.to(dtype), sin.to(dtype)
 
-    def _fuse(self, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
-        embed = self.token_layernorm(self.embed_tokens(tokens_BT))
-        return self.input_proj(torch.cat([embed, self.hidden_layernorm(hidden_BTH)], dim=-1))
-
     def step(self, hidden_BTH, tokens_BT, cos, sin, mask=None, past=None) -> torch.Tensor:
         """One MTP step over rows: the output hidden (after ``final_layernorm``)."""
-        x = self._fuse(hidden_BTH, tokens_BT)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return self.final_layernorm(x)
+        return self.mtp_layers[0](hidden_BTH, self.embed_tokens(tokens_BT), cos, sin, mask, past)
 
     def forward(self, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor,
                 position_ids_BT: Optional[torch.Tensor] = None, doc_ids_BT: Optional[torch.Tensor] = None,
@@ -211,7 +224,9 @@ class MTPDraft(nn.Module):
         B, T, _ = hidden_BTH.shape
         pos = torch.arange(cache.length, cache.length + T, device=hidden_BTH.device).expand(B, T)
         cos, sin = self.rope(pos, hidden_BTH.dtype)
-        k, v = self.self_attn.keys_values(self.input_layernorm(self._fuse(hidden_BTH, tokens_BT)), cos, sin)
+        layer = self.mtp_layers[0]
+        x = layer.input_layernorm(layer.fuse(hidden_BTH, self.embed_tokens(tokens_BT)))
+        k, v = layer.self_attn.keys_values(x, cos, sin)
         cache.kv = (k, v) if cache.kv is None else (torch.cat([cache.kv[0], k], 2), torch.cat([cache.kv[1], v], 2))
         cache.length += T
         return cache
