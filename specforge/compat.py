@@ -36,13 +36,14 @@ def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
     """The draft's config.json against the target's: what a draft of another target gets wrong first."""
     name = str(path)
     target_config = text_config(target_config)  # an image-text target: its text tower
-    want_h = int(hf_config.get("target_hidden_size") or hf_config["hidden_size"])
+    sizes = {**(hf_config.get("transformer_layer_config") or {}), **hf_config}  # speculators' format: nested
+    want_h = int(sizes.get("target_hidden_size") or sizes["hidden_size"])
     if want_h != target_config.hidden_size:
         raise ValueError(f"draft {name!r} was trained for a target of hidden size {want_h}, this target has "
                          f"{target_config.hidden_size}: evaluate it with the target it was trained for "
                          "(model.target_path / --target)")
-    if int(hf_config["vocab_size"]) != target_config.vocab_size:
-        raise ValueError(f"draft {name!r} maps into a vocabulary of {hf_config['vocab_size']} tokens, this target has "
+    if int(sizes["vocab_size"]) != target_config.vocab_size:
+        raise ValueError(f"draft {name!r} maps into a vocabulary of {sizes['vocab_size']} tokens, this target has "
                          f"{target_config.vocab_size}: evaluate it with the target it was trained for")
     ids = draft_aux_ids(hf_config) or []
     if ids and max(ids) > target_config.num_hidden_layers - 2:

@@ -176,13 +176,14 @@ class Training(Protocol):
 
     def normalizer(self, draft, batch, step: int) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (summed over micro-batches and ranks): a
-        0-dim tensor on the batch's device, never read to the host (a read is a GPU sync)."""
+        0-dim tensor on the batch's device, or a vector where the loss averages several terms apart
+        (summed entry by entry); never read to the host (a read is a GPU sync)."""
 
     def loss(self, draft, batch, state, step: int,
              normalizer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, counts)`` of one micro-batch: the loss is its share of the global mean when
-        ``normalizer`` (the global sum, a 0-dim float64 tensor on the device) is given; counts are raw
-        float64 sums, reduced once."""
+        ``normalizer`` (the global sum, a float64 tensor on the device, the normalizer's shape) is given;
+        counts are raw float64 sums, reduced once."""
 
     def counts_shape(self) -> tuple[int, int]:
         """The shape of the summed counters."""

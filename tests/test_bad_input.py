@@ -31,6 +31,10 @@ tests/test_parallel_sp.py) | test_target_table |
 test_dflash2_config_error |
 | dflash2: conv group vs hidden size, top-k vs vocab, ring SP | names the key, nothing loaded | \
 test_dflash2_target_table |
+| mtp: bad ``draft.num_speculative_steps``/``step_weight_beta``, ``stitch_target_mtp``, aux ids, vocab, SP | \
+names the key | test_mtp_config_error |
+| mtp: aux ids other than the target's last layer, heads vs kv heads | names the key, nothing loaded | \
+test_mtp_target_table |
 | offline store captured with other aux ids / max_length | refused by the driver, naming the key | \
 test_offline_store_meta_is_checked_by_the_driver |
 | YAML syntax error in the config file | names the file, line and column | test_yaml_syntax_error_names_the_file |
@@ -234,6 +238,42 @@ def test_dflash2_target_table(assets, tmp_path, overrides, pattern):
         return
     with pytest.raises(ValueError, match=pattern):
         check_run(cfg)
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["draft.num_speculative_steps=0"], r"'draft\.num_speculative_steps'=0 must be >= 1"),
+    (["draft.step_weight_beta=0"], r"'draft\.step_weight_beta'=0(\.0)? must be > 0"),
+    (["draft.step_weight_beta=-0.5"], r"'draft\.step_weight_beta'=-0\.5 must be > 0"),
+    (["draft.stitch_target_mtp=true"], r"'draft\.stitch_target_mtp'=true: the target loader drops"),
+    (["model.aux_layer_ids=[1,14,26]"], r"'model\.aux_layer_ids'=\[1, 14, 26\]: an MTP draft reads the target's last"),
+    (["draft.vocab_size=8000"], r"'draft\.vocab_size'=8000 applies to draft\.algorithm=eagle3, not mtp"),
+    (["parallel.sp_ring=2", "train.num_workers=2"], r"'parallel\.sp_ring'=2: MTP has no sequence parallelism"),
+    (["parallel.sp_ulysses=2", "train.num_workers=2"], r"'parallel\.sp_ulysses'=2 .* MTP has no sequence par"),
+    (["draft.block_size=4"], r"draft\.block_size"),
+])
+def test_mtp_config_error(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(None, ["draft.algorithm=mtp", *overrides])
+    # control: the same keys at valid values load
+    cfg = load_config(None, ["draft.algorithm=mtp", "draft.num_speculative_steps=1", "draft.step_weight_beta=2.0",
+                             "draft.stitch_target_mtp=false", "model.aux_layer_ids=[29]"])
+    assert (cfg.draft.num_speculative_steps, cfg.draft.step_weight_beta) == (1, 2.0)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["model.aux_layer_ids=[2]"], r"'model\.aux_layer_ids'=\[2\]: an MTP draft reads the target's last layer alone"),
+    (["draft.num_key_value_heads=5"], r"'draft\.num_key_value_heads'=5 does not divide the"),
+    ([], None),
+])
+def test_mtp_target_table(assets, tmp_path, overrides, pattern):
+    base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers=",
+                                                                             "model.aux_layer_ids="))]
+    cfg = load_config(None, [*base, "draft.algorithm=mtp", "train.num_workers=1", *overrides])
+    if pattern is None:
+        check_run(cfg)
+        return
+    with pytest.raises(ValueError, match=pattern):
+        check_run(cfg)
+
 
 def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):
     from specforge.data.store import FeatureStoreWriter, StoreMeta

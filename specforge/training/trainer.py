@@ -139,6 +139,19 @@ class DraftTrainer:
             counts[: c.shape[0]] += c.to(self.device)
         return self.reduce_sum(counts)
 
+    def _global_normalizer(self, micro_batches: Sequence[TrainBatch]) -> torch.Tensor:
+        """The loss denominator of all micro-batches of all train ranks, on the device (summed there,
+        reduced there, divided there: a host read of it would be one GPU sync a step). An algorithm's
+        normalizer is a 0-dim tensor, or a vector where it averages terms apart (summed entrywise)."""
+        total = None
+        for mb in micro_batches:
+            n = torch.as_tensor(self.algorithm.normalizer(self.draft, mb, self.step_count), dtype=torch.float64,
+                                device=self.device)
+            total = n if total is None else total + n
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+        return self.reduce_sum(total.reshape(-1)).reshape(total.shape)
+
     def step(self, micro_batches: Sequence[TrainBatch]) -> dict[str, float]:
         """One optimizer step over this rank's ``micro_batches``; the loss is normalized by the
         denominator (EAGLE-3: valid rows) of all micro-batches of all train ranks."""
@@ -146,12 +159,7 @@ class DraftTrainer:
         self.draft.train()
         useful = _useful_tokens(micro_batches)
         micro_batches = self.on_device(micro_batches)
-        # the loss denominator stays on the device (summed there, reduced there, divided there): a host
-        # read of it would be one GPU sync a step
-        local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for mb in micro_batches:
-            local += torch.as_tensor(self.algorithm.normalizer(self.draft, mb, self.step_count), device=self.device)
-        total = self.reduce_sum(local)[0]
+        total = self._global_normalizer(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         counts = self._counts(micro_batches, total)
