@@ -201,7 +201,7 @@ def test_the_test_import_check_passes_helpers(source):
 # A name maps to the layer of its longest listed prefix; every module must fall under one.
 LAYERS = {
     0: ("specforge", "specforge.seam", "specforge.registry", "specforge.device", "specforge.cli", "specforge.plot",
-        "specforge.files", "specforge.jsonhttp", "specforge.contracts"),
+        "specforge.files", "specforge.jsonhttp", "specforge.contracts", "specforge.kernels"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
     3: ("specforge.training",),

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import apply_rotary
 from specforge.device import loop_chunk
+from specforge.kernels.soft_ce import soft_ce_rows, soft_ce_rows_reference
 from specforge.models.layers import cast_once
 
 __all__ = [
@@ -196,11 +197,13 @@ class _LinearSoftCE(torch.autograd.Function):
     losses, argmax and the teacher probability of the argmax (metrics), and the logit gradient
     ``softmax(z) - p`` (stored in h's dtype). Backward: two GEMMs scaled by the incoming scalar.
     Returns ``(loss_sum, per-row loss, argmax, teacher prob of argmax)``; only the first is
-    differentiable. ``teacher[tidx]`` are the rows' target distributions.
+    differentiable. ``teacher[tidx]`` are the rows' target distributions. The row-wise part runs as
+    torch ops (``kernels.soft_ce.soft_ce_rows_reference``) or, with ``kernel``, as one fused Triton
+    kernel a chunk (``kernels.soft_ce.soft_ce_rows``).
     """
 
     @staticmethod
-    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int):
+    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int, kernel: bool):
         M = h_MH.shape[0]
         f32 = torch.promote_types(h_MH.dtype, torch.float32)
         G = torch.empty(M, W_NH.shape[0], dtype=h_MH.dtype, device=h_MH.device)
@@ -210,17 +213,13 @@ class _LinearSoftCE(torch.autograd.Function):
         Wt = W_NH.t()
         for c0 in range(0, M, chunk):
             c1 = min(M, c0 + chunk)
-            z = torch.matmul(h_MH[c0:c1], Wt).to(f32)
-            p = teacher_PN.index_select(0, tidx_M[c0:c1]).to(f32)
-            m, am = z.max(dim=-1)
-            pz = (p * z).sum(-1)
-            z.sub_(m.unsqueeze(-1)).exp_()
-            ssum = z.sum(-1)
-            ce[c0:c1] = m + torch.log(ssum) - pz
-            pred[c0:c1] = am
-            acc_p[c0:c1] = p.gather(1, am.unsqueeze(1)).squeeze(1)
-            z.div_(ssum.unsqueeze(-1)).sub_(p)
-            G[c0:c1] = z
+            if kernel:  # the logits land in G's rows and the kernel writes the gradient over them
+                z = torch.matmul(h_MH[c0:c1], Wt, out=G[c0:c1])
+                soft_ce_rows(z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], z))
+            else:
+                z = torch.matmul(h_MH[c0:c1], Wt)
+                soft_ce_rows_reference(z, teacher_PN, tidx_M[c0:c1],
+                                       out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], G[c0:c1]))
         ctx.save_for_backward(h_MH, W_NH, G)
         ctx.mark_non_differentiable(ce, pred, acc_p)
         return ce.sum(), ce, pred, acc_p
@@ -231,7 +230,7 @@ class _LinearSoftCE(torch.autograd.Function):
         g = g.to(G.dtype)
         dh = torch.matmul(G, W) * g if ctx.needs_input_grad[0] else None
         dW = torch.matmul(G.t(), h) * g if ctx.needs_input_grad[1] else None
-        return dh, dW, None, None, None
+        return dh, dW, None, None, None, None
 
 
 # Rows per chunk of the fused loss. CPU: 64 (cache-sized). GPU: as many rows as keep one chunk's
@@ -245,13 +244,24 @@ def loss_chunk(device: torch.device, vocab: int) -> int:
     return loop_chunk(device, LOSS_CHUNK_CPU, max(LOSS_CHUNK_CPU, LOSS_CHUNK_BYTES // (4 * max(vocab, 1))))
 
 
-def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None):
+# The row-wise part of each loss chunk: the torch ops (the default, the measured path) or the fused
+# Triton kernel (``kernels/soft_ce.py``: one launch a chunk instead of about a dozen; not yet measured
+# on a GPU). ``kernel=`` of ``linear_soft_cross_entropy`` / ``soft_ce_kernel=`` of ``ttt_loss`` choose per
+# call; None reads this switch.
+SOFT_CE_KERNEL = False
+
+
+def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None,
+                              kernel: Optional[bool] = None):
     """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``.
 
     Under autocast the matmuls run in the autocast dtype (h and W are cast here unless already in it;
     ``ttt_loss`` hands W in cast once for all its steps: ``models.layers.cast_once``). ``chunk``:
-    rows per iteration, by default ``loss_chunk`` (device-aware).
+    rows per iteration, by default ``loss_chunk`` (device-aware). ``kernel``: the fused Triton kernel
+    for the row-wise part (``kernels.soft_ce.available(device)`` must hold; fp32/bf16/fp16 only;
+    default ``SOFT_CE_KERNEL``).
     """
+    kernel = SOFT_CE_KERNEL if kernel is None else kernel
     chunk = chunk or loss_chunk(h_MH.device, W_NH.shape[0])
     dev = h_MH.device.type
     if torch.is_autocast_enabled(dev):
@@ -261,7 +271,7 @@ def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[in
         dt = torch.promote_types(h_MH.dtype, W_NH.dtype)
         h_MH, W_NH = h_MH.to(dt), W_NH.to(dt)
     with torch.autocast(dev, enabled=False):
-        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk))
+        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk), bool(kernel))
 
 
 def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch.Tensor:
@@ -344,6 +354,7 @@ def ttt_loss(
     num_valid_global: Optional[float | torch.Tensor] = None,
     num_rows: Optional[int] = None,
     softcap: Optional[float] = None,
+    soft_ce_kernel: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The TTT loss of one batch (fast path) and its counters: ``(loss, counts_L4)``, float64
     ``[ttt_length, 4]`` with the columns :data:`COUNTERS`.
@@ -352,7 +363,8 @@ def ttt_loss(
     ``last_hidden_BTH``, ``target_ids_BT``; optional ``position_ids_BT`` (default ``arange(T)``).
     Right padding must carry ``loss_mask`` 0. ``num_rows`` (default: ``batch.num_rows`` if
     present): sequence-parallel slice mode, see the module docstring. ``softcap``: the target's
-    final logit soft-cap, applied to the teacher's logits (``teacher_probs``).
+    final logit soft-cap, applied to the teacher's logits (``teacher_probs``). ``soft_ce_kernel``: the
+    fused Triton kernel for the loss's row-wise part (``linear_soft_cross_entropy``'s ``kernel``).
     """
     ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
@@ -382,7 +394,8 @@ def ttt_loss(
         h_rows = draft.norm(hidden.reshape(B * Ti, -1)[rows_bt])
         if not lm_head:
             lm_head.append(cast_once(draft.lm_head.weight))
-        ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, lm_head[0](), teacher, pos_map[flat_p])
+        ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, lm_head[0](), teacher, pos_map[flat_p],
+                                                            kernel=soft_ce_kernel)
         with torch.no_grad():
             counts[i, 0] = rows_bt.numel()
             counts[i, 1] = ((pred + draft.d2t[pred]) == target_flat[flat_p]).sum()
