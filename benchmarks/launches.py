@@ -362,9 +362,13 @@ def ours_side(T: int, attention: str = "sdpa"):
     both are tried. ``flex``: each flex_attention call a stand-in counted as one fused launch each way
     (as v0.2.0's), its block masks built anew every step (a new shape: padded rows of another length);
     ``flex:cached``: the masks of the warm-up step reused (rows of one fixed length: a step's span is
-    rounded up to whole blocks, so its shapes recur)."""
+    rounded up to whole blocks, so its shapes recur). A ``+triton`` suffix: the loss's row-wise part
+    through the fused soft-CE kernel (``kernels/soft_ce.py``), run here as its torch twin marked as one
+    Triton launch a chunk, as v0.2.0's loss kernels are counted."""
+    attention, *extras = attention.split("+")
     cached = attention.endswith(":cached")
     attention = attention.split(":")[0]
+    kernel = "triton" in extras
     from specforge.algorithms.eagle3.algorithm import ALGORITHM, Eagle3Options
     from specforge.algorithms.eagle3.loss import TeacherHead
     from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -398,7 +402,26 @@ def ours_side(T: int, attention: str = "sdpa"):
             core._block_mask.cache_clear()
         trainer.step([batch])
 
-    return step, lambda: optimizer_steps(trainer.optimizer), (gpu_loops if attention != "flex" else flex_gpu_loops)
+    loops = gpu_loops if attention != "flex" else flex_gpu_loops
+    return step, lambda: optimizer_steps(trainer.optimizer), (lambda: soft_ce_kernel(loops)) if kernel else loops
+
+
+@contextlib.contextmanager
+def soft_ce_kernel(loops):
+    """``loops()``, and the fused loss's chunks through the soft-CE kernel: its torch twin, one Triton launch."""
+    from specforge.algorithms.eagle3 import loss as loss_module
+
+    def launch(z, teacher, tidx, out=None, g_dtype=None):
+        with fused(TRITON + "soft_ce_rows"):
+            return loss_module.soft_ce_rows_reference(z, teacher, tidx, out=out, g_dtype=g_dtype)
+
+    saved = loss_module.SOFT_CE_KERNEL, loss_module.soft_ce_rows
+    loss_module.SOFT_CE_KERNEL, loss_module.soft_ce_rows = True, launch
+    try:
+        with loops():
+            yield
+    finally:
+        loss_module.SOFT_CE_KERNEL, loss_module.soft_ce_rows = saved
 
 
 @contextlib.contextmanager
