@@ -364,11 +364,12 @@ def ours_side(T: int, attention: str = "sdpa"):
     ``flex:cached``: the masks of the warm-up step reused (rows of one fixed length: a step's span is
     rounded up to whole blocks, so its shapes recur). A ``+triton`` suffix: the loss's row-wise part
     through the fused soft-CE kernel (``kernels/soft_ce.py``), run here as its torch twin marked as one
-    Triton launch a chunk, as v0.2.0's loss kernels are counted."""
+    Triton launch a chunk, as v0.2.0's loss kernels are counted. ``+norm``: RMSNorm's math as
+    ``models.layers.COMPILE_NORM`` runs it on a GPU, each call a compiled region counted as v0.2.0's."""
     attention, *extras = attention.split("+")
     cached = attention.endswith(":cached")
     attention = attention.split(":")[0]
-    kernel = "triton" in extras
+    kernel, norm = "triton" in extras, "norm" in extras
     from specforge.algorithms.eagle3.algorithm import ALGORITHM, Eagle3Options
     from specforge.algorithms.eagle3.loss import TeacherHead
     from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -403,7 +404,30 @@ def ours_side(T: int, attention: str = "sdpa"):
         trainer.step([batch])
 
     loops = gpu_loops if attention != "flex" else flex_gpu_loops
-    return step, lambda: optimizer_steps(trainer.optimizer), (lambda: soft_ce_kernel(loops)) if kernel else loops
+    with_kernel = (lambda: soft_ce_kernel(loops)) if kernel else loops
+    context = (lambda: compiled_norm(with_kernel)) if norm else with_kernel
+    return step, lambda: optimizer_steps(trainer.optimizer), context
+
+
+@contextlib.contextmanager
+def compiled_norm(inner):
+    """``inner()``, and RMSNorm's forward and backward math each a compiled region (``COMPILE_NORM``)."""
+    from specforge.models import layers
+
+    def marked(name, fn):
+        def run(*args, **kwargs):
+            with fused(COMPILED + name):
+                return fn(*args, **kwargs)
+        return run
+
+    saved = layers._norm_math
+    fwd, bwd = marked("rms_norm", layers._rms_norm_fwd), marked("rms_norm backward", layers._rms_norm_bwd)
+    layers._norm_math = lambda device_type, compiled=None: (fwd, bwd)
+    try:
+        with inner():
+            yield
+    finally:
+        layers._norm_math = saved
 
 
 @contextlib.contextmanager

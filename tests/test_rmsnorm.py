@@ -69,3 +69,26 @@ def test_it_keeps_its_input_and_the_row_scale_as_the_memory_model_counts():
     assert ours == rows * norm_saved(H, StepPrecision(compute=2)) == rows * (2 * H + 4)
     ref = _saved_bytes(lambda a: reference(a, norm.weight, norm.eps), x) - norm.weight.numel() * 4
     assert ref == rows * (8 * H + 4)
+
+
+@pytest.mark.parametrize("xd, wd", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_the_compiled_math_equals_the_eager_math(xd, wd):
+    """``COMPILE_NORM``'s path (torch.compile of the forward and backward math; on a GPU only), compiled
+    here by inductor for the CPU: outputs and gradients equal the eager math's (bf16 to one rounding).
+    Control: the compiled forward of another eps is told apart."""
+    pytest.importorskip("torch._inductor")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 7, 64, generator=g) * 2).to(xd)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(wd)
+    dy = torch.randn(3, 7, 64, generator=g).to(xd)
+    out = {}
+    for compiled in (False, True):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = _RMSNormFn.apply(xx, ww, 1e-5, compiled)
+        y.backward(dy)
+        out[compiled] = (y.detach(), xx.grad, ww.grad)
+    tol = 0 if xd == torch.float32 else 1e-2
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol or 1e-5, atol=tol or 1e-5)
+    y_other = _RMSNormFn.apply(x, w, 1e-1, True)
+    assert not torch.allclose(y_other.float(), out[False][0].float(), rtol=1e-3, atol=1e-3)
