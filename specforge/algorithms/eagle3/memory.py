@@ -101,9 +101,9 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     # rows step i computes (loss._step_rows)
     rows = [s.R if sp else min(s.T, -(-max(s.T - 2 - i, 1) // mult) * mult) for i in range(L)]
     k0rows = s.ulysses * rows[0] if uly else rows[0]  # step-0 keys inside the core
-    saved = dict.fromkeys(("norms (fp32 copies) + RoPE", "layer inputs (16-bit)", "q/k/v", "attention core (q, out, "
-                           "diagonal k/v)", "causal-block probabilities", "MLP (gate, up, act, product)",
-                           "loss head (rows, logit gradients)"), 0)
+    saved = dict.fromkeys(("norms (inputs, row scales) + RoPE", "layer inputs (16-bit)", "q/k/v",
+                           "attention core (q, out, diagonal k/v)", "causal-block probabilities",
+                           "MLP (gate, up, act, product)", "loss head (rows, logit gradients)"), 0)
     fwd_only = 0
     last = {}  # the last step's tensors the backward frees before its attention backward
     for i, n_rows in enumerate(rows):
@@ -113,7 +113,7 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         inputs = 2 * d.H * c * n  # q/k/v's and the MLP's inputs (o_proj's is the core's output)
         mlp = 4 * d.I * c * n
         head = (norm_saved(d.H, p) + c * d.H + c * d.N + 8) * n  # norm, its output, G = softmax - p, row ids
-        saved["norms (fp32 copies) + RoPE"] += norms
+        saved["norms (inputs, row scales) + RoPE"] += norms
         saved["layer inputs (16-bit)"] += inputs
         saved["MLP (gate, up, act, product)"] += mlp
         saved["loss head (rows, logit gradients)"] += head
