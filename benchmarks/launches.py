@@ -365,11 +365,12 @@ def ours_side(T: int, attention: str = "sdpa"):
     rounded up to whole blocks, so its shapes recur). A ``+triton`` suffix: the loss's row-wise part
     through the fused soft-CE kernel (``kernels/soft_ce.py``), run here as its torch twin marked as one
     Triton launch a chunk, as v0.2.0's loss kernels are counted. ``+norm``: RMSNorm's math as
-    ``models.layers.COMPILE_NORM`` runs it on a GPU, each call a compiled region counted as v0.2.0's."""
+    ``models.layers.COMPILE_NORM`` runs it on a GPU, each call a compiled region counted as v0.2.0's;
+    ``+rotary``: ``apply_rotary`` as ``COMPILE_ROTARY`` runs it, likewise."""
     attention, *extras = attention.split("+")
     cached = attention.endswith(":cached")
     attention = attention.split(":")[0]
-    kernel, norm = "triton" in extras, "norm" in extras
+    kernel, norm, rotary = "triton" in extras, "norm" in extras, "rotary" in extras
     from specforge.algorithms.eagle3.algorithm import ALGORITHM, Eagle3Options
     from specforge.algorithms.eagle3.loss import TeacherHead
     from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
@@ -405,8 +406,28 @@ def ours_side(T: int, attention: str = "sdpa"):
 
     loops = gpu_loops if attention != "flex" else flex_gpu_loops
     with_kernel = (lambda: soft_ce_kernel(loops)) if kernel else loops
-    context = (lambda: compiled_norm(with_kernel)) if norm else with_kernel
+    with_norm = (lambda: compiled_norm(with_kernel)) if norm else with_kernel
+    context = (lambda: compiled_rotary(with_norm)) if rotary else with_norm
     return step, lambda: optimizer_steps(trainer.optimizer), context
+
+
+@contextlib.contextmanager
+def compiled_rotary(inner):
+    """``inner()``, and each ``apply_rotary`` a compiled region (``COMPILE_ROTARY``), its backward apart."""
+    from specforge.models import layers
+
+    saved = layers._rotary
+
+    def run(*args):
+        with fused(COMPILED + "apply_rotary"):
+            return saved(*args)
+
+    layers._rotary = run
+    try:
+        with inner():
+            yield
+    finally:
+        layers._rotary = saved
 
 
 @contextlib.contextmanager

@@ -152,10 +152,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """Rotate heads ``[B, heads, T, D]`` by ``cos``/``sin`` ``[B, T, D]`` (cast to ``x``'s dtype)."""
+def _rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_BTD.unsqueeze(1).to(x_BHTD.dtype), sin_BTD.unsqueeze(1).to(x_BHTD.dtype)
     return x_BHTD * cos + rotate_half(x_BHTD) * sin
+
+
+# apply_rotary compiled (torch.compile: one fused kernel each way instead of ~9 launches) on a CUDA
+# device when True. Off by default, as COMPILE_NORM: not yet measured on a GPU.
+COMPILE_ROTARY = False
+
+
+def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor,
+                 compiled: Optional[bool] = None) -> torch.Tensor:
+    """Rotate heads ``[B, heads, T, D]`` by ``cos``/``sin`` ``[B, T, D]`` (cast to ``x``'s dtype);
+    ``compiled`` (default: ``COMPILE_ROTARY`` on CUDA) runs it through torch.compile."""
+    if compiled if compiled is not None else (COMPILE_ROTARY and x_BHTD.device.type == "cuda"):
+        return _compiled(_rotary)(x_BHTD, cos_BTD, sin_BTD)
+    return _rotary(x_BHTD, cos_BTD, sin_BTD)
 
 
 class _UseOfCast(torch.autograd.Function):
