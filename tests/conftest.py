@@ -22,6 +22,10 @@ def pytest_configure(config):
         from specforge.device import FORCE_ENV
 
         os.environ.setdefault(FORCE_ENV, "cpu")
+        # the CPU suite runs Triton kernels in Triton's interpreter (tests/test_soft_ce_kernel.py); triton.jit
+        # reads this when it decorates, so it is set before any test imports triton (torch's inductor
+        # imports it: a compiled test run earlier would leave triton's own helpers uninterpreted)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # ``SPECFORGE_GPU_REHEARSAL=cpu bash scripts/test.sh -m gpu`` runs the GPU suite's single-GPU entry-point
