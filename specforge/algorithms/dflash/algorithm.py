@@ -199,6 +199,12 @@ class DFlash(Binds):
         valid = self._blocks(draft, batch, step)[3]
         return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
+    @staticmethod
+    def loss_normalizer(normalizer: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+        """The global denominator as the block losses divide by it: fp32 on the device (None: the
+        micro-batch's own). DSpark and DFlash2 divide by it too."""
+        return None if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32, device=device)
+
     def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
         c = draft.config
         anchors, keep, labels, valid, ring = self._blocks(draft, batch, step)
@@ -208,7 +214,7 @@ class DFlash(Binds):
                            getattr(batch, "doc_ids_BT", None))
         else:
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, batch.position_ids_BT, ring=ring)
-        norm = None if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device)
+        norm = self.loss_normalizer(normalizer, hidden.device)
         return block_loss(draft.logits, hidden, labels, valid, self.opt.loss_gamma, norm, CHUNK_BLOCKS)
 
     def counts_shape(self) -> tuple[int, int]:

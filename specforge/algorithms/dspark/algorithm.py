@@ -106,8 +106,7 @@ class DSpark(ShiftedBlocks, DFlash):
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
         def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
-            norm = (None if normalizer is None
-                    else torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device))
+            norm = self.loss_normalizer(normalizer, hidden.device)
             return dspark_block_loss(module, hidden, batch, anchors, labels, valid, prev_pos, gamma=d.loss_gamma,
                                      kl_weight=d.kl_weight, ce_weight=d.ce_weight,
                                      confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
