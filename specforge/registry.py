@@ -21,7 +21,7 @@ __all__ = ["NAMES", "get_algorithm", "bound_algorithm", "algorithm_of", "algorit
            "load_draft", "by_gguf", "published_algorithm_name", "read_draft_config"]
 
 # each name is a package specforge/algorithms/<name>/ exposing ALGORITHM
-NAMES = ("eagle3", "dflash", "dspark", "eagle31", "peagle", "dflash2", "mtp")
+NAMES = ("eagle3", "dflash", "dspark", "eagle31", "peagle", "dflash2", "mtp", "xpress")
 
 
 def get_algorithm(name: str) -> DraftAlgorithm:

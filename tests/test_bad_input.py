@@ -35,6 +35,9 @@ test_dflash2_target_table |
 names the key | test_mtp_config_error |
 | mtp: aux ids other than the target's last layer, heads vs kv heads | names the key, nothing loaded | \
 test_mtp_target_table |
+| xpress: bad ``draft.refiner_*``/``jacobi_passes``/``consistency_*``/loss weights, no loss term, passes 0 \
+with a consistency weight, ce_from_data without CE, a sliding window | names the key | test_xpress_config_error |
+| xpress: ring SP | names the key, nothing loaded | test_xpress_target_table |
 | offline store captured with other aux ids / max_length | refused by the driver, naming the key | \
 test_offline_store_meta_is_checked_by_the_driver |
 | YAML syntax error in the config file | names the file, line and column | test_yaml_syntax_error_names_the_file |
@@ -268,6 +271,50 @@ def test_mtp_target_table(assets, tmp_path, overrides, pattern):
     base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers=",
                                                                              "model.aux_layer_ids="))]
     cfg = load_config(None, [*base, "draft.algorithm=mtp", "train.num_workers=1", *overrides])
+    if pattern is None:
+        check_run(cfg)
+        return
+    with pytest.raises(ValueError, match=pattern):
+        check_run(cfg)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["draft.refiner_rank=0"], r"'draft\.refiner_rank'=0 must be >= 1"),
+    (["draft.refiner_mlp_ratio=0"], r"'draft\.refiner_mlp_ratio'=0 must be >= 1"),
+    (["draft.jacobi_passes=-1"], r"'draft\.jacobi_passes'=-1 must be >= 0"),
+    (["draft.consistency_passes=-1"], r"'draft\.consistency_passes'=-1 must be >= 0"),
+    (["draft.consistency_weight=-0.5"], r"'draft\.consistency_weight'=-0\.5 must be >= 0"),
+    (["draft.anchor_weight=-1"], r"'draft\.anchor_weight'=-1(\.0)? must be >= 0"),
+    (["draft.ce_weight=-1"], r"'draft\.ce_weight'=-1(\.0)? must be >= 0"),
+    (["draft.tv_weight=-1"], r"'draft\.tv_weight'=-1(\.0)? must be >= 0"),
+    (["draft.kl_weight=-1"], r"'draft\.kl_weight'=-1(\.0)? must be >= 0"),
+    (["draft.loss_gamma=0"], r"'draft\.loss_gamma'=0(\.0)? must be > 0"),
+    (["draft.block_size=1"], r"'draft\.block_size'=1 must be >= 2"),
+    (["draft.ce_weight=0", "draft.tv_weight=0"], r"'draft\.ce_weight', 'draft\.tv_weight' and 'draft\.kl_weight' "
+                                                 r"are all 0"),
+    (["draft.consistency_passes=0"], r"'draft\.consistency_passes'=0 with 'draft\.consistency_weight'=0\.3"),
+    (["draft.ce_from_data=true", "draft.ce_weight=0"], r"'draft\.ce_from_data'=true with 'draft\.ce_weight'=0"),
+    (["draft.sliding_window=16"], r"'draft\.sliding_window'=16 applies to draft\.algorithm=dflash, not xpress"),
+    (["draft.selector_rank=8"], r"'draft\.selector_rank'=8 applies to draft\.algorithm=dflash2, not xpress"),
+])
+def test_xpress_config_error(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(None, ["draft.algorithm=xpress", *overrides])
+    # control: the same keys at valid values load
+    cfg = load_config(None, ["draft.algorithm=xpress", "draft.refiner_rank=1", "draft.jacobi_passes=0",
+                             "draft.consistency_passes=0", "draft.consistency_weight=0", "draft.ce_weight=0",
+                             "draft.tv_weight=0", "draft.kl_weight=1", "draft.anchor_weight=0"])
+    assert (cfg.draft.refiner_rank, cfg.draft.jacobi_passes, cfg.draft.kl_weight) == (1, 0, 1.0)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["parallel.sp_ring=2", "train.num_workers=2"], r"XPress has no sequence parallelism"),
+    (["parallel.sp_ulysses=2", "train.num_workers=2"], r"XPress has no Ulysses sequence parallelism"),
+    (["draft.refiner_rank=4", "draft.block_size=3"], None),
+])
+def test_xpress_target_table(assets, tmp_path, overrides, pattern):
+    base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers="))]
+    cfg = load_config(None, [*base, "draft.algorithm=xpress", "train.num_workers=1", *overrides])
     if pattern is None:
         check_run(cfg)
         return

@@ -1,4 +1,4 @@
-"""train.pack_tokens for the block and parallel drafts: DFlash, DSpark, DFlash2, P-EAGLE.
+"""train.pack_tokens for the block and parallel drafts: DFlash, DSpark, DFlash2, XPress, P-EAGLE.
 
 As tests/test_packing.py does for EAGLE-3: the reference is the unpacked run (the same samples
 right-padded, one per row). Through each algorithm's hooks (``normalizer``, ``loss``) the packed
@@ -21,6 +21,8 @@ from specforge.algorithms.dspark.algorithm import DSparkOptions
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
 from specforge.algorithms.peagle.algorithm import PEagleOptions
 from specforge.algorithms.peagle.model import PEagleDraft, PEagleDraftConfig
+from specforge.algorithms.xpress.algorithm import XPressOptions
+from specforge.algorithms.xpress.model import XPressConfig, XPressDraft
 from specforge.config import Config, TrainConfig, load_config
 from specforge.models.features import TrainBatch
 from specforge.registry import get_algorithm
@@ -32,7 +34,7 @@ LENGTHS = (13, 21, 9, 17)  # samples of uneven length (two micro-batches of two)
 BUDGET = 40  # rows of 34 and 26 tokens
 STEP = 3
 PV, PN, PH = 300, 100, 64  # P-EAGLE: target vocab, draft vocab, hidden (the target's)
-ALGOS = ["dflash", "dflash_window", "dspark", "dflash2", "peagle"]
+ALGOS = ["dflash", "dflash_window", "dspark", "dflash2", "xpress", "peagle"]
 
 
 def _cfg(name, **train):
@@ -40,6 +42,9 @@ def _cfg(name, **train):
     if name == "dflash2":
         d = DFlash2Options(algorithm="dflash2", block_size=4, num_anchors=3, num_layers=2, selector_rank=8,
                            selector_top_k=8, ce_weight=0.5)
+    elif name == "xpress":
+        d = XPressOptions(algorithm="xpress", block_size=4, num_anchors=3, num_layers=2, refiner_rank=8,
+                          consistency_passes=2, kl_weight=0.2, anchor_full_weight=True)
     elif name.startswith("dflash"):
         window = 5 if name == "dflash_window" else None
         d = DFlashOptions(algorithm="dflash", block_size=4, num_anchors=3, num_layers=2, sliding_window=window)
@@ -75,6 +80,12 @@ def _draft(name, dtype):
             for pname, p in d.named_parameters():
                 if "_conv." in pname:
                     p.add_(0.1 * torch.randn_like(p))
+    elif name == "xpress":
+        base = tiny_cfg()
+        d = XPressDraft(XPressConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                     refiner_rank=8))
+        with torch.no_grad():  # a causal mix away from 0: rows of a block mix
+            d.refiner_head.mix_l.normal_(0.0, 0.3)
     else:
         d = DFlashDraft(tiny_cfg(sliding_window=window))
     with torch.no_grad():  # non-trivial norms and a lm_head that is not near uniform
@@ -233,7 +244,7 @@ def test_a_packed_row_without_its_doc_ids_gives_another_loss(name):
 # ---------------------------------------------------------------- the trainer's step
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "peagle"])
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "xpress", "peagle"])
 def test_trainer_steps_packed_equal_unpacked(name):
     """Two optimizer steps of the trainer, packed and unpacked, on the same micro-batches: the same
     metrics and weights (fp32)."""
@@ -257,7 +268,8 @@ def test_trainer_steps_packed_equal_unpacked(name):
         # of up to ~lr: an odd entry may move 1e-4 (P-EAGLE's, seen); every other one agrees to 1e-6
         torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-4)
         odd = ((p1[k] - p0[k]).abs() > 1e-6).float()
-        if name == "dflash2":  # one odd entry of a small tensor (its selector projection's 256) is over 1e-3 of it
+        if name in ("dflash2", "xpress"):  # one odd entry of a small tensor (DFlash2's selector projection's 256,
+            # XPress's token embedding's 776) is over 1e-3 of it
             assert int(odd.sum()) <= max(1, 1e-3 * p0[k].numel()), k
         else:
             assert odd.mean() < 1e-3, k
@@ -302,7 +314,7 @@ def test_a_packed_row_counts_the_anchors_of_all_its_samples():
 # ---------------------------------------------------------------- what is refused
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "dflash2", "peagle"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "dflash2", "xpress", "peagle"])
 def test_block_and_parallel_drafts_pack_but_not_with_sp(algorithm):
     base = ["data.max_length=512", "train.pack_tokens=4096", f"draft.algorithm={algorithm}"]
     load_config(None, base)
