@@ -1,4 +1,5 @@
-"""Layers every draft algorithm shares: RMSNorm, the gated (SwiGLU) MLP, ONE rotary embedding, and
+"""Layers every draft algorithm shares: RMSNorm, the gated (SwiGLU) MLP (each with a backward of its own
+that keeps less than autograd would), ONE rotary embedding, and
 ``cast_once`` (a weight read by every step of an unroll cast to the autocast dtype once, not per use).
 
 Legend: B batch, T tokens, H hidden, D head dim, I the MLP's inner width.
@@ -109,7 +110,27 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SiluMulFn.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class _SiluMulFn(torch.autograd.Function):
+    """SwiGLU's ``silu(g) * u`` with a backward of its own that keeps ``g`` and ``u`` only and recomputes
+    ``silu(g)`` (autograd through the two ops keeps ``silu(g)`` too: one more I-wide tensor per row, a
+    quarter of the MLP's saved activations). The forward is the same two ops, and the backward the same
+    kernels autograd runs (``silu_backward``, the two products), so values and gradients are bit for bit
+    autograd's (tests/test_gated_mlp.py)."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dp):
+        g, u = ctx.saved_tensors
+        du = dp * F.silu(g) if ctx.needs_input_grad[1] else None
+        dg = torch.ops.aten.silu_backward(dp * u, g) if ctx.needs_input_grad[0] else None
+        return dg, du
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, device=None) -> torch.Tensor:

@@ -57,7 +57,7 @@ def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
     per_layer = (2 * blk_norm + (3 + 2) * c * d.H  # norms; 16-bit copies of the normed stream for q, k, v, gate, up
                  + norm_saved(Fq, p) + norm_saved(Fk, p)  # q_norm, k_norm
                  + 2 * c * Fq + 4 * d.Hq + c * Fk * 2  # SDPA's q copy, out, lse; the block's k (16-bit), v
-                 + 4 * c * d.I) * m  # MLP
+                 + 3 * c * d.I) * m  # MLP: gate, up, down_proj's input (silu recomputed)
     blocks = d.layers * per_layer + (blk_norm + 8 * d.D) * m  # final norm (its fp32 output is the hidden); fp32 cos/sin
     mask = d.layers * c * B * Q * (T + Q)  # each layer's SDPA keeps the block mask additive, in the compute dtype
     kv_cat = d.layers * 2 * c * Fk * B * Q  # the block rows' part of each layer's concatenated keys/values

@@ -103,7 +103,7 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     k0rows = s.ulysses * rows[0] if uly else rows[0]  # step-0 keys inside the core
     saved = dict.fromkeys(("norms (inputs, row scales) + RoPE", "layer inputs (16-bit)", "q/k/v",
                            "attention core (q, out, diagonal k/v)", "causal-block probabilities",
-                           "MLP (gate, up, act, product)", "loss head (rows, logit gradients)"), 0)
+                           "MLP (gate, up, product)", "loss head (rows, logit gradients)"), 0)
     fwd_only = 0
     last = {}  # the last step's tensors the backward frees before its attention backward
     for i, n_rows in enumerate(rows):
@@ -111,11 +111,11 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         qrows = s.ulysses * n_rows if uly else n_rows  # rows inside the core (a Ulysses group's range)
         norms = 2 * norm_saved(d.H, p) * n + 4 * c * d.D * n  # hidden_norm, post-attention norm; cos/sin copies
         inputs = 2 * d.H * c * n  # q/k/v's and the MLP's inputs (o_proj's is the core's output)
-        mlp = 4 * d.I * c * n
+        mlp = 3 * d.I * c * n  # gate, up, down_proj's input (layers._SiluMulFn recomputes silu)
         head = (norm_saved(d.H, p) + c * d.H + c * d.N + 8) * n  # norm, its output, G = softmax - p, row ids
         saved["norms (inputs, row scales) + RoPE"] += norms
         saved["layer inputs (16-bit)"] += inputs
-        saved["MLP (gate, up, act, product)"] += mlp
+        saved["MLP (gate, up, product)"] += mlp
         saved["loss head (rows, logit gradients)"] += head
         if i == 0 or uly:  # step 0's qkv (v0 is a view of it) and rotated k; the Ulysses cache keeps every step's
             saved["q/k/v"] += (d.Fqkv + d.Fk) * c * n

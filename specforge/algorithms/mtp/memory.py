@@ -43,7 +43,7 @@ def mtp_step(d: MTPDims, B: int, T: int, p: StepPrecision, packed: bool) -> dict
     layer = (2 * norm_saved(d.H, p) + 2 * c * d.H  # input / post-attention norms and their outputs
              + norm_saved(Fq, p) + norm_saved(Fk, p) + c * (Fq + 2 * Fk)  # q/k head norms; q, k, v
              + c * Fq + 4 * d.Hq  # SDPA's output and log-sum-exp
-             + 4 * c * d.I)  # MLP: gate, up, their product, the activation
+             + 3 * c * d.I)  # MLP: gate, up, their product (silu recomputed)
     final = norm_saved(d.H, p) + c * d.H
     acts = Term(f"activations: {d.S} MTP steps (input norms and projection, decoder layer, final norm)",
                 d.S * n * (fuse + layer + final))
