@@ -35,6 +35,7 @@ from specforge.algorithms.eagle3.loss import ttt_loss  # noqa: E402
 from specforge.config import Config  # noqa: E402
 from specforge.device import autocast, synchronize  # noqa: E402
 from specforge.memory import DraftParams, SeqShape, StepPrecision  # noqa: E402
+from specforge.models.layers import hold_frozen_tables  # noqa: E402
 from specforge.models.features import TrainBatch  # noqa: E402
 from specforge.registry import get_algorithm  # noqa: E402
 from specforge.training.slicing import pack_micro_batches  # noqa: E402
@@ -125,6 +126,9 @@ def main() -> int:
     rows = []
     for attention in args.attention.split(","):
         draft = make_draft(shape["draft_vocab"], dict(shape), attention).to(device)
+        with torch.no_grad():  # the embedding as copied from a bf16 target, held in bf16 as DraftTrainer holds it
+            draft.embed_tokens.weight.copy_(draft.embed_tokens.weight.bfloat16())
+        hold_frozen_tables(draft, torch.bfloat16)
         opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4,
                                 fused=device.type == "cuda")
         W = (torch.randn(shape["draft_vocab"], shape["hidden"]) * 0.02).bfloat16().to(device)

@@ -240,13 +240,21 @@ class DraftParams:
     buffer_bytes: int
     largest: int
 
+    tables16: bool = False  # the frozen tables held in 16 bits (models.layers.hold_frozen_tables)
+
     @classmethod
-    def of(cls, draft) -> "DraftParams":
+    def of(cls, draft, tables16: bool = False) -> "DraftParams":
+        """``tables16``: the run computes under a bf16 autocast from a bf16 target, so the trainer holds
+        the frozen fp32 tables (``models.layers.frozen_tables``) in bf16: 2 bytes an element."""
         train = [p for p in draft.parameters() if p.requires_grad]
-        return cls(sum(p.numel() for p in train),
-                   sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad),
-                   sum(b.numel() * b.element_size() for b in draft.buffers()),
-                   max((p.numel() for p in train), default=0))
+        frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
+        if tables16:
+            from specforge.models.layers import frozen_tables  # lazy: keeps specforge.memory torch-free
+
+            frozen -= sum(m.weight.numel() * (m.weight.element_size() - 2) for m in frozen_tables(draft)
+                          if m.weight.element_size() == 4)
+        return cls(sum(p.numel() for p in train), frozen, sum(b.numel() * b.element_size() for b in draft.buffers()),
+                   max((p.numel() for p in train), default=0), tables16)
 
 
 def train_phases(params: DraftParams, p: StepPrecision, step: dict[str, list[Term]], features: int,
@@ -284,7 +292,8 @@ def draft_held(params: DraftParams, p: StepPrecision, state_bytes: int) -> list[
     shard = -(-params.trainable // p.world)
     where = f"sharded over {p.world}" if p.world > 1 else "one rank"
     return [Term(f"draft params (fp32, {where})", 4 * shard),
-            Term("frozen draft params (full replica on every rank, fp32)", params.frozen_bytes),
+            Term("frozen draft params (full replica on every rank, fp32" + ("; the tables bf16)" if params.tables16
+                                                                             else ")"), params.frozen_bytes),
             Term(f"AdamW m, v (fp32, {where})", 8 * shard),
             Term("buffers (d2t, t2d, RoPE) + train state (teacher rows, fp32)", params.buffer_bytes + state_bytes)]
 
@@ -378,7 +387,8 @@ def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares:
     p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo() - 1, 0))
-    params = DraftParams.of(draft)
+    # the trainer holds the target's frozen tables in bf16 when it computes in bf16 from a bf16 target
+    params = DraftParams.of(draft, tables16=compute == 2 and str(target.model.dtype) == "torch.bfloat16")
     # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
     # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
     # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)

@@ -123,8 +123,9 @@ def test_frozen_parameters_are_whole_on_every_rank():
         return {t.name: t.nbytes for t in dev.held}
 
     two, six = held(2), held(6)
-    frozen = "frozen draft params (full replica on every rank, fp32)"
-    assert two[frozen] == six[frozen] > 5 * memory.GiB  # 262k x 5376 fp32
+    # a bf16 run from a bf16 target: the trainer holds the embedding in bf16 (models.layers.hold_frozen_tables)
+    frozen = "frozen draft params (full replica on every rank, fp32; the tables bf16)"
+    assert two[frozen] == six[frozen] > 2.5 * memory.GiB  # 262k x 5376 bf16
     assert abs(two["draft params (fp32, sharded over 2)"] / six["draft params (fp32, sharded over 6)"] - 3) < 0.01
 
 

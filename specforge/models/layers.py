@@ -133,6 +133,44 @@ class _SiluMulFn(torch.autograd.Function):
         return dg, du
 
 
+def frozen_tables(module: nn.Module) -> list[nn.Module]:
+    """The draft's frozen tables: ``nn.Embedding`` and ``nn.Linear`` modules whose weight takes no
+    gradient (the target's embedding and lm_head a draft copies: EAGLE-3's embedding, DFlash's both)."""
+    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.Linear)) and not m.weight.requires_grad
+            and getattr(m, "bias", None) is None]
+
+
+def _lookup_in(dtype: torch.dtype) -> Callable:
+    def hook(mod, args, out):
+        return out.to(dtype)
+    return hook
+
+
+def hold_frozen_tables(module: nn.Module, dtype: Optional[torch.dtype]) -> int:
+    """Store each frozen table (``frozen_tables``) in the 16-bit autocast ``dtype`` where that holds its
+    values exactly (a table copied from a target loaded in ``dtype``): half the bytes, the same values.
+    An embedding's lookups come back in the dtype the table had, so what they feed computes as before;
+    a linear layer under autocast casts its weight to ``dtype`` anyway (now a no-op, no cached copy).
+    Under ``dtype`` None (fp32 compute), or for a table ``dtype`` would round, nothing changes.
+    Returns the bytes saved (tests/test_frozen_tables.py; the memory model: ``memory.DraftParams.of``)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    saved = 0
+    for m in frozen_tables(module):
+        W = m.weight
+        if W.dtype != torch.float32:
+            continue
+        with torch.no_grad():
+            Wc = W.to(dtype)
+            if not torch.equal(Wc.to(W.dtype), W):
+                continue
+            saved += W.nbytes - Wc.nbytes
+            if isinstance(m, nn.Embedding):
+                m.register_forward_hook(_lookup_in(W.dtype))
+            W.data = Wc
+    return saved
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, device=None) -> torch.Tensor:
     """The ``head_dim / 2`` inverse frequencies (fp32) for base ``theta`` and an HF ``rope_scaling``."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))

@@ -151,10 +151,11 @@ class PEagleDraft(Eagle3Draft):
         w_emb, w_hid = self.qkv_weights()
         w_hid = cast_once(w_hid)  # read by every depth: cast to the autocast dtype once (bit-identical)
         B = input_ids_BT.shape[0]
-        e_full = self.embed_part(self.embed(input_ids_BT), w_emb)  # x_0..x_{T-1}, projected once
+        e_in = self.embed(input_ids_BT)
+        e_full = self.embed_part(e_in, w_emb)  # x_0..x_{T-1}, projected once
         h_real = self.project_aux(aux_hidden_BTKH)
         # the mask row's inputs, one row each, in the dtypes of the real rows' inputs
-        e_mask = self.embed_part(self.mask_embed.view(1, 1, -1).to(self.embed_tokens.weight.dtype), w_emb)
+        e_mask = self.embed_part(self.mask_embed.view(1, 1, -1).to(e_in.dtype), w_emb)
         h_mask = self.project_aux(self.mask_hidden.view(1, 1, -1).to(aux_hidden_BTKH.dtype))  # fc(mask_hidden)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
