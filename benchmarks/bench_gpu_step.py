@@ -35,8 +35,8 @@ from specforge.algorithms.eagle3.loss import ttt_loss  # noqa: E402
 from specforge.config import Config  # noqa: E402
 from specforge.device import autocast, synchronize  # noqa: E402
 from specforge.memory import DraftParams, SeqShape, StepPrecision  # noqa: E402
-from specforge.models.layers import hold_frozen_tables  # noqa: E402
 from specforge.models.features import TrainBatch  # noqa: E402
+from specforge.models.layers import hold_frozen_tables  # noqa: E402
 from specforge.registry import get_algorithm  # noqa: E402
 from specforge.training.slicing import pack_micro_batches  # noqa: E402
 
