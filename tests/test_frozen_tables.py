@@ -60,9 +60,8 @@ def _embedding_draft(exact: bool):
 
     torch.manual_seed(0)
     draft = DFlashDraft(DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                     head_dim=8, vocab_size=100, num_hidden_layers=1, num_target_layers=4, target_layer_ids=[0],
-                                     block_size=4,
-                                     mask_token_id=99))
+                                     head_dim=8, vocab_size=100, num_hidden_layers=1, num_target_layers=4,
+                                     target_layer_ids=[0], block_size=4, mask_token_id=99))
     E, W = torch.randn(100, 32), torch.randn(100, 32)
     draft.set_target_weights(E.bfloat16().float() if exact else E, W.bfloat16().float())
     return draft
