@@ -4,12 +4,13 @@ One CPU device cannot show a device mismatch, and kernels and multi-GPU runs alo
 entry points: a run can stop at step 1 on a GPU although every CPU test passes. Here, on one CUDA
 device, with a bf16 target and the GPU precision policy (``train.precision=auto``):
 
-* per algorithm (EAGLE-3, EAGLE-3.1, P-EAGLE, DFlash, DSpark): ``python -m specforge.train`` for 6
-  steps; the same run killed after its step-3 checkpoint and run again, whose losses equal the
-  uninterrupted run's; ``python -m specforge.eval`` on the checkpoint (it raises unless every output
-  equals greedy decoding); ``python -m specforge.export`` for SGLang and vLLM where the algorithm
-  serves there (llama.cpp's GGUF conversion reads only the saved files: the CPU suite covers it),
-  and the GPU-written checkpoint loaded on the CPU;
+* per algorithm (EAGLE-3, EAGLE-3.1, P-EAGLE, DFlash, DSpark, DFlash2, XPress, MTP): ``python -m
+  specforge.train`` for 6 steps; the same run killed after its step-3 checkpoint and run again, whose
+  losses equal the uninterrupted run's; ``python -m specforge.eval`` on the checkpoint (it raises
+  unless every output equals greedy decoding); ``python -m specforge.export`` for SGLang and vLLM
+  where the algorithm serves there (llama.cpp's GGUF conversion reads only the saved files: the CPU
+  suite covers it), each engine it does not serve refused in one line, and the GPU-written
+  checkpoint loaded on the CPU;
 * capture on the GPU equals capture on the CPU for four families (a dense Llama, an MoE, gpt-oss,
   Gemma-3 with sliding windows);
 * ``python -m specforge.capture`` into a store, then offline training from it, on the GPU;
@@ -43,6 +44,18 @@ ALGORITHMS = {
     "peagle": ["draft.vocab_size=64", "draft.parallel_tokens=4"],
     "dflash": ["draft.block_size=4", "draft.num_anchors=6", "draft.num_layers=1"],
     "dspark": ["draft.block_size=4", "draft.num_anchors=6", "draft.num_layers=1", "draft.markov_rank=8"],
+    "dflash2": ["draft.block_size=4", "draft.num_anchors=6", "draft.num_layers=1", "draft.selector_rank=8",
+                "draft.selector_top_k=8"],
+    "xpress": ["draft.block_size=4", "draft.num_anchors=6", "draft.num_layers=1", "draft.refiner_rank=8",
+               "draft.jacobi_passes=2", "draft.consistency_passes=2"],
+    "mtp": ["draft.num_speculative_steps=3"],
+}
+# The engines ``python -m specforge.export`` serves each algorithm's drafts for (every other one is refused in a
+# line): each algorithm's ``engines`` on this branch. DFlash2 and XPress have none yet; their vLLM / speculators
+# exports are a separate change of issue 45, which updates this table with them.
+ENGINES = {
+    "eagle3": ("sglang", "vllm", "llama.cpp"), "eagle31": ("sglang", "vllm", "llama.cpp"), "peagle": ("vllm",),
+    "dflash": ("sglang", "vllm", "llama.cpp"), "dspark": ("llama.cpp",), "dflash2": (), "xpress": (), "mtp": ("vllm",),
 }
 
 
@@ -97,10 +110,11 @@ def killed_run(args, monkeypatch):
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
-def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, algorithm):
+def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, capsys, algorithm):
     from specforge import eval as spec_eval
     from specforge import export
     from specforge import train as local
+    from specforge.cli import run_cli
     from specforge.models.target import TargetModel
     from specforge.registry import load_draft
     from specforge.training.checkpoint import latest_checkpoint
@@ -128,6 +142,7 @@ def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, a
     assert json.loads(report.read_text())["rows"], "the eval wrote no row"
 
     algo = get_algorithm(algorithm)
+    assert algo.engines == ENGINES[algorithm]
     for engine in algo.engines:
         if (algorithm, engine) == ("eagle31", "sglang"):  # refused by design: SGLang ignores EAGLE-3.1's norms
             continue
@@ -138,6 +153,13 @@ def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, a
         assert export.main(["--draft", str(ckpt), "--engine", engine, "--out", str(out),
                             "--target", str(assets / "target")]) == 0
         assert any(out.iterdir())
+    capsys.readouterr()
+    for engine in sorted({"sglang", "vllm", "llama.cpp"} - set(algo.engines)):  # refused before anything loads
+        refused = ["--draft", str(ckpt), "--engine", engine, "--out", str(tmp_path / f"refused-{engine}"),
+                   "--target", str(assets / "target")]
+        assert run_cli(lambda: export.main(refused)) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"drafts cannot be served by {engine}" in err[0], err
     # the GPU-written checkpoint loads on a machine with the CPU only (its tensors come back on the host)
     from transformers import AutoModelForCausalLM
 
@@ -245,6 +267,9 @@ def _shapes(algorithm):
         return [f"draft.vocab_size={N}", "draft.ttt_length=7"]
     if algorithm == "peagle":
         return [f"draft.vocab_size={N}", "draft.parallel_tokens=8"]
+    if algorithm == "mtp":  # one layer shaped as the target's, three teacher-forced steps (speculators' default)
+        return ["draft.num_speculative_steps=3"]
+    # DFlash2 and XPress: their defaults otherwise (selector rank 256, top 16; refiner rank 256, 3 passes)
     return ["draft.block_size=16", "draft.num_anchors=32", "draft.num_layers=2", f"draft.mask_token_id={V - 1}"] + (
         ["draft.markov_rank=64"] if algorithm == "dspark" else [])
 
