@@ -69,6 +69,7 @@ class Case:
     block: int = 8
     anchors: int = 40
     window: Optional[int] = None  # EAGLE-3's draft.sliding_window
+    recompute: bool = False  # train.recompute_mlp
     extra: dict = field(default_factory=dict)
 
     @property
@@ -78,6 +79,7 @@ class Case:
 
 CASES = [
     Case("EAGLE-3, 1 process, B=2 T=512", B=2, T=512),
+    Case("EAGLE-3, 1 process, B=2 T=512, MLP recomputed", B=2, T=512, recompute=True),
     Case("EAGLE-3, 1 process, B=1 T=1024, N=4000", B=1, T=1024, N=4000, V=8000),
     Case("EAGLE-3, 1 process, fp32, B=2 T=256", T=256, precision="fp32"),
     Case("EAGLE-3, FSDP2 x2 bf16 mp, SDPA step 0, B=2 T=512", T=512, dp=2, mp=True, attention="sdpa"),
@@ -86,6 +88,7 @@ CASES = [
     Case("EAGLE-3, 1 process, sliding window 256, B=1 T=2048", B=1, T=2048, window=256),
     Case("EAGLE-3, ring SP 2 (FSDP2 x2), sliding window 256, B=1 T=2048", B=1, T=2048, ring=2, window=256),
     Case("DFlash, 1 process, B=2 T=512, 40 anchors x 8", algo="dflash", T=512),
+    Case("DFlash, 1 process, B=2 T=512, 40 anchors x 8, MLP recomputed", algo="dflash", T=512, recompute=True),
     Case("DFlash, 1 process, B=1 T=1024, 16 anchors x 16", algo="dflash", B=1, T=1024, anchors=16, block=16),
 ]
 QUICK = [Case("EAGLE-3, 1 process, B=2 T=128", T=128), Case("DFlash, 1 process, B=2 T=128", algo="dflash", T=128)]
@@ -140,7 +143,8 @@ def _config(case: Case):
     else:
         draft = DFlashOptions(algorithm="dflash", num_layers=case.layers, block_size=case.block,
                               num_anchors=case.anchors)
-    return Config(draft=draft, train=TrainConfig(precision=case.precision, warmup_steps=0, num_workers=case.world))
+    return Config(draft=draft, train=TrainConfig(precision=case.precision, warmup_steps=0, num_workers=case.world,
+                                                 recompute_mlp=case.recompute))
 
 
 def _draft(case: Case):
@@ -210,7 +214,7 @@ def predict(case: Case) -> memory.DeviceMemory:
 
     draft = _draft(case)
     p = memory.StepPrecision(compute=2 if case.precision == "bf16" else 4, mp=case.mp, world=case.world,
-                             step0_fused=case.attention == "sdpa")
+                             step0_fused=case.attention == "sdpa", recompute_mlp=case.recompute)
     s = memory.SeqShape(case.B, case.T, case.ulysses, case.ring, case.ttt)
     if case.algo == "eagle3":
         from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step

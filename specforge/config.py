@@ -123,6 +123,9 @@ class TrainConfig:
     # pack this rank's samples of a step end to end in rows of at most this many tokens (no padding;
     # positions, attention and loss stay each sample's own: specforge/data/packing.py); None = pad
     pack_tokens: Optional[int] = None
+    # every gated MLP of the draft keeps only its input for backward and recomputes gate, up and their
+    # product there (models/layers.py): its three I-wide activations a row for its three matmuls again
+    recompute_mlp: bool = False
     num_threads: Optional[int] = None  # torch intra-op threads (None = leave as is)
     num_workers: int = 1  # train workers (Ray); one process (specforge.train) trains their global batch
     log_every: int = 10

@@ -93,12 +93,16 @@ class StepPrecision:
     """How a train rank computes: ``compute`` bytes (2 under bf16/fp16 autocast, 4 in fp32),
     ``mp``: FSDP2's bf16 mixed-precision policy (GPUs with several train ranks: the unsharded params
     are bf16, no autocast copies of fp32 weights), ``world``: FSDP2 ranks (1 = no FSDP), and
-    whether TTT step 0 runs SDPA's fused kernel (``auto``/``sdpa`` on a GPU) or the fast core."""
+    whether TTT step 0 runs SDPA's fused kernel (``auto``/``sdpa`` on a GPU) or the fast core;
+    ``tables16``: the frozen tables held in 16 bits (``models.layers.hold_frozen_tables``: no autocast
+    copy of them); ``recompute_mlp``: ``train.recompute_mlp`` (the MLPs keep their input only)."""
 
     compute: int = 2
     mp: bool = False
     world: int = 1
     step0_fused: bool = False
+    tables16: bool = False
+    recompute_mlp: bool = False
 
     @property
     def cast(self) -> bool:
@@ -384,11 +388,13 @@ def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares:
     text = text_config(target.model.config)
     Ht, layers = int(text.hidden_size), len(target.aux_layer_ids)
     compute = _compute_bytes(tr.precision, gpu)
-    p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers)
+    # the trainer holds the target's frozen tables in bf16 when it computes in bf16 from a bf16 target
+    p = StepPrecision(compute=compute, mp=gpu and tr.num_workers > 1 and compute == 2, world=tr.num_workers,
+                      tables16=compute == 2 and str(target.model.dtype) == "torch.bfloat16",
+                      recompute_mlp=tr.recompute_mlp)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo() - 1, 0))
-    # the trainer holds the target's frozen tables in bf16 when it computes in bf16 from a bf16 target
-    params = DraftParams.of(draft, tables16=compute == 2 and str(target.model.dtype) == "torch.bfloat16")
+    params = DraftParams.of(draft, tables16=p.tables16)
     # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
     # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
     # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)
@@ -529,6 +535,8 @@ def _keys_for(dev: DeviceMemory, cfg, algo: MemoryTerms) -> str:
         return ("rollout batch (train.batch_size, train.grad_accum; more rollout.num_workers), data.max_length, "
                 "placement.max_inflight_mb or model.num_gpus")
     keys = ["train.batch_size", "data.max_length", *algo.memory_keys()]
+    if not cfg.train.recompute_mlp:
+        keys.append("train.recompute_mlp=true")
     if cfg.placement.mode == "colocated":
         keys.append("placement.mode=disaggregated (the target off the train GPUs)")
     return ", ".join(keys)

@@ -74,3 +74,114 @@ def test_the_mlp_keeps_three_inner_tensors_a_row_under_autocast():
     assert inner_bytes(ref) == 4 * 2 * inner * rows
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(mlp(x), ref(x))
+
+
+# ---------------------------------------------------------------- train.recompute_mlp
+
+
+def _mlp_pair(seed=0, dtype=torch.float32):
+    from specforge.models.layers import set_mlp_recompute
+
+    torch.manual_seed(seed)
+    plain = GatedMLP(16, 48).to(dtype)
+    again = GatedMLP(16, 48).to(dtype)
+    again.load_state_dict(plain.state_dict())
+    assert set_mlp_recompute(again, True) == 1
+    return plain, again
+
+
+def _three_uses(mlp, x, autocast: bool):
+    """Three TTT-like uses of the same weights, each feeding the next; the output's gradients."""
+    x = x.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        h, outs = x, []
+        for _ in range(3):
+            h = h + mlp(h).to(h.dtype)
+            outs.append(h)
+        y = sum(o.float().square().mean() for o in outs)
+    y.backward()
+    return [y, x.grad] + [p.grad for p in mlp.parameters()]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-13), (torch.float32, 1e-6)])
+def test_recomputed_mlp_is_the_mlp(dtype, tol):
+    """The same output; gradients equal up to the order of one sum (the input's: the MLP's two matmul
+    gradients are added inside the recompute, then to the residual's, not one at a time)."""
+    plain, again = _mlp_pair(dtype=dtype)
+    x = torch.randn(5, 16, dtype=dtype)
+    ref, got = _three_uses(plain, x, False), _three_uses(again, x, False)
+    assert torch.equal(ref[0], got[0])
+    for a, b in zip(ref[1:], got[1:]):
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol * a.abs().max().item())
+    # control: the same comparison sees a gradient that lost the MLP's up projection
+    assert not torch.allclose(got[1], _three_uses(GatedMLP(16, 48).to(dtype), x, False)[1], rtol=tol)
+
+
+def test_recomputed_mlp_under_autocast_matches_to_bf16_rounding():
+    """Same forward; weight gradients summed over the uses in fp32 (autocast's cached cast sums them in
+    bf16 first), so gradients agree to bf16 rounding."""
+    plain, again = _mlp_pair()
+    x = torch.randn(5, 16)
+    ref, got = _three_uses(plain, x, True), _three_uses(again, x, True)
+    assert torch.equal(ref[0], got[0])
+    for a, b in zip(ref[1:], got[1:]):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-2 * a.abs().max().item())
+
+
+def test_recomputed_mlp_keeps_its_input_and_no_inner_tensor():
+    plain, again = _mlp_pair()
+    x = torch.randn(10, 16, requires_grad=True)
+
+    def inner(mlp):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, seen = _saved(mlp, x)
+        return sum(1 for t in seen.values() if t.shape[-1] == 48 and t.shape[0] == 10)
+
+    assert inner(again) == 0 and inner(plain) == 3  # control: the plain MLP keeps gate, up, product
+    with torch.no_grad():  # no graph: no recompute either
+        assert torch.equal(again(x), plain(x))
+
+
+def test_a_run_with_the_mlp_recomputed_trains_as_without(assets, tmp_path):
+    """Three fp32 steps of EAGLE-3 with train.recompute_mlp: the same losses and grad norms (to fp32
+    rounding: one gradient sum runs in another order)."""
+    import json
+    from pathlib import Path
+
+    from specforge.config import load_config
+    from specforge.train import run
+    from tests.helpers.ray_run import cfg_overrides
+
+    def losses(flag):
+        out = tmp_path / flag
+        base = [a for a in cfg_overrides(assets, out) if not a.startswith(("train.num_workers", "train.max_steps"))]
+        run(load_config(None, [*base, "train.num_workers=1", "train.max_steps=3", f"train.recompute_mlp={flag}"]))
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        return [(r["loss"], r["grad_norm"]) for r in recs if r["kind"] == "train"]
+
+    got, want = losses("true"), losses("false")
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_the_memory_model_counts_the_recompute_and_the_peak_drops():
+    """bench_memory's method at a tiny EAGLE-3 shape: the model's peak with the MLP recomputed within 20%
+    of the measured one, which is below the measured peak without it (the control)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    peaks = {}
+    for flag in (False, True):
+        case = bench.Case("tiny", B=2, T=96, H=128, I=640, Hq=4, Hkv=2, D=32, V=2000, N=500, ttt=4, recompute=flag)
+        measured = bench.measure(case)
+        predicted, _ = bench.predicted_peak(bench.predict(case))
+        assert abs(predicted / measured - 1) < 0.20, (flag, predicted, measured)
+        peaks[flag] = measured
+    assert peaks[True] < peaks[False], peaks

@@ -14,6 +14,7 @@ powers in fp32: the two differ by at most one fp32 rounding per frequency, ~1e-7
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, Optional
@@ -109,8 +110,53 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    recompute = False  # train.recompute_mlp (set_mlp_recompute): keep the input only, recompute in backward
+
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            return _RecomputedMLP.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(_SiluMulFn.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def _mlp(x, Wg, Wu, Wd):
+    return F.linear(_SiluMulFn.apply(F.linear(x, Wg), F.linear(x, Wu)), Wd)
+
+
+class _RecomputedMLP(torch.autograd.Function):
+    """The gated MLP keeping only its input (and its weights, which autograd keeps anyway) for backward,
+    where it runs the forward again, under the forward's autocast, and differentiates that:
+    ``train.recompute_mlp``. Saves the MLP's three I-wide tensors a row (gate, up, down_proj's input)
+    at the cost of its three matmuls once more in backward. The forward is GatedMLP's ops, bit for bit;
+    gradients are autograd's through them, except that under autocast each use's weight gradient is
+    cast to fp32 before the uses are summed (autocast's cached cast sums them in 16 bits first):
+    tests/test_gated_mlp.py."""
+
+    @staticmethod
+    def forward(ctx, x, Wg, Wu, Wd):
+        dev = x.device.type
+        ctx.amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        ctx.save_for_backward(x, Wg, Wu, Wd)
+        return _mlp(x, Wg, Wu, Wd)
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, need)]
+        amp = (torch.autocast(inputs[0].device.type, dtype=ctx.amp) if ctx.amp is not None
+               else contextlib.nullcontext())
+        with torch.enable_grad(), amp:
+            y = _mlp(*inputs)
+        grads = iter(torch.autograd.grad(y, [t for t, n in zip(inputs, need) if n], dy))
+        return tuple(next(grads) if n else None for n in need)
+
+
+def set_mlp_recompute(module: nn.Module, on: bool) -> int:
+    """``train.recompute_mlp``: every GatedMLP of ``module`` recomputes in backward (``on``) or keeps its
+    activations; returns how many MLPs it set."""
+    mlps = [m for m in module.modules() if isinstance(m, GatedMLP)]
+    for m in mlps:
+        m.recompute = bool(on)
+    return len(mlps)
 
 
 class _SiluMulFn(torch.autograd.Function):

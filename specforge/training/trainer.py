@@ -24,7 +24,7 @@ from specforge.data.packing import target_packs
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
 from specforge.models.features import TrainBatch
-from specforge.models.layers import hold_frozen_tables
+from specforge.models.layers import hold_frozen_tables, set_mlp_recompute
 from specforge.models.target import TargetModel, capture
 from specforge.seam import Training
 from specforge.training.batch import collate, pad_id
@@ -118,6 +118,7 @@ class DraftTrainer:
             self.amp_dtype = None
         # the target's tables the draft copied (frozen) held in the autocast dtype when it holds them exactly
         hold_frozen_tables(draft, self.amp_dtype)
+        set_mlp_recompute(draft, cfg.train.recompute_mlp)
         self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train,
                                                          total_steps or cfg.train.max_steps)
         self.step_count = 0

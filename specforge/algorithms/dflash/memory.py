@@ -57,7 +57,7 @@ def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
     per_layer = (2 * blk_norm + (3 + 2) * c * d.H  # norms; 16-bit copies of the normed stream for q, k, v, gate, up
                  + norm_saved(Fq, p) + norm_saved(Fk, p)  # q_norm, k_norm
                  + 2 * c * Fq + 4 * d.Hq + c * Fk * 2  # SDPA's q copy, out, lse; the block's k (16-bit), v
-                 + 3 * c * d.I) * m  # MLP: gate, up, down_proj's input (silu recomputed)
+                 + (0 if p.recompute_mlp else 3 * c * d.I)) * m  # MLP: gate, up, down_proj input (recompute: none)
     blocks = d.layers * per_layer + (blk_norm + 8 * d.D) * m  # final norm (its fp32 output is the hidden); fp32 cos/sin
     mask = d.layers * c * B * Q * (T + Q)  # each layer's SDPA keeps the block mask additive, in the compute dtype
     kv_cat = d.layers * 2 * c * Fk * B * Q  # the block rows' part of each layer's concatenated keys/values
@@ -68,7 +68,9 @@ def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
     acts = [Term("activations: context (norm, k/v of every layer)", ctx),
             Term("activations: block rows (norms, projections, SDPA, MLP)", blocks + kv_cat),
             Term("block mask (additive, per layer)", mask)] + weights
-    head = d.V * d.H * 2  # the frozen lm_head's 16-bit copy (autocast casts it per call: not a leaf that trains)
+    # the frozen lm_head's 16-bit copy (autocast casts it per call: not a leaf that trains); none when the
+    # trainer holds it in bf16 (models.layers.hold_frozen_tables)
+    head = 0 if p.tables16 else d.V * d.H * 2
     if anchors > chunk_blocks:  # chunked: logits of chunk_blocks blocks at a time, recomputed in backward
         r = B * chunk_blocks * d.K
         loss_fwd = [Term("loss chunk (lm_head 16-bit copy, fp32 logits, log-softmax)", head + r * d.V * 8)]
@@ -81,5 +83,7 @@ def dflash_step(d: DFlashDims, B: int, T: int, anchors: int, p: StepPrecision,
     forward = acts + [Term("forward-only: block embeddings, the concatenated fp32 keys, the boolean mask",
                            4 * d.H * m + 4 * Fk * B * (T + Q) + B * Q * (T + Q))] + loss_fwd
     backward = acts + loss_bwd  # the loss's backward runs first: no parameter has a gradient yet
-    layers_bwd = acts + [Term("one block layer's backward working set", (4 * c * d.I + 8 * d.H) * m)]
+    # train.recompute_mlp: the layer's gate, up and product recomputed in its backward, and its fp32 input
+    recompute = (3 * c * d.I + 4 * d.H) * m if p.recompute_mlp else 0
+    layers_bwd = acts + [Term("one block layer's backward working set", (4 * c * d.I + 8 * d.H) * m + recompute)]
     return {"forward": forward, "backward": backward, "backward (decoder layers)": layers_bwd}

@@ -111,7 +111,8 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         qrows = s.ulysses * n_rows if uly else n_rows  # rows inside the core (a Ulysses group's range)
         norms = 2 * norm_saved(d.H, p) * n + 4 * c * d.D * n  # hidden_norm, post-attention norm; cos/sin copies
         inputs = 2 * d.H * c * n  # q/k/v's and the MLP's inputs (o_proj's is the core's output)
-        mlp = 3 * d.I * c * n  # gate, up, down_proj's input (layers._SiluMulFn recomputes silu)
+        # gate, up, down_proj's input (layers._SiluMulFn recomputes silu); none with train.recompute_mlp
+        mlp = 0 if p.recompute_mlp else 3 * d.I * c * n
         head = (norm_saved(d.H, p) + c * d.H + c * d.N + 8) * n  # norm, its output, G = softmax - p, row ids
         saved["norms (inputs, row scales) + RoPE"] += norms
         saved["layer inputs (16-bit)"] += inputs
@@ -132,7 +133,7 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         if uly:
             saved["q/k/v"] += 2 * hkv * d.D * c * B * qrows  # k, v after the all-to-all (cached per unroll)
         saved["attention core (q, out, diagonal k/v)"] += core
-        last = dict(free=mlp + head + norms // 2 + d.H * c * n, n=B * qrows, i=i)
+        last = dict(free=mlp + head + norms // 2 + d.H * c * n, n=B * qrows, i=i, rows=n)
     saved["layer inputs (16-bit)"] += (4 + c) * d.H * B * s.window  # step 0's input_layernorm(embeddings), 16-bit copy
     weights = _weight_copies(d, p, L)
     P = B * ((s.R + L - 1) if sp else (s.T - 1))  # positions whose teacher a counted row reads
@@ -152,7 +153,7 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
         backward = acts + weights + [
             Term("freed before the peak: the last step's MLP, loss head, post-attention norm", -last["free"]),
             Term("attention backward working set (flex: dK, dV of the concatenated keys)", common)]
-        return {"forward": forward, "backward": backward}
+        return {"forward": forward, "backward": _mlp_recompute_peak(backward, acts + weights, d, p, last)}
     if ring:  # a K/V block is Fk x n: the held and the received K/V (compute dtype); the block's dK/dV, its
         # stacked copy, the received accumulator and the sum (fp32); dq accumulated over the blocks (fp32)
         common += (4 * c + 32) * Fk * n + 4 * Fq * n
@@ -164,7 +165,21 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     backward = acts + weights + [
         Term("freed before the peak: the last step's MLP, loss head, post-attention norm", -last["free"]),
         Term("attention backward working set (fp32)", common + max(chunks, diag))]
-    return {"forward": forward, "backward": backward}
+    return {"forward": forward, "backward": _mlp_recompute_peak(backward, acts + weights, d, p, last)}
+
+
+def _mlp_recompute_peak(backward: list[Term], held: list[Term], d: Eagle3Dims, p: StepPrecision,
+                        last: dict) -> list[Term]:
+    """With ``train.recompute_mlp`` the backward may peak earlier, in the last step's MLP backward: its
+    gate, up and product recomputed, their gradients, the input's fp32 copy and the 16-bit weights
+    (autocast's cache is gone by then). The larger of that and ``backward``."""
+    if not p.recompute_mlp:
+        return backward
+    n = last["rows"]
+    mlp = Term("the last step's MLP recomputed in backward (gate, up, product; their gradients; fp32 input)",
+               6 * d.I * p.compute * n + 4 * d.H * n + (3 * d.I * d.H * 2 if p.cast else 0))
+    early = held + [mlp]
+    return early if sum(t.nbytes for t in early) > sum(t.nbytes for t in backward) else backward
 
 
 def _weight_copies(d: Eagle3Dims, p: StepPrecision, L: int) -> list[Term]:

@@ -43,7 +43,7 @@ def mtp_step(d: MTPDims, B: int, T: int, p: StepPrecision, packed: bool) -> dict
     layer = (2 * norm_saved(d.H, p) + 2 * c * d.H  # input / post-attention norms and their outputs
              + norm_saved(Fq, p) + norm_saved(Fk, p) + c * (Fq + 2 * Fk)  # q/k head norms; q, k, v
              + c * Fq + 4 * d.Hq  # SDPA's output and log-sum-exp
-             + 3 * c * d.I)  # MLP: gate, up, their product (silu recomputed)
+             + (0 if p.recompute_mlp else 3 * c * d.I))  # MLP: gate, up, their product (train.recompute_mlp: none)
     final = norm_saved(d.H, p) + c * d.H
     acts = Term(f"activations: {d.S} MTP steps (input norms and projection, decoder layer, final norm)",
                 d.S * n * (fuse + layer + final))
@@ -53,6 +53,9 @@ def mtp_step(d: MTPDims, B: int, T: int, p: StepPrecision, packed: bool) -> dict
     logits = Term("loss: one step's fp32 logits while its log-softmax runs", n * d.V * 4)
     grad = Term("loss backward: one step's logits' gradients (fp32)", n * d.V * 8)
     weights = [Term("16-bit weight copies (autocast, cached)", (2 * d.H * d.H + 2 * Fq * d.H + 2 * Fk * d.H
-                                                               + 3 * d.I * d.H + d.V * d.H) * 2)] if p.cast else []
+                                                               + 3 * d.I * d.H + (0 if p.tables16 else d.V * d.H))
+                                                              * 2)] if p.cast else []
     forward = [acts, rope, kept, logits] + mask + weights
-    return {"forward": forward, "backward": [acts, rope, kept, grad] + mask + weights}
+    # train.recompute_mlp: one step's MLP recomputed in its backward (gate, up, product, their gradients, fp32 input)
+    again = [Term("one step's MLP recomputed in backward", (6 * c * d.I + 4 * d.H) * n)] if p.recompute_mlp else []
+    return {"forward": forward, "backward": [acts, rope, kept, grad] + mask + weights + again}
