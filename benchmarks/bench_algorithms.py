@@ -1,24 +1,36 @@
 """Every registered draft algorithm on the same feature store and the same minutes: held-out
 acceptance, acceptance by position, draft cost per round, llama.cpp acceptance and speed where served.
 
-    python benchmarks/bench_algorithms.py [--minutes 5] [--prompts 16] [--max-new-tokens 64] [overrides...]
+    python benchmarks/bench_algorithms.py [--minutes 5] [--prompts 16] [--max-new-tokens 64] [--only A,B]
+        [--no-readme] [--stores DIR] [overrides...]
 
-1. The embedded default's feature store (configs/smollm2-135m-cpu.yaml: 300 ShareGPT conversations
-   captured by the target, layers [1, 14, 26]), filled once if missing (python -m specforge.capture).
-2. EAGLE-3, EAGLE-3.1, DFlash, DSpark and P-EAGLE (their ``configs/*smollm2-135m*-cpu.yaml``, all
-   reading the same three layers from that store) each trained for ``--minutes`` of wall clock from
-   scratch (python -m specforge.ray_train, placement.mode=offline), one after the other.
-3. One ``python -m specforge.eval`` table of all of them on the same held-out prompts (no training
-   row shares them): each draft proposes what its algorithm drafts per round, at most 7 tokens
-   (``--chain 7``); every output checked against plain greedy decoding. Draft ms per round = the
-   draft's cost of one round.
+1. The feature stores the configs name (``store.dir``), each filled once if missing (python -m
+   specforge.capture with the first config that reads it): the embedded default's
+   (configs/smollm2-135m-cpu.yaml: 300 ShareGPT conversations captured by the target, layers
+   [1, 14, 26]), which every algorithm but MTP reads, and MTP's (the target's last layer alone).
+2. EAGLE-3, EAGLE-3.1, DFlash, DSpark, P-EAGLE, DFlash2, XPress and MTP (their
+   ``configs/*smollm2-135m*-cpu.yaml``) each trained for ``--minutes`` of wall clock from scratch
+   (python -m specforge.ray_train, placement.mode=offline), one after the other.
+3. ``python -m specforge.eval`` of all of them on the same held-out prompts (no training row shares
+   them; one eval per store, with the config of its first draft: the layers its drafts read), one
+   table: each draft proposes what its algorithm drafts per round, at most 7 tokens (``--chain 7``);
+   every output checked against plain greedy decoding. Draft ms per round = the draft's cost of one
+   round.
 4. The drafts llama.cpp serves (``python -m specforge.eval --engine llama.cpp``: llama.cpp's
    converter, ``llama-server --spec-type`` the algorithm's, n_max 7, p_min 0) on the same prompts:
    tokens per target forward beside ours (the parity target: within 0.05), tokens/s and speedup
-   against the target served alone. A draft llama.cpp does not serve gets the one-line reason.
-   ``--no-engine`` skips it.
+   against the target served alone. A draft llama.cpp does not serve (DFlash2, XPress, MTP) gets '-'
+   in those columns and the one-line reason under the table. ``--no-engine`` skips it.
 ``--reuse`` evaluates the newest checkpoints already under ``--out`` instead of training again.
-Writes the table, naming machine, commit and load, into benchmarks/README.md.
+``--only`` a subset (names comma- or space-separated). Writes the table, naming machine, commit and
+load, into benchmarks/README.md and the plot beside it; ``--no-readme`` prints them and writes the
+plot under ``--out`` only (a smoke run). The overrides apply to every capture, training and eval; with
+ones that change the data (a smoke run: ``data.max_samples=...``) give ``--stores`` a folder of its
+own, so the shared stores are not filled with them:
+
+    python benchmarks/bench_algorithms.py --only DFlash2,XPress,MTP --minutes 0.1 --prompts 2 \
+        --max-new-tokens 8 --out /tmp/bench-algos --stores /tmp/bench-algos/stores --no-readme \
+        data.max_samples=24 data.num_eval=8
 """
 
 from __future__ import annotations
@@ -42,6 +54,9 @@ ALGORITHMS = {  # display name -> the config that trains it on the default's sto
     "DFlash": "configs/smollm2-135m-dflash-cpu.yaml",
     "DSpark": "configs/dspark-smollm2-135m-cpu.yaml",
     "P-EAGLE": "configs/peagle-smollm2-135m-cpu.yaml",
+    "DFlash2": "configs/dflash2-smollm2-135m-cpu.yaml",
+    "XPress": "configs/xpress-smollm2-135m-cpu.yaml",
+    "MTP": "configs/mtp-smollm2-135m-cpu.yaml",  # its own store: the target's last layer
 }
 TITLE = "Draft algorithms (same store, same minutes)"
 
@@ -61,6 +76,26 @@ def llamacpp_refusal(draft: str) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def names(text: str) -> list[str]:
+    """``--only``'s names, comma-separated; each one of ``ALGORITHMS``."""
+    out = [n.strip() for n in text.split(",") if n.strip()]
+    for n in out:
+        if n not in ALGORITHMS:
+            raise argparse.ArgumentTypeError(f"{n!r} is none of {', '.join(ALGORITHMS)}")
+    return out
+
+
+def store_of(config: str, stores: str | None) -> Path:
+    """The feature store a config trains from: its ``store.dir`` (under the repo), or the folder of the
+    same name under ``--stores``."""
+    from specforge.config import load_config
+
+    own = Path(load_config(REPO / config).store.dir)
+    if stores is None:
+        return own if own.is_absolute() else REPO / own
+    return Path(stores).resolve() / own.parent.name
 
 
 def newest(folder: Path) -> str:
@@ -103,20 +138,29 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="runs/bench-algorithms")
-    ap.add_argument("--only", nargs="*", choices=list(ALGORITHMS), help="a subset (default: all)")
+    ap.add_argument("--only", nargs="*", type=names, default=[],
+                    help=f"a subset, comma- or space-separated (default: all of {', '.join(ALGORITHMS)})")
     ap.add_argument("--reuse", action="store_true", help="evaluate the checkpoints under --out, no training")
     ap.add_argument("--no-engine", action="store_true", help="skip the llama.cpp rows")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides for every training")
+    ap.add_argument("--no-readme", action="store_true",
+                    help="print the table, write the plot under --out; leave benchmarks/README.md alone")
+    ap.add_argument("--stores", default=None,
+                    help="a folder for the feature stores (default: each config's store.dir, shared)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides for every capture, training and eval")
     args = ap.parse_args()
+    only = [n for group in args.only for n in group]
     out = REPO / args.out
-    store = REPO / "runs/smollm2-135m-cpu/features"
-    if not (store / "index.json").is_file():
-        run([PY, "-m", "specforge.capture", "--config", EAGLE3, "--no-progress"])
+    chosen = {n: c for n, c in ALGORITHMS.items() if not only or n in only}
+    stores = {n: store_of(c, args.stores) for n, c in chosen.items()}
+    for store in dict.fromkeys(stores.values()):  # each store once, captured by the first config reading it
+        if not (store / "index.json").is_file():
+            config = chosen[next(n for n, s in stores.items() if s == store)]
+            run([PY, "-m", "specforge.capture", "--config", config, "--no-progress", f"store.dir={store}",
+                 *args.overrides])
     common = [f"train.max_minutes={args.minutes}", "checkpoint.resume=false", "tracking.wandb=false", *args.overrides]
     trained = {}  # name -> (checkpoint, wall seconds)
-    for name, config in ALGORITHMS.items():
-        if args.only and name not in args.only:
-            continue
+    for name, config in chosen.items():
+        store = stores[name]
         folder = out / name.lower().replace("-", "").replace(".", "")
         if args.reuse:  # the training loop's own clock (its last metrics.jsonl record; start-up not included)
             lines = (folder / "metrics.jsonl").read_text().splitlines()
@@ -126,22 +170,31 @@ def main() -> int:
                         f"store.dir={store}", *common])
         trained[name] = (newest(folder), secs)
     load = os.getloadavg()[0]
-    report = out / "eval.json"
-    drafts = [a for t in trained.values() for a in ("--draft", t[0])]
-    run([PY, "-m", "specforge.eval", "--config", EAGLE3, *drafts, "--num-prompts", str(args.prompts),
-         "--max-new-tokens", str(args.max_new_tokens), "--chain", "7", "--json", str(report)])
-    served, refused = {}, {}
+    # one eval per store: the drafts of one store read the same target layers, which the eval's config
+    # names (MTP's checkpoint records no layer ids, so an eval run with EAGLE-3's config would feed it
+    # EAGLE-3's three); the held-out prompts are the same in every config (the same data keys)
+    groups: dict[Path, list[str]] = {}
+    for name in trained:
+        groups.setdefault(stores[name], []).append(name)
+    evaluated, served, refused = [], {}, {}
     if not args.no_engine:
         refused = {n: why for n, t in trained.items() if (why := llamacpp_refusal(t[0]))}
-        engine_drafts = [a for n, t in trained.items() if n not in refused for a in ("--draft", t[0])]
+    for i, group in enumerate(groups.values()):
+        config, suffix = chosen[group[0]], f"-{i}" if i else ""
+        report = out / f"eval{suffix}.json"
+        drafts = [a for n in group for a in ("--draft", trained[n][0])]
+        run([PY, "-m", "specforge.eval", "--config", config, *drafts, "--num-prompts", str(args.prompts),
+             "--max-new-tokens", str(args.max_new_tokens), "--chain", "7", "--json", str(report), *args.overrides])
+        evaluated += json.loads(report.read_text())["rows"]
+        engine_drafts = [a for n in group if not (args.no_engine or n in refused) for a in ("--draft", trained[n][0])]
         if engine_drafts:
-            engine_report = out / "engine.json"
-            run([PY, "-m", "specforge.eval", "--config", EAGLE3, "--engine", "llama.cpp", *engine_drafts,
+            engine_report = out / f"engine{suffix}.json"
+            run([PY, "-m", "specforge.eval", "--config", config, "--engine", "llama.cpp", *engine_drafts,
                  "--num-prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
-                 "--engine-n-max", "7", "--engine-p-min", "0", "--json", str(engine_report)])
-            served = {r["draft"]: r for r in json.loads(engine_report.read_text())["rows"]}
+                 "--engine-n-max", "7", "--engine-p-min", "0", "--json", str(engine_report), *args.overrides])
+            served.update({r["draft"]: r for r in json.loads(engine_report.read_text())["rows"]})
     rows, points, engine_done = [], [], set()
-    for r in json.loads(report.read_text())["rows"]:
+    for r in evaluated:
         name = next(n for n, t in trained.items() if t[0] == r["draft"])
         steps = int(Path(r["draft"]).name.split("-")[-1])  # the evaluated checkpoint's step
         row = [name, r["setting"], f"{trained[name][1] / 60:.1f}", steps, f"{r['acceptance_length']:.3f}",
@@ -179,14 +232,15 @@ def main() -> int:
     body = (f"`python benchmarks/bench_algorithms.py{flags}`\n\n**Current figures**: {header_markdown()} · 1-minute "
             f"load average before the eval {load:.1f} (2 cores; the trainings ran one after the other, "
             "nothing else heavy).\n\n"
-            f"Every draft trained from the same feature store (the default's 300 captured conversations, target layers "
-            f"[1, 14, 26]) {how}; {args.prompts} held-out ShareGPT prompts x "
+            f"Every draft trained on the same 300 captured conversations (the default's store, target layers "
+            f"[1, 14, 26]; MTP's own store of the last layer) {how}; {args.prompts} held-out ShareGPT prompts x "
             f"{args.max_new_tokens} new tokens, greedy, every output equal to plain greedy decoding.\n\n" + table)
-    png = Path(__file__).resolve().parent / "bench_algorithms.png"
+    png = out / "bench_algorithms.png" if args.no_readme else Path(__file__).resolve().parent / "bench_algorithms.png"
     plot(points, png)
     body += f"\n\n![draft algorithms]({png.name})\n"
     print(body)
-    append_section(TITLE, body)
+    if not args.no_readme:
+        append_section(TITLE, body)
     return 0
 
 

@@ -1,9 +1,12 @@
 """The memory model (specforge/memory.py) against the measured peak of the same train step on CPU.
 
-Each case builds a real draft (EAGLE-3 or DFlash) at a small size, its DraftTrainer, and runs two
-optimizer steps on random features (every row counts: the model's worst case); the second step is
-measured (steady state: AdamW's moments exist, the first step's grads are freed by zero_grad).
-The prediction is memory.train_device's peak for the same shapes, dtypes and parallel layout,
+Each case builds a real draft of any registered algorithm at a small size (the algorithm's own
+``build_draft`` from a tiny random Llama target, through ``registry.bound_algorithm``), its
+DraftTrainer, and runs two optimizer steps on random features (every row counts: the model's worst
+case); the second step is measured (steady state: AdamW's moments exist, the first step's grads are
+freed by zero_grad).
+The prediction is memory.train_device's peak for the same shapes, dtypes and parallel layout, with
+the algorithm's own step terms (its ``memory_step`` hook, as ``memory.plan`` and the dry run ask it),
 without the GPU-only allowances (CUDA context, NCCL, fragmentation), which a CPU cannot measure.
 
 Measuring the peak: torch's profiler with ``profile_memory=True`` records every allocation and free
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -45,7 +48,9 @@ MARK = "bench_memory:step"
 
 @dataclass
 class Case:
-    """One measured train step. ``algo``: eagle3 | dflash; ``dp``/``ulysses``/``ring``: ranks."""
+    """One measured train step. ``algo``: any registered algorithm (its draft built by its own
+    ``build_draft`` from a tiny target of the case's shape); the fields below that its options class
+    has set its ``draft.*`` keys, ``extra`` its own keys; ``dp``/``ulysses``/``ring``: ranks."""
 
     name: str
     algo: str = "eagle3"
@@ -65,12 +70,12 @@ class Case:
     ulysses: int = 1
     ring: int = 1
     mp: bool = False  # FSDP2's bf16 mixed precision (the GPU policy)
-    layers: int = 2  # DFlash
-    block: int = 8
-    anchors: int = 40
-    window: Optional[int] = None  # EAGLE-3's draft.sliding_window
+    layers: int = 2  # the DFlash family's draft.num_layers
+    block: int = 8  # draft.block_size
+    anchors: int = 40  # draft.num_anchors
+    window: Optional[int] = None  # draft.sliding_window
     recompute: bool = False  # train.recompute_mlp
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # other draft.* keys of the algorithm
 
     @property
     def world(self) -> int:
@@ -90,6 +95,13 @@ CASES = [
     Case("DFlash, 1 process, B=2 T=512, 40 anchors x 8", algo="dflash", T=512),
     Case("DFlash, 1 process, B=2 T=512, 40 anchors x 8, MLP recomputed", algo="dflash", T=512, recompute=True),
     Case("DFlash, 1 process, B=1 T=1024, 16 anchors x 16", algo="dflash", B=1, T=1024, anchors=16, block=16),
+    Case("DSpark, 1 process, B=2 T=512, 40 anchors x 8", algo="dspark", T=512),
+    Case("DFlash2, 1 process, B=2 T=512, 40 anchors x 8", algo="dflash2", T=512),
+    Case("XPress, 1 process, B=2 T=512, 40 anchors x 8", algo="xpress", T=512),
+    Case("MTP, 1 process, 3 steps, B=2 T=512", algo="mtp", T=512),
+    Case("EAGLE-3.1, 1 process, B=2 T=512", algo="eagle31", T=512),
+    Case("P-EAGLE, 1 process, 8 parallel tokens, B=2 T=512", algo="peagle", T=512,
+         extra={"mask_token_id": 3999, "parallel_tokens": 8}),
 ]
 QUICK = [Case("EAGLE-3, 1 process, B=2 T=128", T=128), Case("DFlash, 1 process, B=2 T=128", algo="dflash", T=128)]
 
@@ -132,50 +144,83 @@ def peak_in_mark(prof, mark: str = MARK) -> int:
 
 # ------------------------------------------------------------------------------ one case
 
+TARGET_LAYERS = 8  # the tiny target's decoder layers (each algorithm picks its feature layers among them)
+
 
 def _config(case: Case):
-    from specforge.algorithms.dflash.algorithm import DFlashOptions
-    from specforge.algorithms.eagle3.algorithm import Eagle3Options
+    """The case's run config: ``draft.*`` from the case's fields the algorithm's options class has,
+    then ``case.extra`` (its own keys)."""
     from specforge.config import Config, TrainConfig
+    from specforge.registry import get_algorithm
 
-    if case.algo == "eagle3":
-        draft = Eagle3Options(ttt_length=case.ttt, attention=case.attention, sliding_window=case.window)
-    else:
-        draft = DFlashOptions(algorithm="dflash", num_layers=case.layers, block_size=case.block,
-                              num_anchors=case.anchors)
+    options = get_algorithm(case.algo).options
+    known = {f.name for f in fields(options)}
+    mine = {"vocab_size": case.N, "ttt_length": case.ttt, "attention": case.attention, "sliding_window": case.window,
+            "num_layers": case.layers, "block_size": case.block, "num_anchors": case.anchors}
+    draft = options(algorithm=case.algo, **{k: v for k, v in {**mine, **case.extra}.items() if k in known})
     return Config(draft=draft, train=TrainConfig(precision=case.precision, warmup_steps=0, num_workers=case.world,
                                                  recompute_mlp=case.recompute))
 
 
-def _draft(case: Case):
-    if case.algo == "eagle3":
-        from specforge.algorithms.eagle3.model import Eagle3Draft, Eagle3DraftConfig
+def _target(case: Case):
+    """A tiny random Llama target of the case's shape (``TARGET_LAYERS`` layers, untied head), its
+    feature layers the algorithm's defaults: what the algorithm's ``build_draft`` reads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        return Eagle3Draft(Eagle3DraftConfig(hidden_size=case.H, intermediate_size=case.I,
-                                             num_attention_heads=case.Hq, num_key_value_heads=case.Hkv,
-                                             head_dim=case.D, vocab_size=case.V, draft_vocab_size=case.N,
-                                             attention=case.attention, sliding_window=case.window))
-    from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft
+    from specforge.models.target import TargetModel
+    from specforge.registry import bound_algorithm
 
-    return DFlashDraft(DFlashConfig(hidden_size=case.H, num_hidden_layers=case.layers, num_attention_heads=case.Hq,
-                                    num_key_value_heads=case.Hkv, head_dim=case.D, intermediate_size=case.I,
-                                    vocab_size=case.V, num_target_layers=8, target_layer_ids=[1, 3, 5],
-                                    block_size=case.block, mask_token_id=case.V - 1))
+    cfg = LlamaConfig(hidden_size=case.H, intermediate_size=case.I, num_attention_heads=case.Hq,
+                      num_key_value_heads=case.Hkv, head_dim=case.D, vocab_size=case.V,
+                      num_hidden_layers=TARGET_LAYERS, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    layers = bound_algorithm(_config(case)).feature_layers(TARGET_LAYERS)
+    return TargetModel(model=model, tokenizer=None, aux_layer_ids=layers, device=torch.device("cpu"))
 
 
-def _batch(case: Case, g: torch.Generator, groups=None):
+def _build(case: Case):
+    """``(bound algorithm, draft, train state, feature layers)`` as a run builds them: the algorithm's
+    own ``build_draft`` and ``train_state`` from a tiny target (freed after: only what the draft and
+    the state keep of it stays), a draft vocab of the ``algorithm.draft_vocab_size`` first ids."""
+    import gc
+
+    from specforge.data.vocab import DraftVocab
+    from specforge.registry import bound_algorithm
+
+    algo = bound_algorithm(_config(case))
+    torch.manual_seed(0)
+    target = _target(case)
+    n = algo.draft_vocab_size(case.V)
+    vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.arange(case.V) < n)
+    draft, state = algo.build_draft(target, vocab), algo.train_state(target, vocab)
+    layers = len(target.aux_layer_ids)
+    del target
+    gc.collect()
+    return algo, draft, state, layers
+
+
+def _state_bytes(state) -> int:
+    """The train state's bytes as the trainer holds it (fp32), as the dry run counts them."""
+    if state is None:
+        return 0
+    tensors = [state] if isinstance(state, torch.Tensor) else [v for v in vars(state).values()
+                                                                if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * 4 for t in tensors)
+
+
+def _batch(case: Case, algo, layers: int, g: torch.Generator, groups=None):
     """Random features, every row counting (loss mask 1, argmax in the draft vocab), as the SP rank
     of ``groups`` holds them."""
     from specforge.models.features import TrainBatch
     from specforge.training.slicing import sp_slice_batch
 
     B, T, H = case.B, case.T, case.H
-    top = case.N if case.algo == "eagle3" else case.V - 1
+    top = min(algo.draft_vocab_size(case.V), case.V - 1)
     b = TrainBatch(torch.randint(0, top, (B, T), generator=g), torch.ones(B, T, dtype=torch.long),
-                   torch.randn(B, T, 3 * H, generator=g).to(torch.bfloat16),
+                   torch.randn(B, T, layers * H, generator=g).to(torch.bfloat16),
                    torch.randn(B, T, H, generator=g).to(torch.bfloat16), torch.randint(0, top, (B, T), generator=g))
     if groups is not None and groups.sp_size > 1:
-        b = sp_slice_batch(b, groups.sp_rank, groups.sp_size, case.ttt + 1)
+        b = sp_slice_batch(b, groups.sp_rank, groups.sp_size, algo.sp_halo())
     return b
 
 
@@ -184,53 +229,39 @@ def measure(case: Case, groups=None) -> int:
     from specforge.parallel.fsdp import apply_fsdp, bf16_mp_policy
     from specforge.parallel.parallelize import sum_over_train_ranks
     from specforge.parallel.sp import apply_sp
-    from specforge.registry import bound_algorithm, get_algorithm
     from specforge.training.trainer import DraftTrainer
 
     g = torch.Generator().manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        cfg, draft = _config(case), _draft(case)
-        state = torch.randn(case.N, case.H, generator=g) if case.algo == "eagle3" else None
+        algo, draft, state, layers = _build(case)
         if groups is not None:  # the GPU's layout: SP core swap, then FSDP2 (bf16 mixed precision if asked)
             if groups.sp_size > 1:
-                from specforge.registry import get_algorithm
-
-                apply_sp(draft, get_algorithm(case.algo).sp_cores(draft), groups.ulysses_group, groups.ring_group)
+                apply_sp(draft, algo.sp_cores(draft), groups.ulysses_group, groups.ring_group)
             apply_fsdp(draft, groups.fsdp_mesh, mp_policy=bf16_mp_policy() if case.mp else None)
-        trainer = DraftTrainer(bound_algorithm(cfg), draft, state, cfg, torch.device("cpu"),
+        trainer = DraftTrainer(algo, draft, state, _config(case), torch.device("cpu"),
                                reduce_sum=sum_over_train_ranks(groups))
-        first = _batch(case, g, groups)
+        first = _batch(case, algo, layers, g, groups)
         trainer.step([first])
         del first
-        second = _batch(case, g, groups)
+        second = _batch(case, algo, layers, g, groups)
         with record_function(MARK):
             trainer.step([second])
     return peak_in_mark(prof)
 
 
 def predict(case: Case) -> memory.DeviceMemory:
-    """memory.train_device for the case (the fullest rank)."""
-    from specforge.algorithms.eagle3.loss import loss_chunk
-
-    draft = _draft(case)
+    """memory.train_device for the case (the fullest rank): the algorithm's own ``memory_step`` terms
+    (its CPU terms: ``gpu=False``), as ``memory.plan`` asks them."""
+    algo, draft, state, layers = _build(case)
     p = memory.StepPrecision(compute=2 if case.precision == "bf16" else 4, mp=case.mp, world=case.world,
                              step0_fused=case.attention == "sdpa", recompute_mlp=case.recompute)
-    s = memory.SeqShape(case.B, case.T, case.ulysses, case.ring, case.ttt)
-    if case.algo == "eagle3":
-        from specforge.algorithms.eagle3.memory import Eagle3Dims, attention_chunk, eagle3_step
-
-        step = eagle3_step(Eagle3Dims.of(draft.config), s, p, attention_chunk(False),
-                           loss_chunk(torch.device("cpu"), case.N), case.window)
-        state = 4 * case.N * case.H
-    else:
-        from specforge.algorithms.dflash.memory import DFlashDims, dflash_step
-
-        step = dflash_step(DFlashDims.of(draft.config), s.B, s.T, min(case.anchors, s.T - 1), p)
-        state = 0
+    s = memory.SeqShape(case.B, case.T, case.ulysses, case.ring, max(algo.sp_halo() - 1, 0))
+    step = algo.memory_step(draft, s, p, False)
     aux_rows = s.R if s.sp > 1 else s.T
-    features = s.B * (aux_rows * 3 * case.H * 2 + s.window * (case.H * 2 + 3 * 8))
-    upcast = s.B * (aux_rows * 3 + s.window) * case.H * 4 if p.compute == 4 else 0
-    return memory.train_device("train", case.world, memory.DraftParams.of(draft), p, step, state, features, upcast)
+    features = s.B * (aux_rows * layers * case.H * 2 + s.window * (case.H * 2 + 3 * 8))
+    upcast = s.B * (aux_rows * layers + s.window) * case.H * 4 if p.compute == 4 else 0
+    return memory.train_device("train", case.world, memory.DraftParams.of(draft), p, step, _state_bytes(state),
+                               features, upcast)
 
 
 def predicted_peak(dev: memory.DeviceMemory) -> tuple[int, str]:

@@ -1,9 +1,9 @@
 """The memory model (specforge/memory.py) against a measurement, and the refusal it drives.
 
-* At two tiny shapes (EAGLE-3's TTT unroll, DFlash's blocks) the model's peak of a train step is
-  within 20% of the peak the CPU allocator reports for the same step (benchmarks/bench_memory.py's
-  method: the profiler's allocation events). Control: the dry run's old count (weights + AdamW,
-  no activations) is far outside that tolerance.
+* At a tiny shape, for every algorithm (EAGLE-3's TTT unroll, the DFlash family's blocks, MTP's
+  steps, ...), the model's peak of a train step is within 20% of the peak the CPU allocator reports
+  for the same step (benchmarks/bench_memory.py's method: the profiler's allocation events).
+  Control: the dry run's old count (weights + AdamW, no activations) is far outside that tolerance.
 * The driver refuses a config whose predicted peak exceeds ``ray.gpu_memory_gib`` with one error
   line naming the device, both figures and the keys to change, before Ray starts; a GPU that holds
   it passes; a DFlash or SP run names its own keys.
@@ -33,11 +33,20 @@ def _bench():
     return module
 
 
-@pytest.mark.parametrize("algo", ["eagle3", "dflash"])
+# each algorithm's own keys at the tiny shape: heads of rank 64 (the defaults' 256 would outweigh the
+# activations of 96 tokens at H=128, and the control below wants the activations to matter); P-EAGLE's
+# mask token set (no tokenizer to resolve it) and 4 parallel tokens
+EXTRA = {"dspark": {"markov_rank": 64}, "dflash2": {"selector_rank": 64}, "xpress": {"refiner_rank": 64},
+         "peagle": {"mask_token_id": 1999, "parallel_tokens": 4}}
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "dflash", "dspark", "dflash2", "xpress", "mtp", "eagle31", "peagle"])
 def test_model_matches_the_measured_peak(algo):
+    """The algorithm's draft from its own ``build_draft`` and its own ``memory_step`` terms (the
+    bench goes through the registry, as the dry run does)."""
     bench = _bench()
     case = bench.Case(f"tiny {algo}", algo=algo, B=2, T=96, H=128, I=320, Hq=4, Hkv=2, D=32, V=2000, N=500,
-                      ttt=4, anchors=24, block=4)
+                      ttt=4, anchors=24, block=4, extra=EXTRA.get(algo, {}))
     measured = bench.measure(case)
     dev = bench.predict(case)
     predicted, _ = bench.predicted_peak(dev)
