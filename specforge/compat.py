@@ -18,18 +18,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from specforge.registry import read_draft_config
+from specforge.registry import algorithm_of, read_draft_config
+from specforge.seam import recorded_layers
 from specforge.targets import text_config
 
 ALLOW_FLAG = "--allow-mismatch"
 
 
 def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
-    """The target layer outputs the draft fuses, as its config.json records them (None if absent)."""
-    ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:  # a DFlash draft: the same layer-output numbering
-        ids = (hf_config.get("dflash_config") or {}).get("target_layer_ids")
-    return None if ids is None else [int(i) for i in ids]
+    """The target layer outputs the draft fuses, as its config.json records them (None if absent): its
+    algorithm's ``recorded_layers`` (an MTP draft: the target's last layer), or for a folder no
+    algorithm here claims, EAGLE-3's or DFlash's key."""
+    try:
+        algo = algorithm_of(hf_config)
+    except ValueError:
+        return recorded_layers(hf_config)
+    return algo.recorded_layers(hf_config)
 
 
 def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
@@ -46,7 +50,7 @@ def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
         raise ValueError(f"draft {name!r} maps into a vocabulary of {sizes['vocab_size']} tokens, this target has "
                          f"{target_config.vocab_size}: evaluate it with the target it was trained for")
     ids = draft_aux_ids(hf_config) or []
-    if ids and max(ids) > target_config.num_hidden_layers - 2:
+    if ids and max(ids) > target_config.num_hidden_layers - 1:
         raise ValueError(f"draft {name!r} fuses target layers {ids}, but this target has only "
                          f"{target_config.num_hidden_layers} layers: evaluate it with the target it was trained for")
 

@@ -122,6 +122,10 @@ class Format(Protocol):
     def tokens_per_round(self, hf_config: dict) -> int:
         """Draft tokens a round an engine is told to ask for by default."""
 
+    def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:
+        """The target layer outputs a saved draft reads, as its config.json records them (our numbering;
+        None if it records none). ``Binds`` reads EAGLE-3's and DFlash's keys (``recorded_layers``)."""
+
     def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
         """The most draft tokens one round can propose (None: no bound)."""
 
@@ -218,12 +222,25 @@ class BoundAlgorithm(DraftAlgorithm, Training, MemoryTerms, Protocol):
     facts: RunFacts
 
 
+def recorded_layers(hf_config: dict) -> Optional[list[int]]:
+    """The layer ids a draft's config.json records under EAGLE-3's key (``eagle_config``
+    ``eagle_aux_hidden_state_layer_ids``, SGLang's) or DFlash's (``dflash_config`` ``target_layer_ids``:
+    the same numbering); None if neither is there."""
+    ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (hf_config.get("dflash_config") or {}).get("target_layer_ids")
+    return None if ids is None else [int(i) for i in ids]
+
+
 class Binds:
     """The binding every algorithm shares: the registry's object is unbound (``facts`` None); ``bind``
     returns a copy of it holding one run's facts, which its bound hooks read (``run``; ``opt``: the
-    options)."""
+    options). Also the default of a hook or two every algorithm but one shares (``recorded_layers``)."""
 
     facts: Optional[RunFacts] = None
+
+    def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:
+        return recorded_layers(hf_config)
 
     def bind(self, cfg) -> BoundAlgorithm:
         bound = copy.copy(self)

@@ -87,6 +87,14 @@ def test_train_resume_checkpoint_eval_and_export(assets, tmp_path, monkeypatch, 
                            "--json", str(report), *args(assets, tmp_path / "eval")]) == 0  # raises unless == greedy
     rows = json.loads(report.read_text())["rows"]
     assert [r["setting"] for r in rows] == ["chain 3 fixed"] and rows[0]["new_tokens"] > 0
+    # the folder says which target layer it reads (the last), so an EAGLE-3 run's config evaluates it too
+    from specforge.compat import draft_aux_ids
+
+    layers = json.loads((assets / "target" / "config.json").read_text())["num_hidden_layers"]
+    assert draft_aux_ids(hf) == [layers - 1]
+    eagle = [a for a in args(assets, tmp_path / "eval-eagle") if a not in MTP]
+    assert spec_eval.main(["--draft", str(ckpt), "--num-prompts", "2", "--max-new-tokens", "8", "--chain", "3",
+                           *eagle]) == 0
 
     capsys.readouterr()
     for engine in ("sglang", "llama.cpp"):

@@ -177,6 +177,12 @@ class MTP(Binds):
         return (json.loads((Path(path) / "config.json").read_text()),
                 {k: v for k, v in weights.items() if k.startswith("mtp_layers.")})
 
+    def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:
+        """The target's last layer: an MTP draft reads nothing else (its folder records the target's
+        layer count, ``transformer_layer_config.num_hidden_layers``)."""
+        layers = (hf_config.get("transformer_layer_config") or {}).get("num_hidden_layers")
+        return None if layers is None else [int(layers) - 1]
+
     def tokens_per_round(self, hf_config: dict) -> int:
         return proposal_tokens(hf_config)
 
