@@ -104,7 +104,7 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
 
 # ---------------------------------------------------------------- vLLM (speculators' DFlash2 format)
 
-NO_SGLANG = "SGLang has no DFlash2 drafting (no DFlash2DraftModel model); export it with --engine vllm"
+NO_SGLANG = "SGLang has no DFlash2 drafting; export it with --engine vllm"
 NO_LLAMACPP = ("specforge does not export DFlash2 drafts for llama.cpp yet (its DFlash2 drafting is not checked "
                "against this draft); export it with --engine vllm")
 # keys of our folder's config.json that are not the draft layer's (Qwen3) config
@@ -143,8 +143,8 @@ def speculators_config(hf_config: Mapping, target: str, target_architectures: li
     return DFlash2SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=cfg.vocab_size, block_size=cfg.block_size,
         aux_hidden_state_layer_ids=speculators_layer_ids(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
-        # always true: vLLM makes every layer causal from false (dflash_config.causal), windowed or not, and
-        # our blocks are bidirectional (false is only accepted by our config without a window, where it is moot)
+        # always true: our blocks are bidirectional; false would make vLLM's layers causal (its update_dflash
+        # writes dflash_config.causal = not this) wherever the layer config sets no is_causal (unwindowed drafts)
         sample_from_anchor=bool(cfg.sample_from_anchor), sliding_window_non_causal=True,
         conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
         selector_top_k=cfg.selector_top_k,

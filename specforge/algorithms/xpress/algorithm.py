@@ -63,7 +63,7 @@ class XPressOptions(DFlashOptions):
 NO_ENGINE = {  # why each engine cannot serve an XPress draft (checked: vLLM 0.32.0, llama.cpp build 11434)
     "vllm": "vLLM has no XPress model (its speculators config parser takes eagle3, peagle, dflash, dflash2 and dspark, "
             "not xpress; no XPressDraftModel in its model registry)",
-    "sglang": "SGLang has no XPress drafting (no XPressDraftModel model)",
+    "sglang": "SGLang has no XPress drafting",
     "llama.cpp": "llama.cpp has no XPress drafting (its converter has no XPressDraftModel)",
 }
 
