@@ -3,7 +3,8 @@ Llama target (hidden 48, 297 tokens): chosen by ``draft.algorithm=dflash2``, its
 falling (a control run at a learning rate that moves nothing stays put), killed after its step-3
 checkpoint and run again with the same command (the losses equal the uninterrupted run's), its
 checkpoint read back through the registry, evaluated losslessly by ``python -m specforge.eval``,
-and refused by ``python -m specforge.export`` (no engine serves it yet) in one line.
+exported for vLLM by ``python -m specforge.export`` (speculators' DFlash2 format: tests/test_dflash2_export.py)
+and refused for SGLang and llama.cpp in one line.
 """
 
 import json
@@ -103,12 +104,19 @@ def test_train_resume_checkpoint_eval_and_export(assets, tmp_path, monkeypatch, 
     assert [r["setting"] for r in rows] == ["chain 3 fixed"] and rows[0]["new_tokens"] > 0
 
     capsys.readouterr()
-    for engine in ("sglang", "vllm", "llama.cpp"):
+    for engine in ("sglang", "llama.cpp"):
         assert run_cli(lambda: export.main(["--draft", str(ckpt), "--engine", engine, "--out", str(tmp_path / "x"),
                                             "--target", str(assets / "target")])) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"DFlash2DraftModel drafts cannot be served by {engine}" in err[0], err
-        assert "no engine here serves them yet" in err[0], err
+        assert "export this draft for vllm" in err[0], err
+    assert not (tmp_path / "x").exists()
+    assert export.main(["--draft", str(ckpt), "--engine", "vllm", "--out", str(tmp_path / "x"),
+                        "--target", str(assets / "target")]) == 0  # a Llama target: the draft's layers are Qwen3's
+    spec = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert (spec["speculators_model_type"], spec["aux_hidden_state_layer_ids"]) == (
+        "dflash2", [i + 1 for i in hf["dflash_config"]["target_layer_ids"]])
+    assert '"method": "dflash"' in capsys.readouterr().out
 
 
 def _model_cfg(assets):

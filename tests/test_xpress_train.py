@@ -4,7 +4,7 @@ falling (a control run at a learning rate that moves nothing stays put), killed 
 checkpoint and run again with the same command (the losses equal the uninterrupted run's), packed
 rows (``train.pack_tokens``) giving the padded run's losses, its checkpoint read back through the
 registry, evaluated losslessly by ``python -m specforge.eval`` (Jacobi drafting through its
-proposer), refused by ``python -m specforge.export`` (no engine serves it yet) and with ring
+proposer), refused by ``python -m specforge.export`` (no engine serves it: tests/test_xpress_export.py) and with ring
 sequence parallelism, each in one line.
 """
 

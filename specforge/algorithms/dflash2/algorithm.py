@@ -6,7 +6,8 @@ sets them), the target argmax (the labels: the unary CE term, the selector's tar
 and the target's last hidden state (the teacher of the KL term). Anchors are DFlash's (per sample, a
 function of train.seed, the step and the sample's tokens). Packing keeps samples apart as DSpark's
 does (a row's previous token and teacher row lie in its own sample). Sequence parallelism is refused.
-Engines: none yet; ``python -m specforge.export`` refuses each one in a line.
+Engines: vLLM (speculators' DFlash2 format, :func:`.export.export_vllm`). ``python -m specforge.export``
+refuses SGLang (no DFlash2 drafting) and llama.cpp (not exported here yet: see the export module) in a line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.loss import build_block_ids
 from specforge.algorithms.dflash.memory import anchors_per_row
+from specforge.algorithms.dflash2.export import NO_LLAMACPP, export
 from specforge.algorithms.dflash2.loss import dflash2_block_loss, dflash2_metrics
 from specforge.algorithms.dflash2.memory import dflash2_step
 from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
@@ -55,9 +57,9 @@ class DFlash2(ShiftedBlocks, DFlash):
     options = DFlash2Options
     architecture = "DFlash2DraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward (the selector's chain runs on its rows)
-    llamacpp_spec_type = None  # llama.cpp has no DFlash2 drafting
+    llamacpp_spec_type = None  # not exported for llama.cpp yet (export.NO_LLAMACPP)
     gguf_architecture = None
-    engines = ()
+    engines = ("vllm",)  # vLLM's qwen3_dflash2.py; SGLang has no DFlash2 drafting; llama.cpp: export.NO_LLAMACPP
     title = "DFlash2"
     ring_sp = False  # its loss (the selector, the teacher rows) has no sequence-parallel path
 
@@ -133,14 +135,13 @@ class DFlash2(ShiftedBlocks, DFlash):
     # ---------------------------------------------------------------- a saved draft
 
     def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
-        return False  # llama.cpp writes no DFlash2 GGUF
+        return False  # we write no DFlash2 GGUF (llama.cpp's converter would write a "dflash" one, DFlash's spec type)
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        raise ValueError(f"--engine {engine}: no engine serves DFlash2DraftModel drafts yet (SGLang, vLLM and "
-                         "llama.cpp have no DFlash2 drafting here); evaluate it with python -m specforge.eval")
+        return export(engine, draft_dir, out_dir, req)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        raise ValueError("llama.cpp has no DFlash2 drafting (DFlash2DraftModel)")
+        raise ValueError(NO_LLAMACPP)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
         return DFlash2Proposer(draft, dtype)

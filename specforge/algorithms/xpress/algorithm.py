@@ -6,8 +6,11 @@ sets them), the target argmax (the labels: the CE term unless ``ce_from_data``, 
 target's last hidden state (the teacher of the TV and KL terms). Anchors are DFlash's (per sample, a
 function of train.seed, the step and the sample's tokens). Packing keeps samples apart as DSpark's
 does (a block's labels, teacher rows and teacher-forced previous tokens lie in its own sample).
-Sequence parallelism is refused. Engines: none yet; ``python -m specforge.export`` refuses each one
-in a line.
+Sequence parallelism is refused. Engines: none serves it, so ``python -m specforge.export`` refuses
+each in a line (``NO_ENGINE``): vLLM 0.32 has no XPress model (its speculators parser takes eagle3,
+peagle, dflash, dflash2 and dspark; no ``XPressDraftModel`` in its registry), llama.cpp's converter
+has no ``XPressDraftModel``, SGLang has no XPress drafting. speculators' XPress format is not written:
+no engine reads it, and speculators itself is not a server.
 """
 
 from __future__ import annotations
@@ -57,6 +60,14 @@ class XPressOptions(DFlashOptions):
     ce_from_data: bool = False
 
 
+NO_ENGINE = {  # why each engine cannot serve an XPress draft (checked: vLLM 0.32.0, llama.cpp build 11434)
+    "vllm": "vLLM has no XPress model (its speculators config parser takes eagle3, peagle, dflash, dflash2 and dspark, "
+            "not xpress; no XPressDraftModel in its model registry)",
+    "sglang": "SGLang has no XPress drafting",
+    "llama.cpp": "llama.cpp has no XPress drafting (its converter has no XPressDraftModel)",
+}
+
+
 class XPress(ShiftedBlocks, DFlash):
     name = "xpress"
     options = XPressOptions
@@ -64,7 +75,7 @@ class XPress(ShiftedBlocks, DFlash):
     dynamic_drafting = False  # a block is drafted whole, in one forward (the Jacobi passes run on its rows)
     llamacpp_spec_type = None  # llama.cpp has no XPress drafting
     gguf_architecture = None
-    engines = ()
+    engines = ()  # NO_ENGINE
     title = "XPress"
     ring_sp = False  # its loss (the refiner over whole blocks, the teacher rows) has no sequence-parallel path
 
@@ -142,11 +153,11 @@ class XPress(ShiftedBlocks, DFlash):
         return False  # llama.cpp writes no XPress GGUF
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        raise ValueError(f"--engine {engine}: no engine serves XPressDraftModel drafts yet (SGLang, vLLM and "
-                         "llama.cpp have no XPress drafting here); evaluate it with python -m specforge.eval")
+        raise ValueError(f"--engine {engine}: {NO_ENGINE.get(engine, 'no engine serves XPressDraftModel drafts')}; "
+                         "evaluate it with python -m specforge.eval")
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        raise ValueError("llama.cpp has no XPress drafting (XPressDraftModel)")
+        raise ValueError(NO_ENGINE["llama.cpp"])
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
         return XPressProposer(draft, dtype)

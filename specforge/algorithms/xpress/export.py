@@ -8,7 +8,8 @@ down_g.weight [r, H], in_proj.weight [r, 3r], mix_l [r, K, K], mlp_gate.weight, 
 [m, r], mlp_down.weight [r, m], readout.weight [V, r]}`` (m = r x mlp ratio); no embedding, no
 lm_head (the target's).
 
-No engine serves this folder yet (``algorithm.XPress.export`` refuses each one in a line).
+No engine serves this folder (``algorithm.NO_ENGINE``: vLLM, SGLang and llama.cpp have no XPress
+model), so nothing exports it; ``python -m specforge.export`` refuses each engine in a line.
 """
 
 from __future__ import annotations
