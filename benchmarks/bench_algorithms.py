@@ -58,6 +58,7 @@ ALGORITHMS = {  # display name -> the config that trains it on the default's sto
     "XPress": "configs/xpress-smollm2-135m-cpu.yaml",
     "MTP": "configs/mtp-smollm2-135m-cpu.yaml",  # its own store: the target's last layer
 }
+DEFAULT_STORE = "runs/smollm2-135m-cpu/features"  # the embedded default's store (scripts/train_eagle3.sh)
 TITLE = "Draft algorithms (same store, same minutes)"
 
 
@@ -88,11 +89,12 @@ def names(text: str) -> list[str]:
 
 
 def store_of(config: str, stores: str | None) -> Path:
-    """The feature store a config trains from: its ``store.dir`` (under the repo), or the folder of the
-    same name under ``--stores``."""
+    """The feature store a config trains from: its ``store.dir`` (under the repo; the default's when it
+    names none, as configs/smollm2-135m-cpu.yaml, whose script sets it), or the folder of the same name
+    under ``--stores``."""
     from specforge.config import load_config
 
-    own = Path(load_config(REPO / config).store.dir)
+    own = Path(load_config(REPO / config).store.dir or DEFAULT_STORE)
     if stores is None:
         return own if own.is_absolute() else REPO / own
     return Path(stores).resolve() / own.parent.name
