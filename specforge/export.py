@@ -162,8 +162,9 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     if args.engine not in algo.engines:
         instead = (f"export this draft for {' or '.join(algo.engines)}" if algo.engines else
                    "no engine here serves them yet; evaluate it with python -m specforge.eval")
-        raise ValueError(f"--engine {args.engine}: {algo.architecture} drafts cannot be served by {args.engine}; "
-                         f"{instead}")
+        why = algo.refusal(args.engine)
+        raise ValueError(f"--engine {args.engine}: {algo.architecture} drafts cannot be served by {args.engine}"
+                         f"{f' ({why})' if why else ''}; {instead}")
     algo.check_checkpoint(draft)
     if args.engine == "sglang" and args.target is None:  # SGLang reads the folder alone: no target needed
         return algo.export(args.engine, draft, tmp, ExportRequest(Path(args.out), None))

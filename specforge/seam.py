@@ -126,6 +126,10 @@ class Format(Protocol):
         """The target layer outputs a saved draft reads, as its config.json records them (our numbering;
         None if it records none). ``Binds`` reads EAGLE-3's and DFlash's keys (``recorded_layers``)."""
 
+    def refusal(self, engine: str) -> Optional[str]:
+        """Why ``engine`` (one not in ``engines``) cannot serve this algorithm's drafts, for the export's
+        one-line refusal (None: no reason beyond that; ``Binds``' default)."""
+
     def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
         """The most draft tokens one round can propose (None: no bound)."""
 
@@ -241,6 +245,9 @@ class Binds:
 
     def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:
         return recorded_layers(hf_config)
+
+    def refusal(self, engine: str) -> Optional[str]:
+        return None
 
     def bind(self, cfg) -> BoundAlgorithm:
         bound = copy.copy(self)

@@ -51,12 +51,12 @@ ALGORITHMS = {
     "mtp": ["draft.num_speculative_steps=3"],
 }
 # The engines ``python -m specforge.export`` serves each algorithm's drafts for (every other one is refused in a
-# line): each algorithm's ``engines``. DFlash2: vLLM (speculators' DFlash2 format); XPress: none here yet
+# line): each algorithm's ``engines``. DFlash2: vLLM (speculators' DFlash2 format); XPress, MTP: none here yet
 # (tests/test_xpress_export.py checks why).
 ENGINES = {
     "eagle3": ("sglang", "vllm", "llama.cpp"), "eagle31": ("sglang", "vllm", "llama.cpp"), "peagle": ("vllm",),
     "dflash": ("sglang", "vllm", "llama.cpp"), "dspark": ("llama.cpp",), "dflash2": ("vllm",), "xpress": (),
-    "mtp": ("vllm",),
+    "mtp": (),
 }
 
 

@@ -21,7 +21,7 @@ import torch
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.loss import build_block_ids
 from specforge.algorithms.dflash.memory import anchors_per_row
-from specforge.algorithms.dflash2.export import NO_LLAMACPP, export
+from specforge.algorithms.dflash2.export import NO_LLAMACPP, NO_SGLANG, export
 from specforge.algorithms.dflash2.loss import dflash2_block_loss, dflash2_metrics
 from specforge.algorithms.dflash2.memory import dflash2_step
 from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
@@ -139,6 +139,9 @@ class DFlash2(ShiftedBlocks, DFlash):
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
         return export(engine, draft_dir, out_dir, req)
+
+    def refusal(self, engine: str) -> Optional[str]:
+        return {"sglang": NO_SGLANG, "llama.cpp": NO_LLAMACPP}.get(engine)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
         raise ValueError(NO_LLAMACPP)

@@ -5,8 +5,10 @@ Features: the target's last hidden state (after its final norm; ``last_hidden_BT
 tokens (the labels: speculators trains MTP on the data, not the target's argmax). The one target layer
 captured is the last (its output, before the final norm, is what the eval drafts from; ``propose.py``).
 Packing keeps samples apart (each step's attention and targets stay inside the row's sample).
-Sequence parallelism is refused. Engines: vLLM (our folder is speculators' format); SGLang and
-llama.cpp have no MTP drafting of this format and are refused in a line each.
+Sequence parallelism is refused. Engines: none here serves it, and ``python -m specforge.export``
+refuses each in a line (``NO_ENGINE``): our folder is speculators' MTP format, which speculators'
+``MTPDraftModel`` loads, but vLLM 0.32 reads no ``mtp`` speculators folder; SGLang and llama.cpp have
+no MTP drafting of this format.
 
 Stitching a target's own MTP layers (``draft.stitch_target_mtp``) is refused: the target loader
 (transformers' ``from_pretrained``) drops a checkpoint's ``mtp.*`` tensors, and the targets that carry
@@ -47,6 +49,15 @@ class MTPOptions(DraftConfig):
     stitch_target_mtp: bool = False
 
 
+NO_ENGINE = {  # why each engine cannot serve an MTP draft folder (checked: vLLM 0.32.0, llama.cpp build 11434)
+    "vllm": "vLLM 0.32 reads speculators folders of types eagle3, peagle, dflash, dflash2 and dspark, not mtp; "
+            "its own MTP drafting runs a target's built-in MTP layers; the checkpoint folder is speculators' MTP "
+            "format (MTPDraftModel.from_pretrained loads it)",
+    "sglang": "SGLang has no MTP drafting of speculators' format",
+    "llama.cpp": "llama.cpp has no MTP drafting of speculators' format (MTPDraftModel)",
+}
+
+
 class MTP(Binds):
     name = "mtp"
     options = MTPOptions
@@ -56,7 +67,7 @@ class MTP(Binds):
     packs_sp = False
     llamacpp_spec_type = None  # llama.cpp has no MTP drafting of speculators' format
     gguf_architecture = None
-    engines = ("vllm",)
+    engines = ()  # NO_ENGINE: vLLM 0.32 reads no speculators MTP folder
 
     # ---------------------------------------------------------------- configuration (unbound)
 
@@ -193,7 +204,10 @@ class MTP(Binds):
         return export(engine, draft_dir, out_dir, req)
 
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
-        raise ValueError("llama.cpp has no MTP drafting of speculators' format (MTPDraftModel)")
+        raise ValueError(NO_ENGINE["llama.cpp"])
+
+    def refusal(self, engine: str) -> Optional[str]:
+        return NO_ENGINE.get(engine)
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
         return MTPProposer(draft, dtype)

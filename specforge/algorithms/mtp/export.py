@@ -1,11 +1,13 @@
-"""Save / load an MTP draft. Our folder IS speculators' format (what vLLM serves and speculators'
-``MTPDraftModel.from_pretrained`` loads): config.json with ``speculators_model_type: mtp``,
+"""Save / load an MTP draft. Our folder IS speculators' format (what speculators'
+``MTPDraftModel.from_pretrained`` loads; vLLM 0.32 does not read it: ``algorithm.NO_ENGINE``):
+config.json with ``speculators_model_type: mtp``,
 ``architectures: ["MTPDraftModel"]``, ``num_nextn_predict_layers: 1``, a Qwen3
 ``transformer_layer_config`` of the draft's sizes (``num_hidden_layers``: the target's, whose last
 hidden state it reads) and ``speculators_config`` (greedy proposals of ``num_speculative_steps`` tokens,
 the verifier); tensors ``mtp_layers.0.*`` (no embedding, no lm_head: the verifier's).
 
-The vLLM export is the folder with the verifier named (the target's path and architectures).
+:func:`export` writes the folder with the verifier named (the target's path and architectures), as
+speculators' loader wants it; no engine here serves it, so the export CLI does not offer it.
 """
 
 from __future__ import annotations
@@ -118,8 +120,10 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
 
 
 def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
-    """vLLM: the folder, its verifier named (``req.target``) and ``speculative_tokens`` set when asked."""
-    assert engine == "vllm", engine  # the algorithm lists vllm alone (specforge.export refuses the others)
+    """speculators' MTP folder (``engine`` "vllm": vLLM's library's format), its verifier named
+    (``req.target``) and ``speculative_tokens`` set when asked; returns what loads it."""
+    if engine != "vllm":
+        raise ValueError(f"--engine {engine}: speculators' MTP folder is the only format written")
     config = json.loads((Path(draft_dir) / "config.json").read_text())
     tc = req.target_config
     arch = list(getattr(tc, "architectures", None) or (tc.get("architectures") if isinstance(tc, dict) else None)
@@ -131,4 +135,5 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(draft_dir) / "model.safetensors", Path(out_dir) / "model.safetensors")
     (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2))
-    return f"vllm serve {req.out}  # a speculators MTP folder: vLLM reads its verifier ({req.target}) from config.json"
+    return (f"speculators.models.mtp.MTPDraftModel.from_pretrained({str(req.out)!r})  # its verifier "
+            f"({req.target}) named in config.json")

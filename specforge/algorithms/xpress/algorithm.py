@@ -159,6 +159,9 @@ class XPress(ShiftedBlocks, DFlash):
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
         raise ValueError(NO_ENGINE["llama.cpp"])
 
+    def refusal(self, engine: str) -> Optional[str]:
+        return NO_ENGINE.get(engine)
+
     def proposer(self, draft, dtype: Optional[torch.dtype] = None):
         return XPressProposer(draft, dtype)
 
