@@ -38,3 +38,29 @@ def test_the_default_runs_stated_duration_is_the_measured_one():
     latest = re.search(r"Latest default run from a fresh clone: (\d+(?:\.\d+)?) min",
                        (REPO / "benchmarks/README.md").read_text())
     assert latest and low <= float(latest.group(1)) <= high, (latest and latest.group(1), low, high)
+
+
+def test_the_prepared_gpu_call_names_parts_that_exist(tmp_path):
+    """scripts/gpu_check.sh (issue 46's one device call), dry: its four parts in order, each under a
+    timeout, whose scripts and flags exist here; no OUT: refused (the device tool sets it)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path)}
+    run = subprocess.run(["bash", str(root / "scripts/gpu_check.sh")], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    parts = [line.split(" (")[0] for line in run.stdout.splitlines()]
+    assert parts == ["gpu_suite", "gpu_step", "soft_ce", "vs_v020"], run.stdout
+    assert sum(int(s) for s in re.findall(r"\((\d+)s\)", run.stdout)) <= 8 * 60  # the issue's 8 minutes
+    for script in re.findall(r"(benchmarks/\w+\.py|tests/\w+\.py)", run.stdout):
+        assert (root / script).is_file(), script
+    for script, flags in (("bench_gpu_step.py", ["--attention", "--pack", "--no-readme"]),
+                          ("bench_soft_ce.py", ["--no-readme"])):
+        text = (root / "benchmarks" / script).read_text()
+        assert all(f'"{f}"' in text for f in flags), (script, flags)
+    bench = root.parent / "shared" / "gpu-bench" / "ttt_vs_upstream.py"
+    if bench.is_file():  # the yardstick beside the checkout (CI has ../shared)
+        assert all(f in bench.read_text() for f in ("--time-budget-s", "--fp32-check-T", "--project"))
+    no_out = subprocess.run(["bash", str(root / "scripts/gpu_check.sh")], capture_output=True, text=True,
+                            env={k: v for k, v in env.items() if k != "OUT"})
+    assert no_out.returncode != 0 and "OUT" in no_out.stderr

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 46's one prepared call on a lent GPU (one H100/H200, no network), under 8 minutes in all: the
+# project's one-GPU suite, its step at the 8B draft shapes with each core and packed rows, the fused
+# soft-CE kernel, and the yardstick's step against SpecForge v0.2.0. Every part has its own timeout,
+# so a hang in one still leaves the others' figures. Output: $OUT/gpu_check/<part>.log and summary.txt.
+#
+# Before the call, on the CPU machine (../shared/gpu-bench/README.md says which wheels; add pytest's if
+# the GPU machine lacks it):
+#     echo "/.gpu-bench/" >> .git/info/exclude; cp -r ../shared/gpu-bench .gpu-bench   # + .gpu-bench/whl
+# then the device call, from the project root, carrying .gpu-bench:
+#     COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh        (the device tool sets $OUT)
+# COMMIT is passed in: the device copy of the tree has no .git. Then record GPU, torch and commit in
+# benchmarks/README.md ("GPU runs") and decide draft.attention, train.pack_tokens, train.recompute_mlp,
+# loss.SOFT_CE_KERNEL, layers.COMPILE_NORM and layers.COMPILE_ROTARY from the figures.
+# DRY=1 prints the parts instead of running them (tests/test_install.py runs it so).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a results folder}
+R="$OUT/gpu_check"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+T0=$(date +%s)
+
+part() {  # part NAME SECONDS COMMAND...: one part under its own timeout; its log and exit status
+  local name=$1 secs=$2 rc
+  shift 2
+  if [ "${DRY:-0}" = 1 ]; then echo "$name (${secs}s): $*"; return 0; fi
+  echo "[t+$(($(date +%s) - T0))s] $name"
+  timeout "$secs" "$@" >"$R/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc ($(($(date +%s) - T0))s)" | tee -a "$R/summary.txt"
+  tail -15 "$R/$name.log"
+}
+
+if [ "${DRY:-0}" != 1 ]; then
+  mkdir -p "$R"
+  if ls .gpu-bench/whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .gpu-bench/whl/*.whl 2>&1 | tail -3
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  {
+    echo "commit ${COMMIT:-unknown} $(date -u +%F' '%H:%M) UTC"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  } | tee "$R/summary.txt"
+fi
+# 1. the one-GPU suite: every entry point and algorithm, the memory model against max_memory_allocated
+part gpu_suite 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_gpu_entry.py
+# 2. the step at 8B draft shapes: sdpa (auto) and flex cores, T 2k/4k/8k, and packed rows of 4096 tokens
+part gpu_step 130 python3 benchmarks/bench_gpu_step.py --attention auto,flex --pack 4096 --no-readme
+# 3. the fused soft-CE Triton kernel against the torch rows, autotuned
+part soft_ce 45 python3 benchmarks/bench_soft_ce.py --no-readme
+# 4. the yardstick: the project's step against SpecForge v0.2.0's flex path, same weights and features
+if [ -d .gpu-bench ] || [ "${DRY:-0}" = 1 ]; then
+  part vs_v020 150 python3 .gpu-bench/ttt_vs_upstream.py --device cuda --shapes gpu --project . \
+    --out "$OUT/gpu_check/ttt_vs_upstream" --time-budget-s 120 --fp32-check-T 0
+fi
+[ "${DRY:-0}" = 1 ] || echo "done in $(($(date +%s) - T0))s" | tee -a "$R/summary.txt"
