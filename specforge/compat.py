@@ -25,6 +25,13 @@ from specforge.targets import text_config
 ALLOW_FLAG = "--allow-mismatch"
 
 
+def _reads_last_layer(hf_config: dict) -> bool:
+    try:
+        return bool(getattr(algorithm_of(hf_config), "reads_last_layer", False))
+    except ValueError:
+        return False
+
+
 def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
     """The target layer outputs the draft fuses, as its config.json records them (None if absent): its
     algorithm's ``recorded_layers`` (an MTP draft: the target's last layer), or for a folder no
@@ -50,7 +57,9 @@ def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
         raise ValueError(f"draft {name!r} maps into a vocabulary of {sizes['vocab_size']} tokens, this target has "
                          f"{target_config.vocab_size}: evaluate it with the target it was trained for")
     ids = draft_aux_ids(hf_config) or []
-    if ids and max(ids) > target_config.num_hidden_layers - 1:
+    # EAGLE-3's numbering ends at L-2 (SGLang feeds layer id's output to layer id+1); an MTP draft reads L-1
+    top = target_config.num_hidden_layers - (1 if ids and _reads_last_layer(hf_config) else 2)
+    if ids and max(ids) > top:
         raise ValueError(f"draft {name!r} fuses target layers {ids}, but this target has only "
                          f"{target_config.num_hidden_layers} layers: evaluate it with the target it was trained for")
 

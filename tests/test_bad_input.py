@@ -748,6 +748,13 @@ def test_eval_refuses_a_draft_shaped_for_another_target(tmp_path):
                            (SimpleNamespace(hidden_size=64, vocab_size=297, num_hidden_layers=4), "only 4 layers")):
         with pytest.raises(ValueError, match=needle):
             check_draft_shape("d", hf, target)
+    # an MTP draft reads its target's last layer (L-1, past EAGLE-3's L-2): its own target passes, a shallower
+    # one is refused
+    mtp = {"architectures": ["MTPDraftModel"], "speculators_model_type": "mtp",
+           "transformer_layer_config": {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 297}}
+    check_draft_shape("m", mtp, ours)
+    with pytest.raises(ValueError, match="fuses target layers \\[5\\], but this target has only 5 layers"):
+        check_draft_shape("m", mtp, SimpleNamespace(hidden_size=64, vocab_size=297, num_hidden_layers=5))
 
 
 @pytest.mark.parametrize("flag, value", [("--num-prompts", "-3"), ("--max-new-tokens", "0"), ("--chain", "0"),

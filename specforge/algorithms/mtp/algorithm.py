@@ -68,6 +68,7 @@ class MTP(Binds):
     llamacpp_spec_type = None  # llama.cpp has no MTP drafting of speculators' format
     gguf_architecture = None
     engines = ()  # NO_ENGINE: vLLM 0.32 reads no speculators MTP folder
+    reads_last_layer = True  # its one feature layer is the target's last (L-1), past EAGLE-3's range (L-2)
 
     # ---------------------------------------------------------------- configuration (unbound)
 
