@@ -25,22 +25,20 @@ from specforge.targets import text_config
 ALLOW_FLAG = "--allow-mismatch"
 
 
-def _reads_last_layer(hf_config: dict) -> bool:
+def _algorithm(hf_config: dict):
+    """The algorithm that claims a draft's config.json, or None (a folder none here claims)."""
     try:
-        return bool(getattr(algorithm_of(hf_config), "reads_last_layer", False))
+        return algorithm_of(hf_config)
     except ValueError:
-        return False
+        return None
 
 
-def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
+def draft_aux_ids(hf_config: dict, algo=...) -> Optional[list[int]]:
     """The target layer outputs the draft fuses, as its config.json records them (None if absent): its
     algorithm's ``recorded_layers`` (an MTP draft: the target's last layer), or for a folder no
-    algorithm here claims, EAGLE-3's or DFlash's key."""
-    try:
-        algo = algorithm_of(hf_config)
-    except ValueError:
-        return recorded_layers(hf_config)
-    return algo.recorded_layers(hf_config)
+    algorithm here claims, EAGLE-3's or DFlash's key. ``algo``: the folder's, when already looked up."""
+    algo = _algorithm(hf_config) if algo is ... else algo
+    return recorded_layers(hf_config) if algo is None else algo.recorded_layers(hf_config)
 
 
 def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
@@ -56,9 +54,10 @@ def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
     if int(sizes["vocab_size"]) != target_config.vocab_size:
         raise ValueError(f"draft {name!r} maps into a vocabulary of {sizes['vocab_size']} tokens, this target has "
                          f"{target_config.vocab_size}: evaluate it with the target it was trained for")
-    ids = draft_aux_ids(hf_config) or []
+    algo = _algorithm(hf_config)
+    ids = draft_aux_ids(hf_config, algo) or []
     # EAGLE-3's numbering ends at L-2 (SGLang feeds layer id's output to layer id+1); an MTP draft reads L-1
-    top = target_config.num_hidden_layers - (1 if ids and _reads_last_layer(hf_config) else 2)
+    top = target_config.num_hidden_layers - (1 if algo is not None and algo.reads_last_layer else 2)
     if ids and max(ids) > top:
         raise ValueError(f"draft {name!r} fuses target layers {ids}, but this target has only "
                          f"{target_config.num_hidden_layers} layers: evaluate it with the target it was trained for")

@@ -242,6 +242,7 @@ class Binds:
     options). Also the default of a hook or two every algorithm but one shares (``recorded_layers``)."""
 
     facts: Optional[RunFacts] = None
+    reads_last_layer = False  # its feature layer may be the target's last (L-1: MTP), past EAGLE-3's L-2
 
     def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:
         return recorded_layers(hf_config)
