@@ -277,6 +277,21 @@ def test_a_draft_llamacpp_does_not_serve_is_refused(tmp_path):
         convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
 
 
+@pytest.mark.parametrize("config, why", [
+    ({"architectures": ["XPressDraftModel"]}, "llama.cpp has no XPress drafting"),
+    ({"architectures": ["MTPDraftModel"], "speculators_model_type": "mtp"}, "llama.cpp has no MTP drafting")])
+def test_a_draft_no_engine_serves_is_refused_with_why_and_the_eval(config, why):
+    """Our XPress and MTP drafts have no engine at all: the refusal says why llama.cpp cannot serve
+    them and points at our own eval, not at an engine that does not exist."""
+    from specforge.engines.llamacpp import _served_algorithm
+
+    with pytest.raises(ValueError) as e:
+        _served_algorithm(config)
+    msg = str(e.value)
+    assert why in msg and "evaluate it with python -m specforge.eval" in msg, msg
+    assert "the engine it was trained for" not in msg, msg
+
+
 def test_quantized_target_and_draft_serve(served, tmp_path):
     """The embedded Q4_1 GGUF as the target and a q8_0 draft: on an AMX CPU llama.cpp 11434
     segfaults at start with quantized weights unless LlamaServer turns repacking off."""

@@ -177,8 +177,15 @@ def _served_algorithm(draft_config: dict, where: str = "draft") -> Format:
         algo = None
     if algo is None or not algo.llamacpp_spec_type:
         others = [e for e in (algo.engines if algo else ()) if e in ENGINE_NAMES and e != LLAMACPP]
-        fix = (f"serve it with {' or '.join(ENGINE_NAMES[e] for e in others)} (python -m specforge.export --engine "
-               f"{'|'.join(others)})" if others else "serve it with the engine it was trained for")
+        if others:
+            fix = (f"serve it with {' or '.join(ENGINE_NAMES[e] for e in others)} (python -m specforge.export "
+                   f"--engine {'|'.join(others)})")
+        elif algo is not None:  # ours, with no engine that serves it: say why and what is left
+            why = algo.refusal(LLAMACPP)
+            fix = (f"{why + '; ' if why else ''}no engine here serves {algo.architecture} drafts yet: evaluate it "
+                   "with python -m specforge.eval")
+        else:
+            fix = "serve it with the engine it was trained for"
         raise ValueError(f"{where} is {draft_config.get('architectures') or []}: llama.cpp {VERSION} serves {served} "
                          f"drafts; {fix}")
     return algo
