@@ -33,11 +33,14 @@ def _algorithm(hf_config: dict):
         return None
 
 
-def draft_aux_ids(hf_config: dict, algo=...) -> Optional[list[int]]:
+def draft_aux_ids(hf_config: dict) -> Optional[list[int]]:
     """The target layer outputs the draft fuses, as its config.json records them (None if absent): its
     algorithm's ``recorded_layers`` (an MTP draft: the target's last layer), or for a folder no
-    algorithm here claims, EAGLE-3's or DFlash's key. ``algo``: the folder's, when already looked up."""
-    algo = _algorithm(hf_config) if algo is ... else algo
+    algorithm here claims, EAGLE-3's or DFlash's key."""
+    return _recorded(hf_config, _algorithm(hf_config))
+
+
+def _recorded(hf_config: dict, algo) -> Optional[list[int]]:
     return recorded_layers(hf_config) if algo is None else algo.recorded_layers(hf_config)
 
 
@@ -55,7 +58,7 @@ def check_draft_shape(path: str | Path, hf_config: dict, target_config) -> None:
         raise ValueError(f"draft {name!r} maps into a vocabulary of {sizes['vocab_size']} tokens, this target has "
                          f"{target_config.vocab_size}: evaluate it with the target it was trained for")
     algo = _algorithm(hf_config)
-    ids = draft_aux_ids(hf_config, algo) or []
+    ids = _recorded(hf_config, algo) or []
     # EAGLE-3's numbering ends at L-2 (SGLang feeds layer id's output to layer id+1); an MTP draft reads L-1
     top = target_config.num_hidden_layers - (1 if algo is not None and algo.reads_last_layer else 2)
     if ids and max(ids) > top:
