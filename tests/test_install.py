@@ -64,3 +64,52 @@ def test_the_prepared_gpu_call_names_parts_that_exist(tmp_path):
     no_out = subprocess.run(["bash", str(root / "scripts/gpu_check.sh")], capture_output=True, text=True,
                             env={k: v for k, v in env.items() if k != "OUT"})
     assert no_out.returncode != 0 and "OUT" in no_out.stderr
+
+
+def test_our_calls_into_transformers_raise_no_deprecation():
+    """The capture and the eval's cached decoding (what the default run does first and last) call
+    transformers' current API: no DeprecationWarning/FutureWarning and no logged "deprecated" line
+    (transformers 5.2x logs one for ``past_key_values=``, once per process). Control: the same
+    detector sees the line when the old keyword is used."""
+    import logging
+    import warnings
+
+    import torch
+
+    from specforge.eval import greedy_run, new_cache
+    from specforge.models.target import TargetModel, _cache_kwarg, capture, text_tower
+    from tests.helpers.models import tiny_target
+
+    target = TargetModel(model=tiny_target(num_layers=4), tokenizer=None, aux_layer_ids=[0, 1, 2],
+                         device=torch.device("cpu"))
+    ids = torch.randint(0, 320, (2, 12))
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    def said(call) -> list[str]:
+        cached = getattr(logging.Logger, "warning_once", None)
+        if hasattr(cached, "cache_clear"):  # transformers logs each deprecation once per process
+            cached.cache_clear()
+        lines, log = Lines(), logging.getLogger("transformers")  # its own root: it does not propagate
+        log.addHandler(lines)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+        finally:
+            log.removeHandler(lines)
+        # a deprecated keyword warns from inside torch's Module.__call__: no filter by the warning's file
+        return [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))] + [
+            line for line in lines.lines if "deprecat" in line]
+
+    assert said(lambda: capture(target, ids)) == []
+    assert said(lambda: greedy_run(target, ids[0].tolist(), 6, eos=set())) == []
+    if _cache_kwarg(text_tower(target.model)) == "cache":  # the renaming transformers: the old keyword is caught
+        old = said(lambda: text_tower(target.model)(input_ids=ids[:1], past_key_values=new_cache(target)))
+        assert any("deprecated" in m for m in old), old

@@ -221,7 +221,7 @@ def _take_back(target: TargetModel, cache, snapshot: Optional[dict], base: int, 
             cache.layers[i] = snapshot[i]
         elif (extra := layer.get_seq_length() - base) > 0:
             layer.crop(-extra)
-    forward_aux(target, torch.tensor([accepted], device=target.device), past_key_values=cache)
+    forward_aux(target, torch.tensor([accepted], device=target.device), cache=cache)
 
 
 def _logits_rows(target: TargetModel, last_TH: torch.Tensor) -> torch.Tensor:
@@ -243,12 +243,12 @@ def greedy_run(target: TargetModel, prompt: Sequence[int], max_new: int, eos: se
     dev = target.device
     t0 = time.perf_counter()
     cache = new_cache(target)
-    _, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), past_key_values=cache)
+    _, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), cache=cache)
     logits = [_logits_rows(target, last[0, -1:])[0]]
     out = [int(logits[-1].argmax())]
     t1 = time.perf_counter()
     while len(out) < max_new and out[-1] not in eos:
-        _, last, _ = forward_aux(target, torch.tensor([[out[-1]]], device=dev), past_key_values=cache)
+        _, last, _ = forward_aux(target, torch.tensor([[out[-1]]], device=dev), cache=cache)
         logits.append(_logits_rows(target, last[0, -1:])[0])
         out.append(int(logits[-1].argmax()))
     t2 = time.perf_counter()
@@ -271,7 +271,7 @@ def speculative_decode(
     t0 = time.perf_counter()
     cache = new_cache(target)
     restore = target.family.rollback == RESTORE
-    aux, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), past_key_values=cache)
+    aux, last, _ = forward_aux(target, torch.tensor([list(prompt)], device=dev), cache=cache)
     out = [int(_logits_rows(target, last[0, -1:]).argmax())]
     proposer.start(list(prompt) + out, aux[0])
     kw = {} if costs is None else {"costs": costs}
@@ -281,7 +281,7 @@ def speculative_decode(
         drafted = proposer.propose(chain, **kw)
         t2 = time.perf_counter()
         snapshot = _recurrent_snapshot(cache) if restore else None
-        aux, last, _ = forward_aux(target, torch.tensor([[out[-1]] + drafted], device=dev), past_key_values=cache)
+        aux, last, _ = forward_aux(target, torch.tensor([[out[-1]] + drafted], device=dev), cache=cache)
         verified = _verify(target, last[0], drafted)
         n = 0
         while n < len(drafted) and drafted[n] == verified[n]:

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -355,12 +356,18 @@ def argmax_chunked(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, chunk: int
     return out.to(hidden_NH.device)
 
 
+def _cache_kwarg(tower: nn.Module) -> str:
+    """``cache`` where the forward takes it (transformers 5.2x renamed ``past_key_values`` and warns on
+    the old name at every call), else ``past_key_values`` (older transformers, a remote-code model)."""
+    return "cache" if "cache" in inspect.signature(tower.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def forward_aux(
     target: TargetModel,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: Optional[torch.Tensor] = None,
-    past_key_values=None,
+    cache=None,
     position_ids_BT: Optional[torch.Tensor] = None,
 ):
     """One target forward keeping only the aux layer outputs: (aux_BTKH, last_hidden_BTH, output).
@@ -370,6 +377,7 @@ def forward_aux(
     Hooks on the chosen decoder layers keep only those layers (not all ``hidden_states``), and the
     base model is called without its lm_head, so full-vocab logits are never built for the batch.
     A split target's layers return on their own devices: what is kept comes back to ``target.device``.
+    ``cache`` (a transformers ``Cache``, decoding) goes in under the name the model's forward takes.
     """
     model = target.model
     grabbed: dict[int, torch.Tensor] = {}
@@ -379,13 +387,15 @@ def forward_aux(
 
     layers = _decoder_layers(model)
     hooks = [layers[i].register_forward_hook(keep(i)) for i in target.aux_layer_ids]
+    tower = text_tower(model)
+    kept = {} if cache is None else {_cache_kwarg(tower): cache}
     try:
-        out = text_tower(model)(
+        out = tower(
             input_ids=input_ids_BT.to(target.device),
             attention_mask=None if attention_mask_BT is None else attention_mask_BT.to(target.device),
             position_ids=None if position_ids_BT is None else position_ids_BT.to(target.device),
-            past_key_values=past_key_values,
-            use_cache=past_key_values is not None,
+            use_cache=cache is not None,
+            **kept,
         )
     finally:
         for h in hooks:
