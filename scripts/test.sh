@@ -9,7 +9,7 @@ pytest_with() {  # $1: the python; the rest: pytest's arguments. pytest's exit 5
   local py=$1 rc
   shift
   set +e
-  "$py" -m pytest -ra --durations=15 "$@"
+  "$py" -m pytest -ra --durations=20 "$@"
   rc=$?
   set -e
   if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
@@ -24,13 +24,26 @@ if [[ " $* " == *" -m gpu "* || " $* " == *" -mgpu "* ]]; then
     pytest_with "$PY" "$@"
   fi
 fi
+# vLLM in its own venv (~/.cache/specforge/vllm, once): tests/test_vllm_backend.py captures through it
+# (and fails, not skips, without it). The first time it is mostly a download (~1 GB of wheels): it runs
+# in the background, beside the install and the llama.cpp build (compute), and is waited for below.
+VLLM_LOG=$(mktemp)
+bash scripts/install_vllm.sh >"$VLLM_LOG" 2>&1 &
+VLLM_PID=$!
+trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT  # a failed install below does not leave it running
 bash scripts/install.sh
 # llama.cpp (llama-server + its GGUF converter), built once per version and CPU into ~/.cache/specforge:
 # tests/test_engine_llamacpp.py serves drafts with it (and fails, not skips, without it)
 VENV="$VENV" bash scripts/install_llamacpp.sh
-# vLLM in its own venv (~/.cache/specforge/vllm, once): tests/test_vllm_backend.py captures through it
-# (and fails, not skips, without it)
-bash scripts/install_vllm.sh
+wait "$VLLM_PID" || { cat "$VLLM_LOG" >&2; echo "scripts/install_vllm.sh failed (its output above)" >&2; exit 1; }
+cat "$VLLM_LOG"
+rm -f "$VLLM_LOG"
 # lint first (seconds): the ruff configuration in pyproject.toml, clean on the whole tree
 "$VENV/bin/ruff" check --no-cache . || { echo "ruff found the problems above: fix them (ruff check --fix fixes most)" >&2; exit 1; }
-pytest_with "$VENV/bin/python" "$@"
+# Two pytest-xdist workers (SPECFORGE_TEST_WORKERS=0: none): much of the suite waits on other processes
+# (Ray actors, vLLM engines, llama-server, CLIs), which the other worker fills. One module per worker at a
+# time (its module fixtures built once), the longest modules first (tests/conftest.py, LONGEST_FIRST).
+WORKERS=${SPECFORGE_TEST_WORKERS:-2}
+XDIST=()
+[ "$WORKERS" -gt 0 ] && XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+pytest_with "$VENV/bin/python" "${XDIST[@]}" "$@"

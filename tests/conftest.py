@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -34,7 +35,19 @@ def pytest_configure(config):
 REHEARSAL_ENV = "SPECFORGE_GPU_REHEARSAL"
 
 
+# The modules that take longest, longest first (benchmarks/README.md, "Test suite durations"): they are
+# collected first so that pytest-xdist (scripts/test.sh: ``-n 2 --dist loadfile --no-loadscope-reorder``,
+# which hands each worker one module at a time in collection order) never starts one of them last.
+LONGEST_FIRST = (
+    "test_vllm_backend.py", "test_engine_llamacpp.py", "test_eagle31.py", "test_targets_export.py",
+    "test_bad_input.py", "test_adapt.py", "test_failures.py", "test_dspark.py", "test_engine_dflash.py",
+    "test_ray_train.py", "test_install.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     rehearsal = _gpu_suite(config) and os.environ.get(REHEARSAL_ENV) == "cpu"
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -58,17 +71,27 @@ def _seed():
 # tests/test_dspark.py define other module-local ``assets`` (other targets/data), which take precedence there.
 
 
+@pytest.fixture(scope="session")
+def _ray_cluster():
+    """One local Ray cluster for the whole session (a start costs seconds), shut down at its end."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_session():
+def ray_session(_ray_cluster):
+    """The session's Ray cluster, (re)started if a test before shut it down (tests of what starts and
+    stops Ray do). ``address="local"``: always this process' own cluster, never another pytest
+    worker's (``-n``) nor one that ``ray start`` / ``ray.cluster_utils`` left its address for."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/sfray",
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 _temp_dir="/tmp/sfray", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    return ray
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +112,25 @@ def reference(assets, tmp_path_factory):
     # one process, global batch = 2 x the per-rank batch; a periodic eval after step 2
     run(make_cfg(assets, out, "train.grad_accum=2", "train.num_workers=1", "train.eval_every=2"))
     return out
+
+
+# ------------------------------------------------------------------ the embedded SmolLM2's small store
+
+
+@pytest.fixture(scope="session")
+def smollm2_store(tmp_path_factory):
+    """(store folder, its overrides): features of the embedded SmolLM2 target in fp32 for 36 of 48
+    ShareGPT conversations (12 held out), cut to 256 tokens, at the non-default layers
+    ``tests.helpers.shared.SMOLLM2_AUX`` (a converter that ignored our ids would read others). Captured
+    once per run (~1 min on 2 cores) for the drafts tests/test_engine_llamacpp.py and
+    tests/test_eagle31.py train and serve."""
+    from specforge.capture import capture_store
+    from specforge.config import load_config
+    from tests.helpers.shared import SMOLLM2, SMOLLM2_STORE, built_once
+
+    def build(folder):
+        capture_store(load_config(SMOLLM2, [*SMOLLM2_STORE, f"store.dir={folder}", "tracking.wandb=false",
+                                            f"train.output_dir={folder.parent / 'unused'}"]), progress=False)
+
+    folder = built_once(tmp_path_factory, "smollm2-store", build)
+    return folder, [*SMOLLM2_STORE, f"store.dir={folder}"]

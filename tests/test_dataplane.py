@@ -83,7 +83,9 @@ def peers():
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/sfray")
+    if ray.is_initialized():  # the session's cluster (tests/conftest.py): this module needs its own
+        ray.shutdown()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/sfray")
     group = spawn_actors(Peer, 3, num_cpus=1, label="peer", timeout_s=300)
     group.labels = ["rollout[0]", "train[0]", "train[1]"]
     init_communicator(group.actors, group.labels, timeout_s=300)  # actor start-up is slow on a loaded box

@@ -22,28 +22,26 @@ import torch
 
 from specforge.engines import llamacpp
 from specforge.engines.llamacpp import LlamaServer, convert_draft, convert_target
+from tests.helpers.shared import SMOLLM2, SMOLLM2_AUX
 
 pytestmark = [pytest.mark.timeout(1800)]
 
-AUX = [3, 12, 22]  # layer outputs (SGLang numbering) the test draft trains on; the default is [1, 14, 26]
+AUX = SMOLLM2_AUX  # layer outputs (SGLang numbering) the test draft trains on; the default is [1, 14, 26]
 MAX_NEW = 48
 CHAIN = 3
 
 
-def _overrides(out: Path) -> list[str]:
-    return ["model.dtype=float32", "model.device=cpu", f"model.aux_layer_ids=[{','.join(map(str, AUX))}]",
-            "data.max_samples=48", "data.num_eval=12", "data.max_length=256", "draft.vocab_size=2048",
-            "train.max_steps=40", "train.epochs=null", "train.max_minutes=null", "train.batch_size=4",
-            "train.eval_every=0", "train.log_every=10", "train.precision=fp32", "train.num_workers=1",
-            "train.num_threads=2", f"train.output_dir={out}", "placement.mode=offline",
-            f"store.dir={out / 'features'}", "tracking.wandb=false", "checkpoint.keep_last=1"]
+def _overrides(out: Path, store: list[str]) -> list[str]:
+    return [*store, "draft.vocab_size=2048", "train.max_steps=40", "train.epochs=null", "train.max_minutes=null",
+            "train.batch_size=4", "train.eval_every=0", "train.log_every=10", "train.precision=fp32",
+            "train.num_workers=1", "train.num_threads=2", f"train.output_dir={out}", "tracking.wandb=false",
+            "checkpoint.keep_last=1"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, smollm2_store):
     """(cfg, target, trained draft folder, target GGUF, held-out prompts): the embedded SmolLM2 target in
-    fp32, a draft trained 40 steps on a store of 36 conversations (~1-2 min on 2 cores)."""
-    from specforge.capture import capture_store
+    fp32, a draft trained 40 steps on the session's store of 36 conversations (tests/conftest.py)."""
     from specforge.config import load_config
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.models.target import load_target, resolve_target_path
@@ -51,8 +49,7 @@ def served(tmp_path_factory):
 
     llamacpp.find_server()  # fail at once, naming the install command
     out = tmp_path_factory.mktemp("llamacpp")
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "smollm2-135m-cpu.yaml", _overrides(out))
-    capture_store(cfg, progress=False)
+    cfg = load_config(SMOLLM2, _overrides(out, smollm2_store[1]))
     ckpt = run(cfg)
     target = load_target(cfg.model)
     prompts = eval_prompts(heldout_rows(cfg, target.tokenizer), 8, 256)
