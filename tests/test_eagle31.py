@@ -418,13 +418,12 @@ def test_ownership_of_folders_and_ggufs():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path):
+def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path, smollm2_store):
     """A draft with the two flags llama.cpp reads (norm_before_fc, norm_before_residual), trained 40
     steps on a small store of the embedded SmolLM2 target, converted by llama.cpp's converter: the GGUF
     records both flags and holds the input norm (so it reads as EAGLE-3.1's), and llama-server's
     acceptance equals our eval's on the same prompts (the tolerance of tests/test_engine_llamacpp.py).
     ~5 min on 2 loaded cores (the capture of 36 conversations is half of it); measured: 1.0947 both."""
-    from specforge.capture import capture_store
     from specforge.config import load_config
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.engines import llamacpp
@@ -434,12 +433,10 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path):
 
     llamacpp.find_server()  # fail at once, naming the install command
     cfg = load_config(Path(__file__).parent.parent / "configs" / "eagle31-smollm2-135m-cpu.yaml", [
-        "draft.norm_output=false", "model.dtype=float32", "model.device=cpu", "data.max_samples=48", "data.num_eval=12",
-        "data.max_length=256", "draft.vocab_size=2048", "draft.ttt_warmup_steps=0", "train.max_steps=40",
-        "train.epochs=null", "train.max_minutes=null", "train.batch_size=4", "train.eval_every=0",
-        "train.log_every=10", "train.precision=fp32", f"train.output_dir={tmp_path}",
-        f"store.dir={tmp_path / 'features'}", "tracking.wandb=false", "checkpoint.keep_last=1"])
-    capture_store(cfg, progress=False)
+        *smollm2_store[1], "draft.norm_output=false", "draft.vocab_size=2048", "draft.ttt_warmup_steps=0",
+        "train.max_steps=40", "train.epochs=null", "train.max_minutes=null", "train.batch_size=4", "train.eval_every=0",
+        "train.log_every=10", "train.precision=fp32", f"train.output_dir={tmp_path}", "tracking.wandb=false",
+        "checkpoint.keep_last=1"])
     ckpt = Path(train(cfg))
     assert json.loads((ckpt / "config.json").read_text())["norm_before_fc"] is True
     target = load_target(cfg.model)
