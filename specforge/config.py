@@ -112,6 +112,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-8  # AdamW's epsilon: an update is at most lr/adam_eps times its gradient
     max_grad_norm: float = 0.5
     batch_size: int = 1  # sequences per data-parallel rank per micro-step
     grad_accum: int = 1
@@ -486,9 +487,9 @@ _AT_LEAST = {
     "regenerate.temperature": 0, "regenerate.batch_size": 1, "regenerate.num_workers": 1,
     "regenerate.max_samples": 1, "regenerate.max_turns": 1,
 }
-_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.max_grad_norm", "train.max_minutes",
-             "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s", "placement.max_inflight_mb",
-             "store.shard_mb", "regenerate.timeout_s")
+_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.adam_eps", "train.max_grad_norm",
+             "train.max_minutes", "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s",
+             "placement.max_inflight_mb", "store.shard_mb", "regenerate.timeout_s")
 _UNIT = {"train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
 
 

@@ -11,17 +11,18 @@ from specforge.parallel.launch import run_ranks
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
 from specforge.registry import bound_algorithm
 from specforge.training.trainer import DraftTrainer
-from tests.helpers.ranks import check_close, run_sp, sample_rows, setup_sp, sp_cfg
+from tests.helpers.ranks import check_params, run_sp, sample_rows, setup_sp, sp_cfg
 
 
 def _reference(path):
-    """Single process, the two samples as two micro-batches; losses + params after each step."""
+    """Single process, the two samples as two micro-batches; losses, gradients + params after each step."""
     draft, teacher, batches = setup_sp()
     cfg = sp_cfg()
     trainer = DraftTrainer(bound_algorithm(cfg), draft, teacher, cfg, torch.device("cpu"))
-    out = {"loss": [], "params": []}
+    out = {"loss": [], "grads": [], "params": []}
     for b in batches:
         out["loss"].append(trainer.step([sample_rows(b, 0), sample_rows(b, 1)])["loss"])
+        out["grads"].append({k: p.grad.detach().clone() for k, p in draft.named_parameters() if p.grad is not None})
         out["params"].append({k: v.detach().clone() for k, v in draft.state_dict().items()})
     torch.save(out, path)
 
@@ -49,9 +50,7 @@ def _dp_rank(rank, world, ref_path):
         state = full_state_dict(draft)  # collective; the full dict on the mesh's first rank
         if ref is not None:
             assert math.isclose(m["loss"], ref["loss"][step], rel_tol=1e-5), (step, m["loss"], ref["loss"][step])
-            assert state.keys() == ref["params"][step].keys(), (sorted(state), sorted(ref["params"][step]))
-            for k, v in ref["params"][step].items():
-                check_close(f"step {step} {k}", state[k], v)
+            check_params(state, ref["params"][step], ref["grads"][: step + 1], cfg, what=f"step {step}")
         else:
             assert state == {}
 

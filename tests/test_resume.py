@@ -121,6 +121,9 @@ def test_resume_refuses_another_run_naming_what_differs(tmp_path):
     for part in ("data: checkpoint 'cache-abc', this run 'cache-other'", "global_batch: checkpoint 2, this run 4",
                  "train.lr: checkpoint 0.01, this run 0.02", "checkpoint.resume=false"):
         assert part in msg, (part, msg)
+    # train.adam_eps is recorded off its default only: a checkpoint from before the key resumes at the default
+    msg = refused(identity_of(_cfg(adam_eps=1e-3), target, vocab, FACTS, total_steps=10))
+    assert msg.count(": checkpoint ") == 1 and "train.adam_eps: checkpoint '<absent>', this run 0.001" in msg, msg
     # a changed schedule (train.max_steps, via the LR horizon): the keys, both values, and both ways forward
     msg = refused(identity_of(_cfg(lr=2e-2), target, vocab, FACTS, total_steps=30))
     for part in ("total_steps (the LR schedule's length in steps, from train.max_steps and train.epochs): "

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specforge.config import Config
+from specforge.config import Config, TrainConfig
 from specforge.data.packing import target_packs
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from specforge.device import autocast, autocast_dtype, synchronize
@@ -84,6 +84,8 @@ def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftV
         **facts,
         "total_steps": total_steps,
         **{k: get(k) for k in RESUME_KEYS},
+        # train.adam_eps came later: recorded only off its default, so older checkpoints still resume
+        **({"train.adam_eps": cfg.train.adam_eps} if cfg.train.adam_eps != TrainConfig.adam_eps else {}),
         **algo.identity(),
     }
 

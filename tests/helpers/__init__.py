@@ -12,4 +12,5 @@ A test module imports from here, never from another test module (tests/test_laye
 * ``ranks``: the multi-rank harness (gloo ranks against the single process: SP, FSDP, mixed precision).
 * ``targets``: the supported families' tiny models and target folders.
 * ``export``: what SGLang's and vLLM's (speculators') loaders do with an export.
+* ``tolerance``: tolerances derived from the dtype and the number of summed terms (equivalence tests).
 """

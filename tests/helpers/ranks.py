@@ -22,14 +22,21 @@ from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ran
 from specforge.registry import bound_algorithm
 from specforge.training.slicing import sp_slice_batch
 from specforge.training.trainer import DraftTrainer
+from tests.helpers.tolerance import assert_grads_close, assert_weights_close
 
-V, N, H, T, L, STEPS = 300, 100, 64, 29, 4, 3
+V, N, H, I, T, L, STEPS = 300, 100, 64, 128, 29, 4, 3
 SAMPLE_LENGTHS = (T, 21)  # the two samples of every batch of draft_and_batches (row 1 right-padded)
+LR = 1e-2
+ADAM_EPS = LR  # lr / eps = 1: a step moves a weight at most twice its gradient's gap (tolerance.adamw_tol)
+# The longest chain of sums into a gradient entry (tests/helpers/tolerance.py): the 2 x T rows of L
+# steps summed into it, and per TTT step, forward and backward, the widest dot products: fc's 3H,
+# the projections' H, the MLP's I, the attention's keys (T per step so far) and the softmax's N.
+GRAD_TERMS = 2 * T * L + 2 * L * (3 * H + H + I + L * T + N)
 
 
 def sp_cfg() -> Config:
-    return Config(draft=Eagle3Options(ttt_length=L), train=TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0,
-                                                                       max_grad_norm=10.0))
+    return Config(draft=Eagle3Options(ttt_length=L), train=TrainConfig(precision="fp32", lr=LR, warmup_steps=0,
+                                                                       max_grad_norm=10.0, adam_eps=ADAM_EPS))
 
 
 def draft_and_batches(make_draft, mask_token_id=None):
@@ -62,7 +69,7 @@ def draft_and_batches(make_draft, mask_token_id=None):
 
 def setup_sp():
     """EAGLE-3 draft, teacher and STEPS batches, identical in every process."""
-    cfg = Eagle3DraftConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    cfg = Eagle3DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, vocab_size=V, draft_vocab_size=N)
     return draft_and_batches(lambda: Eagle3Draft(cfg))
 
@@ -80,12 +87,13 @@ def sp_reference(setup=setup_sp, cfg=sp_cfg) -> dict:
     return out
 
 
-def check_close(name, a, b, atol=2e-5, rtol=1e-4):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    if not a.is_floating_point():
-        assert torch.equal(a, b), name
-        return
-    assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{name}: max abs err {(a - b).abs().max().item()}"
+def check_grads(step: int, grads: dict, want: dict, n: int = GRAD_TERMS) -> None:
+    assert_grads_close(step, grads, want, n)
+
+
+def check_params(state: dict, want: dict, grads: list[dict], cfg: Config, n: int = GRAD_TERMS, what="param") -> None:
+    """fp32 weights after ``len(grads)`` steps of ``cfg`` whose gradients were ``grads`` (the reference's)."""
+    assert_weights_close(state, want, grads, cfg.train.lr, cfg.train.adam_eps, n, what=what)
 
 
 def _check_ulysses_head_plans(groups):
@@ -140,13 +148,10 @@ def sp_rank(rank, world, dims_tuple, ref_path, packed=False):
             for key in ("loss", "acc_0", f"acc_{L - 1}", "tau", "valid_tokens"):
                 assert math.isclose(m[key], rm[key], rel_tol=1e-5, abs_tol=1e-6), (step, key, m[key], rm[key])
             assert math.isclose(m["grad_norm"], rm["grad_norm"], rel_tol=1e-4), (m["grad_norm"], rm["grad_norm"])
-            assert grads.keys() == ref["grads"][step].keys()
-            for k, g in grads.items():
-                check_close(f"step {step} grad {k}", g, ref["grads"][step][k])
+            check_grads(step, grads, ref["grads"][step])
     state = full_state_dict(draft)
     if rank == 0:
-        for k, v in ref["params"].items():
-            check_close(f"param {k}", state[k], v)
+        check_params(state, ref["params"], ref["grads"], cfg)
 
 
 def run_sp(tmp_path, dims_tuple, rank_fn=sp_rank, setup=setup_sp, cfg=sp_cfg, *extra):
