@@ -260,6 +260,8 @@ def test_adapt_round_ends_when_the_server_dies(adapt_base, tmp_path):
 
 @pytest.mark.slow
 def test_killed_adapt_resumes_its_round(adapt_base, tmp_path):
+    """specforge.adapt SIGKILLed inside a round's fine-tune, then rerun: it resumes that round. Over 30 s:
+    two adapt processes, each loading the target, capturing the traffic and fine-tuning (no server)."""
     import os
     import signal
     import subprocess

@@ -112,6 +112,8 @@ def _probe(served, gguf_draft):
 
 
 def test_served_acceptance_equals_our_eval(served, tmp_path):
+    """llama-server's acceptance on 8 held-out prompts equals our eval's. Over 30 s: the module's draft is
+    trained here first (40 steps), and each prompt is decoded three times (greedy, ours, the server's)."""
     from specforge.eval import TIE_RTOL, _eos_ids, bucket_rows, check_lossless, greedy_run, speculative_decode
     from specforge.eval.served import Setting, summarize
 
@@ -164,6 +166,8 @@ def test_served_acceptance_equals_our_eval(served, tmp_path):
 
 
 def test_aux_ids_reach_llamacpp_and_a_shifted_export_is_caught(served, tmp_path):
+    """The module docstring's aux-id probe. Over 30 s: two conversions and two llama-server runs (the
+    export and its shifted control), each compared round by round with our drafter."""
     cfg, target, ckpt, gguf, prompts = served
     target_dir = llamacpp_target_dir(cfg)
     right, n = _probe(served, convert_draft(ckpt, target_dir, tmp_path / "right.gguf"))

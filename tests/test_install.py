@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_fresh_install_prints_no_error(tmp_path):
+    """scripts/install.sh into an empty venv, as a new user runs it. Over 30 s: it installs every wheel
+    (from pip's cache after the first time), which no shared venv can stand in for."""
     env = dict(os.environ, VENV=str(tmp_path / "venv"))
     out = subprocess.run(["bash", "scripts/install.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     lines = (out.stdout + out.stderr).splitlines()

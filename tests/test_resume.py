@@ -202,6 +202,9 @@ def _run(args, timeout=400) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_hard_killed_driver_resumes_exactly(assets, tmp_path):
+    """A driver SIGKILLed mid-run, then the same command: it resumes at the last checkpoint and ends with
+    the uninterrupted run's losses. Over 30 s: three driver processes (uninterrupted, killed, resumed),
+    each starting its own Ray cluster, which the kill must take down with it."""
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/sfk")  # short: Ray's socket paths live under it
 
     def args(out):

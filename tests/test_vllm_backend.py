@@ -175,7 +175,8 @@ def test_vllm_features_equal_the_transformers_capture(name, folders, request):
 
 def test_tensor_parallel_2_on_the_cpu_gives_the_same_features(folders):
     """rollout.tp_size=2: two engine ranks (vLLM's CPU collectives) on the same cores; the features
-    equal the transformers capture as TP 1's do."""
+    equal the transformers capture as TP 1's do. Over 30 s: an engine of two ranks starts (its own, not
+    shareable: the TP size is the claim)."""
     cfg = load_config(None, overrides(folders["mistral"]) + VLLM + ["rollout.tp_size=2"])
     hf = load_target(cfg.model, layers=lambda n: AUX)
     eng = load_target(cfg.model, layers=lambda n: AUX, engine_for=engine_factory(cfg))
@@ -320,7 +321,8 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
                                                                              monkeypatch):
     """Disaggregated, features from vLLM: the rollout worker's engine is SIGKILLed after train step 1.
     The worker exits with it, the driver replaces it as any dead rollout worker (a new engine), the
-    train ranks resume at a consistent step: every step trains once, losses as with transformers."""
+    train ranks resume at a consistent step: every step trains once, losses as with transformers.
+    Over 30 s: two vLLM engine starts (the first and its replacement, ~30 s each on 2 cores) and a Ray run."""
 
     import ray
 
