@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specforge.config import load_config
-from tests.helpers.tolerance import close_tol, step_terms
+from tests.helpers.tolerance import adamw_tol, close_tol, step_terms
 
 STEPS = 3
 # The tiny run's longest chain of sums into a gradient entry (tests/helpers/tolerance.py): a step's
@@ -69,10 +69,9 @@ def weights_tol(state: dict, name: str, n_terms: int = TINY_TERMS) -> float:
     # move by that fraction, the step by twice it (at most 2 lr)
     sizes = [s["exp_avg_sq"].numel() for s in opt["state"].values()]
     clip = 2 * lr * close_tol(f32, max(sizes) + len(sizes), 1.0)
-    # each step's gradient rounding, moved at most 2 lr / eps times (tolerance.adamw_tol), and the
-    # weight's own rounding at every step
-    return sum(2 * lr / eps * close_tol(f32, step_terms(s, n_terms), g_max) + clip for s in range(steps)) + \
-        close_tol(f32, steps, state["model"][name].abs().max().item())
+    # each step's gradient rounding, moved at most 2 lr / eps times, and the weight's own rounding at every step
+    grad_tols = [close_tol(f32, step_terms(s, n_terms), g_max) for s in range(steps)]
+    return adamw_tol([lr] * steps, grad_tols, eps, f32, state["model"][name].abs().max().item()) + steps * clip
 
 
 def assert_same_weights(ref_dir: Path, got_dir: Path, got: dict, want: dict, n_terms: int = TINY_TERMS) -> None:
