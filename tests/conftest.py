@@ -94,6 +94,16 @@ def ray_session(_ray_cluster):
     return ray
 
 
+@pytest.fixture
+def no_ray():
+    """No Ray in this process when the test starts: a test of what a run does when it starts Ray itself
+    (its own temp folder and environment, a ``ray.address`` to join) would otherwise join the cluster an
+    earlier module's ``ray_session`` left up. The next module's ``ray_session`` starts it again."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny random Llama target + tokenizer folder and a tiny ShareGPT JSONL (14 rows)."""

@@ -637,7 +637,7 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch):
+def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch, no_ray):
     import tempfile
 
     import specforge.preflight as pf
@@ -802,7 +802,7 @@ def test_a_config_folder_is_named_as_one(tmp_path):
         load_config(tmp_path)
 
 
-def test_a_dead_ray_address_fails_within_the_timeout(tmp_path):
+def test_a_dead_ray_address_fails_within_the_timeout(tmp_path, no_ray):
     import socket
     import time
 
