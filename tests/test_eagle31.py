@@ -427,7 +427,7 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path, smol
     from specforge.config import load_config
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.engines import llamacpp
-    from specforge.eval import TIE_RTOL, _eos_ids, check_lossless, greedy_run, speculative_decode
+    from specforge.eval import _eos_ids, speculative_decode
     from specforge.models.target import load_target, resolve_target_path
     from specforge.train import run as train
 
@@ -455,15 +455,13 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path, smol
     with llamacpp.LlamaServer(gguf, draft_gguf, n_max=chain, threads=1) as srv:
         runs = [srv.complete(p, max_new) for p in prompts]
     tokens = forwards = same = 0
-    for p, r in zip(prompts, runs):
-        ref = greedy_run(target, p, max_new, eos)
+    for p, r in zip(prompts, runs):  # our decoding's losslessness is tests/test_eval.py's claim
         got, st = speculative_decode(target, proposer, p, max_new, chain, eos)
-        check_lossless(got, ref, TIE_RTOL[torch.float32])
         tokens, forwards = tokens + st.new_tokens - 1, forwards + st.verify_forwards
-        same += r.tokens == ref.tokens
+        same += r.tokens == got
     ours = tokens / forwards
     served = sum(r.predicted_n - 1 for r in runs) / sum(r.predicted_n - 1 - r.draft_n_accepted for r in runs)
     print(f"acceptance: ours {ours:.4f}, llama-server {served:.4f} per forward")
-    assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} llama.cpp outputs equal our greedy decoding"
+    assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} llama.cpp outputs equal our decoding"
     assert abs(served - ours) <= 0.02, (served, ours)
     assert served > 1.05  # the trained draft is not a no-op, else parity would prove little

@@ -113,8 +113,8 @@ def _probe(served, gguf_draft):
 
 def test_served_acceptance_equals_our_eval(served, tmp_path):
     """llama-server's acceptance on 8 held-out prompts equals our eval's. Over 30 s: the module's draft is
-    trained here first (40 steps), and each prompt is decoded three times (greedy, ours, the server's)."""
-    from specforge.eval import TIE_RTOL, _eos_ids, bucket_rows, check_lossless, greedy_run, speculative_decode
+    trained here first (40 steps), and each prompt is decoded twice (ours, the server's) with a 135M target in fp32."""
+    from specforge.eval import _eos_ids, bucket_rows, speculative_decode
     from specforge.eval.served import Setting, summarize
 
     cfg, target, ckpt, gguf, prompts = served
@@ -124,13 +124,14 @@ def test_served_acceptance_equals_our_eval(served, tmp_path):
     per_prompt = []  # (tokens after the prefill's, verify forwards) of our decode, for the buckets
     with LlamaServer(gguf, draft_gguf, n_max=CHAIN, threads=1) as srv:
         runs = [srv.complete(p, MAX_NEW) for p in prompts]
-    for p, r in zip(prompts, runs):  # specforge.eval's loop, prompt by prompt (evaluate_settings)
-        ref = greedy_run(target, p, MAX_NEW, eos)
+    # specforge.eval's loop, prompt by prompt (evaluate_settings), less its greedy reference run: that our
+    # speculative decoding is lossless is tests/test_eval.py's claim; here the server's output is held
+    # against ours (a lossy side, ours or the server's, would part from the other)
+    for p, r in zip(prompts, runs):
         got, st = speculative_decode(target, proposer, p, MAX_NEW, CHAIN, eos)
-        check_lossless(got, ref, TIE_RTOL[torch.float32])
         tokens, forwards = tokens + st.new_tokens - 1, forwards + st.verify_forwards
         per_prompt.append((st.new_tokens - 1, st.verify_forwards))
-        same += r.tokens == ref.tokens
+        same += r.tokens == got
     ours = tokens / forwards  # = EvalReport.acceptance_length
     # Our eval's acceptance length counts tokens per target forward, every forward after the
     # prefill (a last step too short to draft included); the server's "mean len" counts per
@@ -147,7 +148,7 @@ def test_served_acceptance_equals_our_eval(served, tmp_path):
     # flips, while a wrong layer mapping (the probe's shifted export: top-1 equal in only ~60% of
     # rounds) costs this draft most of its 0.16 accepted tokens per forward. Measured: equal to
     # 4 decimals (1.1613 both, all 8 outputs identical).
-    assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} llama.cpp outputs equal our greedy decoding"
+    assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} llama.cpp outputs equal our decoding"
     assert abs(served_acc - ours) <= 0.02, (served_acc, ours)
     assert served_acc > 1.05  # the trained draft is not a no-op, else parity would prove little
     assert server_mean_len >= served_acc  # per verify round >= per forward (a forward may verify nothing)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from specforge.compat import check_draft_shape
+from specforge.engines.gguf_header import GgufHeader, read_gguf_header
 from specforge.jsonhttp import HttpFailure, get_text, post_json, wait_healthy
 from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.seam import Format
@@ -305,24 +306,20 @@ def _amx_crash(*ggufs: Optional[Path]) -> bool:
     return any(_quantized(str(f), f.stat().st_mtime_ns) for f in ggufs if f is not None)
 
 
-@functools.lru_cache(maxsize=32)
-def _quantized(path: str, mtime_ns: int) -> bool:
-    from gguf import GGUFReader  # lazy: optional (gguf)
+UNQUANTIZED = {0, 1, 26, 27, 30}  # ggml types F32, F16, I32, I64, BF16
 
-    # the venv's gguf (transformers' GGUF loader): headers, memory-mapped
-    try:
-        tensors = GGUFReader(path).tensors
-    except Exception:  # not a GGUF this reader knows: llama-server will say what is wrong with it
-        return False
-    return any(t.tensor_type.name not in {"F32", "F16", "BF16", "I64", "I32"} for t in tensors)
+
+def _quantized(path: str, mtime_ns: int) -> bool:
+    header = _gguf_header(path, mtime_ns)
+    return header is not None and any(kind not in UNQUANTIZED for _, kind in header.tensors)
 
 
 def gguf_spec_type(draft_gguf: str | Path) -> str:
     """``--spec-type`` for a draft GGUF, from its ``general.architecture`` (the algorithm's ``gguf_architecture``)."""
     f = Path(draft_gguf)
-    arch = _gguf_architecture(str(f), f.stat().st_mtime_ns)
-
-    algo = by_gguf(arch, _gguf_tensor_names(str(f), f.stat().st_mtime_ns))
+    header = _gguf_header(str(f), f.stat().st_mtime_ns)
+    arch = header and header.architecture
+    algo = by_gguf(arch, tuple(name for name, _ in header.tensors) if header else ())
     if algo is None or not algo.llamacpp_spec_type:
         archs = ", ".join(a.gguf_architecture for a in map(get_algorithm, NAMES) if a.llamacpp_spec_type)
         raise ValueError(f"draft GGUF {str(f)!r} has architecture {arch!r}: specforge serves "
@@ -331,23 +328,12 @@ def gguf_spec_type(draft_gguf: str | Path) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _gguf_tensor_names(path: str, mtime_ns: int) -> tuple[str, ...]:
-    from gguf import GGUFReader  # lazy: optional (gguf)
-
+def _gguf_header(path: str, mtime_ns: int) -> Optional[GgufHeader]:
+    """The GGUF's header (fields, tensor names and types), None for a file that is not one this reads:
+    llama-server then says what is wrong with it."""
     try:
-        return tuple(t.name for t in GGUFReader(path).tensors)
-    except Exception:  # not a GGUF this reader knows
-        return ()
-
-
-@functools.lru_cache(maxsize=32)
-def _gguf_architecture(path: str, mtime_ns: int) -> Optional[str]:
-    from gguf import GGUFReader  # lazy: optional (gguf)
-
-    try:
-        field = GGUFReader(path).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except Exception:  # not a GGUF this reader knows
+        return read_gguf_header(path)
+    except (OSError, ValueError):
         return None
 
 
