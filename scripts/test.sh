@@ -31,7 +31,21 @@ VLLM_LOG=$(mktemp)
 bash scripts/install_vllm.sh >"$VLLM_LOG" 2>&1 &
 VLLM_PID=$!
 trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT  # a failed install below does not leave it running
-bash scripts/install.sh
+# A fresh venv's install is the one tests/test_install.py checks (no ERROR, one note): its output is kept
+# for that test (SPECFORGE_FRESH_INSTALL) instead of a second install into another fresh venv.
+if [ -x "$VENV/bin/python" ]; then
+  bash scripts/install.sh
+else
+  FRESH=$(mktemp -d)
+  echo "installing into a new venv $VENV (~2-3 min; pip's output when it is done)"
+  rc=0
+  bash scripts/install.sh >"$FRESH/stdout" 2>"$FRESH/stderr" || rc=$?
+  cat "$FRESH/stdout"
+  cat "$FRESH/stderr" >&2
+  [ "$rc" -eq 0 ] || { echo "scripts/install.sh failed (exit $rc): its output above" >&2; exit "$rc"; }
+  (cd "$VENV" && pwd) >"$FRESH/venv"
+  export SPECFORGE_FRESH_INSTALL=$FRESH
+fi
 # llama.cpp (llama-server + its GGUF converter), built once per version and CPU into ~/.cache/specforge:
 # tests/test_engine_llamacpp.py serves drafts with it (and fails, not skips, without it)
 VENV="$VENV" bash scripts/install_llamacpp.sh

@@ -10,20 +10,59 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+FRESH_ENV = "SPECFORGE_FRESH_INSTALL"  # scripts/test.sh: the folder holding its own fresh install's output
+
+
+def _fresh_install(tmp_path) -> tuple[str, str, Path]:
+    """(stdout, stderr, venv) of scripts/install.sh into an empty venv: the one scripts/test.sh has just
+    made when its venv did not exist (a fresh clone, CI), else one made here."""
+    kept = os.environ.get(FRESH_ENV)
+    if kept and (Path(kept) / "venv").is_file():
+        folder = Path(kept)
+        return ((folder / "stdout").read_text(), (folder / "stderr").read_text(),
+                Path((folder / "venv").read_text().strip()))
+    venv = tmp_path / "venv"
+    out = subprocess.run(["bash", "scripts/install.sh"], cwd=REPO, env=dict(os.environ, VENV=str(venv)),
+                         capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+    return out.stdout, out.stderr, venv
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_fresh_install_prints_no_error(tmp_path):
-    """scripts/install.sh into an empty venv, as a new user runs it. Over 30 s: it installs every wheel
-    (from pip's cache after the first time), which no shared venv can stand in for."""
-    env = dict(os.environ, VENV=str(tmp_path / "venv"))
-    out = subprocess.run(["bash", "scripts/install.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
-    lines = (out.stdout + out.stderr).splitlines()
-    assert out.returncode == 0, "\n".join(lines[-30:])
+    """scripts/install.sh into an empty venv, as a new user runs it. When scripts/test.sh has just done
+    exactly that (its venv was new), its output is the one read; otherwise this installs into a new venv,
+    which takes over 30 s: every wheel is installed (from pip's cache after the first time)."""
+    stdout, stderr, venv = _fresh_install(tmp_path)
+    lines = (stdout + stderr).splitlines()
     assert not [line for line in lines if line.startswith("ERROR")], "\n".join(lines)
     assert not [line for line in lines if "BuildBackendWarning" in line], "\n".join(lines)
     notes = [line for line in lines if line.startswith("note: ")]
     assert len(notes) == 1 and "speculators" in notes[0] and "on purpose" in notes[0], notes
-    assert out.stdout.splitlines()[-1].startswith(f"installed into {tmp_path / 'venv'}: torch ")
+    assert stdout.splitlines()[-1].startswith(f"installed into {venv}: torch "), stdout.splitlines()[-3:]
+    assert (venv / "bin" / "python").is_file()
+
+
+def test_the_kept_install_output_is_the_one_read(tmp_path, monkeypatch):
+    """The check above reads scripts/test.sh's kept output when there is one: an ERROR line in it fails the
+    check (the control), and the shipped test.sh keeps exactly what the check reads."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    (kept / "venv").write_text(f"{venv}\n")
+    note = "note: speculators 0.9.0 ... on purpose"
+    (kept / "stdout").write_text(f"{note}\ninstalled into {venv}: torch 2.13.0+cpu\n")
+    (kept / "stderr").write_text("")
+    monkeypatch.setenv(FRESH_ENV, str(kept))
+    test_a_fresh_install_prints_no_error(tmp_path)
+    (kept / "stderr").write_text("ERROR: pip's dependency resolver does not currently take into account ...\n")
+    with pytest.raises(AssertionError):
+        test_a_fresh_install_prints_no_error(tmp_path)
+    script = (REPO / "scripts" / "test.sh").read_text()
+    assert all(f in script for f in ('"$FRESH/stdout"', '"$FRESH/stderr"', '"$FRESH/venv"', f"export {FRESH_ENV}="))
 
 
 def test_the_default_runs_stated_duration_is_the_measured_one():
