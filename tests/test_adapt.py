@@ -295,9 +295,15 @@ def test_killed_adapt_resumes_its_round(adapt_base, tmp_path):
     assert "resum" in (root / "rounds" / "round-0001" / "train.log").read_text().lower()
 
 
-def test_adapt_bad_input_is_one_line_before_anything_loads(adapt_base, tmp_path):
+def test_adapt_bad_input_is_one_line_before_anything_loads(adapt_base, tmp_path, monkeypatch, capsys):
+    """Each case: one ``error:`` line naming the key, exit 1, and no Adapter made. The first case runs
+    ``python -m specforge.adapt`` in its own process (the entry point's one line and exit code); the
+    others call the same entry (run_cli over main) in this one, each subprocess being ~3.5 s of imports."""
     import subprocess
     import sys
+
+    import specforge.adapt.__main__ as entry
+    from specforge.cli import run_cli
 
     over, draft = adapt_base
     cases = [
@@ -308,12 +314,21 @@ def test_adapt_bad_input_is_one_line_before_anything_loads(adapt_base, tmp_path)
         (["adapt.serve=false", f"adapt.traffic={draft / 'config.json'}", f"adapt.reference_store={tmp_path}"],
          "adapt.reference_store: no feature store"),
     ]
-    for extra, want in cases:
-        args = [sys.executable, "-m", "specforge.adapt", *over, f"adapt.dir={tmp_path / 'a'}", f"adapt.draft={draft}",
-                *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and want in lines[0], r.stderr
+    def no_adapter(*args, **kwargs):
+        raise AssertionError("an Adapter was made: the bad input was not refused first")
+
+    monkeypatch.setattr(entry, "Adapter", no_adapter)
+    for i, (extra, want) in enumerate(cases):
+        argv = [*over, f"adapt.dir={tmp_path / 'a'}", f"adapt.draft={draft}", *extra]
+        if i == 0:
+            r = subprocess.run([sys.executable, "-m", "specforge.adapt", *argv], capture_output=True, text=True,
+                               timeout=120)
+            code, err = r.returncode, r.stderr
+        else:
+            code = run_cli(lambda: entry.main(argv), errors=(RuntimeError,))
+            err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("error:") and want in lines[0], err
 
 
 def test_adapt_answers_the_requests_in_flight_when_it_stops(adapt_base, tmp_path):
