@@ -40,8 +40,8 @@ REHEARSAL_ENV = "SPECFORGE_GPU_REHEARSAL"
 # which hands each worker one module at a time in collection order) never starts one of them last.
 LONGEST_FIRST = (
     "test_vllm_backend.py", "test_engine_llamacpp.py", "test_eagle31.py", "test_targets_export.py",
-    "test_bad_input.py", "test_adapt.py", "test_failures.py", "test_dspark.py", "test_engine_dflash.py",
-    "test_ray_train.py", "test_install.py",
+    "test_engine_dflash.py", "test_dspark.py", "test_bad_input.py", "test_ray_train.py", "test_failures.py",
+    "test_adapt.py", "test_new_algorithms_placements.py", "test_resume.py", "test_install.py",
 )
 
 

@@ -70,6 +70,13 @@ def dflash(tmp_path_factory):
     return target_dir, model, ours, folder, llamacpp.cached_target_gguf(target_dir, "f32"), prompts
 
 
+@pytest.fixture(scope="module")
+def right_gguf(dflash, tmp_path_factory):
+    """The module draft converted once with our layer ids (~6 s a conversion): probed and read back."""
+    target_dir, model, ours, folder, gguf, prompts = dflash
+    return convert_draft(folder, target_dir, tmp_path_factory.mktemp("dflash-gguf") / "right.gguf")
+
+
 @torch.inference_mode()
 def _probe(dflash, draft_gguf, control=None) -> tuple[int, int, int]:
     """(positions agreeing, positions compared, rounds) between llama-server's drafts and ours; with
@@ -106,9 +113,9 @@ def _probe(dflash, draft_gguf, control=None) -> tuple[int, int, int]:
     return (agree, total, rounds) if control is None else (agree, total, rounds, agree_control)
 
 
-def test_dflash_blocks_match_ours_and_a_shifted_export_is_caught(dflash, tmp_path):
+def test_dflash_blocks_match_ours_and_a_shifted_export_is_caught(dflash, right_gguf, tmp_path):
     target_dir, model, ours, folder, gguf, prompts = dflash
-    right, n, rounds = _probe(dflash, convert_draft(folder, target_dir, tmp_path / "right.gguf"))
+    right, n, rounds = _probe(dflash, right_gguf)
     wrong, _, _ = _probe(dflash, convert_draft(folder, target_dir, tmp_path / "wrong.gguf",
                                                layer_ids=[i + 1 for i in IDS]))
     print(f"drafted positions agreeing with ours: right ids {right}/{n}, shifted ids {wrong}/{n} ({rounds} rounds)")
@@ -120,10 +127,9 @@ def test_dflash_blocks_match_ours_and_a_shifted_export_is_caught(dflash, tmp_pat
     assert wrong <= 0.5 * n, (wrong, n)
 
 
-def test_converted_dflash_records_layer_inputs_mask_and_block(dflash, tmp_path):
+def test_converted_dflash_records_layer_inputs_mask_and_block(right_gguf):
     """Read back with the converter's own gguf-py: ids + 1 (the converter adds the 1, we do not)."""
-    target_dir, model, ours, folder, gguf, prompts = dflash
-    out = convert_draft(folder, target_dir, tmp_path / "d.gguf")
+    out = right_gguf
     assert llamacpp.gguf_spec_type(out) == "draft-dflash"
     sys.path.insert(0, str(llamacpp.llamacpp_dir() / "src" / "gguf-py"))
     try:

@@ -57,6 +57,13 @@ def served(tmp_path_factory, smollm2_store):
     return cfg, target, ckpt, gguf, prompts
 
 
+@pytest.fixture(scope="module")
+def draft_gguf(served, tmp_path_factory):
+    """The module draft converted once with our layer ids (~6 s a conversion): served, probed and read back."""
+    cfg, target, ckpt, gguf, prompts = served
+    return convert_draft(ckpt, llamacpp_target_dir(cfg), tmp_path_factory.mktemp("draft-gguf") / "draft.gguf")
+
+
 # ---------------------------------------------------------------- our side of the comparison
 
 
@@ -111,14 +118,13 @@ def _probe(served, gguf_draft):
 # ---------------------------------------------------------------- parity and the aux-id probe
 
 
-def test_served_acceptance_equals_our_eval(served, tmp_path):
+def test_served_acceptance_equals_our_eval(served, draft_gguf):
     """llama-server's acceptance on 8 held-out prompts equals our eval's. Over 30 s: the module's draft is
     trained here first (40 steps), and each prompt is decoded twice (ours, the server's) with a 135M target in fp32."""
     from specforge.eval import _eos_ids, bucket_rows, speculative_decode
     from specforge.eval.served import Setting, summarize
 
     cfg, target, ckpt, gguf, prompts = served
-    draft_gguf = convert_draft(ckpt, llamacpp_target_dir(cfg), tmp_path / "draft.gguf")
     proposer, eos = _ours(target, ckpt), _eos_ids(target)
     tokens = forwards = same = 0
     per_prompt = []  # (tokens after the prefill's, verify forwards) of our decode, for the buckets
@@ -166,12 +172,12 @@ def test_served_acceptance_equals_our_eval(served, tmp_path):
         assert abs(m["acceptance_length"] - t["acceptance_length"]) <= 0.04, (m, t)
 
 
-def test_aux_ids_reach_llamacpp_and_a_shifted_export_is_caught(served, tmp_path):
-    """The module docstring's aux-id probe. Over 30 s: two conversions and two llama-server runs (the
-    export and its shifted control), each compared round by round with our drafter."""
+def test_aux_ids_reach_llamacpp_and_a_shifted_export_is_caught(served, draft_gguf, tmp_path):
+    """The module docstring's aux-id probe. Over 30 s: a conversion (the shifted control's) and two
+    llama-server runs (the export and its control), each compared round by round with our drafter."""
     cfg, target, ckpt, gguf, prompts = served
     target_dir = llamacpp_target_dir(cfg)
-    right, n = _probe(served, convert_draft(ckpt, target_dir, tmp_path / "right.gguf"))
+    right, n = _probe(served, draft_gguf)
     # negative control: the same draft, told its layers are one further (llama.cpp then reads
     # inputs of layers AUX + 2, i.e. outputs AUX + 1: the classic off-by-one between conventions)
     wrong, _ = _probe(served, convert_draft(ckpt, target_dir, tmp_path / "wrong.gguf",
@@ -186,10 +192,9 @@ def test_aux_ids_reach_llamacpp_and_a_shifted_export_is_caught(served, tmp_path)
     assert wrong <= 0.5, wrong
 
 
-def test_converted_draft_records_llamacpp_layer_ids(served, tmp_path):
+def test_converted_draft_records_llamacpp_layer_ids(draft_gguf):
     """The GGUF holds our ids + 1 (layer inputs), read back with the converter's own gguf-py."""
-    cfg, target, ckpt, gguf, prompts = served
-    out = convert_draft(ckpt, llamacpp_target_dir(cfg), tmp_path / "d.gguf")
+    out = draft_gguf
     import sys
 
     sys.path.insert(0, str(llamacpp.llamacpp_dir() / "src" / "gguf-py"))
