@@ -991,10 +991,15 @@ def test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub(tmp_path
 
 
 def test_a_hub_target_config_is_read_from_its_shipped_copy_when_the_hub_is_off(monkeypatch):
+    import huggingface_hub.constants
+
     from specforge.config import ModelConfig
     from specforge.models.target import load_target_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, when first imported (earlier in a suite): without this the
+    # control below went to the network and waited out its retries (~23 s) instead of failing offline
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     config = load_target_config(ModelConfig(target_path="meta-llama/Llama-3.1-8B-Instruct"))
     assert config.hidden_size == 4096 and config.num_hidden_layers == 32
     with pytest.raises(ValueError, match="model.target_path 'someone/not-shipped'"):  # negative control: no copy
