@@ -43,7 +43,7 @@ else
   cat "$FRESH/stdout"
   cat "$FRESH/stderr" >&2
   [ "$rc" -eq 0 ] || { echo "scripts/install.sh failed (exit $rc): its output above" >&2; exit "$rc"; }
-  (cd "$VENV" && pwd) >"$FRESH/venv"
+  printf '%s\n' "$VENV" >"$FRESH/venv"  # as given (install.sh names it so), relative to the repository
   export SPECFORGE_FRESH_INSTALL=$FRESH
 fi
 # llama.cpp (llama-server + its GGUF converter), built once per version and CPU into ~/.cache/specforge:
