@@ -617,7 +617,8 @@ def _probe(served, ours, draft_gguf) -> dict:
 @pytest.mark.slow
 def test_llama_server_drafts_every_position_as_our_proposer(served, tmp_path):
     """Anchor-first (K drafts a block): our proposer = llama-server's drafts at every position; the
-    export with target layer ids shifted by one does not; nor does the block without the Markov chain."""
+    export with target layer ids shifted by one does not; nor does the block without the Markov chain.
+    Over 30 s: two conversions and two llama-server runs of the 135M target (the export and its control)."""
     from specforge.engines.llamacpp import convert_draft
 
     target_dir, model, drafts, gguf, prompts = served
@@ -639,7 +640,7 @@ def test_llama_server_drafts_every_position_as_our_proposer(served, tmp_path):
 @pytest.mark.slow
 def test_llama_server_drafts_the_dflash_layout_as_our_proposer(served, tmp_path):
     """sample_from_anchor=false (row 0 the anchor only, n_max + 1 rows a block, K - 1 drafts at most):
-    the same agreement, and the same chain control."""
+    the same agreement, and the same chain control. Over 30 s: as the test above, for the other layout."""
     from specforge.engines.llamacpp import convert_draft
 
     target_dir, model, drafts, gguf, prompts = served

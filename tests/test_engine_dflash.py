@@ -114,6 +114,8 @@ def _probe(dflash, draft_gguf, control=None) -> tuple[int, int, int]:
 
 
 def test_dflash_blocks_match_ours_and_a_shifted_export_is_caught(dflash, right_gguf, tmp_path):
+    """The module docstring's block probe. Over 30 s: the module's conversion, the shifted control's, and
+    two llama-server runs of the 135M target, each compared block by block with our proposer."""
     target_dir, model, ours, folder, gguf, prompts = dflash
     right, n, rounds = _probe(dflash, right_gguf)
     wrong, _, _ = _probe(dflash, convert_draft(folder, target_dir, tmp_path / "wrong.gguf",

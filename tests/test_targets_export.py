@@ -248,7 +248,9 @@ def first_divergence_is_a_tie(got: list[int], want: list[int], prompt: list[int]
 def test_target_conversion_leaves_out_the_mtp_head(name, converted, tmp_path):
     """Qwen3-Next / 3.5: llama.cpp's converter adds the MTP layers the config counts and asserts their
     tensors exist (conversion/qwen.py _QwenMtpMixin); a checkpoint saved by transformers (the tiny one,
-    or a user's fine-tune) has none. convert_target passes the family's --no-mtp; the control without it fails."""
+    or a user's fine-tune) has none. convert_target passes the family's --no-mtp; the control without it fails.
+    Over 30 s for the first of the module's llama.cpp tests to run: it waits for the module fixture's
+    conversions of every family's target and draft (a subprocess each, two at a time)."""
     target_dir, _, target_job = converted[name]
     assert target_job.result().is_file()
     with pytest.raises(ValueError, match="converter failed"):

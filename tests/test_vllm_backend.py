@@ -169,6 +169,8 @@ def _same_features_and_a_shifted_layer_differs(cfg, eng, name) -> None:
 
 @pytest.mark.parametrize("name", [f for f in FAMILIES if f != TP2_FAMILY])
 def test_vllm_features_equal_the_transformers_capture(name, folders, request):
+    """Features through vLLM equal the transformers capture; a shifted layer's do not. Over 30 s: an
+    engine starts per family (the llama one is the module's shared engine, started by its first user)."""
     cfg = load_config(None, overrides(folders[name]) + _vllm(name, request))
     eng = load_target(cfg.model, layers=lambda n: AUX, engine_for=engine_factory(cfg))
     try:
