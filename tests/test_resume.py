@@ -201,18 +201,24 @@ def _run(args, timeout=400) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_hard_killed_driver_resumes_exactly(assets, tmp_path):
+def test_hard_killed_driver_resumes_exactly(assets, ray_session, tmp_path):
     """A driver SIGKILLed mid-run, then the same command: it resumes at the last checkpoint and ends with
-    the uninterrupted run's losses. Over 30 s: three driver processes (uninterrupted, killed, resumed),
-    each starting its own Ray cluster, which the kill must take down with it."""
+    the uninterrupted run's losses. Over 30 s: two driver processes (killed, resumed), each starting its
+    own Ray cluster, which the kill must take down with it; the uninterrupted run, the same run from a
+    driver that nothing interrupts, is ``fit`` in this process, on the session's cluster."""
+    from specforge.config import load_config
+    from specforge.ray_train import fit
+
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/sfk")  # short: Ray's socket paths live under it
 
-    def args(out):
+    def run_args(out):
         return cfg_overrides(assets, out, "placement.mode=colocated", f"train.max_steps={KILL_STEPS}",
-                             "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true",
-                             f"ray.temp_dir={ray_tmp}", "ray.num_cpus=4")
+                             "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true")
 
-    _run(args(tmp_path / "straight"))
+    def args(out):  # the drivers' own clusters: ray.* decides where Ray runs, not what the run computes
+        return run_args(out) + [f"ray.temp_dir={ray_tmp}", "ray.num_cpus=4"]
+
+    fit(load_config(None, run_args(tmp_path / "straight")))
     out = tmp_path / "killed"
     p = _cli(args(out))
     try:

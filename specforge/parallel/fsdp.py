@@ -23,14 +23,16 @@ Decisions:
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+
+# torch.distributed.fsdp / .tensor / .checkpoint are imported where they are used (0.6-0.7 s of CPU on
+# import, which every Ray actor paid at start): a rollout worker and an unsharded draft never need
+# them, and no tensor can be a DTensor before torch.distributed.tensor was imported (``_is_dtensor``).
 
 __all__ = ["apply_fsdp", "full_state_dict", "full_optimizer_state", "gather_to_first", "is_first_rank", "grads_full",
            "bf16_mp_policy"]
@@ -38,11 +40,15 @@ __all__ = ["apply_fsdp", "full_state_dict", "full_optimizer_state", "gather_to_f
 
 def bf16_mp_policy():
     """bf16 params/compute, fp32 gradient reduction (GPUs)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(draft: nn.Module, dp_mesh, mp_policy=None, sum_gradients: bool = True) -> nn.Module:
     """Shard ``draft`` in place over ``dp_mesh`` (a 1-D DeviceMesh) with FSDP2; returns it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     frozen = {p for p in draft.parameters() if not p.requires_grad}
     fully_shard(draft, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), ignored_params=frozen or None)
     if sum_gradients:
@@ -57,7 +63,7 @@ def is_first_rank(module: nn.Module) -> bool:
     # state_dict(), not parameters(): after a forward without backward (an eval) FSDP2 leaves the
     # root's parameters unsharded, registered as plain tensors; its state_dict hook shows the shards
     for v in module.state_dict().values():
-        if isinstance(v, DTensor):
+        if _is_dtensor(v):
             return v.device_mesh.get_local_rank() == 0
     return True
 
@@ -71,8 +77,10 @@ def gather_to_first(t: torch.Tensor) -> Optional[torch.Tensor]:
     tensor at a time, before the single copy to host. A plain (unsharded) tensor is no
     collective: its host copy, made on whichever rank the caller calls it.
     """
-    if not isinstance(t, DTensor):
+    if not _is_dtensor(t):
         return t.detach().to("cpu", copy=True)
+    from torch.distributed.tensor import Shard
+
     mesh = t.device_mesh
     first = mesh.get_local_rank() == 0
     if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):  # not FSDP2's layout: gather everywhere
@@ -122,6 +130,8 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     with ``full_state_dict=True`` returns, and ``set_optimizer_state_dict`` loads) in host memory on
     the first rank of the mesh, ``{}`` elsewhere. Collective. Reads the sharded state (no copy),
     then gathers each tensor to the first rank (``gather_to_first``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     sharded = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
     first = is_first_rank(model)
     out = _gather_tree(sharded, first)
@@ -129,7 +139,8 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _is_dtensor(v: Any) -> bool:
-    return isinstance(v, DTensor)
+    tensor_mod = sys.modules.get("torch.distributed.tensor")  # not imported yet: there is no DTensor
+    return tensor_mod is not None and isinstance(v, tensor_mod.DTensor)
 
 
 def _gather_tree(obj: Any, first: bool) -> Any:

@@ -36,7 +36,6 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from specforge.files import read_safetensors, read_torch
 from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, is_first_rank
@@ -347,6 +346,12 @@ class CheckpointManager:
         missing = set(trainer.draft.export_state_dict()) - set(weights)
         if missing:
             raise ValueError(f"{str(path)!r} cannot be resumed from: missing {sorted(missing)}")
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.tensor)
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True, strict=False)  # the frozen embedding is not saved
         set_model_state_dict(trainer.draft, weights, options=opts)
         if state.get("full_optimizer_state"):
