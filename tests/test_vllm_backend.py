@@ -277,7 +277,10 @@ def test_an_engine_that_fails_to_start_is_one_line(folders, capsys, tmp_path):
     assert "exited" in err and "while starting" in err and "log:" in err
 
 
-def test_an_endpoint_that_does_not_answer_names_the_key(folders, capsys, tmp_path):
+def test_an_endpoint_that_does_not_answer_names_the_key(folders, capsys, tmp_path, monkeypatch):
+    from specforge.models import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "ENDPOINT_WAIT_S", 1.0)  # the wait's length is not the claim (10 s by default)
     with socket.socket() as busy:  # something listens there, but it is no vLLM engine
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -40,14 +40,14 @@ __all__ = ["apply_fsdp", "full_state_dict", "full_optimizer_state", "gather_to_f
 
 def bf16_mp_policy():
     """bf16 params/compute, fp32 gradient reduction (GPUs)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # lazy: heavy (torch) distributed.tensor
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(draft: nn.Module, dp_mesh, mp_policy=None, sum_gradients: bool = True) -> nn.Module:
     """Shard ``draft`` in place over ``dp_mesh`` (a 1-D DeviceMesh) with FSDP2; returns it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: heavy (torch) distributed.tensor
 
     frozen = {p for p in draft.parameters() if not p.requires_grad}
     fully_shard(draft, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), ignored_params=frozen or None)
@@ -79,7 +79,7 @@ def gather_to_first(t: torch.Tensor) -> Optional[torch.Tensor]:
     """
     if not _is_dtensor(t):
         return t.detach().to("cpu", copy=True)
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Shard  # lazy: heavy (torch) distributed.tensor
 
     mesh = t.device_mesh
     first = mesh.get_local_rank() == 0
@@ -130,7 +130,10 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     with ``full_state_dict=True`` returns, and ``set_optimizer_state_dict`` loads) in host memory on
     the first rank of the mesh, ``{}`` elsewhere. Collective. Reads the sharded state (no copy),
     then gathers each tensor to the first rank (``gather_to_first``)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch) distributed.tensor
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     sharded = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
     first = is_first_rank(model)

@@ -346,7 +346,7 @@ class CheckpointManager:
         missing = set(trainer.draft.export_state_dict()) - set(weights)
         if missing:
             raise ValueError(f"{str(path)!r} cannot be resumed from: missing {sorted(missing)}")
-        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch.distributed.tensor)
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy (torch) distributed.tensor
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
