@@ -23,6 +23,10 @@ def _gpu_suite(config) -> bool:
 # pools on two cores wait on each other's descheduled threads, and Intel OpenMP (vLLM's CPU engine)
 # spins 200 ms after each parallel region by default. Measured on a 2-core EPYC, the EAGLE-3.1 llama.cpp
 # parity test beside the vLLM module: 251 s with neither, 185 s with KMP_BLOCKTIME=0, 75 s alone.
+# A run inside the worker keeps to it too: ``train.num_threads`` (2 in the SmolLM2 configs, which the
+# llama.cpp parity tests train from) would otherwise give the worker two OpenMP threads until the next
+# test (``_clamp_threads``); processes the worker starts get OMP_NUM_THREADS=1 and a passive OpenMP wait
+# (GNU OpenMP, torch's, spins before it sleeps) for a run of theirs that asks for more.
 XDIST_THREADS = 1
 
 
@@ -30,10 +34,40 @@ def _xdist_worker() -> bool:
     return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
+def _clamp_threads() -> None:
+    """``torch.set_num_threads`` of this worker process sets at most ``XDIST_THREADS`` (what a test's
+    run asks for is the run's business; how many threads the suite's worker computes on is the suite's)."""
+    set_num_threads = torch.set_num_threads
+
+    def clamped(n: int) -> None:
+        set_num_threads(max(1, min(int(n), XDIST_THREADS)))
+
+    torch.set_num_threads = clamped
+
+
+# Vector paths (README, "Set up and run the tests"): torch inductor's on-disk cache does not key its compiled
+# CPU kernels by the vector path ATen or oneDNN were told to take, so a kernel compiled under one path is
+# loaded under another: garbage (2e37, NaN) or a crash in the compiled-vs-eager tests, and an IndexError in
+# vLLM's compiled embedding mask (its engine inherits this environment). Measured on a 2-core EPYC, torch
+# 2.13.0: each path passes in an empty cache and fails in one another path filled. One cache per path.
+VECTOR_PATH_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def inductor_cache_dir() -> str:
+    import getpass
+    import tempfile
+
+    path = "-".join(os.environ.get(k, "native").lower() for k in VECTOR_PATH_ENV)
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"specforge-suite-{path}")
+
+
 def pytest_configure(config):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     if _xdist_worker():
         os.environ.setdefault("OMP_NUM_THREADS", str(XDIST_THREADS))
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         os.environ.setdefault("KMP_BLOCKTIME", "0")
+        _clamp_threads()
         torch.set_num_threads(XDIST_THREADS)
     if not _gpu_suite(config):
         from specforge.device import FORCE_ENV
