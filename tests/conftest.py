@@ -49,7 +49,7 @@ def _clamp_threads() -> None:
 # CPU kernels by the vector path ATen or oneDNN were told to take, so a kernel compiled under one path is
 # loaded under another: garbage (2e37, NaN) or a crash in the compiled-vs-eager tests, and an IndexError in
 # vLLM's compiled embedding mask (its engine inherits this environment). Measured on a 2-core EPYC, torch
-# 2.13.0: each path passes in an empty cache and fails in one another path filled. One cache per path.
+# 2.13.0: each path passes in an empty cache and fails in a cache another path filled. One cache per path.
 VECTOR_PATH_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 

@@ -53,6 +53,9 @@ def straight(assets, ray_session, tmp_path_factory):
 @on_ray
 def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_session, straight, semantics, tmp_path,
                                                               monkeypatch):
+    """The rollout worker SIGKILLed after step 1: the driver replaces it, and the run ends with the straight
+    run's losses, each step once. Over 30 s beside the other pytest worker: two placements of three Ray
+    actors each start (the first, then one around the new rollout worker), ~4.5 s of CPU an actor."""
     import specforge.ray_train as rt
     from specforge.ray_train import fit
 
@@ -78,6 +81,9 @@ def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_sessi
 @on_ray
 def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray_session, straight, semantics,
                                                                     tmp_path):
+    """A train worker SIGKILLed after step 1 ends the run naming it and the checkpoint; the same command
+    resumes to the straight run's losses. Over 30 s beside the other pytest worker: two runs (the killed
+    and the resumed) of three Ray actors each, ~4.5 s of CPU an actor to start."""
     from specforge.ray_train import TrainWorkerLost, fit
 
     out = tmp_path / f"train-killed-{semantics}"
