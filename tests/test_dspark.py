@@ -567,19 +567,12 @@ def _blocks_in_log(log: Path, offset: int, first_pos: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def exported(served, tmp_path_factory):
-    """(exit code, GGUF, what the CLI printed): the anchor-first draft exported once for llama.cpp by the
-    export CLI with our layer ids (~6 s a conversion): the CLI and the GGUF checked, the GGUF served."""
-    import contextlib
-    import io
-
-    from specforge.export import main
+    """(GGUF, what the CLI printed): the anchor-first draft exported once for llama.cpp by the export CLI
+    with our layer ids (~6 s a conversion): the CLI and the GGUF checked, the GGUF served."""
+    from tests.helpers.export import export_for_llamacpp
 
     target_dir, model, drafts, gguf, prompts = served
-    out, printed = tmp_path_factory.mktemp("dspark-gguf"), io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        rc = main(["--draft", str(drafts[True][1]), "--engine", "llama.cpp", "--out", str(out),
-                   "--target", str(target_dir)])
-    return rc, out / "draft-f32.gguf", printed.getvalue()
+    return export_for_llamacpp(drafts[True][1], target_dir, tmp_path_factory.mktemp("dspark-gguf"))
 
 
 @torch.inference_mode()
@@ -640,9 +633,7 @@ def test_llama_server_drafts_every_position_as_our_proposer(served, exported, tm
 
     target_dir, model, drafts, gguf, prompts = served
     ours, folder = drafts[True]
-    rc, right_gguf, _ = exported
-    assert rc == 0
-    right = _probe(served, ours, right_gguf)
+    right = _probe(served, ours, exported[0])
     wrong = _probe(served, ours, convert_draft(folder, target_dir, tmp_path / "wrong.gguf",
                                                layer_ids=[i + 1 for i in LC_IDS]))
     print(f"drafted positions agreeing with ours: right ids {right}, shifted ids {wrong}")
@@ -681,8 +672,7 @@ def test_converted_dspark_gguf_and_the_export_cli(served, exported):
 
     target_dir, model, drafts, gguf, prompts = served
     ours, folder = drafts[True]
-    rc, out, printed = exported
-    assert rc == 0
+    out, printed = exported  # the CLI exited 0 (export_for_llamacpp)
     assert f"--spec-type draft-dspark --spec-draft-n-max {LC_K}" in printed
     assert llamacpp.gguf_spec_type(out) == "draft-dspark"
     sys.path.insert(0, str(llamacpp.llamacpp_dir() / "src" / "gguf-py"))

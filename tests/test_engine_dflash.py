@@ -74,23 +74,15 @@ def dflash(tmp_path_factory):
 def exported(dflash, tmp_path_factory):
     """(GGUF, what the CLI printed): the module draft exported once for llama.cpp by the export CLI, with
     our layer ids (~6 s a conversion): the CLI checked, the GGUF probed and read back."""
-    import contextlib
-    import io
-
-    from specforge.export import main
+    from tests.helpers.export import export_for_llamacpp
 
     target_dir, model, ours, folder, gguf, prompts = dflash
-    out, printed = tmp_path_factory.mktemp("dflash-gguf"), io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        rc = main(["--draft", str(folder), "--engine", "llama.cpp", "--out", str(out), "--target", str(target_dir)])
-    return rc, out / "draft-f32.gguf", printed.getvalue()
+    return export_for_llamacpp(folder, target_dir, tmp_path_factory.mktemp("dflash-gguf"))
 
 
 @pytest.fixture(scope="module")
 def right_gguf(exported):
-    rc, gguf, _ = exported
-    assert rc == 0
-    return gguf
+    return exported[0]
 
 
 @torch.inference_mode()
@@ -166,8 +158,7 @@ def test_converted_dflash_records_layer_inputs_mask_and_block(right_gguf):
 
 
 def test_export_cli_dflash(exported):
-    rc, gguf, printed = exported
-    assert rc == 0
+    gguf, printed = exported  # the CLI exited 0 (export_for_llamacpp)
     assert llamacpp.gguf_spec_type(gguf) == "draft-dflash"
     assert "--spec-type draft-dflash --spec-draft-n-max 7" in printed
 

@@ -1,5 +1,6 @@
 """What SGLang's and vLLM's (speculators') loaders do with an EAGLE-3 export (from tests/test_export.py,
-shared by tests/test_targets_export.py)."""
+shared by tests/test_targets_export.py), and the export CLI run for llama.cpp (tests/test_engine_dflash.py,
+tests/test_dspark.py)."""
 
 from pathlib import Path
 
@@ -92,3 +93,21 @@ def step_logits(draft, theirs, ids, aux_ours, aux_theirs, vocab: int, steps: int
     # rows past the sequence end read padding (zeros for us, token 0 for them): compared up to T - 1 - i
     return [(in_target_vocab(ours[i][0, : T - 1 - i], draft.d2t, vocab),
              in_target_vocab(caught[i][0, : T - 1 - i], theirs.d2t, vocab)) for i in range(steps)]
+
+
+# ---------------------------------------------------------------- llama.cpp, through the export CLI
+
+
+def export_for_llamacpp(draft_dir: Path, target_dir: Path, out: Path) -> tuple[Path, str]:
+    """(the GGUF, what the CLI printed): ``python -m specforge.export --engine llama.cpp`` run in-process,
+    which must exit 0; its f32 draft GGUF is what a user serves."""
+    import contextlib
+    import io
+
+    from specforge.export import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["--draft", str(draft_dir), "--engine", "llama.cpp", "--out", str(out), "--target", str(target_dir)])
+    assert rc == 0, printed.getvalue()[-2000:]
+    return out / "draft-f32.gguf", printed.getvalue()
