@@ -113,8 +113,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    if _xdist_worker():  # a test before may have set its own count (train.num_threads sets the process')
-        torch.set_num_threads(XDIST_THREADS)
 
 
 # ------------------------------------------------------------------ the tiny Ray run (tests/helpers/ray_run.py)
