@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 from specforge.compat import check_draft_shape
 from specforge.engines.gguf_header import GgufHeader, read_gguf_header
+from specforge.forkserver import run_script_in_child
 from specforge.jsonhttp import HttpFailure, get_text, post_json, wait_healthy
 from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.seam import Format
@@ -142,11 +143,17 @@ def _run_converter(args: Sequence[str], out_path: Path) -> Path:
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.part")
-    cmd = [sys.executable, str(find_converter()), *args, "--outfile", str(tmp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not tmp.is_file():
+    argv = [*args, "--outfile", str(tmp)]
+    cmd = [sys.executable, str(find_converter()), *argv]
+    # `python convert_hf_to_gguf.py ...`, forked from this process' fork server (specforge/forkserver.py):
+    # the converter's imports (torch, transformers) were ~2 of a tiny model's ~2.7 s of CPU a conversion
+    with tempfile.TemporaryDirectory(prefix="specforge-convert-") as d:
+        log = Path(d) / "converter.log"
+        rc = run_script_in_child(cmd[1], argv, str(log))
+        output = log.read_text(errors="replace") if log.is_file() else ""
+    if rc != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        tail = "\n".join(output.strip().splitlines()[-15:])
         hint = (f" (the converter needs sentencepiece: run `{INSTALL}`)" if "sentencepiece" in tail else "")
         raise ValueError(f"llama.cpp's converter failed{hint}: {' '.join(cmd)}\n{tail}")
     os.replace(tmp, out_path)  # atomic: a half-written GGUF is never seen

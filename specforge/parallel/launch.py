@@ -3,12 +3,9 @@
 For tests and benchmarks on one machine; Ray workers join their group themselves.
 ``fn(rank, world_size, *args)`` must be importable (it is pickled by reference).
 
-The ranks are forked from multiprocessing's fork server, one per calling process, which imported
-torch once when it started (``PRELOAD``): a spawned rank spent ~1.5 s of CPU importing torch before
-its first op, and the test suite starts many ranks. A fork server is a fresh interpreter
-that has run nothing but those imports (no threads, no OpenMP pool, no CUDA context), so forking it
-is as safe as spawning. What it does not carry is the caller's environment at the time of the call:
-each rank is handed that environment explicitly, as a spawned process inherits it.
+The ranks are forked from the process' fork server (``specforge.forkserver``), which imported torch
+once: a spawned rank spent ~1.5 s of CPU importing torch before its first op, and the test suite
+starts many ranks. Each rank is handed the caller's environment at the call.
 """
 
 from __future__ import annotations
@@ -24,25 +21,15 @@ from typing import Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specforge import forkserver
 from specforge.device import barrier, init_process_group, pick_backend, pick_device, set_threads
 
 __all__ = ["run_ranks"]
 
-PRELOAD = ("torch", "torch.distributed", "specforge.device")  # what the fork server imports once
-
-
-def _context():
-    """multiprocessing's fork-server context, told what to preload (applies when the server starts:
-    the first call in a process)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
-
 
 def _entry(rank: int, fn: Callable, world_size: int, init_file: str, backend: str, timeout_s: float,
            threads: int, env: dict, args: tuple) -> None:
-    os.environ.clear()  # the caller's environment at the call, not the fork server's from its start
-    os.environ.update(env)
+    forkserver.adopt_env(env)
     faulthandler.enable()  # a native abort (SIGABRT/SIGSEGV) prints every thread's Python stack
     set_threads(threads)
     here = pick_device("auto", rank)
@@ -62,7 +49,7 @@ def run_ranks(fn: Callable, world_size: int, *args, workdir: str | os.PathLike, 
     """Start ``world_size`` ranks running ``fn``; raise if one fails or all take over ``timeout_s``
     (every process group also times out after ``timeout_s``, so a dead peer cannot hang the rest)."""
     init_file = Path(workdir) / f"pg-{uuid.uuid4().hex}"
-    _context()
+    forkserver.context()  # its preload, for torch's start_processes below
     ctx = mp.start_processes(
         _entry, args=(fn, world_size, str(init_file), backend, timeout_s, threads, dict(os.environ), args),
         nprocs=world_size, join=False, start_method="forkserver",

@@ -1,0 +1,60 @@
+"""multiprocessing's fork server: where this process starts its short-lived Python processes.
+
+A fresh interpreter spends ~1 s of CPU importing torch and ~1 s more on transformers before its
+first line of work; the fork server (one per process, started on first use) imports them once
+(``PRELOAD``) and forks each child from there. It is a fresh interpreter that has run nothing but
+those imports (no threads, no OpenMP pool, no CUDA context), so forking it is as safe as spawning
+(Python 3.14 made it Linux's default start method). What a child does not get from it is the
+caller's environment at the time of the call: callers hand it over (``adopt_env``), as a spawned
+process would inherit it.
+
+Users: ``parallel.launch.run_ranks`` (local ranks of the tests and benchmarks) and
+``engines.llamacpp``'s converter runs (``run_script``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import sys
+from pathlib import Path
+
+# what the fork server imports once; a module that fails to import is skipped by multiprocessing
+PRELOAD = ("torch", "torch.distributed", "transformers", "specforge.device")
+
+
+def context():
+    """The fork-server context, told what to preload (which applies when the server starts: the
+    first use in this process)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def adopt_env(env: dict) -> None:
+    """In a child: the caller's environment at the call, not the fork server's from its start."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def run_script(script: str, argv: list[str], env: dict, log: str) -> None:
+    """In a child: ``python script *argv`` as the interpreter would run it (``__main__``, the
+    script's folder first on ``sys.path``), stdout and stderr to the file ``log``. Its exit status
+    is the child's (an uncaught exception: 1, its traceback in ``log``)."""
+    adopt_env(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_script_in_child(script: str, argv: list[str], log: str) -> int:
+    """``run_script`` in a child forked from the fork server; its exit status once it ended."""
+    p = context().Process(target=run_script, args=(script, list(argv), dict(os.environ), log))
+    p.start()
+    p.join()
+    return p.exitcode

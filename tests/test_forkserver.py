@@ -1,0 +1,60 @@
+"""specforge.forkserver.run_script_in_child: a script run from the fork server behaves as
+``python script args`` would (llama.cpp's converter runs so, specforge/engines/llamacpp.py): its
+``__main__``, its argv, its folder first on sys.path, the caller's environment at the call, its
+output in the log, its exit status; and it comes from the fork server, not the caller."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specforge.forkserver import run_script_in_child
+
+SCRIPT = """\
+import json, os, sys
+import helper  # a module beside the script: its folder is on sys.path
+env = os.environ.get
+print(json.dumps({"name": __name__, "argv": sys.argv[1:], "helper": helper.X, "ppid": os.getppid(),
+                  "set": env("SPECFORGE_TEST_FORK_SET"), "gone": env("SPECFORGE_TEST_FORK_GONE")}))
+print("to stderr", file=sys.stderr)
+if "--fail" in sys.argv:
+    sys.exit(3)
+if "--raise" in sys.argv:
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    (tmp_path / "helper.py").write_text("X = 7\n")
+    (tmp_path / "main.py").write_text(SCRIPT)
+    return str(tmp_path / "main.py")
+
+
+def test_a_script_runs_as_python_would_run_it(script, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_TEST_FORK_GONE", "1")
+    assert run_script_in_child(script, ["--warm"], str(tmp_path / "warm.log")) == 0  # the server is up now
+    monkeypatch.setenv("SPECFORGE_TEST_FORK_SET", "yes")
+    monkeypatch.delenv("SPECFORGE_TEST_FORK_GONE")
+    log = tmp_path / "ok.log"
+    assert run_script_in_child(script, ["a", "--b=1"], str(log)) == 0
+    out, err = log.read_text().splitlines()
+    got = json.loads(out)
+    # the same script run by a fresh interpreter: the reference
+    ref = json.loads(subprocess.run([sys.executable, script, "a", "--b=1"], capture_output=True, text=True,
+                                    check=True).stdout)
+    for k in ("name", "argv", "helper", "set", "gone"):
+        assert got[k] == ref[k], k
+    assert got["name"] == "__main__" and got["argv"] == ["a", "--b=1"] and got["helper"] == 7
+    assert got["set"] == "yes" and got["gone"] is None  # the caller's environment at the call
+    assert got["ppid"] != os.getpid()  # forked by the fork server, not started by the caller
+    assert err == "to stderr"
+
+
+def test_exit_status_and_a_traceback_reach_the_caller(script, tmp_path):
+    assert run_script_in_child(script, ["--fail"], str(tmp_path / "fail.log")) == 3
+    log = tmp_path / "raise.log"
+    assert run_script_in_child(script, ["--raise"], str(log)) == 1
+    assert "RuntimeError: boom" in log.read_text()
