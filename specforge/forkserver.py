@@ -6,7 +6,8 @@ first line of work; the fork server (one per process, started on first use) impo
 those imports (no threads, no OpenMP pool, no CUDA context), so forking it is as safe as spawning
 (Python 3.14 made it Linux's default start method). What a child does not get from it is the
 caller's environment at the time of the call: callers hand it over (``adopt_env``), as a spawned
-process would inherit it.
+process would inherit it. What a preloaded module read from the environment at its import (torch's
+``TORCH_*`` switches, huggingface_hub's ``HF_HUB_OFFLINE``) stays what it was when the server started.
 
 Users: ``parallel.launch.run_ranks`` (local ranks of the tests and benchmarks) and
 ``engines.llamacpp``'s converter runs (``run_script``).
