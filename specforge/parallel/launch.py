@@ -1,4 +1,4 @@
-"""Run a function on N local ranks (processes started fresh, one default process group each).
+"""Run a function on N local ranks (processes of their own, one default process group each).
 
 For tests and benchmarks on one machine; Ray workers join their group themselves.
 ``fn(rank, world_size, *args)`` must be importable (it is pickled by reference).
