@@ -10,7 +10,9 @@ process would inherit it. What a preloaded module read from the environment at i
 ``TORCH_*`` switches, huggingface_hub's ``HF_HUB_OFFLINE``) stays what it was when the server started.
 
 Users: ``parallel.launch.run_ranks`` (local ranks of the tests and benchmarks) and
-``engines.llamacpp``'s converter runs (``run_script``).
+``engines.llamacpp``'s converter runs (``run_script``). Every child imports the caller's ``__main__``
+again, as a spawned one would: a converter run under a script that lacks ``if __name__ == "__main__"``
+takes a fresh interpreter instead (``main_is_rerun_safe``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,8 +56,23 @@ def run_script(script: str, argv: list[str], env: dict, log: str) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def main_is_rerun_safe() -> bool:
+    """Can a child of the fork server import this process' ``__main__`` again? multiprocessing
+    re-imports it in every child (as ``__mp_main__``): a module run with ``-m`` (pytest, our CLIs) is
+    imported by name, its ``if __name__ == "__main__"`` block skipped; ``-c`` and an interactive session
+    have no file to import. A script run by path (``python my_script.py``) would be run again from its
+    top, and one without that guard would start the child again from inside the child."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "__spec__", None) is not None or getattr(main, "__file__", None) is None
+
+
 def run_script_in_child(script: str, argv: list[str], log: str) -> int:
-    """``run_script`` in a child forked from the fork server; its exit status once it ended."""
+    """``run_script`` in a child forked from the fork server; its exit status once it ended. Under a
+    caller's ``__main__`` that a child cannot import again safely (``main_is_rerun_safe``): a fresh
+    interpreter, ``python script *argv``, with the same log."""
+    if not main_is_rerun_safe():
+        with open(log, "wb") as out:
+            return subprocess.run([sys.executable, script, *argv], stdout=out, stderr=subprocess.STDOUT).returncode
     p = context().Process(target=run_script, args=(script, list(argv), dict(os.environ), log))
     p.start()
     p.join()

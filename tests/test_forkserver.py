@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,18 @@ def test_exit_status_and_a_traceback_reach_the_caller(script, tmp_path):
     log = tmp_path / "raise.log"
     assert run_script_in_child(script, ["--raise"], str(log)) == 1
     assert "RuntimeError: boom" in log.read_text()
+
+
+def test_a_caller_run_as_a_script_without_a_main_guard_gets_its_script_run(script, tmp_path):
+    """multiprocessing imports the caller's ``__main__`` again in each child: a user's script calling
+    the exporter (llama.cpp's converter) without ``if __name__ == "__main__"`` would start itself again
+    inside the child and fail. There the script runs in a fresh interpreter instead."""
+    caller = tmp_path / "caller.py"  # no main guard, as a user's quick script is often written
+    caller.write_text(f"import sys\nfrom specforge.forkserver import run_script_in_child\n"
+                      f"rc = run_script_in_child({script!r}, ['x'], {str(tmp_path / 'c.log')!r})\n"
+                      f"print('rc', rc, open({str(tmp_path / 'c.log')!r}).read().splitlines()[0])\n")
+    done = subprocess.run([sys.executable, str(caller)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rc, first = done.stdout.split(None, 2)[1:]
+    assert rc == "0" and json.loads(first)["argv"] == ["x"]
