@@ -215,3 +215,50 @@ def test_append_adds_new_samples_and_skips_existing_ones(tmp_path):
         for k in want:
             assert torch.equal(got[k].to(want[k].dtype), want[k]), (i, k)
     assert append_samples(root, [(12, _sample(12))]) == (0, 1)
+
+
+class _IdsOnly:
+    """A shard handle that serves the token columns and refuses every other tensor (the features)."""
+
+    def __init__(self, handle, seen):
+        self._h, self._seen = handle, seen
+
+    def keys(self):
+        return self._h.keys()
+
+    def get_slice(self, name):
+        self._seen.add(name)
+        if name not in ("input_ids", "loss_mask"):
+            raise AssertionError(f"the driver read the store's {name!r}")
+        return self._h.get_slice(name)
+
+    def get_tensor(self, name):
+        self._seen.add(name)
+        raise AssertionError(f"the driver read the store's {name!r}")
+
+
+def test_the_drivers_preparation_reads_ids_and_masks_not_features(assets, stores, tmp_path, monkeypatch):
+    """prepare() of an offline run (the driver's, before any worker starts) builds the draft vocab from
+    every train sample of the run's store and the replayed reference: it reads their ids and loss masks
+    only. The vocab equals the one counted from full reads; a full read under the same guard raises
+    (the control: the guard sees a feature read)."""
+    from specforge.data.store import FeatureStore
+    from specforge.data.vocab import build_draft_vocab, load_draft_vocab
+    from specforge.runtime.plan import open_offline_store, prepare
+
+    cfg = _cfg(assets, tmp_path, stores, f"model.cache_dir={tmp_path / 'cache'}", "store.replay_share=0.5")
+    opened = FeatureStore._handle
+    seen: set[str] = set()
+    monkeypatch.setattr(FeatureStore, "_handle", lambda self, shard: _IdsOnly(opened(self, shard), seen))
+    data = prepare(cfg, use_gpu=False)
+    assert seen == {"input_ids", "loss_mask"}, seen
+    store = open_offline_store(cfg)
+    with pytest.raises(AssertionError, match="the driver read"):
+        store.read(store.ids[0])
+    monkeypatch.setattr(FeatureStore, "_handle", opened)
+    counts = torch.zeros(store.meta.vocab_size, dtype=torch.long)
+    for i in store.split(cfg)["train"]:
+        s = store.read(i)
+        counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=store.meta.vocab_size)
+    vocab = load_draft_vocab(data.vocab_path)
+    assert torch.equal(vocab.d2t, build_draft_vocab(counts, store.meta.vocab_size, vocab.draft_vocab_size).d2t)

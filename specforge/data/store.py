@@ -486,6 +486,18 @@ class FeatureStore:
             out["aux_hidden"], out["last_hidden"] = t["aux_hidden"], t["last_hidden"]
         return out
 
+    def read_tokens(self, sample_id: int) -> dict[str, torch.Tensor]:
+        """One sample's input_ids and loss_mask (int64 [T]) alone: the bytes of its ids, never its
+        hidden states (what a process that only counts tokens, the driver, may read)."""
+        if sample_id not in self._where:
+            raise ValueError(f"sample id {sample_id} is not in the feature store {self.root}")
+        shard, offset, n = self._where[sample_id]
+        h = self._handle(shard)
+        try:
+            return {name: h.get_slice(name)[offset : offset + n].long() for name in ("input_ids", "loss_mask")}
+        except SafetensorError as e:
+            raise ValueError(f"feature store shard {self.root / self._shards[shard]['file']} is corrupt ({e})") from e
+
     def batch(self, sample_ids: Sequence[int], pad_id: int) -> TrainBatch:
         """The samples right-padded to the longest: pad id / loss mask 0 / zero features / target 0,
         as ``specforge.training.batch.collate`` pads ids and masks."""

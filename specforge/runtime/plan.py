@@ -108,7 +108,7 @@ def replayable_ids(store) -> list[int]:
 
 class ReplayStores:
     """The run's store and a reference store behind the one interface ``StoreSource`` reads
-    (``read``, ``ids``, ``lengths``, ``meta``): own sample ids as they are, replayed sample j as
+    (``read``, ``read_tokens``, ``ids``, ``lengths``, ``meta``): own sample ids as they are, replayed sample j as
     ``offset + j`` (offset = 1 + the largest own id), after the own train ids in the train split."""
 
     def __init__(self, own, ref):
@@ -137,6 +137,11 @@ class ReplayStores:
             out[name] = out[name].to(self._out_dtype)
         return out
 
+    def read_tokens(self, sample_id: int) -> dict:
+        if sample_id < self.offset:
+            return self.own.read_tokens(sample_id)
+        return self.ref.read_tokens(self.replayed[sample_id - self.offset])
+
 
 def open_offline_store(cfg: Config, expect=None):
     """The run's feature store (``store_root``), with the reference store beside it when
@@ -147,7 +152,8 @@ def open_offline_store(cfg: Config, expect=None):
 
 def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Path:
     """THE draft vocab of an offline run: the most frequent loss tokens of every sample it trains
-    on (replayed ones too, so the vocab covers both stores), written once per (data, size)."""
+    on (replayed ones too, so the vocab covers both stores), written once per (data, size). The
+    driver runs it: it reads each sample's ids and loss mask (``read_tokens``), never its features."""
     algo = bound_algorithm(cfg)
     V = store.meta.vocab_size
     n = algo.draft_vocab_size(V)
@@ -156,7 +162,7 @@ def build_store_vocab(cfg: Config, store, train_ids: list[int], key: str) -> Pat
     if not path.is_file():
         counts = torch.zeros(V, dtype=torch.long)  # device: host (counts store rows)
         for i in train_ids:
-            s = store.read(i)
+            s = store.read_tokens(i)
             counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=V)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_draft_vocab(build_draft_vocab(counts.numpy(), V, n), path)
