@@ -15,6 +15,7 @@ from specforge.contracts import FeatureField, FeatureSpec
 from specforge.data.packing import target_packs
 from specforge.data.store import FeatureStore
 from specforge.models.target import TargetModel, capture, forward_aux
+from specforge.runtime.dataplane import SendHandle, SendWindow
 from specforge.runtime.workers import RolloutWorker
 from specforge.targets import FAMILIES, check_packing
 from specforge.training.batch import collate
@@ -166,17 +167,25 @@ def test_rollout_worker_features_equal(target, rows):
     spec = FeatureSpec((FeatureField("aux_hidden", K * H, "float32"), FeatureField("last_hidden", H, "float32"),
                         FeatureField("target_ids", 1, "int64"), FeatureField("input_ids", 1, "int64"),
                         FeatureField("loss_mask", 1, "int64")))
-    plan = types.SimpleNamespace(batch_of=lambda rank: (5, 0, 3, 2), split="train", feature_spec=spec)
+    plan = types.SimpleNamespace(batch_of=lambda rank: (5, 0, 3, 2), split="train", feature_spec=spec, step=0)
 
     def forward(pack_tokens):
-        w = RolloutWorker.__new__(RolloutWorker)  # the forward alone: no process group, no transport
-        w.rank, w.target, w.data = 0, target, types.SimpleNamespace(train=_Split(rows))
+        """The rollout step with its sends kept here (no process group, no transport): its features and
+        the forwards it reports."""
+        w = RolloutWorker.__new__(RolloutWorker)
+        w.rank, w.target, w.data, w.device = 0, target, types.SimpleNamespace(train=_Split(rows)), torch.device("cpu")
         w.cfg = load_config(None, ["data.max_length=16"]
                             + ([f"rollout.pack_tokens={pack_tokens}"] if pack_tokens else []))
-        w.transport = types.SimpleNamespace(device=torch.device("cpu"))
-        return w._forward(plan)
+        sent = {}
+        w.transport = types.SimpleNamespace(device=torch.device("cpu"),
+                                            send_step=lambda plan, feats, my_rank: sent.update(feats) or
+                                            SendHandle(None, 0))
+        w.window = SendWindow(1 << 30)
+        return sent, w.rollout_step(plan).metrics["forwards"]
 
-    padded, packed = forward(None), forward(16)
+    (padded, one), (packed, three) = forward(None), forward(16)
+    # forwards are counted where they run: one batched forward, or one per packed row ((15) (7 + 9) (3))
+    assert (one, three) == (1, 3)
     assert list(packed) == list(padded) == [5, 0, 3, 2]
     for sid, want in padded.items():
         got = packed[sid]

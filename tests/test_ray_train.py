@@ -76,7 +76,8 @@ def test_driver_received_no_tensors_and_one_forward_per_step(disaggregated):
     for record in received:
         assert_no_tensors(record)
     recs = losses(out)
-    # 1 rollout worker serves 2 DP groups with ONE batched forward per step
+    # 1 rollout worker serves 2 DP groups with ONE batched forward per step (counted by the target where its
+    # forwards run: tests/test_packing_capture.py shows the count follows the forwards made)
     assert [r["rollout_forwards"] for r in recs] == [1.0] * STEPS
     assert all(r["transfer_bytes"] > 0 and r["recv_bytes"] == r["transfer_bytes"] for r in recs)
     for key in ("loss_0", "acc_0", "tau", "lr", "grad_norm", "tokens_per_s", "rollout_forward_ms", "transfer_ms",

@@ -41,6 +41,8 @@ class TargetModel:
     # rollout.backend=vllm (models/vllm_engine.VllmEngine): the engine that computes the hidden states;
     # this process then holds the target's weights memory-mapped and computes only the final norm and argmax
     engine: Optional[object] = None
+    # target forwards run so far (transformers tower calls, engine batches): what a rollout worker reports
+    forwards: int = 0
 
     @property
     def config(self):
@@ -389,6 +391,7 @@ def forward_aux(
     hooks = [layers[i].register_forward_hook(keep(i)) for i in target.aux_layer_ids]
     tower = text_tower(model)
     kept = {} if cache is None else {_cache_kwarg(tower): cache}
+    target.forwards += 1
     try:
         out = tower(
             input_ids=input_ids_BT.to(target.device),
@@ -457,6 +460,7 @@ def _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens) -> Fe
     B, T = input_ids_BT.shape
     lengths = [T] * B if attention_mask_BT is None else [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]
     rows = [input_ids_BT[b, : lengths[b]].tolist() for b in range(B)]
+    target.forwards += 1  # one batch of requests, however the engine schedules it
     per_row = target.engine.hidden_states(rows)  # [T_b, K + 1, H] each, in the engine's dtype
     K, H = len(target.aux_layer_ids), per_row[0].shape[-1]
     aux = per_row[0].new_zeros(B, T, K * H, device=target.device)

@@ -86,7 +86,7 @@ class RolloutWorker(DistributedWorker):
         return self.rank
 
     def rollout_step(self, plan: StepPlan) -> StepReport:
-        t0 = time.perf_counter()
+        t0, forwards0 = time.perf_counter(), self.target.forwards
         feats = self._forward(plan)
         synchronize(self.device)  # forward_ms: the finished forward, not its kernel launches
         t1 = time.perf_counter()
@@ -100,7 +100,7 @@ class RolloutWorker(DistributedWorker):
         t3 = time.perf_counter()
         return StepReport(
             self.rank, plan.step,
-            metrics={"forwards": float(bool(feats)), "samples": float(len(feats)),
+            metrics={"forwards": float(self.target.forwards - forwards0), "samples": float(len(feats)),
                      "tokens": float(sum(int(f["input_ids"].shape[0]) for f in feats.values())),
                      "inflight_bytes": float(self.window.inflight_bytes)},
             timings_ms={"forward": (t1 - t0) * 1e3, "send_post": (t2 - t1) * 1e3, "send_wait": (t3 - t2) * 1e3},
