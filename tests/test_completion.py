@@ -37,7 +37,7 @@ def _send_late(delay_s: float = DELAY_S) -> None:
 
 def _semantics(rank, world):
     if rank == 0:
-        for _ in range(4):
+        for _ in range(7):
             _send_late()
         return
     # 1. emulated: wait() returns at once and the buffer is not there yet (as under NCCL)
@@ -73,7 +73,35 @@ def _semantics(rank, world):
     buf, works = _recv_post(c)
     with pytest.raises(PeerLost, match=r"recv 4: not completed within parallel.timeout_s=0.3 s"):
         c.finish(works, "recv 4")
-    time.sleep(2 * DELAY_S)  # let rank 0's sends of 3 and 4 land before the group goes
+
+    # 5. gloo's own semantics (no emulation): finish returns with the data, and an abort ends a wait
+    # that gloo's blocking wait would have held until the peer sent or died
+    c = Completion(stream=False, timeout_s=30, emulate=False)
+    buf, works = _recv_post(c)
+    c.finish(works, "recv 5")
+    assert torch.equal(buf, torch.arange(1.0, 5.0))
+    for emulate in (False, True):  # 6, 7: one abort wakes every waiter of the process at once
+        c = Completion(stream=False, timeout_s=30, emulate=emulate)
+        works = _recv_post(c)[1]
+        raised: list = []
+
+        def wait(works, c=c):
+            try:
+                c.finish(works, "a waiter")
+            except PeerLost as e:
+                raised.append((time.monotonic(), str(e)))
+
+        waiters = [threading.Thread(target=wait, args=(works,)) for _ in range(3)]
+        for t in waiters:
+            t.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        c.abort("rollout worker rollout[0] failed")
+        for t in waiters:
+            t.join(DELAY_S)
+        assert len(raised) == 3, (emulate, raised)
+        assert all(at - t0 < 0.5 * DELAY_S and "rollout[0] failed" in why for at, why in raised), (emulate, raised)
+    time.sleep(2 * DELAY_S)  # let rank 0's last sends land before the group goes
 
 
 def test_emulated_nccl_completion(tmp_path):

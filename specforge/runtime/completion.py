@@ -3,16 +3,21 @@
 gloo's ``Work.wait()`` blocks the CPU until the bytes are there and raises when the peer is gone.
 NCCL's does neither: it makes the current CUDA stream wait and returns at once; a receive whose
 peer died never fails, it only stalls the next host sync until the NCCL watchdog kills the process
-(``parallel.timeout_s``). So nothing here relies on a blocking ``wait()``:
+(``parallel.timeout_s``). So the caller never relies on a blocking ``wait()``:
 
     works = completion.post(ops)          # batch_isend_irecv
-    completion.finish(works, "step 3")    # returns once every op completed (``is_completed()``
-                                          # polled), raises ``PeerLost`` once the driver said a
-                                          # peer died (``abort``) or after ``timeout_s``
+    completion.finish(works, "step 3")    # returns once every op completed, raises ``PeerLost``
+                                          # once the driver said a peer died (``abort``, which
+                                          # wakes every waiter at once) or after ``timeout_s``
 
-``finish`` calls ``wait()`` only on completed works (on NCCL that orders the current stream after
-the transfer and returns at once), so a lost receive never blocks this process's stream and the
-train ranks can still agree, over their own groups, that the step's features were lost.
+How ``finish`` learns of the completion: on gloo (and emulated NCCL) it sleeps on a condition that
+a watcher thread signals once its blocking waits returned (gloo's point-to-point works have no
+future to hang a callback on), and that ``abort`` signals too, so an abort ends a wait at once on
+either backend and nothing spins while the peer computes. On NCCL the work's ``is_completed()`` (a
+CUDA event query) is the only host-side signal, so there it is polled, backing off from 0.1 to 5 ms.
+``finish`` calls ``wait()`` on a work only once it completed (on NCCL that orders the current stream
+after the transfer and returns at once), so a lost receive never blocks this process's stream and
+the train ranks can still agree, over their own groups, that the step's features were lost.
 
 ``SPECFORGE_EMULATE_NCCL=1`` (``device.stream_semantics``) wraps gloo's works in ``StreamWork``,
 which behaves as NCCL's: ``wait()`` returns at once (reading a buffer after it alone reads
@@ -61,6 +66,10 @@ class StreamWork:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
+    def wait_completed(self) -> None:
+        """Block until the transfer completed (forever if it never will: the peer died)."""
+        self._done.wait()
+
 
 class Completion:
     """One process's way to post transfers and learn when they finished (see the module docstring).
@@ -70,6 +79,7 @@ class Completion:
         self.stream, self.timeout_s, self.emulate = stream or emulate, timeout_s, emulate
         self._lost = threading.Event()
         self._why = ""
+        self._changed = threading.Condition()  # a watcher finished, or an abort: waiters look again
 
     @classmethod
     def for_group(cls, timeout_s: float, group=None) -> "Completion":
@@ -95,8 +105,10 @@ class Completion:
     def abort(self, why: str) -> None:
         """The driver saw a peer die: every ``finish`` not yet done (now or later) raises ``PeerLost``.
         Safe to call from another thread (a Ray actor's control method) while ``finish`` polls."""
-        self._why = why
-        self._lost.set()
+        with self._changed:
+            self._why = why
+            self._lost.set()
+            self._changed.notify_all()
 
     @property
     def aborted(self) -> bool:
@@ -104,10 +116,39 @@ class Completion:
 
     def finish(self, works: Sequence, what: str) -> None:
         """Return once every work completed; ``PeerLost`` after ``abort`` or ``timeout_s``."""
-        if not self.stream:
-            for w in works:
-                w.wait()  # gloo: blocks, raises at once when the peer is gone
+        if not works:
             return
+        if self.stream and not self.emulate:
+            self._poll(works, what)
+            return
+        outcome: dict = {}  # "done": True once every work completed; "error": gloo's, when a peer is gone
+
+        def watch() -> None:
+            try:
+                for w in works:
+                    w.wait_completed() if isinstance(w, StreamWork) else w.wait()
+                outcome["done"] = True
+            except Exception as e:  # gloo: the peer is gone (reraised by the waiter below)
+                outcome["error"] = e
+            with self._changed:
+                self._changed.notify_all()
+
+        threading.Thread(target=watch, daemon=True, name="completion-watch").start()
+        deadline = time.monotonic() + self.timeout_s
+        with self._changed:
+            while not outcome and not self._lost.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerLost(f"{what}: not completed within parallel.timeout_s={self.timeout_s:g} s "
+                                   "(a peer died or stalled)")
+                self._changed.wait(left)
+        if "error" in outcome:
+            raise outcome["error"]
+        if not outcome:
+            raise PeerLost(f"{what}: {self._why}")
+
+    def _poll(self, works: Sequence, what: str) -> None:
+        """NCCL: ``is_completed()`` polled, backing off from 0.1 to 5 ms, until all completed."""
         deadline, pause = time.monotonic() + self.timeout_s, _POLL_FIRST_S
         while not all(w.is_completed() for w in works):
             if self._lost.is_set():
