@@ -73,6 +73,12 @@ class RolloutLost(WorkerError):
 class TrainWorkerLost(WorkerError):
     """A train worker died; the run cannot continue without it (resume from the last checkpoint)."""
 
+
+class RolloutFailed(WorkerError):
+    """A rollout worker raised (it lives, but will not send a plan's features): the train ranks were
+    told at once and stopped at one consistent step, which the final save keeps. Not replaced: the
+    same batch would fail again (NaN features of a target, an engine refusing a request)."""
+
 # ---------------------------------------------------------------- the cluster
 
 _GENERATION = itertools.count()
@@ -112,7 +118,18 @@ class Cluster:
             except WorkerError as train_err:
                 raise self.diagnose(train_err) from err
         except WorkerError as err:
+            if err.label in self.rollout.labels:
+                raise self.rollout_failed(err, train, what) from err
             raise self.diagnose(err) from err
+
+    def rollout_failed(self, err: WorkerError, train: list, what: str) -> RolloutFailed:
+        """A rollout worker raised: its peers are told as of a death, so the train ranks end the
+        plan now (``FeaturesLost``: every rank at the same step) rather than at ``parallel.timeout_s``,
+        and are free for the final save; the run ends with the worker's own error."""
+        self.tell_peer_lost(f"rollout worker {err.label} failed")
+        with contextlib.suppress(WorkerError):  # FeaturesLost on every train rank: what telling them is for
+            collect(train, self.train.labels, self.timeout_s, what)
+        return RolloutFailed(str(err), err.label, err.cause)
 
     def tell_peer_lost(self, why: str) -> None:
         """Tell every train rank that a rollout worker died: their receives from it that have not
@@ -275,13 +292,16 @@ def fit(cfg: Config) -> Optional[str]:
 def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> None:
     """Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save (after
     Ctrl-C the queued steps finish first). Not after a train worker died: the save is collective
-    over the train ranks. After another failure the peers may sit in a collective until their
-    group timeout: try, but do not wait that long. A save that fails after a normal end is an
-    error (the writer put the state in a rescue folder if it could: ``checkpoint.save_or_rescue``)."""
+    over the train ranks. After a rollout worker raised (``RolloutFailed``) the train ranks stopped
+    together, so the save gets the normal bound (``parallel.timeout_s``). After another failure the
+    peers may sit in a collective until their group timeout: try, but do not wait that long (30 s).
+    A save that fails after a normal end is an error (the writer put the state in a rescue folder if
+    it could: ``checkpoint.save_or_rescue``)."""
     if cluster is None or isinstance(failed, TrainWorkerLost):
         return
+    stopped_together = failed is None or isinstance(failed, RolloutFailed)
     try:
-        path = cluster.save(min(cluster.timeout_s, 30) if failed else cluster.timeout_s)
+        path = cluster.save(cluster.timeout_s if stopped_together else min(cluster.timeout_s, 30))
         if path:
             print(f"saved {path}")
     except (WorkerError, KeyboardInterrupt) as err:

@@ -100,6 +100,54 @@ def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray
         assert r["loss"] == straight[r["step"]], r["step"]
 
 
+@on_ray
+def test_a_rollout_worker_that_raises_ends_the_run_at_once_keeping_every_step_trained(
+        assets, ray_session, semantics, tmp_path, monkeypatch):
+    """The rollout worker's captures turn NaN once the driver collected step 1 (its feature check
+    raises; the worker lives, so no death is seen): the driver tells the train ranks at once, the run
+    ends with the worker's own error in one line well before parallel.timeout_s (90 s here: what the
+    train ranks sat in their receives before), and the final checkpoint holds every step trained."""
+    import time
+
+    import ray
+
+    import specforge.ray_train as rt
+    from specforge.training.checkpoint import latest_checkpoint
+
+    def poison(worker):  # in the rollout worker's process: every later capture's features are NaN
+        import specforge.models.target as target
+
+        rows = target._capture_rows
+
+        def nan_rows(*args, **kw):
+            feats = rows(*args, **kw)
+            feats.aux_hidden_BTKH.fill_(float("nan"))
+            return feats
+
+        target._capture_rows = nan_rows
+
+    poisoned, real_collect = [], rt.Cluster.collect
+
+    def collect(self, handle, what):
+        got = real_collect(self, handle, what)
+        if what == "train step 1" and not poisoned:
+            ray.get(self.rollout.actors[0].__ray_call__.remote(poison), timeout=60)
+            poisoned.append(time.monotonic())
+        return got
+
+    monkeypatch.setattr(rt.Cluster, "collect", collect)
+    out = tmp_path / f"rollout-raised-{semantics}"
+    with pytest.raises(rt.RolloutFailed) as raised:
+        rt.fit(failure_cfg(assets, out))
+    stopped_s = time.monotonic() - poisoned[0]
+    line = str(raised.value)
+    assert "\n" not in line and "rollout[0]" in line and "holds NaN" in line, line
+    assert stopped_s < 45, stopped_s  # told at once: not parallel.timeout_s (90 s) in the receives
+    trained = [r["step"] for r in losses(out)]
+    assert trained == list(range(1, len(trained) + 1)) and 2 <= len(trained) < STEPS, trained
+    assert latest_checkpoint(out / "checkpoints").name == f"step-{trained[-1]:06d}"  # every step trained
+
+
 def test_a_recovery_keeps_the_max_minutes_clock(monkeypatch):
     """``train.max_minutes`` bounds the whole run: the loop after a replaced rollout worker gets the
     first start's deadline, not a fresh one."""
