@@ -247,6 +247,20 @@ def barrier(device: torch.device, group=None) -> None:
         dist.barrier(group=group)
 
 
+@contextlib.contextmanager
+def kept_process_settings():
+    """The caller's torch thread count and current CUDA device as they were once the block ends: a run
+    in the user's own process (``specforge.train.run``) sets them for itself, not for its caller."""
+    threads = torch.get_num_threads()
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if torch.cuda.is_initialized():
+            torch.cuda.set_device(0 if cuda is None else cuda)  # 0: CUDA's own default, had it not been set
+
+
 def set_threads(num_threads: Optional[int]) -> None:
     """Ray sets OMP_NUM_THREADS=1 in actors; set torch's intra-op threads explicitly."""
     if num_threads:

@@ -18,7 +18,15 @@ from specforge.tracking import MetricsLogger
 
 
 def run(cfg: Config) -> Optional[Path]:
-    """Train in this process; returns the newest checkpoint folder."""
+    """Train in this process; returns the newest checkpoint folder. The torch thread count and CUDA
+    device the run sets (``train.num_threads``, ``model.device``) are the caller's again afterwards."""
+    from specforge.device import kept_process_settings  # lazy: keeps specforge.train torch-free
+
+    with kept_process_settings():
+        return _run(cfg)
+
+
+def _run(cfg: Config) -> Optional[Path]:
     from specforge.preflight import check_single_process  # lazy: keeps specforge.train torch-free
     from specforge.runtime.loop import (  # lazy: keeps specforge.train torch-free
         LocalCluster,

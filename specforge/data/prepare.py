@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from specforge.config import DataConfig
 from specforge.data.sharegpt import Conversation, iter_conversations, resolve_data_files
 from specforge.data.template import TemplateError, resolve_chat_template, tokenize_conversation
+from specforge.environment import env_defaults
 
 PIPELINE_VERSION = "specforge-data-v1"
 NO_LOSS_TOKENS = "no loss tokens after truncation"
@@ -222,10 +223,9 @@ def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, c
             yield _tokenize(tokenizer, conv, max_length, chat_template, min_length)
         return
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = mp.get_context("fork")
-    with ctx.Pool(num_proc, initializer=_worker_init,
-                  initargs=(tokenizer, max_length, chat_template, min_length)) as pool:
+    init = (tokenizer, max_length, chat_template, min_length)
+    with env_defaults({"TOKENIZERS_PARALLELISM": "false"}), ctx.Pool(num_proc, _worker_init, init) as pool:
         # imap keeps source order; the pool is terminated on exit if we stop early (max_samples)
         yield from pool.imap(_tokenize_one, convs, chunksize=32)
 

@@ -28,6 +28,7 @@ from torch.distributed.distributed_c10d import _abort_process_group
 
 from specforge import device
 from specforge.config import Config
+from specforge.environment import env_defaults
 
 CONTROL = "control"  # the concurrency group of an actor's control methods (one thread)
 
@@ -242,19 +243,26 @@ def check_ray_address(address: Optional[str], timeout_s: float) -> None:
                          "or fix the address") from None
 
 
+# What Ray starts with where the caller's environment says nothing (for ray.init alone: Ray reads it there
+# and the processes it starts inherit it; specforge/environment.py): no token authentication (Ray 2.5x
+# turns it on for a new local cluster, writing a token file and RAY_AUTH_MODE=token into the process).
+RAY_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+
 def start_ray(cfg: Config, num_actors: int) -> bool:
-    """Join or start Ray; True if we started it (and so must shut it down)."""
+    """Join or start Ray; True if we started it (and so must shut it down). The workers' environment
+    goes through Ray's runtime environment, not this process' ``os.environ``."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if cfg.ray.address:
         check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
-        ray.init(address=cfg.ray.address, runtime_env=env)
+        with env_defaults(RAY_START_ENV):
+            ray.init(address=cfg.ray.address, runtime_env=env)
     else:  # our own cluster ("local": never one another job started here), one CPU per actor bundle,
         # oversubscribed if the machine has fewer cores
         num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
-                 _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
+        with env_defaults(RAY_START_ENV):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
+                     _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
     return True
