@@ -46,6 +46,7 @@ import torch
 from safetensors.torch import load_file
 
 from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
+from specforge.models.arrivals import Arrivals
 
 INSTALL = "bash scripts/install_vllm.sh"
 SERVED_NAME = "target"
@@ -188,6 +189,7 @@ class VllmEngine:
         self.proc: Optional[subprocess.Popen] = None
         self.storage: Optional[str] = None
         self.log_path: Optional[Path] = None
+        self.arrivals = Arrivals()  # the request threads sleep until their file is renamed into place
         if endpoint is not None:  # the user's engine: it answers now or the run stops here
             self.url = endpoint.rstrip("/")
             self._wait_ready(deadline=time.monotonic() + ENDPOINT_WAIT_S)
@@ -258,6 +260,8 @@ class VllmEngine:
         if self.storage is not None:
             shutil.rmtree(self.storage, ignore_errors=True)
             self.storage = None
+        if getattr(self, "arrivals", None) is not None:
+            self.arrivals.close()
 
     def __del__(self):
         with contextlib.suppress(Exception):
@@ -294,9 +298,7 @@ class VllmEngine:
         """A generation's hidden states (the connector writes them for every request): not needed."""
         if path is None:
             return
-        deadline = time.monotonic() + 30
-        while not os.path.exists(path) and time.monotonic() < deadline and self.alive():
-            time.sleep(0.005)
+        self.arrivals.wait(path, 30, self.alive)
         with contextlib.suppress(Exception):
             os.remove(path)
 
@@ -307,11 +309,9 @@ class VllmEngine:
             raise EngineError("rollout.backend=vllm: the engine returned no hidden states: it was not started with "
                               f"the {CONNECTOR} connector and extract_hidden_states (start it with the command "
                               "`python -m specforge.capture --config ... --vllm-command` prints)")
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        while not os.path.exists(path):  # the connector writes it in the step after the request finished
-            if time.monotonic() > deadline or not self.alive():
-                raise EngineError(f"rollout.backend=vllm: the engine never wrote {path}: {self._why_dead()}")
-            time.sleep(0.002)
+        # the connector writes it in the step after the request finished (renamed into place when complete)
+        if not self.arrivals.wait(path, REQUEST_TIMEOUT_S, self.alive):
+            raise EngineError(f"rollout.backend=vllm: the engine never wrote {path}: {self._why_dead()}")
         try:
             data = load_file(path)
         finally:
