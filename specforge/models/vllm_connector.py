@@ -12,7 +12,8 @@ What it changes in vLLM's reference ``ExampleHiddenStatesConnector``:
   gathered from the cache and written synchronously in the engine step that extracts them.
   On a GPU the reference's asynchronous device-to-host copy and writer threads stay as they are.
 * A file appears complete or not at all (written under a temporary name, then renamed), so a client
-  polls for the path alone, without the reference's lock files (``use_synchronization_lock: false``).
+  waits for the path alone (the rename wakes it: ``specforge.models.arrivals``), without the
+  reference's lock files (``use_synchronization_lock: false``).
 * ``shared_storage_path`` is a shared-memory folder (``/dev/shm``) where one exists: nothing
   round-trips through a disk.
 """
