@@ -17,7 +17,8 @@ the host), so the counter also wraps those ``torch.Tensor`` methods while it is 
 
 Host or device: on the CPU every tensor is on the CPU. The counter takes every tensor to be on the
 device except those it knows are host tensors: what a counted read returned (``.cpu()``, ``.to("cpu")``),
-what ``torch.tensor`` and the factories (``zeros``, ``arange``, ...) make without a ``device`` argument
+what ``torch.tensor``, ``torch.as_tensor`` of Python data and the factories (``zeros``, ``arange``, ...) make
+without a ``device`` argument
 or with the string ``"cpu"`` (the host on a GPU too), the outputs of ops whose tensor inputs are all
 host tensors, and the tensors the caller marks (``mark_host``: a non-capturable optimizer's step
 counters, made on the host before the counted step). A read of a host tensor is not a sync. ``.to(device)``
@@ -51,7 +52,8 @@ SIZE_OPS = {  # the output size is computed on the device and read back
     aten.unique_consecutive.default: "unique",
 }
 MASK_INDEX_OPS = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)
-FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "linspace", "eye")
+FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "linspace",
+             "eye")
 HERE = os.path.abspath(__file__)
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -147,6 +149,7 @@ class HostSyncs(TorchDispatchMode):
     def _wrap(self):
         mode = self
         cpu, to, tolist, numpy = torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.tolist, torch.Tensor.numpy
+        as_tensor = torch.as_tensor
 
         def read_to_host(t: torch.Tensor, kind: str) -> torch.Tensor:
             if mode.on_host(t):
@@ -183,7 +186,8 @@ class HostSyncs(TorchDispatchMode):
             def made(*a, **k):
                 out = make(*a, **k)
                 dev = k.get("device")
-                if dev is None or _names_host(dev):  # the host on a GPU too
+                # the host on a GPU too; as_tensor of a tensor is that tensor, wherever it lives
+                if (dev is None or _names_host(dev)) and not (make is as_tensor and isinstance(a[0], torch.Tensor)):
                     mode.mark_host(out)
                 return out
             return made

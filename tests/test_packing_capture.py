@@ -3,6 +3,7 @@ ids restarting at 0 per sample, no padding; HF's masks keep the samples apart. T
 back per sample equal the right-padded capture's (fp32, tiny random targets) at every caller: the
 rollout worker, the store capture (and ``python -m specforge.capture``), ``local_batches``."""
 
+import collections
 import functools
 import types
 
@@ -163,24 +164,30 @@ class _Split:
         return {k: [self.rows[i][k] for i in ids] for k in ("input_ids", "loss_mask")}
 
 
+SPEC = FeatureSpec((FeatureField("aux_hidden", K * H, "float32"), FeatureField("last_hidden", H, "float32"),
+                    FeatureField("target_ids", 1, "int64"), FeatureField("input_ids", 1, "int64"),
+                    FeatureField("loss_mask", 1, "int64")))
+PLAN = types.SimpleNamespace(batch_of=lambda rank: (5, 0, 3, 2), split="train", feature_spec=SPEC, step=0)
+
+
+def _rollout_worker(target, rows, pack_tokens):
+    """A rollout worker whose sends are kept here (no process group, no transport): ``(worker, sent)``."""
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.rank, w.target, w.data, w.device = 0, target, types.SimpleNamespace(train=_Split(rows)), torch.device("cpu")
+    w.cfg = load_config(None, ["data.max_length=16"] + ([f"rollout.pack_tokens={pack_tokens}"] if pack_tokens else []))
+    sent: dict = {}
+    keep = lambda plan, feats, my_rank: sent.update(feats) or SendHandle(None, 0)  # noqa: E731
+    w.transport = types.SimpleNamespace(device=torch.device("cpu"), send_step=keep)
+    w.window = SendWindow(1 << 30)
+    return w, sent
+
+
 def test_rollout_worker_features_equal(target, rows):
-    spec = FeatureSpec((FeatureField("aux_hidden", K * H, "float32"), FeatureField("last_hidden", H, "float32"),
-                        FeatureField("target_ids", 1, "int64"), FeatureField("input_ids", 1, "int64"),
-                        FeatureField("loss_mask", 1, "int64")))
-    plan = types.SimpleNamespace(batch_of=lambda rank: (5, 0, 3, 2), split="train", feature_spec=spec, step=0)
+    plan = PLAN
 
     def forward(pack_tokens):
-        """The rollout step with its sends kept here (no process group, no transport): its features and
-        the forwards it reports."""
-        w = RolloutWorker.__new__(RolloutWorker)
-        w.rank, w.target, w.data, w.device = 0, target, types.SimpleNamespace(train=_Split(rows)), torch.device("cpu")
-        w.cfg = load_config(None, ["data.max_length=16"]
-                            + ([f"rollout.pack_tokens={pack_tokens}"] if pack_tokens else []))
-        sent = {}
-        w.transport = types.SimpleNamespace(device=torch.device("cpu"),
-                                            send_step=lambda plan, feats, my_rank: sent.update(feats) or
-                                            SendHandle(None, 0))
-        w.window = SendWindow(1 << 30)
+        """The rollout step: its features and the forwards it reports."""
+        w, sent = _rollout_worker(target, rows, pack_tokens)
         return sent, w.rollout_step(plan).metrics["forwards"]
 
     (padded, one), (packed, three) = forward(None), forward(16)
@@ -194,6 +201,26 @@ def test_rollout_worker_features_equal(target, rows):
             assert torch.equal(got[name], want[name])
         torch.testing.assert_close(got["aux_hidden"], want["aux_hidden"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got["last_hidden"], want["last_hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_rollout_step_reads_the_device_once_for_its_feature_check(target, rows):
+    """The host syncs of a rollout worker's step (benchmarks/syncs.py's counter; docs/ARCHITECTURE.md,
+    "Host syncs"): one, the feature check's read of its per-layer flags (``check_features``); the
+    collate and the sends read nothing. Packed rows add transformers' own reads of the position ids
+    (``find_packed_sequence_indices``), one per packed row's forward."""
+    from benchmarks.syncs import HostSyncs
+
+    check, packed = {"target.py check_features": 1}, {"masking_utils.py find_packed_sequence_indices": 3}
+    for pack_tokens, want in ((None, check), (16, {**check, **packed})):
+        w, _ = _rollout_worker(target, rows, pack_tokens)
+        w.rollout_step(PLAN)  # first calls build what later ones reuse
+        with HostSyncs() as s:
+            w.rollout_step(PLAN)
+        got = collections.Counter()
+        for where, n in s.where.items():  # "file:line function"
+            file, fn = where.split(" ", 1)
+            got[f"{file.split(':')[0]} {fn}"] += n
+        assert dict(got) == want, (pack_tokens, s.where)
 
 
 def test_capture_cli_writes_equal_stores(tmp_path):
