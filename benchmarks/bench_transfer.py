@@ -180,8 +180,8 @@ def run(sizes_mb: list[float], write_readme: bool) -> None:
         f"`python benchmarks/bench_transfer.py` -- {header_markdown(machine_info())}",
         "Two Ray actors, one gloo communicator, one step = 8 SmolLM2-135M samples "
         f"({SPEC.bytes_per_token()} B/token: aux 3H + last H bf16, target/input ids int64, loss mask int8). "
-        "GB/s of payload: median of `reps` timed steps (best in parentheses; the machine is shared with other "
-        "jobs, so single steps vary by 2x), each timed on the receiver from a barrier until the data is usable. "
+        "GB/s of payload: median of `reps` timed steps (best in parentheses; single steps vary by up to 2x, "
+        "more on a shared machine), each timed on the receiver from a barrier until the data is usable. "
         "\"packed\" = one message per (sample, destination), \"per-field\" = one per field; "
         "\"auto\" (ours, the default) packs slices under 4 MiB, \"best raw\" = the better of "
         "blocking send/recv and all-posted isend/irecv of the same tensors (one message per field). "
