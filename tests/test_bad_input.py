@@ -377,14 +377,13 @@ def test_ray_num_cpus_oversubscribes_on_purpose(monkeypatch):
     assert ray_resources(joined, started_here=False)[0]["CPU"] == 65.0  # a joined cluster reports itself
 
 
-def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):
-    """Ray prestarts a worker process per CPU it is given: the check must come before ray.init."""
+def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch, no_ray):
+    """Ray prestarts a worker process per CPU it is given: the check must come before ray.init. (``no_ray``:
+    a session an earlier module left up would be joined instead; this test would then prove nothing.)"""
     import ray
 
     import specforge.preflight as pf
 
-    if ray.is_initialized():
-        pytest.skip("a Ray session is running: the driver would join it")
     monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
     with pytest.raises(ValueError, match=r"train\.num_workers = 64 workers need 64 CPU .* this machine \(cores = 2\)"):
         pf.check_placement(make_cfg(assets, tmp_path, "train.num_workers=64"))
@@ -392,14 +391,12 @@ def test_more_workers_than_cores_checked_before_ray_starts(assets, tmp_path, mon
     assert not ray.is_initialized()
 
 
-def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch):
+def test_more_regenerate_workers_than_cores_checked_before_ray_starts(assets, tmp_path, monkeypatch, no_ray):
     import ray
 
     import specforge.preflight as pf
     from specforge.regenerate import run_ray
 
-    if ray.is_initialized():
-        pytest.skip("a Ray session is running: the driver would join it")
     monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
     cfg = make_cfg(assets, tmp_path, "regenerate.num_workers=64")
     with pytest.raises(ValueError,
