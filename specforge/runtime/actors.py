@@ -255,14 +255,13 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
     if ray.is_initialized():
         return False
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-    if cfg.ray.address:
-        check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
-        with env_defaults(RAY_START_ENV):
+    with env_defaults(RAY_START_ENV):
+        if cfg.ray.address:
+            check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
             ray.init(address=cfg.ray.address, runtime_env=env)
-    else:  # our own cluster ("local": never one another job started here), one CPU per actor bundle,
-        # oversubscribed if the machine has fewer cores
-        num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
-        with env_defaults(RAY_START_ENV):
+        else:  # our own cluster ("local": never one another job started here), one CPU per actor bundle,
+            # oversubscribed if the machine has fewer cores
+            num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
                      _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
     return True
