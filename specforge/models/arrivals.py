@@ -64,15 +64,13 @@ class Arrivals:
         """Do waiters sleep until told (inotify), rather than look every 2 ms?"""
         return self._fd is not None
 
-    def _watch_folder(self, folder: str) -> bool:
+    def _watch_folder(self, folder: str) -> None:
         if folder in self._watched:
-            return True
+            return
         wd = self._add(self._fd, os.fsencode(folder), IN_MOVED_TO | IN_CLOSE_WRITE)
-        if wd < 0:  # no such folder yet, or no free watch: this waiter looks every check_s
-            return False
-        self._dirs[wd] = folder
-        self._watched.add(folder)
-        return True
+        if wd >= 0:  # else no such folder yet, or no free watch: the waiter finds its file at its looks
+            self._dirs[wd] = folder
+            self._watched.add(folder)
 
     def _watch(self) -> None:
         fd = self._fd
