@@ -32,7 +32,14 @@ from specforge.data.store import (
     store_root,
 )
 from specforge.device import pick_device, pick_dtype, set_threads
-from specforge.models.target import capture, load_target, load_target_config, load_tokenizer, resolve_target_path
+from specforge.models.target import (
+    capture,
+    check_features,
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    resolve_target_path,
+)
 from specforge.models.vllm_engine import SERVER_STORAGE, engine_factory, server_command, spec_for
 from specforge.registry import feature_layers
 from specforge.targets import text_config
@@ -66,6 +73,8 @@ def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: 
         sub = [rows[i] for i in ids]
         input_ids_BT, loss_mask_BT, attn_BT = collate(sub, pad)
         f = capture(target, input_ids_BT, attn_BT, chunk_tokens, target_packs(attn_BT, pack_tokens))
+        # one host read per batch, no stall: the samples' features are copied to the host right after
+        check_features(f.aux_hidden_BTKH, attn_BT, target.aux_layer_ids)
         for b, sid in enumerate(ids):
             n = len(sub[b]["input_ids"])
             yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],

@@ -26,6 +26,12 @@ Failures (every wait is bounded by ``parallel.timeout_s``; a dead actor is seen 
                           no sample is lost or trained twice (``recover``; ``rollout.max_restarts``)
     train worker dies     the run ends, naming the worker and the last good checkpoint; rerunning
                           the same command resumes from it (a hard-killed driver too)
+    rollout worker raises its peers are told at once, the train ranks stop at one step and save it;
+                          the run ends with the worker's error (``RolloutFailed``, not replaced)
+    features unsound      NaN or inf, or a captured layer all zeros, wherever they were computed:
+                          every train rank refuses the plan before training on it (one all-reduce
+                          it makes anyway; ``workers.FeaturesRefused``), saves, and the run ends
+                          naming the layer
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from specforge.runtime.actors import (
 from specforge.runtime.dataplane import MAILBOX_NAME, spawn_mailbox
 from specforge.runtime.loop import not_applied, restore_rows, run_deadline, train_loop
 from specforge.runtime.plan import Planner, RunData, prepare, run_facts, total_steps
-from specforge.runtime.workers import FeaturesLost, RolloutWorker, TrainWorker
+from specforge.runtime.workers import FeaturesLost, FeaturesRefused, RolloutWorker, TrainWorker
 from specforge.tracking import MetricsLogger
 from specforge.training.checkpoint import latest_checkpoint
 from specforge.training.trainer import checkpoint_root, keep_old_checkpoints
@@ -292,14 +298,15 @@ def fit(cfg: Config) -> Optional[str]:
 def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> None:
     """Normal end, Ctrl-C or a failed worker: keep what is trained if the workers can save (after
     Ctrl-C the queued steps finish first). Not after a train worker died: the save is collective
-    over the train ranks. After a rollout worker raised (``RolloutFailed``) the train ranks stopped
-    together, so the save gets the normal bound (``parallel.timeout_s``). After another failure the
+    over the train ranks. After a rollout worker raised (``RolloutFailed``) or the train ranks refused a
+    plan's features (``FeaturesRefused``) they stopped together, so the save gets the normal bound
+    (``parallel.timeout_s``). After another failure the
     peers may sit in a collective until their group timeout: try, but do not wait that long (30 s).
     A save that fails after a normal end is an error (the writer put the state in a rescue folder if
     it could: ``checkpoint.save_or_rescue``)."""
     if cluster is None or isinstance(failed, TrainWorkerLost):
         return
-    stopped_together = failed is None or isinstance(failed, RolloutFailed)
+    stopped_together = failed is None or isinstance(failed, RolloutFailed) or isinstance(failed.cause, FeaturesRefused)
     try:
         path = cluster.save(cluster.timeout_s if stopped_together else min(cluster.timeout_s, 30))
         if path:

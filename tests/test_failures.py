@@ -9,6 +9,8 @@ without a failure:
   and finishes with every step trained and logged once and every loss unchanged.
 * train worker killed: the run ends with an error naming that worker and the last good
   checkpoint; the same command then resumes from it, with unchanged losses.
+* rollout worker raising (alive, never sending), and NaN features (sent, refused by the train
+  ranks): the run ends at once in one line, keeping every step trained and nothing trained on NaN.
 
 Both also run with NCCL's completion semantics emulated on gloo (``SPECFORGE_EMULATE_NCCL=1``,
 runtime/completion.py): a receive from the dead rollout worker then never fails by itself, and
@@ -100,31 +102,14 @@ def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray
         assert r["loss"] == straight[r["step"]], r["step"]
 
 
-@on_ray
-def test_a_rollout_worker_that_raises_ends_the_run_at_once_keeping_every_step_trained(
-        assets, ray_session, semantics, tmp_path, monkeypatch):
-    """The rollout worker's captures turn NaN once the driver collected step 1 (its feature check
-    raises; the worker lives, so no death is seen): the driver tells the train ranks at once, the run
-    ends with the worker's own error in one line well before parallel.timeout_s (90 s here: what the
-    train ranks sat in their receives before), and the final checkpoint holds every step trained."""
+def _poison_after_step_1(monkeypatch, poison):
+    """Run ``poison`` in the rollout worker's process once the driver collected train step 1;
+    returns the list its time (``time.monotonic``) goes into."""
     import time
 
     import ray
 
     import specforge.ray_train as rt
-    from specforge.training.checkpoint import latest_checkpoint
-
-    def poison(worker):  # in the rollout worker's process: every later capture's features are NaN
-        import specforge.models.target as target
-
-        rows = target._capture_rows
-
-        def nan_rows(*args, **kw):
-            feats = rows(*args, **kw)
-            feats.aux_hidden_BTKH.fill_(float("nan"))
-            return feats
-
-        target._capture_rows = nan_rows
 
     poisoned, real_collect = [], rt.Cluster.collect
 
@@ -136,16 +121,108 @@ def test_a_rollout_worker_that_raises_ends_the_run_at_once_keeping_every_step_tr
         return got
 
     monkeypatch.setattr(rt.Cluster, "collect", collect)
+    return poisoned
+
+
+def _raising_captures():
+    """A poison (pickled by value: a local function) after which every capture raises."""
+
+    def poison(worker):
+        import specforge.models.target as target
+
+        def refuse(*args, **kw):
+            raise ValueError("the target's forward failed (the test's poison)")
+
+        target._capture_rows = refuse
+
+    return poison
+
+
+def _nan_captures():
+    """A poison (pickled by value: a local function) after which every capture's features are NaN."""
+
+    def poison(worker):
+        import specforge.models.target as target
+
+        rows = target._capture_rows
+
+        def nan_rows(*args, **kw):
+            feats = rows(*args, **kw)
+            feats.aux_hidden_BTKH.fill_(float("nan"))
+            return feats
+
+        target._capture_rows = nan_rows
+
+    return poison
+
+
+def _every_step_kept(out):
+    """The steps logged are 1..n with 2 <= n < STEPS, each loss finite, and the newest checkpoint is
+    step n with finite weights: what was trained is kept, and nothing was trained on refused features."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from specforge.training.checkpoint import latest_checkpoint
+
+    got = losses(out)
+    trained = [r["step"] for r in got]
+    assert trained == list(range(1, len(trained) + 1)) and 2 <= len(trained) < STEPS, trained
+    assert all(math.isfinite(r["loss"]) for r in got), got
+    newest = latest_checkpoint(out / "checkpoints")
+    assert newest.name == f"step-{trained[-1]:06d}"
+    assert all(w.isfinite().all() for w in load_file(newest / "model.safetensors").values())
+
+
+@on_ray
+def test_a_rollout_worker_that_raises_ends_the_run_at_once_keeping_every_step_trained(
+        assets, ray_session, semantics, tmp_path, monkeypatch):
+    """The rollout worker's captures raise once the driver collected step 1 (the worker lives, so no
+    death is seen): the driver tells the train ranks at once, the run ends with the worker's own error
+    in one line well before parallel.timeout_s (90 s here: what the train ranks sat in their receives
+    before), and the final checkpoint holds every step trained."""
+    import time
+
+    import specforge.ray_train as rt
+
+    poisoned = _poison_after_step_1(monkeypatch, _raising_captures())
     out = tmp_path / f"rollout-raised-{semantics}"
     with pytest.raises(rt.RolloutFailed) as raised:
         rt.fit(failure_cfg(assets, out))
     stopped_s = time.monotonic() - poisoned[0]
     line = str(raised.value)
-    assert "\n" not in line and "rollout[0]" in line and "holds NaN" in line, line
+    assert "\n" not in line and "rollout[0]" in line and "the test's poison" in line, line
     assert stopped_s < 45, stopped_s  # told at once: not parallel.timeout_s (90 s) in the receives
-    trained = [r["step"] for r in losses(out)]
-    assert trained == list(range(1, len(trained) + 1)) and 2 <= len(trained) < STEPS, trained
-    assert latest_checkpoint(out / "checkpoints").name == f"step-{trained[-1]:06d}"  # every step trained
+    _every_step_kept(out)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_nan_features_are_refused_by_every_train_rank_before_any_trains_on_them(assets, ray_session, tmp_path,
+                                                                              monkeypatch):
+    """The rollout worker's captures turn NaN once the driver collected step 1. The rollout worker reads
+    nothing back (no host sync in its step) and sends them; both train ranks refuse the plan in the
+    all-reduce every step makes (``workers.FeaturesRefused``), so neither trains on them: the run ends
+    in one line naming the layer, within the same bound, and the checkpoint holds every step trained
+    with finite losses and weights. gloo only: the features arrive; how transfers complete is not what
+    this tests."""
+    import time
+
+    import specforge.ray_train as rt
+    from specforge.runtime.actors import WorkerError
+    from specforge.runtime.workers import FeaturesRefused
+
+    poisoned = _poison_after_step_1(monkeypatch, _nan_captures())
+    out = tmp_path / "nan-features"
+    with pytest.raises(WorkerError) as raised:
+        rt.fit(failure_cfg(assets, out))
+    stopped_s = time.monotonic() - poisoned[0]
+    line = str(raised.value)
+    assert isinstance(raised.value.cause, FeaturesRefused), repr(raised.value)
+    assert "\n" not in line and "train[" in line and "captured target layer" in line and "holds NaN" in line, line
+    assert stopped_s < 45, stopped_s
+    _every_step_kept(out)
 
 
 def test_a_recovery_keeps_the_max_minutes_clock(monkeypatch):

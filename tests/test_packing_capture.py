@@ -4,6 +4,7 @@ back per sample equal the right-padded capture's (fp32, tiny random targets) at 
 rollout worker, the store capture (and ``python -m specforge.capture``), ``local_batches``."""
 
 import collections
+import dataclasses
 import functools
 import types
 
@@ -203,24 +204,86 @@ def test_rollout_worker_features_equal(target, rows):
         torch.testing.assert_close(got["last_hidden"], want["last_hidden"], atol=1e-5, rtol=1e-5)
 
 
-def test_a_rollout_step_reads_the_device_once_for_its_feature_check(target, rows):
-    """The host syncs of a rollout worker's step (benchmarks/syncs.py's counter; docs/ARCHITECTURE.md,
-    "Host syncs"): one, the feature check's read of its per-layer flags (``check_features``); the
-    collate and the sends read nothing. Packed rows add transformers' own reads of the position ids
-    (``find_packed_sequence_indices``), one per packed row's forward."""
-    from benchmarks.syncs import HostSyncs
+def _syncs_by_function(s) -> dict:
+    got = collections.Counter()
+    for where, n in s.where.items():  # "file:line function"
+        file, fn = where.split(" ", 1)
+        got[f"{file.split(':')[0]} {fn}"] += n
+    return dict(got)
 
-    check, packed = {"target.py check_features": 1}, {"masking_utils.py find_packed_sequence_indices": 3}
-    for pack_tokens, want in ((None, check), (16, {**check, **packed})):
-        w, _ = _rollout_worker(target, rows, pack_tokens)
+
+def test_a_rollout_step_reads_nothing_from_the_device(target, rows):
+    """The host syncs of a rollout worker's step (benchmarks/syncs.py's counter; docs/ARCHITECTURE.md,
+    "Host syncs"): none. The capture, the collate and the sends read nothing; the features are checked
+    by the train ranks that receive them (``test_a_train_step_checks_its_features_in_its_one_read``).
+    Packed rows add transformers' own reads of the position ids (``find_packed_sequence_indices``), one
+    per packed row's forward. Control: the host check the store writer makes is one read."""
+    from benchmarks.syncs import HostSyncs
+    from specforge.models.target import check_features
+
+    for pack_tokens, want in ((None, {}), (16, {"masking_utils.py find_packed_sequence_indices": 3})):
+        w, sent = _rollout_worker(target, rows, pack_tokens)
         w.rollout_step(PLAN)  # first calls build what later ones reuse
         with HostSyncs() as s:
             w.rollout_step(PLAN)
-        got = collections.Counter()
-        for where, n in s.where.items():  # "file:line function"
-            file, fn = where.split(" ", 1)
-            got[f"{file.split(':')[0]} {fn}"] += n
-        assert dict(got) == want, (pack_tokens, s.where)
+        assert _syncs_by_function(s) == want, (pack_tokens, s.where)
+    with HostSyncs() as s:
+        check_features(torch.randn(2, 3, K * H), None, list(range(K)))
+    assert _syncs_by_function(s) == {"target.py check_features": 1}, s.where
+
+
+def _train_worker(batches, layer_ids):
+    """A train rank's ``_features`` over ``batches`` (no process group: the all-reduce is the identity)."""
+    from specforge.runtime.workers import TrainWorker
+
+    w = TrainWorker.__new__(TrainWorker)
+    w.rank, w.lost, w.layer_ids = 0, None, list(layer_ids)
+    w.trainer = types.SimpleNamespace(device=torch.device("cpu"), reduce_sum=lambda x: x)
+    w.source = types.SimpleNamespace(next_batches=lambda plan, upcoming: batches)
+    return w
+
+
+def test_a_train_step_checks_its_features_in_its_one_read(target, rows):
+    """Every train rank checks the features it is about to train on (NaN or inf, a captured layer all
+    zeros) inside the all-reduce it makes anyway: one host read per step however many micro-batches,
+    and a refusal (``FeaturesRefused``, naming the layer and the step) for this plan and every later one.
+    Real tokens are ``length_B``'s: NaN or zeros in a padded capture's padding are not refused."""
+    from benchmarks.syncs import HostSyncs
+    from specforge.runtime.workers import FeaturesLost, FeaturesRefused
+
+    good = local_batches(target, rows, 2, 1024)  # 3 micro-batches of the tiny target's padded capture
+    assert len(good) == 3 and all(b.length_B is not None for b in good)
+    ids = target.aux_layer_ids
+    w = _train_worker(good, ids)
+    with HostSyncs() as s:
+        assert w._features(PLAN, ()) is good
+    assert _syncs_by_function(s) == {"workers.py _features": 1}, s.where
+
+    def poisoned(fill, layer, where):
+        """The step's batches with ``fill`` in captured layer ``layer``: NaN or inf at one real token (or
+        one padding token), zeros at every token of every batch (or only in the padding)."""
+        bad = [dataclasses.replace(b, aux_hidden_BTKH=b.aux_hidden_BTKH.clone()) for b in good]
+        for i, b in enumerate(bad):
+            aux = b.aux_hidden_BTKH.view(*b.aux_hidden_BTKH.shape[:2], K, H)
+            n = int(b.length_B[0])  # row 0 is the shorter one of each batch: padding from n on
+            if where == "pad":
+                aux[0, n:, layer] = fill
+            elif fill == 0:
+                aux[:, :, layer] = 0
+            elif i == 1:
+                aux[0, n - 1, layer, 1] = fill
+        return bad
+
+    assert all(int(b.length_B[0]) < b.aux_hidden_BTKH.shape[1] for b in good)  # row 0 of each batch has padding
+    for fill in (float("nan"), float("inf"), 0.0):
+        w = _train_worker(poisoned(fill, 1, "pad"), ids)
+        w._features(PLAN, ())  # only the padding: accepted
+        w = _train_worker(poisoned(fill, 1, "real"), ids)
+        what = "is all zeros" if fill == 0 else "holds NaN or inf"
+        with pytest.raises(FeaturesRefused, match=f"train step 0: captured target layer {ids[1]} .*{what}"):
+            w._features(PLAN, ())
+        with pytest.raises(FeaturesLost, match="refused"):  # and every later plan, with no collective
+            w._features(PLAN, ())
 
 
 def test_capture_cli_writes_equal_stores(tmp_path):

@@ -33,7 +33,7 @@ from specforge.data.packing import target_packs
 from specforge.data.vocab import load_draft_vocab
 from specforge.device import bind, pick_device, set_threads, synchronize
 from specforge.models.features import TrainBatch
-from specforge.models.target import capture, load_target
+from specforge.models.target import capture, feature_flags, load_target, refuse_bad_features
 from specforge.models.vllm_engine import EngineError, die_with_engine, engine_factory
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
@@ -49,6 +49,27 @@ from specforge.training.trainer import DraftTrainer, checkpoint_root, run_identi
 
 class FeaturesLost(RuntimeError):
     """A train rank (this or another) could not get a plan's features; no rank trained that plan."""
+
+
+class FeaturesRefused(ValueError):
+    """A plan's features hold NaN or inf, or a captured layer is all zeros, on some train rank: every
+    train rank raises it at the same step, before any of them trained on them (``check_batches``)."""
+
+
+def check_batches(batches: Sequence[TrainBatch], num_layers: int, device: torch.device) -> torch.Tensor:
+    """``models.target.feature_flags`` of a rank's micro-batches, summed, on ``device`` (no host
+    read): whatever computed them (a rollout worker, this rank's capture, a store, an engine), the
+    train ranks check what they train on. Real tokens: ``length_B``'s where recorded (a padded
+    capture's padding is the target's states of pad tokens), else every position (received and
+    stored samples are zeros past their length)."""
+    total = torch.zeros(2 * num_layers + 1, dtype=torch.float64, device=device)
+    for b in batches:
+        aux = b.aux_hidden_BTKH
+        real = None
+        if b.length_B is not None and b.length_B.shape[0] == aux.shape[0]:
+            real = torch.arange(aux.shape[1])[None, :] < b.length_B[:, None]  # device: host (metadata), moved below
+        total += feature_flags(aux, real, num_layers).to(device)
+    return total
 
 
 def build_groups(cfg: Config, layout: Layout, my_rank: int, device: torch.device):
@@ -187,6 +208,7 @@ class TrainWorker(DistributedWorker):
         self.trainer = DraftTrainer(algo, draft, algo.train_state(target, vocab), cfg, device,
                                     reduce_sum=sum_over_train_ranks(groups), total_steps=total_steps)
         self.source = build_source(cfg, layout, groups, target, self.rank)
+        self.layer_ids = list(target.aux_layer_ids)  # what the features hold, for check_batches' refusals
         self.lost: Optional[str] = None  # set once the train ranks agreed a plan's features were lost
         identity = run_identity(algo, cfg, target, vocab, facts or {}, total_steps)
         self.checkpoints = CheckpointManager(checkpoint_root(cfg), cfg.checkpoint.keep_last,
@@ -195,19 +217,28 @@ class TrainWorker(DistributedWorker):
         return self.checkpoints.load(self.trainer) if cfg.checkpoint.resume else 0
 
     def _features(self, plan: StepPlan, upcoming: Sequence[StepPlan]) -> list[TrainBatch]:
-        """This rank's batches of ``plan``, once every train rank has its own (one all-reduce of a
-        flag); else ``FeaturesLost`` on every train rank, for this plan and every later one."""
+        """This rank's batches of ``plan``, once every train rank has its own and every rank's hold
+        sound hidden states (one all-reduce of a flag and the feature counts, one host read); else
+        ``FeaturesLost`` (or ``FeaturesRefused``) on every train rank, for this plan and every later one."""
         err = batches = None
         if self.lost is None:
+            K = len(self.layer_ids)
             try:
                 batches = self.source.next_batches(plan, upcoming)
+                counts = check_batches(batches, K, self.trainer.device)
             except Exception as e:  # a data-plane peer is gone (or a store read failed): tell the others
-                err = e
-            failed = self.trainer.reduce_sum(torch.tensor([float(err is not None)], dtype=torch.float64,
-                                                          device=self.trainer.device)).item()
+                err, counts = e, torch.zeros(2 * K + 1, dtype=torch.float64, device=self.trainer.device)
+            flag = torch.tensor([float(err is not None)], dtype=torch.float64, device=self.trainer.device)
+            failed, *summed = self.trainer.reduce_sum(torch.cat([flag, counts])).tolist()
             if failed:
                 why = f"{type(err).__name__}: {err}" if err is not None else "another train rank's features were lost"
                 self.lost = f"{plan.split} step {plan.step}: {why}"
+            else:
+                try:  # summed over the train ranks: every rank refuses the same plan, none trained on it
+                    refuse_bad_features(summed, self.layer_ids, f"{plan.split} step {plan.step}: ")
+                except ValueError as bad:
+                    self.lost = f"{plan.split} step {plan.step}: its features were refused"
+                    raise FeaturesRefused(str(bad)) from None
         if self.lost is not None:  # every later plan fails alike, with no collective
             raise FeaturesLost(f"train rank {self.rank} trained nothing since {self.lost}") from err
         return batches
