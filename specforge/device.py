@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -87,9 +88,37 @@ def bind(device: torch.device) -> None:
 
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``: a timer that reads the clock after this measures
-    finished work, not kernel launches. Call it only where a metric is recorded (a no-op on the CPU)."""
+    finished work, not kernel launches. For benchmark probes; a step's timers use ``StageClock``
+    (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class StageClock:
+    """The marks of one step's stages, read when its report is built (``ms``), never at a mark. On
+    CUDA each mark records an event on the current stream, and ``ms`` waits for the later one only
+    then: the host goes on at the mark (posts sends, collates) while the device computes, and the
+    time is the device's between the marks. On the CPU, where a call returns once its work is done,
+    the host clock. ``event``: the event class (CUDA's; tests pass another)."""
+
+    def __init__(self, device: torch.device, event=None):
+        self.event = event if event is not None else (torch.cuda.Event if device.type == "cuda" else None)
+        self.marks: dict = {}
+
+    def mark(self, name: str) -> None:
+        if self.event is None:
+            self.marks[name] = time.perf_counter()
+            return
+        e = self.event(enable_timing=True)
+        e.record()
+        self.marks[name] = e
+
+    def ms(self, start: str, end: str) -> float:
+        a, b = self.marks[start], self.marks[end]
+        if self.event is None:
+            return (b - a) * 1e3
+        b.synchronize()
+        return float(a.elapsed_time(b))
 
 
 def target_devices(choice: str = "auto", num_gpus: int = 1) -> list[torch.device]:

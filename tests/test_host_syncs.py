@@ -107,3 +107,46 @@ def test_an_eagle3_train_step_reads_the_device_once_per_micro_batch_and_once_at_
     trainer.algorithm = FloatNormalizer(trainer.algorithm)
     s = counted_step()
     assert (s.count, s.kinds["item / truth value"]) == (5, 2), s.where
+
+
+class _FakeEvent:
+    """CUDA's event, as far as ``StageClock`` uses it: a "device" time set at record, and a log of waits."""
+
+    now = 0.0
+    waits: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self):
+        self.t = _FakeEvent.now
+
+    def synchronize(self):
+        _FakeEvent.waits.append(self.t)
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_stage_clock_waits_only_when_read_and_only_for_the_later_mark():
+    """A step's timers (``device.StageClock``) never wait at a mark: on CUDA each mark is an event and
+    the report waits for the later one once, when it reads the time. Control: the host clock on the
+    CPU measures the same span."""
+    import time
+
+    from specforge.device import StageClock
+
+    _FakeEvent.waits = []
+    clock = StageClock(torch.device("cpu"), event=_FakeEvent)
+    _FakeEvent.now = 10.0
+    clock.mark("start")
+    _FakeEvent.now = 17.5
+    clock.mark("forward")
+    assert _FakeEvent.waits == []  # marking waits for nothing
+    assert clock.ms("start", "forward") == 7.5 and _FakeEvent.waits == [17.5]
+    host = StageClock(torch.device("cpu"))
+    host.mark("a")
+    time.sleep(0.02)
+    host.mark("b")
+    assert 15 <= host.ms("a", "b") < 2000

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+import specforge.runtime.workers as workers
 from specforge.capture import iter_features, main, plan_batches
 from specforge.config import load_config
 from specforge.contracts import FeatureField, FeatureSpec
@@ -212,7 +213,7 @@ def _syncs_by_function(s) -> dict:
     return dict(got)
 
 
-def test_a_rollout_step_reads_nothing_from_the_device(target, rows):
+def test_a_rollout_step_reads_nothing_from_the_device(target, rows, monkeypatch):
     """The host syncs of a rollout worker's step (benchmarks/syncs.py's counter; docs/ARCHITECTURE.md,
     "Host syncs"): none. The capture, the collate and the sends read nothing; the features are checked
     by the train ranks that receive them (``test_a_train_step_checks_its_features_in_its_one_read``).
@@ -221,12 +222,16 @@ def test_a_rollout_step_reads_nothing_from_the_device(target, rows):
     from benchmarks.syncs import HostSyncs
     from specforge.models.target import check_features
 
+    waits = []  # device.synchronize, which the counter does not see: none either (the timer is a StageClock)
+    monkeypatch.setattr(workers, "synchronize", lambda device: waits.append(device))
     for pack_tokens, want in ((None, {}), (16, {"masking_utils.py find_packed_sequence_indices": 3})):
         w, sent = _rollout_worker(target, rows, pack_tokens)
         w.rollout_step(PLAN)  # first calls build what later ones reuse
         with HostSyncs() as s:
-            w.rollout_step(PLAN)
+            report = w.rollout_step(PLAN)
         assert _syncs_by_function(s) == want, (pack_tokens, s.where)
+        assert report.timings_ms["forward"] > 0
+    assert waits == []
     with HostSyncs() as s:
         check_features(torch.randn(2, 3, K * H), None, list(range(K)))
     assert _syncs_by_function(s) == {"target.py check_features": 1}, s.where

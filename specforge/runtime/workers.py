@@ -31,7 +31,7 @@ from specforge.config import Config
 from specforge.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.data.packing import target_packs
 from specforge.data.vocab import load_draft_vocab
-from specforge.device import bind, pick_device, set_threads, synchronize
+from specforge.device import StageClock, bind, pick_device, set_threads, synchronize
 from specforge.models.features import TrainBatch
 from specforge.models.target import capture, feature_flags, load_target, refuse_bad_features
 from specforge.models.vllm_engine import EngineError, die_with_engine, engine_factory
@@ -107,9 +107,10 @@ class RolloutWorker(DistributedWorker):
         return self.rank
 
     def rollout_step(self, plan: StepPlan) -> StepReport:
-        t0, forwards0 = time.perf_counter(), self.target.forwards
+        forwards0, clock = self.target.forwards, StageClock(self.device)
+        clock.mark("start")
         feats = self._forward(plan)
-        synchronize(self.device)  # forward_ms: the finished forward, not its kernel launches
+        clock.mark("forward")  # no sync: the sends are posted behind the forward (stream order on NCCL)
         t1 = time.perf_counter()
         handle = self.transport.send_step(plan, feats, my_rank=self.rank)
         t2 = time.perf_counter()
@@ -124,7 +125,9 @@ class RolloutWorker(DistributedWorker):
             metrics={"forwards": float(self.target.forwards - forwards0), "samples": float(len(feats)),
                      "tokens": float(sum(int(f["input_ids"].shape[0]) for f in feats.values())),
                      "inflight_bytes": float(self.window.inflight_bytes)},
-            timings_ms={"forward": (t1 - t0) * 1e3, "send_post": (t2 - t1) * 1e3, "send_wait": (t3 - t2) * 1e3},
+            # forward: the device's time between the marks (read now, the sends already posted)
+            timings_ms={"forward": clock.ms("start", "forward"), "send_post": (t2 - t1) * 1e3,
+                        "send_wait": (t3 - t2) * 1e3},
             bytes_sent=handle.nbytes,
         )
 
@@ -259,8 +262,9 @@ class TrainWorker(DistributedWorker):
 
     def train_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = (), save: bool = False) -> StepReport:
         t0, wait0, recv0 = time.perf_counter(), self.source.wait_ms, self.source.bytes_recv
+        # features_ms is finished work with no sync of its own: _features' one host read follows the
+        # check of every feature (after a colocated capture's forward, after the receives)
         self._last_batches = self._features(plan, upcoming)
-        synchronize(self.device)  # features_ms: a colocated capture's forward finished
         t1 = time.perf_counter()
         metrics = self.trainer.step(self._last_batches)
         self._record("train", plan.step + 1, metrics)
@@ -278,8 +282,7 @@ class TrainWorker(DistributedWorker):
         """Metrics of ``plan``'s held-out micro-batches, summed over all train ranks; no update.
         ``save``: checkpoint afterwards (the loop saves after the eval that follows a save step)."""
         t0 = time.perf_counter()
-        metrics = self.trainer.evaluate(self._features(plan, upcoming))
-        synchronize(self.device)
+        metrics = self.trainer.evaluate(self._features(plan, upcoming))  # ends in a host copy: finished work
         self._record("eval", plan.step, metrics)
         if save:
             self.save()

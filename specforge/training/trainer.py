@@ -22,7 +22,7 @@ import torch
 from specforge.config import Config, TrainConfig
 from specforge.data.packing import target_packs
 from specforge.data.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
-from specforge.device import autocast, autocast_dtype, synchronize
+from specforge.device import autocast, autocast_dtype
 from specforge.models.features import TrainBatch
 from specforge.models.layers import hold_frozen_tables, set_mlp_recompute
 from specforge.models.target import TargetModel, capture
@@ -175,10 +175,10 @@ class DraftTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
-        # the step's one read of device values: counters and gradient norm in one copy to the host
+        # the step's one read of device values: counters and gradient norm in one copy to the host,
+        # queued after the optimizer's kernels, so train_ms is finished work with no sync of its own
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         host = torch.cat([counts.reshape(-1), gn.reshape(1).to(counts)]).cpu()
-        synchronize(self.device)  # train_ms: the optimizer step has finished, not just been launched
         train_ms = (time.perf_counter() - t0) * 1000
         out = self.algorithm.metrics(host[:-1].view(counts.shape))
         out.update(
