@@ -8,11 +8,33 @@ Callers turn :class:`HttpFailure` into their own one-line error (which key or en
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Callable, Literal
+
+# Loopback requests go straight to the engine: through an http_proxy set without no_proxy they would
+# reach the proxy, and an engine we started would never answer /health. Other hosts (a user's
+# endpoint) go the way the environment says.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _open(req: urllib.request.Request | str, timeout_s: float):
+    url = req.full_url if isinstance(req, urllib.request.Request) else req
+    return (_DIRECT.open if is_loopback(url) else urllib.request.urlopen)(req, timeout=timeout_s)
 
 
 class HttpFailure(Exception):
@@ -28,7 +50,7 @@ class HttpFailure(Exception):
 def _read(req: urllib.request.Request | str, timeout_s: float) -> bytes:
     """The body of one request; :class:`HttpFailure` for an HTTP error or no answer."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        with _open(req, timeout_s) as r:
             return r.read()
     except urllib.error.HTTPError as e:
         raise HttpFailure(e.code, e.read()[:300].decode(errors="replace")) from None
@@ -54,7 +76,7 @@ def get_text(url: str, timeout_s: float) -> str:
 def healthy(url: str, timeout_s: float) -> bool:
     """Whether ``url`` (an engine's ``/health``) answers 200 now; False while it loads or is not listening."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with _open(url, timeout_s) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, http.client.HTTPException):
         return False

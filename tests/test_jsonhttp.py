@@ -96,3 +96,25 @@ def test_wait_healthy_says_ready_exited_or_timeout(server):
     assert time.monotonic() - t0 < 5
     assert wait_healthy(dead, time.monotonic() + 0.3, exited=lambda: False, poll_s=0.05) == "timeout"
     assert wait_healthy(f"{server}/loading", time.monotonic() + 0.3, exited=lambda: False, poll_s=0.05) == "timeout"
+
+
+def test_loopback_requests_ignore_a_proxy_other_hosts_keep_it(server, monkeypatch):
+    """With ``http_proxy`` set and no ``no_proxy`` (a cluster's login environment), the engines we start
+    on 127.0.0.1 are still reached directly. Control: urllib's default opener sends the same request to
+    the (dead) proxy and gets nothing. Other hosts keep the environment's proxy."""
+    import urllib.error
+    import urllib.request
+
+    from specforge.jsonhttp import is_loopback
+
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    for var in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, dead)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert healthy(f"{server}/health", timeout_s=5)
+    assert post_json(f"{server}/echo", {"a": 1}, 5) == {"got": {"a": 1}}
+    with pytest.raises(urllib.error.URLError):  # the control: through the proxy
+        urllib.request.urlopen(f"{server}/health", timeout=5)
+    assert is_loopback(server) and is_loopback("http://localhost:8000") and is_loopback("http://[::1]:8000/x")
+    assert not is_loopback("http://10.0.0.7:8000") and not is_loopback("http://engine.internal:8000")
