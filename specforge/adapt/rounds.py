@@ -42,6 +42,7 @@ import yaml
 from specforge.adapt.proxy import TrafficProxy
 from specforge.adapt.traffic import Ledger
 from specforge.capture import capture_store
+from specforge.children import tied
 from specforge.compat import check_drafts
 from specforge.config import Config
 from specforge.data.heldout import eval_prompts, heldout_rows
@@ -60,7 +61,6 @@ from specforge.engines.llamacpp import (
     LlamaServer,
     cached_target_gguf,
     convert_draft,
-    die_with_parent,
     find_converter,
     find_server,
 )
@@ -578,9 +578,8 @@ class Adapter:
                  f"(log: {log})")
 
         with open(log, "ab") as f:  # the child goes when adapt does (a killed adapt resumes the round itself)
-            proc = subprocess.Popen([sys.executable, "-m", "specforge.train", "--config", str(path)],
-                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=die_with_parent)
+            proc = subprocess.Popen(tied([sys.executable, "-m", "specforge.train", "--config", str(path)]),
+                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             try:
                 while proc.poll() is None:
                     if not alive(self.server):

@@ -26,13 +26,11 @@ The server wrapper is :class:`LlamaServer` (below).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from specforge.children import tied
 from specforge.compat import check_draft_shape
 from specforge.engines.gguf_header import GgufHeader, read_gguf_header
 from specforge.forkserver import run_script_in_child
@@ -295,15 +294,6 @@ class Completion:
         return 1e3 * self.predicted_n / max(self.predicted_ms, 1e-9)
 
 
-def die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a killed
-    eval or test never leaves a server running (``__exit__`` does not run on SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _amx_crash(*ggufs: Optional[Path]) -> bool:
     """llama.cpp 11434 on a CPU with AMX: the AMX matmul segfaults at start for quantized weights
     (ggml_backend_amx_mul_mat; seen with a Q4_1 target and a q8_0 EAGLE-3 draft); ``--no-repack``
@@ -414,8 +404,10 @@ class LlamaServer:
     def __enter__(self) -> "LlamaServer":
         self._logdir = tempfile.TemporaryDirectory(prefix="specforge-llama-server-")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent)
+            # tied: SIGTERM when the process that started it dies, so a killed eval or test never leaves a
+            # server running (__exit__ does not run on SIGKILL)
+            self.proc = subprocess.Popen(tied(self.args), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
         try:
             self._wait_healthy()
         except BaseException:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -45,6 +44,7 @@ from typing import Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
+from specforge.children import tied
 from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
 from specforge.models.arrivals import Arrivals
 
@@ -163,19 +163,11 @@ def shm_dir(root: Optional[str] = None) -> str:
     return tempfile.mkdtemp(prefix="specforge-vllm-", dir=root)
 
 
-# The engine runs under a shell that leads its own process group. When the process that started it
-# goes (PR_SET_PDEATHSIG sends the shell SIGTERM) or close() signals the group, the shell kills the
-# whole group at once: vLLM's server catches SIGTERM and, while it starts, neither exits nor stops
-# its engine core and workers, which an orphaned server leaves running.
+# The engine runs under a shell that leads its own process group (a new session). When the process
+# that started it goes (``children.tied``: PR_SET_PDEATHSIG sends the shell SIGTERM) or close() signals
+# the group, the shell kills the whole group at once: vLLM's server catches SIGTERM and, while it
+# starts, neither exits nor stops its engine core and workers, which an orphaned server leaves running.
 GROUP_GUARD = ["/bin/sh", "-c", 'trap "kill -KILL 0" TERM INT HUP; "$@" & wait $!', "specforge-vllm"]
-
-
-def _die_with_parent() -> None:  # the engine goes when the process that started it goes (Linux)
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class VllmEngine:
@@ -202,10 +194,10 @@ class VllmEngine:
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"vllm-{port}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(GROUP_GUARD + spec.command(port, self.storage, str(python)),
+            self.proc = subprocess.Popen(tied(GROUP_GUARD + spec.command(port, self.storage, str(python))),
                                          env=spec.env(python), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
-                                         preexec_fn=_die_with_parent)
+                                         start_new_session=True)
         try:
             self._wait_ready(deadline=time.monotonic() + spec.startup_timeout_s)
         except BaseException:
