@@ -55,6 +55,7 @@ CONNECTOR_MODULE = "specforge.models.vllm_connector"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where `specforge` imports from in the engine's venv
 ENDPOINT_WAIT_S = 10.0  # rollout.vllm_endpoint: how long its /health may take to answer
 REQUEST_TIMEOUT_S = 600.0  # one request (a whole batch is in flight at once on a slow CPU)
+PORT_TRIES = 3  # engine starts whose port was taken before vLLM bound it, each with a new port
 
 
 class EngineError(ValueError):
@@ -187,22 +188,37 @@ class VllmEngine:
             self._wait_ready(deadline=time.monotonic() + ENDPOINT_WAIT_S)
             return
         python = engine_python(spec.python)
-        self.storage = shm_dir(storage_root)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
         logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "specforge-vllm-logs"  # kept after close
         logs.mkdir(parents=True, exist_ok=True)
-        self.log_path = logs / f"vllm-{port}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(tied(GROUP_GUARD + spec.command(port, self.storage, str(python))),
-                                         env=spec.env(python), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
-                                         start_new_session=True)
-        try:
-            self._wait_ready(deadline=time.monotonic() + spec.startup_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        deadline = time.monotonic() + spec.startup_timeout_s
+        for attempt in range(PORT_TRIES):
+            self.storage = shm_dir(storage_root)
+            port = free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            self.log_path = logs / f"vllm-{port}.log"
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(tied(GROUP_GUARD + spec.command(port, self.storage, str(python))),
+                                             env=spec.env(python), stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
+                                             start_new_session=True)
+            try:
+                self._wait_ready(deadline=deadline)
+                return
+            except EngineError:
+                taken = attempt + 1 < PORT_TRIES and self._port_was_taken()
+                if not taken:
+                    self.close()
+                    raise
+                self._stop()  # the port another process took between our pick and vLLM's bind: pick again
+            except BaseException:
+                self.close()
+                raise
+
+    def _port_was_taken(self) -> bool:
+        """Whether the engine exited because its port was in use (its log says so)."""
+        if self.proc is None or self.proc.poll() is None or self.log_path is None or not self.log_path.exists():
+            return False
+        return "Address already in use" in self.log_path.read_text(errors="replace")
 
     # ------------------------------------------------------------------ life
 
@@ -238,6 +254,12 @@ class VllmEngine:
     def close(self) -> None:
         """Stop the server and every process it started (its own process group: vLLM's engine core
         and workers outlive a server that exits on SIGTERM unless the group goes too)."""
+        self._stop()
+        if getattr(self, "arrivals", None) is not None:
+            self.arrivals.close()
+
+    def _stop(self) -> None:
+        """The server's process group and its hand-off folder go (the client's watcher stays)."""
         if self.proc is not None:
             if self.proc.poll() is None:
                 with contextlib.suppress(Exception):
@@ -252,12 +274,12 @@ class VllmEngine:
         if self.storage is not None:
             shutil.rmtree(self.storage, ignore_errors=True)
             self.storage = None
-        if getattr(self, "arrivals", None) is not None:
-            self.arrivals.close()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:  # at interpreter exit the module's globals (contextlib too) may be gone already
             self.close()
+        except Exception:
+            pass
 
     # ------------------------------------------------------------------ capture
 
