@@ -65,6 +65,38 @@ def local_cuda_index(rank: int = 0) -> int:
     return rank % count
 
 
+def _ray_gpu_ids() -> list[str]:
+    """The GPU ids Ray assigned to this actor ([] outside Ray or without GPUs)."""
+    import sys
+
+    ray = sys.modules.get("ray")  # a process that never imported Ray is no Ray worker
+    if ray is None or not ray.is_initialized():
+        return []
+    return [str(i) for i in ray.get_gpu_ids()]
+
+
+def engine_gpu_ids(count: int) -> list[str]:
+    """The GPUs, as ``CUDA_VISIBLE_DEVICES`` entries, that an engine this process starts over ``count``
+    GPUs (``rollout.tp_size``) must take: this Ray actor's own (Ray sets ``CUDA_VISIBLE_DEVICES`` to them,
+    or with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` leaves every GPU visible and only its GPU ids
+    say which are the actor's), else a launcher's ``LOCAL_RANK``-th group of ``count`` among the GPUs
+    this process sees, else the first ``count`` it sees. ValueError where there are fewer."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = ([v.strip() for v in visible.split(",") if v.strip()] if visible is not None
+            else [str(i) for i in range(torch.cuda.device_count())])
+    if ids := _ray_gpu_ids():
+        pick, where = ids, "Ray assigned this worker"
+    elif "LOCAL_RANK" in os.environ:
+        k = int(os.environ["LOCAL_RANK"])
+        pick, where = seen[k * count:(k + 1) * count], f"LOCAL_RANK {k}'s share of the {len(seen)} visible"
+    else:
+        pick, where = seen[:count], f"{len(seen)} visible"
+    if len(pick) < count:
+        raise ValueError(f"config key 'rollout.tp_size'={count}: the engine needs {count} GPUs, {where} "
+                         f"{len(pick)} ({','.join(pick) or 'none'}); give each worker rollout.tp_size GPUs")
+    return pick[:count]
+
+
 def pick_device(choice: str = "auto", local_rank: Optional[int] = None) -> torch.device:
     """``auto`` -> this process's CUDA device if one exists (``local_cuda_index``), else the CPU."""
     if choice not in ("auto", "cpu", "cuda"):

@@ -3,6 +3,7 @@ that binds the port it is given and answers /health, or says what vLLM says when
 nothing here needs vLLM installed."""
 
 import functools
+import os
 import socket
 import sys
 
@@ -73,3 +74,42 @@ def test_a_port_taken_before_the_engine_binds_it_is_picked_again(fake_vllm, tmp_
                 engine.close()
     finally:
         held.close()
+
+
+def _engine_env(monkeypatch, env: dict, ray_ids: list, tp: int = 2, gpus_seen: int = 8) -> dict:
+    """The environment an engine started by a worker gets (``spec_for`` on a CUDA device, as the worker
+    calls it), the worker's own environment ``env`` and Ray GPU ids ``ray_ids`` ([]: not a Ray actor)."""
+    import specforge.device as device
+    from specforge.config import load_config
+
+    for var in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(device, "_ray_gpu_ids", lambda: list(ray_ids))
+    monkeypatch.setattr(device.torch.cuda, "device_count", lambda: gpus_seen)
+    cfg = load_config(None, ["rollout.backend=vllm", f"rollout.tp_size={tp}", "placement.mode=disaggregated"])
+    spec = vllm_engine.spec_for(cfg, "m", 6, [1, 2], torch.bfloat16, torch.device("cuda", 0))
+    return spec.env()
+
+
+def test_each_engine_gets_exactly_its_workers_gpus(monkeypatch):
+    """Two rollout workers with tensor parallel 2 on an 8-GPU node: each engine's CUDA_VISIBLE_DEVICES
+    names its worker's two GPUs, however the worker sees GPUs (Ray's own CUDA_VISIBLE_DEVICES, Ray with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, where every actor sees all 8, a torchrun-style LOCAL_RANK).
+    Control: the environment as it was copied before (the worker's own): under NOSET both engines would
+    see all 8 GPUs and both take 0 and 1."""
+    noset = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    got = [_engine_env(monkeypatch, noset, ids)["CUDA_VISIBLE_DEVICES"] for ids in (["0", "1"], ["2", "3"])]
+    assert got == ["0,1", "2,3"]
+    assert _engine_env(monkeypatch, {"CUDA_VISIBLE_DEVICES": "4,5"}, ["4", "5"])["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert _engine_env(monkeypatch, {"LOCAL_RANK": "1"}, [])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert _engine_env(monkeypatch, {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1,3,5,7"},
+                       [])["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert _engine_env(monkeypatch, {}, [])["CUDA_VISIBLE_DEVICES"] == "0,1"  # one process: the first two
+    with pytest.raises(ValueError, match=r"rollout.tp_size'=2: the engine needs 2 GPUs, LOCAL_RANK 3's .* 1 \(6\)"):
+        _engine_env(monkeypatch, {"LOCAL_RANK": "3"}, [], gpus_seen=7)
+    # the control: what the engine inherited before, the worker's environment as it is, names no GPU
+    # under NOSET (vLLM then takes the first tp_size of all 8, the same two for both workers)
+    _engine_env(monkeypatch, noset, ["2", "3"])
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

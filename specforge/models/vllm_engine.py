@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file
 
 from specforge.children import tied
+from specforge.device import engine_gpu_ids
 from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
 from specforge.models.arrivals import Arrivals
 
@@ -102,6 +103,7 @@ class EngineSpec:
     extra_args: list[str] = field(default_factory=list)
     trust_remote_code: bool = False
     python: Optional[str] = None
+    gpus: Optional[list[str]] = None  # CUDA_VISIBLE_DEVICES of the engine (device.engine_gpu_ids); None: inherited
 
     @property
     def served_ids(self) -> list[int]:
@@ -131,6 +133,8 @@ class EngineSpec:
     def env(self, python: Optional[Path] = None) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+        if self.gpus is not None:  # exactly this worker's GPUs, whatever this process itself sees
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.cpu_kvcache_gib))))
             # vLLM's CPU backend asks for Intel's OpenMP preloaded (its wheel ships it in the venv's lib/)
@@ -375,7 +379,7 @@ def spec_for(cfg, model_path: str, num_layers: int, our_ids: Sequence[int], dtyp
                       expert_parallel=r.expert_parallel, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                       cpu_kvcache_gib=r.vllm_cpu_kvcache_gib, startup_timeout_s=r.vllm_startup_timeout_s,
                       extra_args=list(r.vllm_args), trust_remote_code=cfg.model.trust_remote_code,
-                      python=r.vllm_python)
+                      python=r.vllm_python, gpus=engine_gpu_ids(r.tp_size) if device.type == "cuda" else None)
 
 
 
