@@ -156,7 +156,9 @@ class RolloutConfig:
     vllm_python: Optional[str] = None  # the vLLM venv's python (None = ~/.cache/specforge/vllm/bin/python)
     vllm_gpu_memory_utilization: float = 0.85  # vllm on a GPU: its share of each GPU (colocated: beside the draft)
     vllm_cpu_kvcache_gib: float = 1.0  # vllm on the CPU: its KV-cache (and hidden-states cache) space
-    vllm_startup_timeout_s: float = 600.0  # the engine's start, weights loaded and compiled
+    # the engine's start, weights loaded and compiled; None: parallel.setup_timeout_s, the bound of a worker's
+    # whole start, which the engine's is part of (a big target's configs raise that one)
+    vllm_startup_timeout_s: Optional[float] = None
     vllm_args: list[str] = field(default_factory=list)  # more `vllm serve` flags, passed as they are
 
 
@@ -611,10 +613,22 @@ def backend_errors(cfg: Config) -> list[str]:
                 "e.g. 'http://127.0.0.1:8000'"]
     if not 0 < r.vllm_gpu_memory_utilization <= 1:
         return [f"config key 'rollout.vllm_gpu_memory_utilization'={r.vllm_gpu_memory_utilization} must be in (0, 1]"]
-    if r.vllm_cpu_kvcache_gib <= 0 or r.vllm_startup_timeout_s <= 0:
+    start = r.vllm_startup_timeout_s
+    if r.vllm_cpu_kvcache_gib <= 0 or (start is not None and start <= 0):
         key = "rollout.vllm_cpu_kvcache_gib" if r.vllm_cpu_kvcache_gib <= 0 else "rollout.vllm_startup_timeout_s"
         return [f"config key {key!r} must be positive"]
+    bound = max(cfg.parallel.setup_timeout_s, cfg.parallel.timeout_s)  # what ray_train gives a worker's setup
+    if start is not None and start > bound:
+        return [f"config key 'rollout.vllm_startup_timeout_s'={start:g} exceeds parallel.setup_timeout_s={bound:g}, "
+                "which bounds a worker's whole start (the engine's included): raise parallel.setup_timeout_s too, "
+                "or unset rollout.vllm_startup_timeout_s (it then follows parallel.setup_timeout_s)"]
     return []
+
+
+def engine_start_timeout(cfg: Config) -> float:
+    """Seconds an engine may take to start: ``rollout.vllm_startup_timeout_s``, else ``parallel.setup_timeout_s``."""
+    r = cfg.rollout
+    return r.vllm_startup_timeout_s if r.vllm_startup_timeout_s is not None else cfg.parallel.setup_timeout_s
 
 
 def replay_errors(cfg: Config) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from specforge import memory
-from specforge.config import EMBEDDED_TARGET, Config
+from specforge.config import EMBEDDED_TARGET, Config, engine_start_timeout
 from specforge.contracts import FeatureSpec
 from specforge.data.vocab import DraftVocab
 from specforge.device import pick_device, pick_dtype, torch_dtype, wants_gpu
@@ -280,6 +280,10 @@ def _print(cfg: Config, r: DryRun, family, dims) -> None:
               f"{_gib(loaded)} = {_gib(-(-loaded // r_.tp_size))} per GPU; the engine takes "
               f"rollout.vllm_gpu_memory_utilization={r_.vllm_gpu_memory_utilization} of each GPU (weights, KV and "
               "hidden-states cache, activations) and this process keeps only the final norm and lm_head")
+        if r_.vllm_endpoint is None:
+            key = ("rollout.vllm_startup_timeout_s" if r_.vllm_startup_timeout_s is not None
+                   else "parallel.setup_timeout_s, which rollout.vllm_startup_timeout_s follows unless set")
+            print(f"  the engine's start (weights loaded, compiled) may take {engine_start_timeout(cfg):g} s ({key})")
     holds = {"rollout": target, "train": "its draft shard + the frozen draft params + the train state"
              + (f" + {target}" if cfg.placement.mode == "colocated" else "")}
     if r.target_split:

@@ -202,6 +202,9 @@ def test_a_target_in_vllm_is_planned_per_tensor_parallel_gpu(name, tp, params, f
     assert rollout.peak <= (r.available or memory.H100_80GB)
     out = capsys.readouterr().out
     assert f"tensor parallel over rollout.tp_size={tp} GPUs" in out and "DOES NOT FIT" not in out
+    # the engine's start gets the config's setup bound (deepseek-v3: 3600 s), not a fixed 600 s
+    assert (f"the engine's start (weights loaded, compiled) may take {cfg.parallel.setup_timeout_s:g} s "
+            "(parallel.setup_timeout_s") in out
     # negative control: the same engine share with less room beside it is refused
     tight = dry_run(load_config(CONFIGS / name, ["rollout.vllm_gpu_memory_utilization=0.99"]))
     assert any(d.peak > (tight.available or memory.H100_80GB) for d in tight.memory)

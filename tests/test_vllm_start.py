@@ -113,3 +113,20 @@ def test_each_engine_gets_exactly_its_workers_gpus(monkeypatch):
     # under NOSET (vLLM then takes the first tp_size of all 8, the same two for both workers)
     _engine_env(monkeypatch, noset, ["2", "3"])
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_the_engines_start_follows_the_setup_bound_unless_set(fake_vllm, tmp_path):
+    """``rollout.vllm_startup_timeout_s`` unset: the engine may take ``parallel.setup_timeout_s`` (the
+    bound of a worker's whole start, which a big target's config raises); set, that value, refused above
+    the setup bound (the driver would give up first) with one line naming both keys."""
+    from specforge.config import engine_start_timeout, load_config
+
+    base = ["rollout.backend=vllm", "placement.mode=disaggregated"]
+    assert engine_start_timeout(load_config(None, [*base, "parallel.setup_timeout_s=3600"])) == 3600
+    assert engine_start_timeout(load_config(None, [*base, "rollout.vllm_startup_timeout_s=900"])) == 900
+    spec = vllm_engine.spec_for(load_config(None, [*base, "parallel.setup_timeout_s=2400"]), "m", 6, [1, 2],
+                                torch.float32, torch.device("cpu"))
+    assert spec.startup_timeout_s == 2400
+    with pytest.raises(ValueError, match=r"'rollout.vllm_startup_timeout_s'=7200 exceeds parallel.setup_timeout_s"
+                                         r"=1800.*raise parallel.setup_timeout_s"):
+        load_config(None, [*base, "rollout.vllm_startup_timeout_s=7200"])

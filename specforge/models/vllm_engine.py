@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file
 
 from specforge.children import tied
+from specforge.config import engine_start_timeout
 from specforge.device import engine_gpu_ids
 from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
 from specforge.models.arrivals import Arrivals
@@ -249,8 +250,9 @@ class VllmEngine:
                               f"{self.url}/health; start one (python -m specforge.capture --config ... "
                               "--vllm-command PORT prints the command) or unset rollout.vllm_endpoint")
         if state == "timeout":
-            raise EngineError(f"rollout.backend=vllm: the vLLM engine did not become ready in time "
-                              f"(rollout.vllm_startup_timeout_s): {self._why_dead()}")
+            raise EngineError(f"rollout.backend=vllm: the vLLM engine did not become ready within "
+                              f"{self.spec.startup_timeout_s:g} s (rollout.vllm_startup_timeout_s, by default "
+                              f"parallel.setup_timeout_s): {self._why_dead()}")
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
@@ -377,7 +379,7 @@ def spec_for(cfg, model_path: str, num_layers: int, our_ids: Sequence[int], dtyp
     return EngineSpec(model_path=model_path, layer_ids=vllm_layer_ids(our_ids, num_layers), dtype=dtype,
                       max_model_len=cfg.data.max_length + 1, device=device.type, tp_size=r.tp_size,
                       expert_parallel=r.expert_parallel, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                      cpu_kvcache_gib=r.vllm_cpu_kvcache_gib, startup_timeout_s=r.vllm_startup_timeout_s,
+                      cpu_kvcache_gib=r.vllm_cpu_kvcache_gib, startup_timeout_s=engine_start_timeout(cfg),
                       extra_args=list(r.vllm_args), trust_remote_code=cfg.model.trust_remote_code,
                       python=r.vllm_python, gpus=engine_gpu_ids(r.tp_size) if device.type == "cuda" else None)
 
