@@ -32,9 +32,9 @@ from specforge.data.store import (
     store_root,
 )
 from specforge.device import pick_device, pick_dtype, set_threads
+from specforge.files import check_writable
 from specforge.models.target import (
     capture,
-    check_features,
     load_target,
     load_target_config,
     load_tokenizer,
@@ -73,8 +73,6 @@ def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: 
         sub = [rows[i] for i in ids]
         input_ids_BT, loss_mask_BT, attn_BT = collate(sub, pad)
         f = capture(target, input_ids_BT, attn_BT, chunk_tokens, target_packs(attn_BT, pack_tokens))
-        # one host read per batch, no stall: the samples' features are copied to the host right after
-        check_features(f.aux_hidden_BTKH, attn_BT, target.aux_layer_ids)
         for b, sid in enumerate(ids):
             n = len(sub[b]["input_ids"])
             yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],
@@ -128,9 +126,12 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
         from transformers.utils import logging as hf_logging  # lazy: heavy (transformers)
 
         hf_logging.disable_progress_bar()  # its weight-loading bar too
+    root = store_root(cfg)
+    check_writable("store.dir", root)  # before the data, the target or its engine
     # the data first (the tokenizer alone): a data error is said before the target (or its engine) starts
     data = prepare_dataset(cfg.data, target.tokenizer if target else load_tokenizer(cfg.model),
                            chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir, progress=progress)
+    check_room(cfg, root, _lengths(data.train))  # from the target's config.json: before it (or its engine) loads
     own = target is None
     target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
                                    packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg))
@@ -139,6 +140,15 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
     finally:
         if own and target.engine is not None:
             target.engine.close()
+
+
+def check_room(cfg, root: Path, lengths: Sequence[int]) -> None:
+    """The store's filesystem holds what is left to capture (``check_disk``): every sample's bytes at
+    the target's width and the captured layers (config.json only), less the shards already written."""
+    n = text_config(load_target_config(cfg.model))
+    bpt = bytes_per_token(n.hidden_size, cfg.store.dtype, len(feature_layers(cfg, n.num_hidden_layers)))
+    written = sum(p.stat().st_size for p in Path(root).expanduser().glob("shard-*.safetensors"))
+    check_disk(root, max(0, int(sum(lengths) * bpt) - written))
 
 
 def _capture(cfg, target, data, progress: bool, source: Optional[str]) -> Path:

@@ -1,4 +1,5 @@
-"""The one reader of the weights and state files a user can name: a draft folder (``--draft``,
+"""The one reader of the weights and state files a user can name (and the check that a folder a run
+writes to can be written, ``check_writable``): a draft folder (``--draft``,
 ``draft.init_from``, ``adapt.draft``, an export), a checkpoint's ``training_state.pt``, a draft-vocab
 file, a feature-store shard, the target's weights.
 
@@ -10,6 +11,7 @@ line. Readers elsewhere call these; ``tests/test_bad_input.py`` hands each entry
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +64,21 @@ def read_torch(path: str | Path, what: str, fix: str, **kwargs: Any) -> Any:
         return torch.load(path, map_location="cpu", **kwargs)
     except Exception as e:  # a truncated zip, a pickle error: the same to the user
         raise _unreadable(path, what, fix, e) from None
+
+
+def check_writable(key: str, folder: str | Path) -> None:
+    """ValueError naming ``key`` unless ``folder`` is (or can be made as) a folder this process can
+    write. Probed with a real temporary file in the nearest existing folder: root passes every
+    mode-bit check, a read-only mount or a full disk does not."""
+    path = Path(folder).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is under {str(existing)!r}, a file"
+        raise ValueError(f"config key {key!r}={str(folder)!r} {what}, not a folder; name a folder (or move the file)")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ValueError(f"config key {key!r}={str(folder)!r} is not writable ({e.strerror} in {str(existing)!r}); "
+                         "name a folder this user can write") from None

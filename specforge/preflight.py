@@ -13,7 +13,6 @@ more workers than cores starts them all and thrashes instead of failing. All rai
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -24,6 +23,7 @@ from specforge.config import Config
 from specforge.data.store import INDEX, FeatureStore, check_replay_meta, store_root
 from specforge.device import pick_device, wants_gpu
 from specforge.dryrun import memory_plan
+from specforge.files import check_writable
 from specforge.models.target import load_target_config, resolve_target_path
 from specforge.models.vllm_engine import engine_python, vllm_layer_ids
 from specforge.parallel.dims import ParallelDims
@@ -136,24 +136,6 @@ def check_outputs(cfg: Config) -> None:
     check_writable("train.output_dir", cfg.train.output_dir)
     key = "checkpoint.dir" if cfg.checkpoint.dir else "train.output_dir (its checkpoints/ folder)"
     check_writable(key, checkpoint_root(cfg))
-
-
-def check_writable(key: str, folder: str | Path) -> None:
-    """ValueError naming ``key`` unless ``folder`` is (or can be made as) a folder this process can
-    write. Probed with a real temporary file in the nearest existing folder: root passes every
-    mode-bit check, a read-only mount or a full disk does not."""
-    path = Path(folder).expanduser()
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is a file" if existing == path else f"is under {str(existing)!r}, a file"
-        raise ValueError(f"config key {key!r}={str(folder)!r} {what}, not a folder; name a folder (or move the file)")
-    try:
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as e:
-        raise ValueError(f"config key {key!r}={str(folder)!r} is not writable ({e.strerror} in {str(existing)!r}); "
-                         "name a folder this user can write") from None
 
 
 def check_store(cfg: Config, layers: list[int], target) -> None:

@@ -70,6 +70,7 @@ from specforge.data.template import (
     span_mask,
 )
 from specforge.device import set_threads
+from specforge.files import check_writable
 from specforge.jsonhttp import HttpFailure, post_json
 from specforge.models import generate as engine
 from specforge.models.target import capture as capture_features
@@ -749,6 +750,10 @@ def regenerate(cfg: Config, target=None) -> Summary:
         raise ValueError(f"data.path {cfg.data.path!r}: no conversation left to regenerate ({skipped or 'no rows'})")
     output = output_path(cfg)
     store_dir = store_root(cfg) if r.backend == "local" and r.capture_features else None
+    # what it writes, before the target, its engine or a worker starts
+    check_writable("regenerate.output" if r.output else "train.output_dir (its regenerated.jsonl)", output.parent)
+    if store_dir is not None:
+        check_writable("store.dir", store_dir)
     ray_mode = r.backend == "local" and r.num_workers > 1
     _check_parts(output, r.num_workers if ray_mode else 1)
     if ray_mode:

@@ -59,6 +59,9 @@ one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_er
 | unknown key, wrong type | error naming the dotted key | tests/test_config.py |
 | ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | \
 error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
+| capture / regenerate: ``store.dir`` or ``regenerate.output`` read-only (hf and vllm) | one ``error:`` line naming \
+the key before the target or its engine starts | \
+test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_engine_starts |
 | the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | \
 test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
 | ``checkpoint.resume=false`` where checkpoints are | moved to ``<checkpoint dir>/previous-<time>``, said, hashes kept \
@@ -329,7 +332,7 @@ def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):
     meta = StoreMeta(target="t", tokenizer="k", vocab_size=297, aux_layer_ids=(0, 1, 2), hidden_size=48,
                      max_length=64, source="rows")
     with FeatureStoreWriter(root, meta) as w:
-        w.add(0, torch.arange(5), torch.ones(5), torch.zeros(5, 144), torch.zeros(5, 48), torch.arange(5))
+        w.add(0, torch.arange(5), torch.ones(5), torch.randn(5, 144), torch.randn(5, 48), torch.arange(5))
     offline = ("placement.mode=offline", f"store.dir={root}")
     check_run(make_cfg(assets, tmp_path, *offline, "model.aux_layer_ids=[0,1,2]"))
     with pytest.raises(ValueError, match=r"captured with model\.aux_layer_ids=\(0, 1, 2\), this run has \(1, 2, 3\)"):
@@ -595,6 +598,34 @@ def _single(assets, tmp_path, *overrides):
 
     run(make_cfg(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2", *overrides))
     return tmp_path / "run" / "checkpoints"
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_engine_starts(
+        assets, tmp_path, backend, monkeypatch, capsys):
+    """``python -m specforge.capture`` with ``store.dir`` on a read-only mount, and ``python -m
+    specforge.regenerate`` with its output or store there: one error line naming the key, before the
+    target loads or its engine starts (with vLLM that start is minutes on a big target). Control: a
+    writable store.dir gets past the check (the target then loads)."""
+    import specforge.capture as capture
+    import specforge.regenerate as regenerate
+
+    def started(*args, **kw):
+        raise AssertionError("the target (or its engine) started before the outputs were checked")
+
+    for module in (capture, regenerate):
+        monkeypatch.setattr(module, "load_target", started)
+        monkeypatch.setattr(module, "engine_factory", started)
+    base = [*cfg_overrides(assets, tmp_path / "run"), f"rollout.backend={backend}", "placement.mode=disaggregated"]
+    assert capture.main(["--no-progress", *base, f"store.dir={READ_ONLY / 'store'}"]) == 1
+    _one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
+    assert regenerate.main([*base, f"regenerate.output={READ_ONLY / 'out.jsonl'}"]) == 1
+    _one_error_line(capsys.readouterr().err, "config key 'regenerate.output'", "is not writable")
+    assert regenerate.main([*base, f"regenerate.output={tmp_path / 'out.jsonl'}", "regenerate.capture_features=true",
+                            f"store.dir={READ_ONLY / 'store'}"]) == 1
+    _one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
+    with pytest.raises(AssertionError, match="started before the outputs were checked"):  # the control
+        capture.main(["--no-progress", *base, f"store.dir={tmp_path / 'store'}"])
 
 
 @pytest.mark.parametrize("key", ["checkpoint.dir", "train.output_dir"])

@@ -218,9 +218,10 @@ def test_a_rollout_step_reads_nothing_from_the_device(target, rows, monkeypatch)
     "Host syncs"): none. The capture, the collate and the sends read nothing; the features are checked
     by the train ranks that receive them (``test_a_train_step_checks_its_features_in_its_one_read``).
     Packed rows add transformers' own reads of the position ids (``find_packed_sequence_indices``), one
-    per packed row's forward. Control: the host check the store writer makes is one read."""
+    per packed row's forward. Control: the feature check read at once (as the store writer reads it) is
+    one read, which the counter sees."""
     from benchmarks.syncs import HostSyncs
-    from specforge.models.target import check_features
+    from specforge.models.features import feature_flags
 
     waits = []  # device.synchronize, which the counter does not see: none either (the timer is a StageClock)
     monkeypatch.setattr(workers, "synchronize", lambda device: waits.append(device))
@@ -233,8 +234,9 @@ def test_a_rollout_step_reads_nothing_from_the_device(target, rows, monkeypatch)
         assert report.timings_ms["forward"] > 0
     assert waits == []
     with HostSyncs() as s:
-        check_features(torch.randn(2, 3, K * H), None, list(range(K)))
-    assert _syncs_by_function(s) == {"target.py check_features": 1}, s.where
+        feature_flags(torch.randn(2, 3, K * H), None, K).tolist()
+    assert _syncs_by_function(s) == {"test_packing_capture.py test_a_rollout_step_reads_nothing_from_the_device": 1}, \
+        s.where
 
 
 def _train_worker(batches, layer_ids):

@@ -336,3 +336,25 @@ def test_capture_cli_end_to_end(assets, tmp_path, capsys):
     assert last.startswith("error: ") and "store.dtype" in last
     assert main(cli_args(assets, tmp_path, "data.max_length=32")) == 1
     assert "max_length (store: 64, this run: 32)" in capsys.readouterr().err
+
+
+def test_the_writer_never_stores_nan_or_an_all_zero_layer(meta, tmp_path):
+    """Whatever computed them (a capture, regenerate's, an engine), features go through the writer, which
+    refuses NaN or inf anywhere and a captured layer that is all zeros, naming the layer and the store;
+    nothing of the refused sample is written. Control: a sample zero in some tokens of a layer is kept."""
+    K, H = len(meta.aux_layer_ids), meta.hidden_size
+    ids, mask, last, tgt = torch.arange(4), torch.ones(4), torch.randn(4, H), torch.arange(4)
+    with FeatureStoreWriter(tmp_path, meta) as w:
+        nan = torch.randn(4, K * H)
+        nan[2, H + 1] = float("nan")
+        with pytest.raises(ValueError, match=rf"feature store {tmp_path}: captured target layer "
+                                             rf"{meta.aux_layer_ids[1]} .*NaN or inf"):
+            w.add(0, ids, mask, nan, last, tgt)
+        zero = torch.randn(4, K, H)
+        zero[:, 2] = 0
+        with pytest.raises(ValueError, match=rf"layer {meta.aux_layer_ids[2]} .*is all zeros"):
+            w.add(0, ids, mask, zero.view(4, K * H), last, tgt)
+        some = torch.randn(4, K, H)
+        some[:3, 2] = 0  # the control: one token of the layer lives
+        w.add(0, ids, mask, some.view(4, K * H), last, tgt)
+    assert FeatureStore(tmp_path).lengths == {0: 4}

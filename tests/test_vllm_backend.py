@@ -28,7 +28,8 @@ import torch
 from specforge.capture import main as capture_main
 from specforge.config import load_config
 from specforge.data.store import FeatureStore
-from specforge.models.target import capture, check_features, load_target, load_target_config
+from specforge.models.features import feature_flags, refuse_bad_features
+from specforge.models.target import capture, load_target, load_target_config
 from specforge.models.vllm_engine import (
     EngineError,
     EngineSpec,
@@ -67,6 +68,11 @@ def test_layer_ids_convention_and_its_bounds():
     assert spec.layer_ids == [2, 3, 3, 6, 6] and spec.served_ids == [2, 3, 6]
     assert json.loads(spec.command(1, "/s")[spec.command(1, "/s").index("--speculative-config") + 1])[
         "draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 6]
+
+
+def check_features(aux_BTKH, mask_BT, layer_ids):
+    """The feature check of one batch, read at once (the store writer's; a train step sums it over ranks)."""
+    refuse_bad_features(feature_flags(aux_BTKH, mask_BT, len(layer_ids)).tolist(), layer_ids)
 
 
 def test_feature_check_refuses_nan_and_all_zero_layers():

@@ -46,7 +46,7 @@ from safetensors.torch import save
 
 from specforge.data.prepare import tokenizer_fingerprint
 from specforge.files import open_safetensors
-from specforge.models.features import TrainBatch
+from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
 
 FORMAT = "specforge-feature-store-v1"
 INDEX = "index.json"
@@ -332,12 +332,17 @@ class FeatureStoreWriter:
         if bad or T > m.max_length or T < 1:
             raise ValueError(f"feature store sample of {T} tokens (max_length {m.max_length}) has wrong shapes: "
                              f"{', '.join(bad) or 'length out of range'}")
+        # never stored silently: NaN or inf, or a captured layer all zeros (counted on the features'
+        # device and read after the host copy below, which waits for them anyway)
+        flags = feature_flags(aux[None], None, k)
         # bf16 in the buffer for both dtypes (cast on the device: half the bytes to copy); int8
         # is quantized at flush, when the shard's column scales are known
         enc = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
                "target_ids": target_ids.to(torch.int32), "aux_hidden": aux.to(torch.bfloat16),
                "last_hidden": last.to(torch.bfloat16)}
-        return {n: t.cpu().contiguous() for n, t in enc.items()}
+        enc = {n: t.cpu().contiguous() for n, t in enc.items()}
+        refuse_bad_features(flags.tolist(), m.aux_layer_ids, f"feature store {self.root}: ")
+        return enc
 
     def _flush(self) -> None:
         if not self._buf:

@@ -10,7 +10,7 @@ Legend: B batch, T tokens, K fused target layers, H target hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -48,3 +48,38 @@ class TrainBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids_BT.numel())
+
+
+# ---------------------------------------------------------------- the feature check
+
+
+def feature_flags(aux_BTKH: torch.Tensor, real_BT: Optional[torch.Tensor], num_layers: int) -> torch.Tensor:
+    """Counts that tell hidden states an engine can produce silently on some targets (hybrid ones),
+    on the features' device with no host read: ``[bad_0..bad_K-1, live_0..live_K-1, real]``, float64,
+    the tokens whose captured layer k holds NaN or inf, those whose layer k is not all zeros, and the
+    tokens counted (``real_BT``: the samples' tokens, not the padding; None: all). Counts of several
+    batches or ranks add up (``refuse_bad_features`` reads the sum). Per token and layer only its max
+    and min are kept (NaN and inf reach them; all zeros = both 0): no temporary the size of the features."""
+    B, T = aux_BTKH.shape[:2]
+    x = aux_BTKH.unflatten(-1, (num_layers, aux_BTKH.shape[-1] // num_layers))
+    hi, lo = x.amax(dim=-1).float(), x.amin(dim=-1).float()  # [B, T, K]
+    real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if real_BT is None
+            else real_BT.to(x.device).bool())[..., None]
+    bad = (~(torch.isfinite(hi) & torch.isfinite(lo)) & real).sum(dim=(0, 1))
+    live = (((hi != 0) | (lo != 0)) & real).sum(dim=(0, 1))
+    return torch.cat([bad, live, real.sum().view(1)]).double()
+
+
+def refuse_bad_features(flags: Sequence[float], layer_ids: Sequence[int], where: str = "") -> None:
+    """ValueError naming the first captured layer ``feature_flags``' counts (host numbers, summed over
+    whatever was checked together) find holding NaN or inf, or all zeros over real tokens."""
+    K = len(layer_ids)
+    for k, layer in enumerate(layer_ids):
+        if flags[k] > 0:
+            raise ValueError(f"{where}captured target layer {layer} (model.aux_layer_ids) holds NaN or inf hidden "
+                             "states: the target computes garbage there (its dtype, or the engine's kernels for this "
+                             "family)")
+        if flags[K + k] == 0 and flags[2 * K] > 0:
+            raise ValueError(f"{where}captured target layer {layer} (model.aux_layer_ids) is all zeros: the engine "
+                             "returned no hidden states for it (a hybrid target's layer it does not capture); pick "
+                             "other layers")

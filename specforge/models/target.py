@@ -429,45 +429,6 @@ def capture(
     return _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens)
 
 
-def feature_flags(aux_BTKH: torch.Tensor, real_BT: Optional[torch.Tensor], num_layers: int) -> torch.Tensor:
-    """Counts that tell hidden states an engine can produce silently on some targets (hybrid ones),
-    on the features' device with no host read: ``[bad_0..bad_K-1, live_0..live_K-1, real]``, float64,
-    the tokens whose captured layer k holds NaN or inf, those whose layer k is not all zeros, and the
-    tokens counted (``real_BT``: the samples' tokens, not the padding; None: all). Counts of several
-    batches or ranks add up (``refuse_bad_features`` reads the sum). Per token and layer only its max
-    and min are kept (NaN and inf reach them; all zeros = both 0): no temporary the size of the features."""
-    B, T = aux_BTKH.shape[:2]
-    x = aux_BTKH.unflatten(-1, (num_layers, aux_BTKH.shape[-1] // num_layers))
-    hi, lo = x.amax(dim=-1).float(), x.amin(dim=-1).float()  # [B, T, K]
-    real = (torch.ones(B, T, dtype=torch.bool, device=x.device) if real_BT is None
-            else real_BT.to(x.device).bool())[..., None]
-    bad = (~(torch.isfinite(hi) & torch.isfinite(lo)) & real).sum(dim=(0, 1))
-    live = (((hi != 0) | (lo != 0)) & real).sum(dim=(0, 1))
-    return torch.cat([bad, live, real.sum().view(1)]).double()
-
-
-def refuse_bad_features(flags: Sequence[float], layer_ids: Sequence[int], where: str = "") -> None:
-    """ValueError naming the first captured layer ``feature_flags``' counts (host numbers, summed over
-    whatever was checked together) find holding NaN or inf, or all zeros over real tokens."""
-    K = len(layer_ids)
-    for k, layer in enumerate(layer_ids):
-        if flags[k] > 0:
-            raise ValueError(f"{where}captured target layer {layer} (model.aux_layer_ids) holds NaN or inf hidden "
-                             "states: the target computes garbage there (its dtype, or the engine's kernels for this "
-                             "family)")
-        if flags[K + k] == 0 and flags[2 * K] > 0:
-            raise ValueError(f"{where}captured target layer {layer} (model.aux_layer_ids) is all zeros: the engine "
-                             "returned no hidden states for it (a hybrid target's layer it does not capture); pick "
-                             "other layers")
-
-
-def check_features(aux_BTKH: torch.Tensor, attention_mask_BT: Optional[torch.Tensor], layer_ids: Sequence[int]) -> None:
-    """``feature_flags`` of one batch read at once (one host read): for a caller that copies the
-    features to the host anyway (the store writer). A train step checks what it receives instead,
-    inside the all-reduce it makes anyway (``runtime/workers.TrainWorker._features``)."""
-    refuse_bad_features(feature_flags(aux_BTKH, attention_mask_BT, len(layer_ids)).tolist(), layer_ids)
-
-
 def _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens) -> Features:
     """The engine's hidden states (``models/vllm_engine``), in the padded layout; the last hidden state
     is the final norm of its last layer, as the transformers forward computes it."""

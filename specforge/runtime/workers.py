@@ -32,8 +32,8 @@ from specforge.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.data.packing import target_packs
 from specforge.data.vocab import load_draft_vocab
 from specforge.device import StageClock, bind, pick_device, set_threads, synchronize
-from specforge.models.features import TrainBatch
-from specforge.models.target import capture, feature_flags, load_target, refuse_bad_features
+from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
+from specforge.models.target import capture, load_target
 from specforge.models.vllm_engine import EngineError, die_with_engine, engine_factory
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
