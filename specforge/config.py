@@ -160,6 +160,9 @@ class RolloutConfig:
     # whole start, which the engine's is part of (a big target's configs raise that one)
     vllm_startup_timeout_s: Optional[float] = None
     vllm_args: list[str] = field(default_factory=list)  # more `vllm serve` flags, passed as they are
+    # vllm: the folder the engine writes hidden states into for us (None: /dev/shm where it holds 64 requests
+    # of the longest sample, else the temp folder on disk; models/handoff.py)
+    vllm_storage: Optional[str] = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -67,8 +68,6 @@ def local_cuda_index(rank: int = 0) -> int:
 
 def _ray_gpu_ids() -> list[str]:
     """The GPU ids Ray assigned to this actor ([] outside Ray or without GPUs)."""
-    import sys
-
     ray = sys.modules.get("ray")  # a process that never imported Ray is no Ray worker
     if ray is None or not ray.is_initialized():
         return []

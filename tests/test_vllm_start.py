@@ -6,6 +6,7 @@ import functools
 import os
 import socket
 import sys
+import types
 
 import pytest
 import torch
@@ -130,3 +131,104 @@ def test_the_engines_start_follows_the_setup_bound_unless_set(fake_vllm, tmp_pat
     with pytest.raises(ValueError, match=r"'rollout.vllm_startup_timeout_s'=7200 exceeds parallel.setup_timeout_s"
                                          r"=1800.*raise parallel.setup_timeout_s"):
         load_config(None, [*base, "rollout.vllm_startup_timeout_s=7200"])
+
+
+# ---------------------------------------------------------------- the hand-off folder (models/handoff.py)
+
+
+FULL_DISK = """
+import resource, signal, sys, torch
+from specforge.models import handoff
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+ok = handoff.save_atomically({"hidden_states": torch.zeros(64, 4, 128)}, sys.argv[1])
+print("written" if ok else "failed")
+"""
+
+
+def test_a_failed_write_leaves_no_part_and_is_told_at_the_path(tmp_path):
+    """The connector's write (``handoff.save_atomically``) on a disk that fills during the write (a file
+    size limit of 4 KiB; the hidden states are 128 KiB): no ``.part`` is left, the engine's process goes
+    on (nothing raised), and the path holds the error, which the client's read raises. Control: the same
+    write without the limit is read back."""
+    import subprocess
+
+    from specforge.models import handoff
+
+    path = tmp_path / "req-1.safetensors"
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True, timeout=60,
+                         cwd=str(vllm_engine.REPO_ROOT))
+    assert out.returncode == 0 and out.stdout.strip() == "failed", out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["req-1.safetensors"]  # no .part
+    with pytest.raises(handoff.HandoffFailed, match="File too large"):
+        handoff.read(str(path))
+    assert handoff.save_atomically({"hidden_states": torch.ones(64, 4, 128)}, str(path))
+    assert handoff.read(str(path))["hidden_states"].shape == (64, 4, 128)
+
+
+def test_the_client_raises_a_failed_write_at_once(tmp_path, monkeypatch):
+    """A request whose file is an error file ends in one EngineError naming rollout.vllm_storage, at
+    once (not after the 600 s request timeout), and the file is removed."""
+    import time
+
+    from specforge.models import handoff
+
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.spec = EngineSpec(model_path="m", layer_ids=[1, 2], dtype=torch.float32, max_model_len=8)
+    engine.proc, engine.log_path = None, None
+    engine.arrivals = vllm_engine.Arrivals()
+    path = str(tmp_path / "req.safetensors")
+    monkeypatch.setattr(engine, "_post", lambda body: {"kv_transfer_params": {"hidden_states_path": path}})
+    handoff.tell_failure(path, OSError(28, "No space left on device"))
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"could not write a request's hidden states .*No space left on device.*"
+                                          r"rollout.vllm_storage"):
+        engine._one([1, 2, 3])
+    assert time.monotonic() - t0 < 5 and not os.path.exists(path)
+    engine.arrivals.close()
+
+
+def test_the_handoff_folder_is_sized_before_the_engine_starts(tmp_path, monkeypatch):
+    """64 requests of the longest sample must fit: /dev/shm where it holds them, else the temp folder on
+    disk (one line says why), else one error naming rollout.vllm_storage; a configured folder too small is
+    refused. A container's 64 MiB /dev/shm against a 8k-token sample of an 8B target's 4 states."""
+    from specforge.models import handoff
+
+    shm, disk, mine = tmp_path / "shm", tmp_path / "disk", tmp_path / "mine"
+    for d in (shm, disk, mine):
+        d.mkdir()
+    free = {str(shm): 64 * 2**20, str(disk): 100 * 2**30, str(mine): 2**30}
+    monkeypatch.setattr(handoff.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=free[str(p)]))
+    need = handoff.MAX_INFLIGHT * handoff.request_bytes(8192, 4, 4096, torch.bfloat16)  # ~16 GiB
+    assert handoff.pick_folder(2**20, shm=str(shm), disk=str(disk)) == (str(shm), None)
+    root, note = handoff.pick_folder(need, shm=str(shm), disk=str(disk))
+    assert root == str(disk) and f"{shm} has 0.06 GiB free" in note and "16.00 GiB" in note
+    free[str(disk)] = 2**30
+    with pytest.raises(ValueError, match="neither .* has that free: set config key 'rollout.vllm_storage'"):
+        handoff.pick_folder(need, shm=str(shm), disk=str(disk))
+    with pytest.raises(ValueError, match=r"'rollout.vllm_storage'=.*mine' has 1.00 GiB free"):
+        handoff.pick_folder(need, str(mine), shm=str(shm), disk=str(disk))
+    assert handoff.pick_folder(2**20, str(mine), shm=str(shm), disk=str(disk)) == (str(mine), None)
+    spec = EngineSpec(model_path="m", layer_ids=[2, 3, 4, 6], dtype=torch.bfloat16, max_model_len=8192, hidden_size=4096)
+    assert spec.handoff_bytes() == need
+
+
+def test_a_killed_owners_folder_is_swept_at_the_next_start(fake_vllm, tmp_path):
+    """A worker SIGKILLed never closes its engine's folder; the next engine started on the host removes
+    the folders whose owner is gone, and keeps those of live owners and anything else."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"specforge-vllm-{dead.pid}-abc").mkdir()
+    (tmp_path / f"specforge-vllm-{dead.pid}-abc" / "req.safetensors.1.part").write_bytes(b"x")
+    (tmp_path / f"specforge-vllm-{os.getpid()}-live").mkdir()
+    (tmp_path / "other").mkdir()
+    engine = VllmEngine(fake_vllm, log_dir=str(tmp_path / "logs"), storage_root=str(tmp_path))
+    try:
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name != "logs")
+        assert f"specforge-vllm-{dead.pid}-abc" not in left and "other" in left
+        assert f"specforge-vllm-{os.getpid()}-live" in left and os.path.dirname(engine.storage) == str(tmp_path)
+    finally:
+        engine.close()
+    assert not os.path.exists(engine.storage or "/nonexistent")

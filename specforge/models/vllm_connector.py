@@ -5,6 +5,8 @@ layers we ask for are cached per token beside the KV cache; when a request finis
 writes them (``[tokens, layers, hidden]``, the model dtype, plus ``token_ids``) to
 ``<shared_storage_path>/<request id>.safetensors`` and vLLM returns that path in the response's
 ``kv_transfer_params["hidden_states_path"]``. ``specforge.models.vllm_engine`` reads and deletes it.
+Of specforge it imports ``models/handoff.py`` only (torch and safetensors): how a file is written and
+how a failed write is told.
 
 What it changes in vLLM's reference ``ExampleHiddenStatesConnector``:
 
@@ -13,9 +15,11 @@ What it changes in vLLM's reference ``ExampleHiddenStatesConnector``:
   On a GPU the reference's asynchronous device-to-host copy and writer threads stay as they are.
 * A file appears complete or not at all (written under a temporary name, then renamed), so a client
   waits for the path alone (the rename wakes it: ``specforge.models.arrivals``), without the
-  reference's lock files (``use_synchronization_lock: false``).
-* ``shared_storage_path`` is a shared-memory folder (``/dev/shm``) where one exists: nothing
-  round-trips through a disk.
+  reference's lock files (``use_synchronization_lock: false``). A write that fails leaves no ``.part``
+  and puts the error at the path (``handoff.save_atomically``): the client raises it at once, and
+  the engine goes on.
+* ``shared_storage_path`` is a shared-memory folder (``/dev/shm``) where it holds the requests in
+  flight: nothing round-trips through a disk (``handoff.pick_folder``).
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
     extract_from_kv_cache,
 )
+
+from specforge.models.handoff import save_atomically  # torch and safetensors only
 
 
 class _Done:
@@ -43,12 +48,6 @@ class _Done:
         return None
 
 
-def _save_atomically(tensors: dict, filename: str) -> None:
-    tmp = f"{filename}.{os.getpid()}.part"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-    os.replace(tmp, filename)
-
-
 class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
     """vLLM's hidden-states connector, working on a CPU too, writing each file atomically."""
 
@@ -56,7 +55,7 @@ class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _write_tensors(tensors, event, filename, lock_fd) -> None:  # the GPU path's writer thread
         try:
             event.synchronize()
-            _save_atomically(tensors, filename)
+            save_atomically(tensors, filename)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -74,7 +73,7 @@ class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
         num_tokens = int(pending.token_ids.shape[0])
         hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        _save_atomically({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename)
+        save_atomically({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is not None:
             os.close(lock_fd)

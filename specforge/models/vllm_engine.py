@@ -42,13 +42,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from safetensors.torch import load_file
 
 from specforge.children import tied
 from specforge.config import engine_start_timeout
 from specforge.device import engine_gpu_ids
 from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
+from specforge.models import handoff
 from specforge.models.arrivals import Arrivals
+from specforge.targets import read_config_json, text_config
 
 INSTALL = "bash scripts/install_vllm.sh"
 SERVED_NAME = "target"
@@ -105,6 +106,14 @@ class EngineSpec:
     trust_remote_code: bool = False
     python: Optional[str] = None
     gpus: Optional[list[str]] = None  # CUDA_VISIBLE_DEVICES of the engine (device.engine_gpu_ids); None: inherited
+    hidden_size: Optional[int] = None  # the target's, from its config.json: sizes the hand-off (None: a hub id)
+
+    def handoff_bytes(self) -> int:
+        """What the hand-off folder may hold at once: ``MAX_INFLIGHT`` requests of ``max_model_len`` tokens."""
+        if self.hidden_size is None:
+            return 0
+        return handoff.MAX_INFLIGHT * handoff.request_bytes(self.max_model_len, len(self.served_ids),
+                                                            self.hidden_size, self.dtype)
 
     @property
     def served_ids(self) -> list[int]:
@@ -162,13 +171,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shm_dir(root: Optional[str] = None) -> str:
-    """A private folder in ``root``, else in shared memory where there is one (Linux), else in the temp folder."""
-    if root is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        root = "/dev/shm"
-    return tempfile.mkdtemp(prefix="specforge-vllm-", dir=root)
-
-
 # The engine runs under a shell that leads its own process group (a new session). When the process
 # that started it goes (``children.tied``: PR_SET_PDEATHSIG sends the shell SIGTERM) or close() signals
 # the group, the shell kills the whole group at once: vLLM's server catches SIGTERM and, while it
@@ -195,9 +197,13 @@ class VllmEngine:
         python = engine_python(spec.python)
         logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "specforge-vllm-logs"  # kept after close
         logs.mkdir(parents=True, exist_ok=True)
+        root, note = handoff.pick_folder(spec.handoff_bytes(), storage_root)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        handoff.sweep(root)  # the folders of engines whose owner is gone (a killed worker never closed its own)
         deadline = time.monotonic() + spec.startup_timeout_s
         for attempt in range(PORT_TRIES):
-            self.storage = shm_dir(storage_root)
+            self.storage = handoff.engine_folder(root)
             port = free_port()
             self.url = f"http://127.0.0.1:{port}"
             self.log_path = logs / f"vllm-{port}.log"
@@ -333,7 +339,11 @@ class VllmEngine:
         if not self.arrivals.wait(path, REQUEST_TIMEOUT_S, self.alive):
             raise EngineError(f"rollout.backend=vllm: the engine never wrote {path}: {self._why_dead()}")
         try:
-            data = load_file(path)
+            data = handoff.read(path)
+        except handoff.HandoffFailed as e:  # told at once: the connector could not write this request's file
+            raise EngineError(f"rollout.backend=vllm: the engine could not write a request's hidden states into "
+                              f"{os.path.dirname(path)} ({e}): give the hand-off room (config key "
+                              "'rollout.vllm_storage': a folder with more free space)") from None
         finally:
             with contextlib.suppress(Exception):
                 os.remove(path)
@@ -381,7 +391,13 @@ def spec_for(cfg, model_path: str, num_layers: int, our_ids: Sequence[int], dtyp
                       expert_parallel=r.expert_parallel, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                       cpu_kvcache_gib=r.vllm_cpu_kvcache_gib, startup_timeout_s=engine_start_timeout(cfg),
                       extra_args=list(r.vllm_args), trust_remote_code=cfg.model.trust_remote_code,
-                      python=r.vllm_python, gpus=engine_gpu_ids(r.tp_size) if device.type == "cuda" else None)
+                      python=r.vllm_python, gpus=engine_gpu_ids(r.tp_size) if device.type == "cuda" else None,
+                      hidden_size=_hidden_size(model_path))
+
+
+def _hidden_size(model_path: str) -> Optional[int]:
+    config = read_config_json(model_path)
+    return None if config is None else text_config(config).get("hidden_size")
 
 
 
@@ -395,7 +411,7 @@ def engine_factory(cfg, log_dir: Optional[str] = None):
     def start(model_path: str, num_layers: int, our_ids: Sequence[int], dtype: torch.dtype,
               device: torch.device) -> VllmEngine:
         return VllmEngine(spec_for(cfg, model_path, num_layers, our_ids, dtype, device),
-                          endpoint=cfg.rollout.vllm_endpoint, log_dir=log_dir)
+                          endpoint=cfg.rollout.vllm_endpoint, log_dir=log_dir, storage_root=cfg.rollout.vllm_storage)
 
     return start
 

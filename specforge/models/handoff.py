@@ -1,0 +1,140 @@
+"""The hand-off of hidden states from a vLLM engine to our client: how a request's file is written, how
+a failed write is told, where the files go, and what the folder must hold.
+
+Imported by both sides: the connector inside the engine (``models/vllm_connector.py``, vLLM's venv:
+torch and safetensors only here, nothing else of specforge) and the client
+(``models/vllm_engine.py``).
+
+* A file appears complete or not at all: written under a temporary name (``.part``), then renamed
+  to the path the engine returned; a client waits for that path alone (``models/arrivals``).
+* A write that fails (a full ``/dev/shm``, a disk error) removes its ``.part`` and puts at the path a
+  small file holding only the error (``ERROR_KEY``): the client raises it at once instead of waiting
+  for its request timeout, and the engine goes on serving (a raise inside its step would kill it).
+* The folder is sized before the engine starts (``pick_folder``): the client keeps up to
+  ``MAX_INFLIGHT`` requests in flight, each a file of up to ``max_model_len x (K + 1) x hidden`` values.
+  Shared memory where it holds them (no disk round trip), else the temp folder on disk, said in one
+  line; ``rollout.vllm_storage`` names the folder, refused when too small.
+* Each engine's folder is named after the process that owns it (``specforge-vllm-<pid>-...``): a
+  start removes the folders of owners that are gone (a SIGKILLed worker never ran its ``close``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ERROR_KEY = "specforge_error"  # the one tensor of a failed write's file: the error's UTF-8 bytes
+MAX_INFLIGHT = 64  # requests the client keeps in flight (models/vllm_engine.VllmEngine.hidden_states)
+PREFIX = "specforge-vllm-"
+SHM = "/dev/shm"
+
+
+class HandoffFailed(RuntimeError):
+    """The engine could not write a request's hidden states; the message is its error."""
+
+
+def save_atomically(tensors: dict, filename: str) -> bool:
+    """Write ``tensors`` to ``filename`` as a whole (a ``.part`` renamed into place); on failure the
+    ``.part`` goes and an error file takes the path (``tell_failure``). True if the tensors were written."""
+    tmp = f"{filename}.{os.getpid()}.part"
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, filename)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure is told to the client, never raised in the engine
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        tell_failure(filename, e)
+        return False
+
+
+def tell_failure(filename: str, err: BaseException) -> None:
+    """Put at ``filename`` a file holding only ``err`` (a few hundred bytes: it fits where the hidden
+    states did not). Where even that fails, the client waits for its request timeout."""
+    msg = " ".join(f"{type(err).__name__}: {err}".split())[:400].encode()
+    tmp = f"{filename}.{os.getpid()}.err.part"
+    try:
+        save_file({ERROR_KEY: torch.frombuffer(bytearray(msg), dtype=torch.uint8)}, tmp)
+        os.replace(tmp, filename)
+    except Exception:  # noqa: BLE001 - nothing more to tell with
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def read(path: str) -> dict:
+    """The tensors of a request's file; ``HandoffFailed`` with the engine's error for an error file."""
+    data = load_file(path)
+    if ERROR_KEY in data:
+        raise HandoffFailed(bytes(data[ERROR_KEY].tolist()).decode(errors="replace"))
+    return data
+
+
+def request_bytes(max_tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> int:
+    """The largest file one request writes: ``max_tokens`` x ``layers`` x ``hidden`` values (+ ids)."""
+    return max_tokens * (layers * hidden * dtype.itemsize + 8)
+
+
+def owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep(root: str, alive: Callable[[int], bool] = owner_alive) -> list[str]:
+    """Remove the engine folders under ``root`` whose owner process is gone; their paths."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-.*", entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and not alive(int(m.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(entry.path)
+    return gone
+
+
+def pick_folder(need: int, configured: Optional[str] = None, shm: str = SHM,
+                disk: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """``(root, note)``: where an engine's hand-off folder goes, given the bytes ``need`` it may hold at
+    once. ``configured`` (``rollout.vllm_storage``): there, or ValueError naming the key when its
+    filesystem has less free. Else shared memory where it is writable and holds ``need``, else the temp
+    folder on disk (``disk``) with a one-line ``note`` saying why; ValueError when neither does."""
+    def free(path: str) -> int:
+        return shutil.disk_usage(path).free
+
+    gib = 2.0**30
+    if configured is not None:
+        Path(configured).expanduser().mkdir(parents=True, exist_ok=True)
+        if free(configured) < need:
+            raise ValueError(f"config key 'rollout.vllm_storage'={configured!r} has {free(configured) / gib:.2f} GiB "
+                             f"free; the engine's hidden states need up to {need / gib:.2f} GiB there "
+                             f"({MAX_INFLIGHT} requests of the longest sample): name a folder with room")
+        return configured, None
+    disk = disk or tempfile.gettempdir()
+    shm_free = free(shm) if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    if shm_free is not None and shm_free >= need:
+        return shm, None
+    if free(disk) >= need:
+        why = (f"{shm} has {shm_free / gib:.2f} GiB free" if shm_free is not None else f"no writable {shm}")
+        return disk, (f"rollout.backend=vllm: {why}, the engine's hidden states need up to {need / gib:.2f} GiB "
+                      f"({MAX_INFLIGHT} requests of the longest sample): they go through {disk} on disk "
+                      "(set rollout.vllm_storage to choose the folder)")
+    raise ValueError(f"rollout.backend=vllm: the engine's hidden states need up to {need / gib:.2f} GiB "
+                     f"({MAX_INFLIGHT} requests of the longest sample); neither {shm} nor {disk} has that free: set "
+                     "config key 'rollout.vllm_storage' to a folder with room (or lower data.max_length)")
+
+
+def engine_folder(root: str) -> str:
+    """A new private hand-off folder under ``root``, named after this process (``sweep``)."""
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
