@@ -511,3 +511,75 @@ def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(fol
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)  # do not leave them to the next test either way
     assert not left, f"engine processes left after their starter died: {left}"
+
+
+def test_an_endpoint_started_for_other_layers_is_refused_not_trained_on(folders, llama_engine):
+    """The module's shared engine (a user's endpoint, started for layers AUX) asked for by a run that
+    needs the next layers up: the same count, so the states would pass every shape check, but each file
+    names the layers and model the engine captured (its connector writes them from the engine's own
+    config), and the client refuses them in one line. The control is every other test of this engine:
+    the same files pass for the run they were captured for."""
+    from specforge.models.vllm_engine import EngineError
+
+    cfg = load_config(None, overrides(folders["llama"]) + llama_engine)
+    eng = load_target(cfg.model, layers=lambda n: [k + 1 for k in AUX], engine_for=engine_factory(cfg))
+    try:
+        ids, _, attn = collate(_rows()[:2], 0)
+        with pytest.raises(EngineError, match=r"captures layers \[.*\] of .*; this run needs layers \[.*\] \(vLLM "
+                                              r"ids\) of .*--vllm-command PORT"):
+            capture(eng, ids, attn)
+    finally:
+        eng.engine.close()
+
+
+CONTRACT = r'''
+import dataclasses, inspect, sys, types
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
+
+
+def check(mod):
+    """What specforge.models.vllm_connector takes from vLLM's reference connector, as it uses it."""
+    C = mod.ExampleHiddenStatesConnector
+    assert isinstance(inspect.getattr_static(C, "_write_tensors"), staticmethod), "_write_tensors: not a staticmethod"
+    assert list(inspect.signature(C._write_tensors).parameters) == ["tensors", "event", "filename", "lock_fd"]
+    assert list(inspect.signature(C._submit_async_write).parameters) == ["self", "pending"]
+    assert list(inspect.signature(C.__init__).parameters) == ["self", "vllm_config", "role", "kv_cache_config"]
+    assert "self._write_tensors" in inspect.getsource(C._submit_async_write)
+    assert "self._submit_async_write(pending)" in inspect.getsource(C.get_finished)
+    assert ".query()" in inspect.getsource(C.get_finished)  # what our _Done stands in for
+    src = inspect.getsource(C)
+    for attr in ("_kv_cache", "_lock_fds", "_req_copy_events", "_is_tp_rank_zero", "_block_size"):
+        assert f"self.{attr} =" in src or f"self.{attr}:" in src, attr
+    assert {f.name for f in dataclasses.fields(mod.PendingSave)} >= {"req_id", "filename", "token_ids", "block_ids"}
+    assert list(inspect.signature(mod.extract_from_kv_cache).parameters)[:3] == ["kv_cache", "slot_mapping",
+                                                                                "num_tokens"]
+
+
+check(m)
+print("contract holds")
+
+
+class Renamed(m.ExampleHiddenStatesConnector):  # the control: one member renamed upstream
+    @staticmethod
+    def _write_tensors(tensors, event, path, lock_fd):
+        pass
+
+
+try:
+    check(types.SimpleNamespace(**{**vars(m), "ExampleHiddenStatesConnector": Renamed}))
+except AssertionError:
+    print("a renamed member is caught")
+'''
+
+
+def test_the_private_members_the_connector_uses_are_still_there():
+    """models/vllm_connector.py subclasses vLLM's reference hidden-states connector and uses members
+    that are not vLLM's API (``_write_tensors``, ``_submit_async_write``, ``_kv_cache``, ``_lock_fds``,
+    ``_req_copy_events``...): checked against the installed vLLM, so an upgrade that renames one fails
+    here, not silently in a run (the atomic write would be bypassed). Control: a renamed parameter is
+    caught."""
+    import subprocess
+
+    out = subprocess.run([str(default_python()), "-c", CONTRACT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == "contract holds a renamed member is caught".split(), out.stdout

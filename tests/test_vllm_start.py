@@ -163,7 +163,7 @@ def test_a_failed_write_leaves_no_part_and_is_told_at_the_path(tmp_path):
     with pytest.raises(handoff.HandoffFailed, match="File too large"):
         handoff.read(str(path))
     assert handoff.save_atomically({"hidden_states": torch.ones(64, 4, 128)}, str(path))
-    assert handoff.read(str(path))["hidden_states"].shape == (64, 4, 128)
+    assert handoff.read(str(path))[0]["hidden_states"].shape == (64, 4, 128)
 
 
 def test_the_client_raises_a_failed_write_at_once(tmp_path, monkeypatch):
@@ -209,7 +209,8 @@ def test_the_handoff_folder_is_sized_before_the_engine_starts(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"'rollout.vllm_storage'=.*mine' has 1.00 GiB free"):
         handoff.pick_folder(need, str(mine), shm=str(shm), disk=str(disk))
     assert handoff.pick_folder(2**20, str(mine), shm=str(shm), disk=str(disk)) == (str(mine), None)
-    spec = EngineSpec(model_path="m", layer_ids=[2, 3, 4, 6], dtype=torch.bfloat16, max_model_len=8192, hidden_size=4096)
+    spec = EngineSpec(model_path="m", layer_ids=[2, 3, 4, 6], dtype=torch.bfloat16, max_model_len=8192,
+                      hidden_size=4096)
     assert spec.handoff_bytes() == need
 
 
@@ -232,3 +233,32 @@ def test_a_killed_owners_folder_is_swept_at_the_next_start(fake_vllm, tmp_path):
     finally:
         engine.close()
     assert not os.path.exists(engine.storage or "/nonexistent")
+
+
+def test_each_file_must_name_the_layers_and_model_this_run_needs(tmp_path, monkeypatch):
+    """The client reads what captured a file (its header, ``handoff.origin``): the layers and model of
+    this run pass; other layer ids, another model, or a file naming nothing are one EngineError each."""
+    from specforge.models import handoff
+
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.spec = EngineSpec(model_path=str(tmp_path / "target"), layer_ids=[2, 3, 6], dtype=torch.float32,
+                             max_model_len=8)
+    engine.proc, engine.log_path, engine.url = None, None, "http://127.0.0.1:8000"
+    engine.arrivals = vllm_engine.Arrivals()
+    path = str(tmp_path / "req.safetensors")
+    monkeypatch.setattr(engine, "_post", lambda body: {"kv_transfer_params": {"hidden_states_path": path}})
+    tensors = {"hidden_states": torch.randn(3, 3, 4), "token_ids": torch.tensor([5, 6, 7])}
+    cases = [(handoff.origin(tmp_path / "target", [2, 3, 6]), None),
+             (handoff.origin(tmp_path / "target", [3, 4, 7]), r"captures layers \[3,4,7\] .* needs layers \[2,3,6\]"),
+             (handoff.origin(tmp_path / "other", [2, 3, 6]), r"of .*other; this run needs"),
+             (None, "does not say which model and layers")]
+    try:
+        for meta, refused in cases:
+            assert handoff.save_atomically(tensors, path, meta)
+            if refused is None:
+                assert engine._one([5, 6, 7]).shape == (3, 3, 4)
+                continue
+            with pytest.raises(EngineError, match=refused):
+                engine._one([5, 6, 7])
+    finally:
+        engine.arrivals.close()

@@ -14,6 +14,8 @@ torch and safetensors only here, nothing else of specforge) and the client
   ``MAX_INFLIGHT`` requests in flight, each a file of up to ``max_model_len x (K + 1) x hidden`` values.
   Shared memory where it holds them (no disk round trip), else the temp folder on disk, said in one
   line; ``rollout.vllm_storage`` names the folder, refused when too small.
+* Each file names what captured it (``origin``: the model the engine serves, the layer ids it
+  captures, from the engine's own config): the client refuses another engine's states.
 * Each engine's folder is named after the process that owns it (``specforge-vllm-<pid>-...``): a
   start removes the folders of owners that are gone (a SIGKILLed worker never ran its ``close``).
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 ERROR_KEY = "specforge_error"  # the one tensor of a failed write's file: the error's UTF-8 bytes
@@ -41,12 +44,13 @@ class HandoffFailed(RuntimeError):
     """The engine could not write a request's hidden states; the message is its error."""
 
 
-def save_atomically(tensors: dict, filename: str) -> bool:
-    """Write ``tensors`` to ``filename`` as a whole (a ``.part`` renamed into place); on failure the
-    ``.part`` goes and an error file takes the path (``tell_failure``). True if the tensors were written."""
+def save_atomically(tensors: dict, filename: str, metadata: Optional[dict] = None) -> bool:
+    """Write ``tensors`` (and the header ``metadata``: what captured them, ``origin``) to ``filename`` as
+    a whole (a ``.part`` renamed into place); on failure the ``.part`` goes and an error file takes the
+    path (``tell_failure``). True if the tensors were written."""
     tmp = f"{filename}.{os.getpid()}.part"
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, filename)
         return True
     except Exception as e:  # noqa: BLE001 - any failure is told to the client, never raised in the engine
@@ -69,12 +73,28 @@ def tell_failure(filename: str, err: BaseException) -> None:
             os.remove(tmp)
 
 
-def read(path: str) -> dict:
-    """The tensors of a request's file; ``HandoffFailed`` with the engine's error for an error file."""
+def origin(model: str, layer_ids) -> dict:
+    """The header every file carries: the model the engine serves and the layer ids (vLLM's) it captures."""
+    return {"model": str(model), "layer_ids": ",".join(str(int(i)) for i in layer_ids)}
+
+
+def read(path: str) -> tuple[dict, dict]:
+    """``(tensors, header metadata)`` of a request's file; ``HandoffFailed`` with the engine's error for
+    an error file."""
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
     data = load_file(path)
     if ERROR_KEY in data:
         raise HandoffFailed(bytes(data[ERROR_KEY].tolist()).decode(errors="replace"))
-    return data
+    return data, meta
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model paths name one model: the same folder where both are local folders, else the
+    same last path part (an engine on another host may mount it elsewhere)."""
+    if os.path.isdir(a) and os.path.isdir(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return os.path.basename(os.path.normpath(a)) == os.path.basename(os.path.normpath(b))
 
 
 def request_bytes(max_tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> int:

@@ -33,7 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from specforge.models.handoff import save_atomically  # torch and safetensors only
+from specforge.models.handoff import origin, save_atomically  # torch and safetensors only
+
+_ORIGIN: dict = {}  # what every file's header names (SpecforgeHiddenStatesConnector.__init__)
 
 
 class _Done:
@@ -49,13 +51,20 @@ class _Done:
 
 
 class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """vLLM's hidden-states connector, working on a CPU too, writing each file atomically."""
+    """vLLM's hidden-states connector, working on a CPU too, writing each file atomically, each file
+    naming the model the engine serves and the layers it captures (from the engine's own config)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        spec = vllm_config.speculative_config.draft_model_config.hf_config
+        global _ORIGIN  # the writer thread's static method reads it (one engine per process)
+        _ORIGIN = origin(vllm_config.model_config.model, spec.eagle_aux_hidden_state_layer_ids)
 
     @staticmethod
     def _write_tensors(tensors, event, filename, lock_fd) -> None:  # the GPU path's writer thread
         try:
             event.synchronize()
-            save_atomically(tensors, filename)
+            save_atomically(tensors, filename, _ORIGIN)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -73,7 +82,7 @@ class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
         num_tokens = int(pending.token_ids.shape[0])
         hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        save_atomically({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename)
+        save_atomically({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename, _ORIGIN)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is not None:
             os.close(lock_fd)

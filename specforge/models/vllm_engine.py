@@ -339,7 +339,7 @@ class VllmEngine:
         if not self.arrivals.wait(path, REQUEST_TIMEOUT_S, self.alive):
             raise EngineError(f"rollout.backend=vllm: the engine never wrote {path}: {self._why_dead()}")
         try:
-            data = handoff.read(path)
+            data, meta = handoff.read(path)
         except handoff.HandoffFailed as e:  # told at once: the connector could not write this request's file
             raise EngineError(f"rollout.backend=vllm: the engine could not write a request's hidden states into "
                               f"{os.path.dirname(path)} ({e}): give the hand-off room (config key "
@@ -349,6 +349,7 @@ class VllmEngine:
                 os.remove(path)
         if data["token_ids"].tolist() != ids:
             raise EngineError("rollout.backend=vllm: the engine's hidden states belong to other tokens than sent")
+        self._check_origin(meta)
         hs, served = data["hidden_states"], self.spec.served_ids
         if hs.shape[1] != len(served):
             raise EngineError(f"rollout.backend=vllm: the engine captures {hs.shape[1]} layers, this run needs "
@@ -357,6 +358,21 @@ class VllmEngine:
         if served != self.spec.layer_ids:
             hs = hs[:, [served.index(j) for j in self.spec.layer_ids]]
         return hs
+
+    def _check_origin(self, meta: dict) -> None:
+        """The file's header names the engine's model and captured layers (the connector writes them from
+        the engine's own config): another engine's states (an endpoint started for another config) are
+        refused in one line, never trained on."""
+        served = ",".join(map(str, self.spec.served_ids))
+        start = ("start it with the command `python -m specforge.capture --config ... --vllm-command PORT` prints "
+                 "for this config")
+        if "layer_ids" not in meta or "model" not in meta:
+            raise EngineError(f"rollout.backend=vllm: the engine at {self.url} does not say which model and layers "
+                              f"its hidden states are (its connector is not this version's): {start}")
+        if meta["layer_ids"] != served or not handoff.same_model(meta["model"], self.spec.model_path):
+            raise EngineError(f"rollout.backend=vllm: the engine at {self.url} captures layers [{meta['layer_ids']}] "
+                              f"of {meta['model']}; this run needs layers [{served}] (vLLM ids) of "
+                              f"{self.spec.model_path}: {start}")
 
     def hidden_states(self, rows: Sequence[list[int]]) -> list[torch.Tensor]:
         """Per row: ``[T, K + 1, H]`` (our K layers, then the final pre-norm), all rows in flight at once."""
