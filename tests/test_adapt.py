@@ -471,3 +471,42 @@ def test_a_failed_round_is_undone_and_the_same_command_gets_past_it(adapt_base, 
     assert code == 0, errors
     row = _rows(root)[-1]
     assert row["status"] == "swapped" and row["round"] == 2 and row["gate_rows"] >= 10
+
+
+@pytest.mark.parametrize("replay_share", [0.0, 0.5])
+def test_with_vllm_a_round_captures_through_the_engine_and_gates_with_transformers(adapt_base, tmp_path,
+                                                                                   monkeypatch, replay_share):
+    """rollout.backend=vllm: a round's capture goes through a vLLM engine started for it and stopped
+    after it (the fine-tune and the gate need its GPUs); the gate decodes with a transformers target,
+    the one check() loaded to compare the reference store (replay_share > 0) or one loaded for the gate.
+    Control: with the hf backend the capture uses that same transformers target. (The loads are stand-ins
+    that record which target each phase got; the engine path itself is tests/test_vllm_backend.py's.)"""
+    import types
+
+    import specforge.adapt.rounds as rounds
+
+    loads, closed, captured = [], [], []
+
+    def load(model, layers=None, engine_for=None, **kw):
+        kind = "engine" if engine_for is not None else "transformers"
+        loads.append(kind)
+        return types.SimpleNamespace(kind=kind, engine=types.SimpleNamespace(close=lambda: closed.append(kind))
+                                     if engine_for is not None else None)
+
+    monkeypatch.setattr(rounds, "load_target", load)
+    monkeypatch.setattr(rounds, "engine_factory", lambda cfg: (lambda *a: None) if cfg.rollout.backend == "vllm"
+                        else None)
+    monkeypatch.setattr(rounds, "capture_store", lambda cfg, progress, target, source: captured.append(target.kind))
+    for backend in ("vllm", "hf"):
+        given = types.SimpleNamespace(kind="transformers (check)", engine=None) if replay_share else None
+        cfg = _adapt_cfg(adapt_base, tmp_path / backend, f"rollout.backend={backend}",
+                         f"adapt.replay_share={replay_share}")
+        ad = rounds.Adapter(cfg, log=lambda s: None, target=given)
+        loads.clear(), closed.clear(), captured.clear()
+        ad.capture()
+        gate = ad.target()
+        assert gate.engine is None and gate.kind.startswith("transformers") and (given is None or gate is given)
+        if backend == "vllm":
+            assert captured == ["engine"] and closed == ["engine"]  # started for the capture, stopped after it
+        else:
+            assert captured == [gate.kind] and closed == []

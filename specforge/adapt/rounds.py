@@ -534,14 +534,17 @@ class Adapter:
             raise ServerDied(f"the live server exited (code {self.server.proc.returncode})")
 
     def target(self):
+        """The transformers target the gate decodes with, on the configured devices (kept across rounds;
+        with the hf backend the capture's too)."""
         if self._target is None:
             set_threads(self.cfg.train.num_threads)
-            self._target = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n),
-                                       engine_for=engine_factory(self.cfg))
+            self._target = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n))
         return self._target
 
     def capture(self) -> None:
-        """The ledger's training rows into the domain store (sample id = row; stored ones skipped)."""
+        """The ledger's training rows into the domain store (sample id = row; stored ones skipped), through
+        the engine the config names: with rollout.backend=vllm a vLLM engine started for the capture and
+        stopped after it (the round's fine-tune and the gate need its GPUs), else ``target()``."""
         import datasets  # lazy: heavy (datasets)
 
         datasets.disable_progress_bars()  # its "Saving the dataset" bars, every round
@@ -549,7 +552,16 @@ class Adapter:
                                    join_parts=False)
         cfg = dataclasses.replace(self.cfg, data=data,
                                   store=dataclasses.replace(self.cfg.store, dir=str(self.root / "store")))
-        capture_store(cfg, progress=False, target=self.target(), source=STORE_SOURCE)
+        if self.cfg.rollout.backend != "vllm":
+            capture_store(cfg, progress=False, target=self.target(), source=STORE_SOURCE)
+            return
+        set_threads(self.cfg.train.num_threads)
+        engine = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n),
+                             engine_for=engine_factory(self.cfg))
+        try:
+            capture_store(cfg, progress=False, target=engine, source=STORE_SOURCE)
+        finally:
+            engine.engine.close()
 
     def round_config(self, rdir: Path) -> dict:
         a, cfg = self.a, self.cfg.to_dict()
