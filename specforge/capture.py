@@ -35,6 +35,7 @@ from specforge.device import pick_device, pick_dtype, set_threads
 from specforge.files import check_writable
 from specforge.models.target import (
     capture,
+    engine_rows,
     load_target,
     load_target_config,
     load_tokenizer,
@@ -69,10 +70,17 @@ def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: 
     """(row index, per-sample features) for every row of ``batches``, one target forward per batch
     (``pack_tokens``: per packed row of the batch, ``capture``'s)."""
     pad = pad_id(target.tokenizer)
+    engine = getattr(target, "engine", None)
+    collated = (collate([rows[i] for i in ids], pad) for ids in batches)
+    nxt = next(collated, None)
+    ahead = engine.submit(engine_rows(nxt[0], nxt[2])) if engine is not None and nxt is not None else None
     for ids in batches:
         sub = [rows[i] for i in ids]
-        input_ids_BT, loss_mask_BT, attn_BT = collate(sub, pad)
-        f = capture(target, input_ids_BT, attn_BT, chunk_tokens, target_packs(attn_BT, pack_tokens))
+        input_ids_BT, loss_mask_BT, attn_BT = nxt
+        nxt, pending = next(collated, None), ahead
+        if engine is not None and nxt is not None:  # the engine computes the next batch while this one is read
+            ahead = engine.submit(engine_rows(nxt[0], nxt[2]))
+        f = capture(target, input_ids_BT, attn_BT, chunk_tokens, target_packs(attn_BT, pack_tokens), pending)
         for b, sid in enumerate(ids):
             n = len(sub[b]["input_ids"])
             yield sid, {"input_ids_T": input_ids_BT[b, :n], "loss_mask_T": loss_mask_BT[b, :n],

@@ -262,3 +262,39 @@ def test_each_file_must_name_the_layers_and_model_this_run_needs(tmp_path, monke
                 engine._one([5, 6, 7])
     finally:
         engine.arrivals.close()
+
+
+def test_the_store_capture_asks_for_the_next_batch_before_reading_this_one():
+    """``iter_features`` through an engine (``python -m specforge.capture``, adapt's rounds): the next
+    batch's requests go out before this batch's answers are read, so the engine computes while we read,
+    norm, argmax and store; the features come out in the batches' order, each sample once. (A stand-in
+    engine records the order; the engine's own numbers are tests/test_vllm_backend.py's.)"""
+    from concurrent.futures import Future
+
+    from specforge.capture import iter_features
+    from specforge.models.target import TargetModel
+    from tests.helpers.models import tiny_target
+
+    events = []
+
+    class Engine:
+        def submit(self, rows):
+            batch = len([e for e in events if e[0] == "submit"])
+            events.append(("submit", batch))
+            futures = []
+            for r in rows:
+                f = Future()
+                f.set_result(torch.randn(len(r), 4, 48))
+                real = f.result
+                f.result = lambda real=real, batch=batch: events.append(("read", batch)) or real()
+                futures.append(f)
+            return futures
+
+    target = TargetModel(model=tiny_target(), tokenizer=types.SimpleNamespace(pad_token_id=0), aux_layer_ids=[1, 2, 3],
+                         device=torch.device("cpu"), engine=Engine())
+    rows = [{"input_ids": list(range(3, 3 + n)), "loss_mask": [1] * n} for n in (9, 7, 5, 4, 3)]
+    batches = [[0, 1], [2, 3], [4]]
+    got = [sid for sid, _ in iter_features(target, rows, batches, 1024)]
+    assert got == [0, 1, 2, 3, 4]
+    order = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]  # runs of reads as one
+    assert order == [("submit", 0), ("submit", 1), ("read", 0), ("submit", 2), ("read", 1), ("read", 2)], order

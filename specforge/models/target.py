@@ -415,28 +415,40 @@ def capture(
     attention_mask_BT: Optional[torch.Tensor] = None,
     chunk_tokens: int = 1024,
     packs: Optional[Sequence[Sequence[int]]] = None,
+    pending: Optional[Sequence] = None,
 ) -> Features:
     """Run the target once: aux layer outputs, final hidden state, and the argmax at every position.
+    ``pending``: with an engine, the futures of these rows' requests if the caller submitted them
+    already (``engine_rows``, ``VllmEngine.submit``: a pipeline keeps the engine busy meanwhile).
     ``packs`` (``rollout.pack_tokens``; ``data/packing.target_packs``): the right-padded rows per
     packed row, each packed row one forward with its samples end to end, and the features come back
     in the padded layout (zeros where the padding is): no compute on padding, equal features where
     the samples are. Nothing here reads the device: the features are checked where they are consumed
     (``feature_flags``: a train step's all-reduce, the store writer's host copy)."""
     if target.engine is not None:
-        return _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens)
+        return _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens, pending)
     if packs is not None:
         return _capture_packed(target, input_ids_BT, attention_mask_BT, chunk_tokens, packs)
     return _capture_rows(target, input_ids_BT, attention_mask_BT, chunk_tokens)
 
 
-def _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens) -> Features:
+def engine_rows(input_ids_BT: torch.Tensor, attention_mask_BT: Optional[torch.Tensor]) -> list[list[int]]:
+    """The token ids an engine is asked for: each row's real tokens (host data, collate's)."""
+    B, T = input_ids_BT.shape
+    lengths = [T] * B if attention_mask_BT is None else [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]
+    return [input_ids_BT[b, : lengths[b]].tolist() for b in range(B)]
+
+
+def _capture_engine(target, input_ids_BT, attention_mask_BT, chunk_tokens, pending=None) -> Features:
     """The engine's hidden states (``models/vllm_engine``), in the padded layout; the last hidden state
     is the final norm of its last layer, as the transformers forward computes it."""
     B, T = input_ids_BT.shape
-    lengths = [T] * B if attention_mask_BT is None else [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]
-    rows = [input_ids_BT[b, : lengths[b]].tolist() for b in range(B)]
+    rows = engine_rows(input_ids_BT, attention_mask_BT)
+    lengths = [len(r) for r in rows]
     target.forwards += 1  # one batch of requests, however the engine schedules it
-    per_row = target.engine.hidden_states(rows)  # [T_b, K + 1, H] each, in the engine's dtype
+    if pending is None:
+        pending = target.engine.submit(rows)
+    per_row = [f.result() for f in pending]  # [T_b, K + 1, H] each, in the engine's dtype
     K, H = len(target.aux_layer_ids), per_row[0].shape[-1]
     aux = per_row[0].new_zeros(B, T, K * H, device=target.device)
     pre = per_row[0].new_zeros(B, T, H, device=target.device)

@@ -190,6 +190,7 @@ class VllmEngine:
         self.storage: Optional[str] = None
         self.log_path: Optional[Path] = None
         self.arrivals = Arrivals()  # the request threads sleep until their file is renamed into place
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # submit's request threads
         if endpoint is not None:  # the user's engine: it answers now or the run stops here
             self.url = endpoint.rstrip("/")
             self._wait_ready(deadline=time.monotonic() + ENDPOINT_WAIT_S)
@@ -269,6 +270,9 @@ class VllmEngine:
         self._stop()
         if getattr(self, "arrivals", None) is not None:
             self.arrivals.close()
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _stop(self) -> None:
         """The server's process group and its hand-off folder go (the client's watcher stays)."""
@@ -374,12 +378,18 @@ class VllmEngine:
                               f"of {meta['model']}; this run needs layers [{served}] (vLLM ids) of "
                               f"{self.spec.model_path}: {start}")
 
+    def submit(self, rows: Sequence[list[int]]) -> list[concurrent.futures.Future]:
+        """Ask for ``rows``' hidden states now; their futures, in order. Requests go out through one pool
+        of ``handoff.MAX_INFLIGHT`` threads (the window the hand-off folder is sized for): a caller that
+        submits its next batch before reading this one keeps the engine busy while it reads."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=handoff.MAX_INFLIGHT,
+                                                               thread_name_prefix="vllm-request")
+        return [self._pool.submit(self._one, list(map(int, r))) for r in rows]
+
     def hidden_states(self, rows: Sequence[list[int]]) -> list[torch.Tensor]:
         """Per row: ``[T, K + 1, H]`` (our K layers, then the final pre-norm), all rows in flight at once."""
-        if not rows:
-            return []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(rows))) as pool:
-            return list(pool.map(self._one, [list(map(int, r)) for r in rows]))
+        return [f.result() for f in self.submit(rows)]
 
 
 SERVER_STORAGE = "/dev/shm/specforge-vllm"
