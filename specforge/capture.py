@@ -68,9 +68,14 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = CAPT
 def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: int,
                   pack_tokens: Optional[int] = None) -> Iterator[tuple[int, dict]]:
     """(row index, per-sample features) for every row of ``batches``, one target forward per batch
-    (``pack_tokens``: per packed row of the batch, ``capture``'s)."""
+    (``pack_tokens``: per packed row of the batch, ``capture``'s). Through an engine that computes on
+    its own devices (a GPU), the next batch's requests go out before this batch is read, normed and
+    stored, so the engine does not wait on us; on the CPU, where the engine and this process share the
+    cores, one batch at a time (the overlap measured 7% slower: benchmarks/README.md, "vLLM capture")."""
     pad = pad_id(target.tokenizer)
     engine = getattr(target, "engine", None)
+    if engine is not None and not engine.computes_apart:
+        engine = None  # one batch at a time: an engine on our cores gains nothing from the overlap
     collated = (collate([rows[i] for i in ids], pad) for ids in batches)
     nxt = next(collated, None)
     ahead = engine.submit(engine_rows(nxt[0], nxt[2])) if engine is not None and nxt is not None else None

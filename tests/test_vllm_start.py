@@ -265,10 +265,11 @@ def test_each_file_must_name_the_layers_and_model_this_run_needs(tmp_path, monke
 
 
 def test_the_store_capture_asks_for_the_next_batch_before_reading_this_one():
-    """``iter_features`` through an engine (``python -m specforge.capture``, adapt's rounds): the next
-    batch's requests go out before this batch's answers are read, so the engine computes while we read,
-    norm, argmax and store; the features come out in the batches' order, each sample once. (A stand-in
-    engine records the order; the engine's own numbers are tests/test_vllm_backend.py's.)"""
+    """``iter_features`` through an engine on a GPU (``python -m specforge.capture``, adapt's rounds): the
+    next batch's requests go out before this batch's answers are read, so the engine computes while we
+    read, norm, argmax and store; the features come out in the batches' order, each sample once. On the
+    CPU one batch at a time (measured faster there). (A stand-in engine records the order; the engine's
+    own numbers are tests/test_vllm_backend.py's.)"""
     from concurrent.futures import Future
 
     from specforge.capture import iter_features
@@ -278,6 +279,8 @@ def test_the_store_capture_asks_for_the_next_batch_before_reading_this_one():
     events = []
 
     class Engine:
+        computes_apart = True  # a GPU engine; on the CPU one batch at a time (the control below)
+
         def submit(self, rows):
             batch = len([e for e in events if e[0] == "submit"])
             events.append(("submit", batch))
@@ -298,3 +301,8 @@ def test_the_store_capture_asks_for_the_next_batch_before_reading_this_one():
     assert got == [0, 1, 2, 3, 4]
     order = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]  # runs of reads as one
     assert order == [("submit", 0), ("submit", 1), ("read", 0), ("submit", 2), ("read", 1), ("read", 2)], order
+    events.clear()
+    target.engine.computes_apart = False  # the control: an engine on our cores, one batch at a time
+    assert [sid for sid, _ in iter_features(target, rows, batches, 1024)] == [0, 1, 2, 3, 4]
+    order = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
+    assert order == [("submit", 0), ("read", 0), ("submit", 1), ("read", 1), ("submit", 2), ("read", 2)], order

@@ -378,6 +378,12 @@ class VllmEngine:
                               f"of {meta['model']}; this run needs layers [{served}] (vLLM ids) of "
                               f"{self.spec.model_path}: {start}")
 
+    @property
+    def computes_apart(self) -> bool:
+        """Whether the engine computes on devices of its own (GPUs), not on the cores this process reads
+        and stores on: only then does overlapping its next batch with our work pay."""
+        return self.spec.device == "cuda"
+
     def submit(self, rows: Sequence[list[int]]) -> list[concurrent.futures.Future]:
         """Ask for ``rows``' hidden states now; their futures, in order. Requests go out through one pool
         of ``handoff.MAX_INFLIGHT`` threads (the window the hand-off folder is sized for): a caller that
