@@ -548,7 +548,9 @@ def check(mod):
     assert "self._submit_async_write(pending)" in inspect.getsource(C.get_finished)
     assert ".query()" in inspect.getsource(C.get_finished)  # what our _Done stands in for
     src = inspect.getsource(C)
-    for attr in ("_kv_cache", "_lock_fds", "_req_copy_events", "_is_tp_rank_zero", "_block_size"):
+    assert list(inspect.signature(C.request_finished).parameters) == ["self", "request", "block_ids"]
+    for attr in ("_kv_cache", "_lock_fds", "_req_copy_events", "_is_tp_rank_zero", "_block_size",
+                 "_request_filenames"):
         assert f"self.{attr} =" in src or f"self.{attr}:" in src, attr
     assert {f.name for f in dataclasses.fields(mod.PendingSave)} >= {"req_id", "filename", "token_ids", "block_ids"}
     assert list(inspect.signature(mod.extract_from_kv_cache).parameters)[:3] == ["kv_cache", "slot_mapping",
@@ -583,3 +585,29 @@ def test_the_private_members_the_connector_uses_are_still_there():
     out = subprocess.run([str(default_python()), "-c", CONTRACT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == "contract holds a renamed member is caught".split(), out.stdout
+
+
+def test_a_generation_asks_the_engine_to_write_no_hidden_states(folders, llama_engine):
+    """regenerate's generations (``VllmEngine.generate``) send ``specforge_discard``: the connector saves
+    nothing for them (no copy, no file, no path in the answer) instead of writing states the client
+    deletes. Control: the same request without the flag gets a hidden-states path (removed here)."""
+    from specforge.models import handoff
+    from specforge.models.vllm_engine import SERVED_NAME, VllmEngine
+
+    url = next(o for o in llama_engine if o.startswith("rollout.vllm_endpoint=")).split("=", 1)[1]
+    cfg = load_config(None, overrides(folders["llama"]) + llama_engine)
+    n = text_config(load_target_config(cfg.model)).num_hidden_layers
+    client = VllmEngine(spec_for(cfg, str(folders["llama"] / "target"), n, AUX, torch.float32, torch.device("cpu")),
+                        endpoint=url)
+    try:
+        body = {"model": SERVED_NAME, "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0.0}
+        told = client._post({**body, "kv_transfer_params": {handoff.DISCARD: True}})
+        assert not (told.get("kv_transfer_params") or {}).get("hidden_states_path"), told
+        plain = client._post(body)  # the control
+        path = (plain.get("kv_transfer_params") or {}).get("hidden_states_path")
+        assert path, plain
+        client._discard(path)
+        tokens, why = client.generate([5, 6, 7, 8], 3, 0.0, 1.0, 0, [])
+        assert len(tokens) == 3 and why == "length"
+    finally:
+        client.close()

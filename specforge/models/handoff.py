@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 ERROR_KEY = "specforge_error"  # the one tensor of a failed write's file: the error's UTF-8 bytes
+DISCARD = "specforge_discard"  # a request's kv_transfer_params key: write no hidden states (a generation)
 MAX_INFLIGHT = 64  # requests the client keeps in flight (models/vllm_engine.VllmEngine.hidden_states)
 PREFIX = "specforge-vllm-"
 SHM = "/dev/shm"

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from specforge.models.handoff import origin, save_atomically  # torch and safetensors only
+from specforge.models.handoff import DISCARD, origin, save_atomically  # torch and safetensors only
 
 _ORIGIN: dict = {}  # what every file's header names (SpecforgeHiddenStatesConnector.__init__)
 
@@ -59,6 +59,15 @@ class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
         spec = vllm_config.speculative_config.draft_model_config.hf_config
         global _ORIGIN  # the writer thread's static method reads it (one engine per process)
         _ORIGIN = origin(vllm_config.model_config.model, spec.eagle_aux_hidden_state_layer_ids)
+
+    def request_finished(self, request, block_ids):
+        """A request that asked for no hidden states (``kv_transfer_params: {"specforge_discard": true}``:
+        a generation, whose states the client would only delete) is not saved: nothing is copied, written
+        or returned; its blocks are freed at once. Every other request as vLLM's reference connector does."""
+        if (request.kv_transfer_params or {}).get(DISCARD):
+            self._request_filenames.pop(request.request_id, None)
+            return False, None
+        return super().request_finished(request, block_ids)
 
     @staticmethod
     def _write_tensors(tensors, event, filename, lock_fd) -> None:  # the GPU path's writer thread

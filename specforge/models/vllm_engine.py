@@ -318,14 +318,16 @@ class VllmEngine:
         out = self._post({"model": SERVED_NAME, "prompt": list(map(int, ids)), "max_tokens": int(max_new_tokens),
                           "temperature": float(temperature), "top_p": float(top_p), "seed": int(seed),
                           "stop_token_ids": sorted(map(int, stop_ids)), "include_stop_str_in_output": True,
-                          "skip_special_tokens": False, "return_token_ids": True, "detokenize": False})
+                          "skip_special_tokens": False, "return_token_ids": True, "detokenize": False,
+                          "kv_transfer_params": {handoff.DISCARD: True}})  # its states are not wanted
         self._discard((out.get("kv_transfer_params") or {}).get("hidden_states_path"))
         choice = out["choices"][0]
         tokens = [int(t) for t in (choice.get("token_ids") or [])]
         return tokens, "length" if choice.get("finish_reason") == "length" else "stop"
 
     def _discard(self, path: Optional[str]) -> None:
-        """A generation's hidden states (the connector writes them for every request): not needed."""
+        """A generation's hidden states, where an engine wrote them all the same (a user's endpoint started
+        with an older connector): not needed."""
         if path is None:
             return
         self.arrivals.wait(path, 30, self.alive)
