@@ -306,3 +306,28 @@ def test_the_store_capture_asks_for_the_next_batch_before_reading_this_one():
     assert [sid for sid, _ in iter_features(target, rows, batches, 1024)] == [0, 1, 2, 3, 4]
     order = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
     assert order == [("submit", 0), ("read", 0), ("submit", 1), ("read", 1), ("submit", 2), ("read", 2)], order
+
+
+def test_with_an_engine_the_host_converts_only_what_it_computes_with(tmp_path):
+    """``load_target(engine_for=...)``: the host copy of the target keeps the checkpoint's dtype (here
+    fp32, the run's bf16: memory-mapped, nothing converted, only pages read resident); the final norm and
+    the embeddings it computes with are in the run's dtype; the weights' digest (``run_identity``) is the
+    one a target loaded in bf16 has. Control: the digest without the run's dtype differs."""
+    from specforge.config import load_config
+    from specforge.models.target import load_target, text_tower
+    from specforge.training.checkpoint import tensor_digest
+    from tests.helpers.targets import overrides, target_folder
+
+    target_folder("llama", tmp_path)
+    cfg = load_config(None, [*overrides(tmp_path), "model.dtype=bfloat16"])
+    seen = []
+    eng = load_target(cfg.model, torch.device("cpu"), engine_for=lambda *a: seen.append(a[3]) or "engine")
+    assert eng.engine == "engine" and seen == [torch.bfloat16]  # the engine runs in the run's dtype
+    m = eng.model
+    assert m.model.layers[0].mlp.up_proj.weight.dtype == torch.float32  # as in the checkpoint
+    assert {text_tower(m).norm.weight.dtype, m.get_output_embeddings().weight.dtype,
+            m.get_input_embeddings().weight.dtype} == {torch.bfloat16}
+    plain = load_target(cfg.model, torch.device("cpu"))  # the run's dtype throughout
+    want = tensor_digest(plain.model.state_dict().items(), sample=64)
+    assert tensor_digest(m.state_dict().items(), sample=64, dtype=eng.digest_dtype) == want
+    assert tensor_digest(m.state_dict().items(), sample=64) != want  # the control

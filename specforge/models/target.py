@@ -43,6 +43,9 @@ class TargetModel:
     engine: Optional[object] = None
     # target forwards run so far (transformers tower calls, engine batches): what a rollout worker reports
     forwards: int = 0
+    # the dtype the weights' digest is taken in (run_identity), where the host copy keeps the checkpoint's
+    # own dtype (with an engine): the digest a target loaded in the run's dtype has
+    digest_dtype: Optional[torch.dtype] = None
 
     @property
     def config(self):
@@ -237,8 +240,10 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     runs pass ``specforge.algorithms.feature_layers`` so the draft algorithm decides. ``packed``: its
     captures run packed rows (``rollout.pack_tokens``), which picks the attention (``capture_attention``).
     ``engine_for(path, num_layers, layer_ids, dtype, device)`` (``models/vllm_engine.engine_factory``):
-    an engine computes the hidden states; the weights stay memory-mapped in host memory and only the
-    final norm and the lm_head (what ``capture`` applies to the engine's last layer) go to ``device``."""
+    an engine computes the hidden states; the weights stay memory-mapped in host memory in the
+    checkpoint's own dtype (nothing converted, so only pages read are resident) and only the final norm
+    and the lm_head (what ``capture`` applies to the engine's last layer) go to ``device``, in the run's
+    dtype, as do the input embeddings (on the host)."""
     devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
     dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
@@ -253,7 +258,12 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
         devices = [host_device()]
     elif len(devices) > 1:
         placed = {"device_map": split_plan(hf_config, len(devices), dtype)[0]}
-    model = family.auto_class().from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **placed)
+    # with an engine the host copy keeps the checkpoint's own dtype: memory-mapped and never converted, so
+    # only the pages read are resident (a conversion would materialize every weight); what this process
+    # computes with (the final norm, the embeddings) is converted below
+    load_dtype = "auto" if engine_for is not None else dtype
+    model = family.auto_class().from_pretrained(path, dtype=load_dtype, trust_remote_code=cfg.trust_remote_code,
+                                                **placed)
     if not placed:
         model.to(devices[0])
     model.eval().requires_grad_(False)
@@ -263,10 +273,12 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     ids = layers(num_layers)
     if engine_for is None:
         return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
-    text_tower(model).norm.to(home)
-    model.get_output_embeddings().to(home)
+    text_tower(model).norm.to(home, dtype)
+    model.get_output_embeddings().to(home, dtype)
+    model.get_input_embeddings().to(dtype)  # the draft's copy and the features' dtype read it (host)
     engine = engine_for(path, num_layers, ids, dtype, home)
-    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=home, engine=engine)
+    return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=home, engine=engine,
+                       digest_dtype=dtype)
 
 
 def capture_attention(family, device: torch.device, packed: bool = False, dtype: Optional[torch.dtype] = None) -> str:

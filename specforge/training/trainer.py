@@ -79,7 +79,8 @@ def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftV
         return getattr(getattr(cfg, section), name)
 
     return {
-        "target": tensor_digest(target.model.state_dict().items(), sample=64),
+        "target": tensor_digest(target.model.state_dict().items(), sample=64,
+                                dtype=getattr(target, "digest_dtype", None)),  # an engine's host copy: the run's
         "vocab": tensor_digest([("d2t", vocab.d2t), ("t2d", vocab.t2d)]),
         **facts,
         "total_steps": total_steps,
