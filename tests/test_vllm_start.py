@@ -175,7 +175,7 @@ def test_the_client_raises_a_failed_write_at_once(tmp_path, monkeypatch):
 
     engine = VllmEngine.__new__(VllmEngine)
     engine.spec = EngineSpec(model_path="m", layer_ids=[1, 2], dtype=torch.float32, max_model_len=8)
-    engine.proc, engine.log_path = None, None
+    engine.proc, engine.log_path, engine._swept = None, None, True
     engine.arrivals = vllm_engine.Arrivals()
     path = str(tmp_path / "req.safetensors")
     monkeypatch.setattr(engine, "_post", lambda body: {"kv_transfer_params": {"hidden_states_path": path}})
@@ -243,7 +243,7 @@ def test_each_file_must_name_the_layers_and_model_this_run_needs(tmp_path, monke
     engine = VllmEngine.__new__(VllmEngine)
     engine.spec = EngineSpec(model_path=str(tmp_path / "target"), layer_ids=[2, 3, 6], dtype=torch.float32,
                              max_model_len=8)
-    engine.proc, engine.log_path, engine.url = None, None, "http://127.0.0.1:8000"
+    engine.proc, engine.log_path, engine.url, engine._swept = None, None, "http://127.0.0.1:8000", True
     engine.arrivals = vllm_engine.Arrivals()
     path = str(tmp_path / "req.safetensors")
     monkeypatch.setattr(engine, "_post", lambda body: {"kv_transfer_params": {"hidden_states_path": path}})
@@ -331,3 +331,18 @@ def test_with_an_engine_the_host_converts_only_what_it_computes_with(tmp_path):
     want = tensor_digest(plain.model.state_dict().items(), sample=64)
     assert tensor_digest(m.state_dict().items(), sample=64, dtype=eng.digest_dtype) == want
     assert tensor_digest(m.state_dict().items(), sample=64) != want  # the control
+
+
+def test_a_user_engines_fixed_folder_is_swept_of_files_no_client_will_read(tmp_path):
+    """``--vllm-storage`` folders outlive every client (a killed one leaves its files): files older than
+    twice the request timeout go at a client's first answer; newer ones, which a client may still be
+    waiting for, and other files stay."""
+    from specforge.models import handoff
+
+    for name, age in (("old.safetensors", 3000), ("old.safetensors.7.part", 3000), ("new.safetensors", 10),
+                      ("notes.txt", 3000)):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1e6 - age, 1e6 - age))
+    gone = handoff.sweep_stale(str(tmp_path), 2 * vllm_engine.REQUEST_TIMEOUT_S, now=1e6)
+    assert sorted(os.path.basename(p) for p in gone) == ["old.safetensors", "old.safetensors.7.part"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.safetensors", "notes.txt"]

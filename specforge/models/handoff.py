@@ -17,7 +17,9 @@ torch and safetensors only here, nothing else of specforge) and the client
 * Each file names what captured it (``origin``: the model the engine serves, the layer ids it
   captures, from the engine's own config): the client refuses another engine's states.
 * Each engine's folder is named after the process that owns it (``specforge-vllm-<pid>-...``): a
-  start removes the folders of owners that are gone (a SIGKILLed worker never ran its ``close``).
+  start removes the folders of owners that are gone (a SIGKILLed worker never ran its ``close``). A
+  user-run engine's fixed folder is swept of files no client will read (``sweep_stale``) when a client
+  first hears from it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -122,6 +125,22 @@ def sweep(root: str, alive: Callable[[int], bool] = owner_alive) -> list[str]:
             if m and entry.is_dir(follow_symlinks=False) and not alive(int(m.group(1))):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 gone.append(entry.path)
+    return gone
+
+
+def sweep_stale(folder: str, older_than_s: float, now: Optional[float] = None) -> list[str]:
+    """Remove the files in a user-run engine's fixed folder (``--vllm-storage``) that no client will read:
+    written more than ``older_than_s`` ago (a client waits for its file at most its request timeout);
+    their paths."""
+    now = time.time() if now is None else now
+    gone = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.name.endswith((".safetensors", ".part")) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat().st_mtime > older_than_s:
+                        os.remove(entry.path)
+                        gone.append(entry.path)
     return gone
 
 

@@ -191,6 +191,7 @@ class VllmEngine:
         self.log_path: Optional[Path] = None
         self.arrivals = Arrivals()  # the request threads sleep until their file is renamed into place
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # submit's request threads
+        self._swept = False  # a user's engine's folder: swept of stale files at the first answer
         if endpoint is not None:  # the user's engine: it answers now or the run stops here
             self.url = endpoint.rstrip("/")
             self._wait_ready(deadline=time.monotonic() + ENDPOINT_WAIT_S)
@@ -341,6 +342,9 @@ class VllmEngine:
             raise EngineError("rollout.backend=vllm: the engine returned no hidden states: it was not started with "
                               f"the {CONNECTOR} connector and extract_hidden_states (start it with the command "
                               "`python -m specforge.capture --config ... --vllm-command` prints)")
+        if self.proc is None and not self._swept:  # a user's engine: its fixed folder outlives every client
+            self._swept = True
+            handoff.sweep_stale(os.path.dirname(path), 2 * REQUEST_TIMEOUT_S)
         # the connector writes it in the step after the request finished (renamed into place when complete)
         if not self.arrivals.wait(path, REQUEST_TIMEOUT_S, self.alive):
             raise EngineError(f"rollout.backend=vllm: the engine never wrote {path}: {self._why_dead()}")
