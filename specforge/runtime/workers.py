@@ -57,7 +57,7 @@ class FeaturesRefused(ValueError):
 
 
 def check_batches(batches: Sequence[TrainBatch], num_layers: int, device: torch.device) -> torch.Tensor:
-    """``models.target.feature_flags`` of a rank's micro-batches, summed, on ``device`` (no host
+    """``models.features.feature_flags`` of a rank's micro-batches, summed, on ``device`` (no host
     read): whatever computed them (a rollout worker, this rank's capture, a store, an engine), the
     train ranks check what they train on. Real tokens: ``length_B``'s where recorded (a padded
     capture's padding is the target's states of pad tokens), else every position (received and
