@@ -216,20 +216,24 @@ def test_the_handoff_folder_is_sized_before_the_engine_starts(tmp_path, monkeypa
 
 def test_a_killed_owners_folder_is_swept_at_the_next_start(fake_vllm, tmp_path):
     """A worker SIGKILLed never closes its engine's folder; the next engine started on the host removes
-    the folders whose owner is gone, and keeps those of live owners and anything else."""
+    this host's folders whose owner is gone, and keeps those of live owners, another host's (a shared
+    folder) and anything else."""
     import subprocess
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (tmp_path / f"specforge-vllm-{dead.pid}-abc").mkdir()
-    (tmp_path / f"specforge-vllm-{dead.pid}-abc" / "req.safetensors.1.part").write_bytes(b"x")
-    (tmp_path / f"specforge-vllm-{os.getpid()}-live").mkdir()
+    mine = f"specforge-vllm-{socket.gethostname()}-"
+    (tmp_path / f"{mine}{dead.pid}-abc").mkdir()
+    (tmp_path / f"{mine}{dead.pid}-abc" / "req.safetensors.1.part").write_bytes(b"x")
+    (tmp_path / f"{mine}{os.getpid()}-live").mkdir()
+    (tmp_path / f"specforge-vllm-another-host-{dead.pid}-abc").mkdir()  # a shared folder: not ours to judge
     (tmp_path / "other").mkdir()
     engine = VllmEngine(fake_vllm, log_dir=str(tmp_path / "logs"), storage_root=str(tmp_path))
     try:
         left = sorted(p.name for p in tmp_path.iterdir() if p.name != "logs")
-        assert f"specforge-vllm-{dead.pid}-abc" not in left and "other" in left
-        assert f"specforge-vllm-{os.getpid()}-live" in left and os.path.dirname(engine.storage) == str(tmp_path)
+        assert f"{mine}{dead.pid}-abc" not in left and "other" in left
+        assert f"specforge-vllm-another-host-{dead.pid}-abc" in left
+        assert f"{mine}{os.getpid()}-live" in left and os.path.dirname(engine.storage) == str(tmp_path)
     finally:
         engine.close()
     assert not os.path.exists(engine.storage or "/nonexistent")

@@ -16,8 +16,8 @@ torch and safetensors only here, nothing else of specforge) and the client
   line; ``rollout.vllm_storage`` names the folder, refused when too small.
 * Each file names what captured it (``origin``: the model the engine serves, the layer ids it
   captures, from the engine's own config): the client refuses another engine's states.
-* Each engine's folder is named after the process that owns it (``specforge-vllm-<pid>-...``): a
-  start removes the folders of owners that are gone (a SIGKILLed worker never ran its ``close``). A
+* Each engine's folder is named after the host and process that own it (``specforge-vllm-<host>-<pid>-...``):
+  a start removes this host's folders of owners that are gone (a SIGKILLed worker never ran its ``close``). A
   user-run engine's fixed folder is swept of files no client will read (``sweep_stale``) when a client
   first hears from it.
 """
@@ -28,6 +28,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -116,12 +117,18 @@ def owner_alive(pid: int) -> bool:
     return True
 
 
+def _owner_prefix() -> str:
+    """This host's part of an engine folder's name: a folder on a filesystem other hosts share is
+    theirs to sweep, not ours (a pid says nothing across hosts)."""
+    return f"{PREFIX}{socket.gethostname()}-"
+
+
 def sweep(root: str, alive: Callable[[int], bool] = owner_alive) -> list[str]:
-    """Remove the engine folders under ``root`` whose owner process is gone; their paths."""
+    """Remove this host's engine folders under ``root`` whose owner process is gone; their paths."""
     gone = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
-            m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-.*", entry.name)
+            m = re.fullmatch(re.escape(_owner_prefix()) + r"(\d+)-.*", entry.name)
             if m and entry.is_dir(follow_symlinks=False) and not alive(int(m.group(1))):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 gone.append(entry.path)
@@ -177,4 +184,4 @@ def pick_folder(need: int, configured: Optional[str] = None, shm: str = SHM,
 
 def engine_folder(root: str) -> str:
     """A new private hand-off folder under ``root``, named after this process (``sweep``)."""
-    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+    return tempfile.mkdtemp(prefix=f"{_owner_prefix()}{os.getpid()}-", dir=root)
