@@ -90,7 +90,8 @@ def _engine_env(monkeypatch, env: dict, ray_ids: list, tp: int = 2, gpus_seen: i
     monkeypatch.setattr(device, "_ray_gpu_ids", lambda: list(ray_ids))
     monkeypatch.setattr(device.torch.cuda, "device_count", lambda: gpus_seen)
     cfg = load_config(None, ["rollout.backend=vllm", f"rollout.tp_size={tp}", "placement.mode=disaggregated"])
-    spec = vllm_engine.spec_for(cfg, "m", 6, [1, 2], torch.bfloat16, torch.device("cuda", 0))
+    spec = vllm_engine.started_spec(cfg, "m", 6, [1, 2], torch.bfloat16, torch.device("cuda", 0))
+    assert vllm_engine.spec_for(cfg, "m", 6, [1, 2], torch.bfloat16, torch.device("cuda", 0)).gpus is None
     return spec.env()
 
 
@@ -99,7 +100,8 @@ def test_each_engine_gets_exactly_its_workers_gpus(monkeypatch):
     names its worker's two GPUs, however the worker sees GPUs (Ray's own CUDA_VISIBLE_DEVICES, Ray with
     RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, where every actor sees all 8, a torchrun-style LOCAL_RANK).
     Control: the environment as it was copied before (the worker's own): under NOSET both engines would
-    see all 8 GPUs and both take 0 and 1."""
+    see all 8 GPUs and both take 0 and 1. A user's endpoint or a printed command (``spec_for``) takes none
+    of this process's GPUs (a client with one GPU may join an engine of eight)."""
     noset = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     got = [_engine_env(monkeypatch, noset, ids)["CUDA_VISIBLE_DEVICES"] for ids in (["0", "1"], ["2", "3"])]
     assert got == ["0,1", "2,3"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -429,8 +430,17 @@ def spec_for(cfg, model_path: str, num_layers: int, our_ids: Sequence[int], dtyp
                       expert_parallel=r.expert_parallel, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                       cpu_kvcache_gib=r.vllm_cpu_kvcache_gib, startup_timeout_s=engine_start_timeout(cfg),
                       extra_args=list(r.vllm_args), trust_remote_code=cfg.model.trust_remote_code,
-                      python=r.vllm_python, gpus=engine_gpu_ids(r.tp_size) if device.type == "cuda" else None,
-                      hidden_size=_hidden_size(model_path))
+                      python=r.vllm_python, hidden_size=_hidden_size(model_path))
+
+
+def started_spec(cfg, model_path: str, num_layers: int, our_ids: Sequence[int], dtype: torch.dtype,
+                 device: torch.device) -> EngineSpec:
+    """``spec_for`` of an engine this process starts: on a GPU, with exactly this worker's GPUs
+    (``device.engine_gpu_ids``). A user's endpoint or a printed command takes none of ours."""
+    spec = spec_for(cfg, model_path, num_layers, our_ids, dtype, device)
+    if device.type == "cuda":
+        spec = dataclasses.replace(spec, gpus=engine_gpu_ids(cfg.rollout.tp_size))
+    return spec
 
 
 def _hidden_size(model_path: str) -> Optional[int]:
@@ -448,8 +458,11 @@ def engine_factory(cfg, log_dir: Optional[str] = None):
 
     def start(model_path: str, num_layers: int, our_ids: Sequence[int], dtype: torch.dtype,
               device: torch.device) -> VllmEngine:
-        return VllmEngine(spec_for(cfg, model_path, num_layers, our_ids, dtype, device),
-                          endpoint=cfg.rollout.vllm_endpoint, log_dir=log_dir, storage_root=cfg.rollout.vllm_storage)
+        if cfg.rollout.vllm_endpoint is not None:  # the user's engine, on the GPUs the user gave it
+            return VllmEngine(spec_for(cfg, model_path, num_layers, our_ids, dtype, device),
+                              endpoint=cfg.rollout.vllm_endpoint, log_dir=log_dir)
+        return VllmEngine(started_spec(cfg, model_path, num_layers, our_ids, dtype, device), log_dir=log_dir,
+                          storage_root=cfg.rollout.vllm_storage)
 
     return start
 
