@@ -117,7 +117,9 @@ def test_main_reports_bad_config(capsys):
 def test_resume_continues_exactly(assets, reference, ray_session, tmp_path):
     """Periodic FSDP2 checkpoint at step 2 (full weights + full optimizer state); drop the final
     one and resume: the redone step 3 matches the uninterrupted single-process run. (Stopping via
-    a smaller max_steps would change the LR schedule, which spans max_steps.)"""
+    a smaller max_steps would change the LR schedule, which spans max_steps.) About 30 s beside the other
+    pytest worker (29.8-31.2 s in the fresh-clone runs of 2026-11-29): two Ray fits, the run and its
+    resume, each starting its two train workers (~4.5 CPU-s an actor) and saving FSDP2 checkpoints."""
     import shutil
 
     from specforge.ray_train import fit
