@@ -179,7 +179,9 @@ def test_a_broken_dflash_checkpoint_is_refused(dflash, tmp_path):
 def test_a_windowed_dflash_draft_is_served_with_its_window(dflash, tmp_path):
     """``draft.sliding_window`` = 8 (one block): llama.cpp's converter writes the window, every layer
     sliding and non-causal, and llama-server drafts what our windowed draft drafts; our full-attention
-    draft with the same weights (the control) drafts otherwise from the same server's contexts."""
+    draft with the same weights (the control) drafts otherwise from the same server's contexts. Over 30 s
+    at times beside the other pytest worker (20-33 s in the fresh-clone runs of 2026-11-29): a converter run
+    and a llama-server run over the prompts, each round compared with two of our drafts."""
     from specforge.algorithms.dflash.export import from_hf_config, load_dflash, to_hf_config
 
     target_dir, model, ours, folder, gguf, prompts = dflash
