@@ -51,27 +51,24 @@ def wants_gpu(choice: str, cluster_gpus: Optional[float] = None) -> bool:
     return (cluster_gpus or 0) > 0 if cluster_gpus is not None else torch.cuda.is_available()
 
 
-def local_cuda_index(rank: int = 0) -> int:
-    """This process's GPU among those it sees. Under Ray (which sets CUDA_VISIBLE_DEVICES per actor)
-    that is 0; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every actor sees all GPUs, so
-    the actor's own GPU id; a launcher's ``LOCAL_RANK`` (torchrun); else ``rank`` modulo the count."""
-    count = max(torch.cuda.device_count(), 1)
-    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
-        import ray  # lazy: heavy (ray)
-
-        if ray.is_initialized() and (ids := ray.get_gpu_ids()):
-            return int(ids[0]) % count
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"]) % count
-    return rank % count
-
-
 def _ray_gpu_ids() -> list[str]:
     """The GPU ids Ray assigned to this actor ([] outside Ray or without GPUs)."""
     ray = sys.modules.get("ray")  # a process that never imported Ray is no Ray worker
     if ray is None or not ray.is_initialized():
         return []
     return [str(i) for i in ray.get_gpu_ids()]
+
+
+def local_cuda_index(rank: int = 0) -> int:
+    """This process's GPU among those it sees. Under Ray (which sets CUDA_VISIBLE_DEVICES per actor)
+    that is 0; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every actor sees all GPUs, so
+    the actor's own GPU id; a launcher's ``LOCAL_RANK`` (torchrun); else ``rank`` modulo the count."""
+    count = max(torch.cuda.device_count(), 1)
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") and (ids := _ray_gpu_ids()):
+        return int(ids[0]) % count
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]) % count
+    return rank % count
 
 
 def engine_gpu_ids(count: int) -> list[str]:

@@ -116,6 +116,9 @@ def test_each_engine_gets_exactly_its_workers_gpus(monkeypatch):
     # under NOSET (vLLM then takes the first tp_size of all 8, the same two for both workers)
     _engine_env(monkeypatch, noset, ["2", "3"])
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    from specforge.device import local_cuda_index
+
+    assert local_cuda_index() == 2  # the worker's own torch device reads the same Ray ids
 
 
 def test_the_engines_start_follows_the_setup_bound_unless_set(fake_vllm, tmp_path):
