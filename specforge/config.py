@@ -620,7 +620,7 @@ def backend_errors(cfg: Config) -> list[str]:
     if r.vllm_cpu_kvcache_gib <= 0 or (start is not None and start <= 0):
         key = "rollout.vllm_cpu_kvcache_gib" if r.vllm_cpu_kvcache_gib <= 0 else "rollout.vllm_startup_timeout_s"
         return [f"config key {key!r} must be positive"]
-    bound = max(cfg.parallel.setup_timeout_s, cfg.parallel.timeout_s)  # what ray_train gives a worker's setup
+    bound = setup_timeout(cfg)
     if start is not None and start > bound:
         return [f"config key 'rollout.vllm_startup_timeout_s'={start:g} exceeds parallel.setup_timeout_s={bound:g}, "
                 "which bounds a worker's whole start (the engine's included): raise parallel.setup_timeout_s too, "
@@ -628,10 +628,18 @@ def backend_errors(cfg: Config) -> list[str]:
     return []
 
 
+def setup_timeout(cfg: Config) -> float:
+    """Seconds a worker's start (placement, target and engine, checkpoint) may take: ``parallel.setup_timeout_s``,
+    never less than one step's bound (``parallel.timeout_s``); ``ray_train.spawn_cluster`` waits as long (it
+    reads the keys itself, as the run's reader of them)."""
+    return max(cfg.parallel.setup_timeout_s, cfg.parallel.timeout_s)
+
+
 def engine_start_timeout(cfg: Config) -> float:
-    """Seconds an engine may take to start: ``rollout.vllm_startup_timeout_s``, else ``parallel.setup_timeout_s``."""
+    """Seconds an engine may take to start: ``rollout.vllm_startup_timeout_s``, else the worker's whole start
+    (``setup_timeout``), which the engine's is part of."""
     r = cfg.rollout
-    return r.vllm_startup_timeout_s if r.vllm_startup_timeout_s is not None else cfg.parallel.setup_timeout_s
+    return r.vllm_startup_timeout_s if r.vllm_startup_timeout_s is not None else setup_timeout(cfg)
 
 
 def replay_errors(cfg: Config) -> list[str]:
