@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 ERROR_KEY = "specforge_error"  # the one tensor of a failed write's file: the error's UTF-8 bytes
 DISCARD = "specforge_discard"  # a request's kv_transfer_params key: write no hidden states (a generation)
@@ -86,9 +86,9 @@ def origin(model: str, layer_ids) -> dict:
 def read(path: str) -> tuple[dict, dict]:
     """``(tensors, header metadata)`` of a request's file; ``HandoffFailed`` with the engine's error for
     an error file."""
-    with safe_open(path, "pt") as f:
+    with safe_open(path, "pt") as f:  # one open: the header's metadata and the tensors
         meta = f.metadata() or {}
-    data = load_file(path)
+        data = {k: f.get_tensor(k) for k in f.keys()}
     if ERROR_KEY in data:
         raise HandoffFailed(bytes(data[ERROR_KEY].tolist()).decode(errors="replace"))
     return data, meta
