@@ -41,7 +41,7 @@ from specforge.models.target import (
     load_tokenizer,
     resolve_target_path,
 )
-from specforge.models.vllm_engine import SERVER_STORAGE, engine_factory, server_command, spec_for
+from specforge.models.vllm_engine import SERVER_STORAGE, check_storage, engine_factory, server_command, spec_for
 from specforge.registry import feature_layers
 from specforge.targets import text_config
 from specforge.training.batch import collate, pad_id
@@ -141,6 +141,7 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
         hf_logging.disable_progress_bar()  # its weight-loading bar too
     root = store_root(cfg)
     check_writable("store.dir", root)  # before the data, the target or its engine
+    check_storage(cfg)
     # the data first (the tokenizer alone): a data error is said before the target (or its engine) starts
     data = prepare_dataset(cfg.data, target.tokenizer if target else load_tokenizer(cfg.model),
                            chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir, progress=progress)

@@ -25,7 +25,7 @@ from specforge.device import pick_device, wants_gpu
 from specforge.dryrun import memory_plan
 from specforge.files import check_writable
 from specforge.models.target import load_target_config, resolve_target_path
-from specforge.models.vllm_engine import engine_python, vllm_layer_ids
+from specforge.models.vllm_engine import check_storage, engine_python, vllm_layer_ids
 from specforge.parallel.dims import ParallelDims
 from specforge.registry import bound_algorithm
 from specforge.runtime.loop import check, single_process
@@ -122,6 +122,7 @@ def check_run(cfg: Config) -> None:
         vllm_layer_ids(layers, target.num_hidden_layers)  # a layer the engine cannot capture
         if cfg.rollout.vllm_endpoint is None:
             engine_python(cfg.rollout.vllm_python)  # vLLM not installed: said before any worker starts
+            check_storage(cfg)
     algo.check(target)
     heads = cfg.draft.num_attention_heads or target.num_attention_heads
     ParallelDims.from_config(cfg).check_heads(heads)

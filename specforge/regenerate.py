@@ -75,7 +75,7 @@ from specforge.jsonhttp import HttpFailure, post_json
 from specforge.models import generate as engine
 from specforge.models.target import capture as capture_features
 from specforge.models.target import load_target, load_tokenizer
-from specforge.models.vllm_engine import engine_factory
+from specforge.models.vllm_engine import check_storage, engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
 from specforge.registry import feature_layers
 from specforge.runtime.actors import start_ray
@@ -754,6 +754,8 @@ def regenerate(cfg: Config, target=None) -> Summary:
     check_writable("regenerate.output" if r.output else "train.output_dir (its regenerated.jsonl)", output.parent)
     if store_dir is not None:
         check_writable("store.dir", store_dir)
+    if r.backend == "local":
+        check_storage(cfg)
     ray_mode = r.backend == "local" and r.num_workers > 1
     _check_parts(output, r.num_workers if ray_mode else 1)
     if ray_mode:

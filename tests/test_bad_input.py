@@ -59,8 +59,8 @@ one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_er
 | unknown key, wrong type | error naming the dotted key | tests/test_config.py |
 | ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | \
 error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
-| capture / regenerate: ``store.dir`` or ``regenerate.output`` read-only (hf and vllm) | one ``error:`` line naming \
-the key before the target or its engine starts | \
+| capture / regenerate / training: ``store.dir``, ``regenerate.output`` or ``rollout.vllm_storage`` read-only (hf \
+and vllm) | one ``error:`` line naming the key before the target or its engine starts | \
 test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_engine_starts |
 | the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | \
 test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |
@@ -624,6 +624,16 @@ def test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_en
     assert regenerate.main([*base, f"regenerate.output={tmp_path / 'out.jsonl'}", "regenerate.capture_features=true",
                             f"store.dir={READ_ONLY / 'store'}"]) == 1
     _one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
+    if backend == "vllm":  # where the engine will write its hidden states for us
+        ro = [f"store.dir={tmp_path / 'store'}", f"rollout.vllm_storage={READ_ONLY / 'handoff'}"]
+        assert capture.main(["--no-progress", *base, *ro]) == 1
+        _one_error_line(capsys.readouterr().err, "config key 'rollout.vllm_storage'", "is not writable")
+        assert regenerate.main([*base, f"regenerate.output={tmp_path / 'out.jsonl'}", *ro]) == 1
+        _one_error_line(capsys.readouterr().err, "config key 'rollout.vllm_storage'", "is not writable")
+        with pytest.raises(ValueError, match="rollout.vllm_storage.*is not writable"):
+            check_run(make_cfg(assets, tmp_path, "rollout.backend=vllm", "placement.mode=disaggregated",
+                               f"rollout.vllm_storage={READ_ONLY / 'handoff'}",
+                               f"rollout.vllm_python={sys.executable}"))
     with pytest.raises(AssertionError, match="started before the outputs were checked"):  # the control
         capture.main(["--no-progress", *base, f"store.dir={tmp_path / 'store'}"])
 

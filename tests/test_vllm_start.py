@@ -214,6 +214,9 @@ def test_the_handoff_folder_is_sized_before_the_engine_starts(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"'rollout.vllm_storage'=.*mine' has 1.00 GiB free"):
         handoff.pick_folder(need, str(mine), shm=str(shm), disk=str(disk))
     assert handoff.pick_folder(2**20, str(mine), shm=str(shm), disk=str(disk)) == (str(mine), None)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match=r"'rollout.vllm_storage'=.*a-file/sub' cannot be made"):
+        handoff.pick_folder(2**20, str(tmp_path / "a-file" / "sub"), shm=str(shm), disk=str(disk))
     spec = EngineSpec(model_path="m", layer_ids=[2, 3, 4, 6], dtype=torch.bfloat16, max_model_len=8192,
                       hidden_size=4096)
     assert spec.handoff_bytes() == need

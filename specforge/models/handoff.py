@@ -162,7 +162,11 @@ def pick_folder(need: int, configured: Optional[str] = None, shm: str = SHM,
 
     gib = 2.0**30
     if configured is not None:
-        Path(configured).expanduser().mkdir(parents=True, exist_ok=True)
+        try:
+            Path(configured).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"config key 'rollout.vllm_storage'={configured!r} cannot be made ({e.strerror}): "
+                             "name a folder this user can write") from None
         if free(configured) < need:
             raise ValueError(f"config key 'rollout.vllm_storage'={configured!r} has {free(configured) / gib:.2f} GiB "
                              f"free; the engine's hidden states need up to {need / gib:.2f} GiB there "

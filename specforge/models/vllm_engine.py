@@ -47,6 +47,7 @@ import torch
 from specforge.children import tied
 from specforge.config import engine_start_timeout
 from specforge.device import engine_gpu_ids
+from specforge.files import check_writable
 from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
 from specforge.models import handoff
 from specforge.models.arrivals import Arrivals
@@ -448,6 +449,14 @@ def _hidden_size(model_path: str) -> Optional[int]:
     return None if config is None else text_config(config).get("hidden_size")
 
 
+
+
+def check_storage(cfg) -> None:
+    """``rollout.vllm_storage``, where engines this process starts will write: a folder it can write, said
+    before any model or engine starts (its room is checked at the engine's start, ``handoff.pick_folder``)."""
+    r = cfg.rollout
+    if r.backend == "vllm" and r.vllm_endpoint is None and r.vllm_storage is not None:
+        check_writable("rollout.vllm_storage", r.vllm_storage)
 
 
 def engine_factory(cfg, log_dir: Optional[str] = None):
