@@ -35,7 +35,9 @@ if [ "$VLLM_FLAVOR" = cpu ]; then
   # torch first, the local 2.13.0 CPU build where the machine has it (no CUDA download)
   "${PIP[@]}" "${FIND[@]}" torch==2.13.0
 fi
-"${PIP[@]}" "${FIND[@]}" "$PKG"
+# safetensors >= 0.8 writes a tensor from its own memory (older ones build the file's bytes first): with
+# vLLM's pinned copy, the hand-off's two host copies per token (models/handoff.py)
+"${PIP[@]}" "${FIND[@]}" "$PKG" "safetensors>=0.8"
 if [ "$VLLM_FLAVOR" = cpu ]; then  # the CUDA wheel's torchvision matches its torch: kept
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi

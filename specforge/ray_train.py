@@ -103,7 +103,7 @@ class Cluster:
 
     def submit(self, plan: StepPlan, upcoming: Sequence[StepPlan], save: bool) -> tuple[list, list]:
         """Fan out one plan: every rollout worker forwards its batch, every train rank trains (or evaluates)."""
-        rollout = [w.rollout_step.remote(plan) for w in self.rollout.actors]
+        rollout = [w.rollout_step.remote(plan, upcoming) for w in self.rollout.actors]  # look-ahead: engines
         if plan.split == "train":
             return rollout, [w.train_step.remote(plan, upcoming, save) for w in self.train.actors]
         return rollout, [w.eval_step.remote(plan, upcoming, save) for w in self.train.actors]

@@ -320,6 +320,149 @@ def test_the_store_capture_asks_for_the_next_batch_before_reading_this_one():
     assert order == [("submit", 0), ("read", 0), ("submit", 1), ("read", 1), ("submit", 2), ("read", 2)], order
 
 
+def test_a_rollout_worker_asks_for_the_next_plan_before_reading_this_one():
+    """A rollout worker with an engine on GPUs is a pipeline (``RolloutWorker._requests``): each step sends
+    its own plan's requests (unless they went out with the last step), then the next plan's
+    (``upcoming``), then reads its own; every row is asked for once and the features equal a one-batch-
+    at-a-time worker's. A look-ahead another plan overtakes is dropped, not sent as that plan's. Control:
+    an engine on our cores (``computes_apart`` False) runs one batch at a time."""
+    from concurrent.futures import Future
+
+    from specforge.config import load_config
+    from specforge.models.target import TargetModel
+    from specforge.runtime.dataplane import SendHandle, SendWindow
+    from specforge.runtime.workers import RolloutWorker
+    from specforge.contracts import FeatureField, FeatureSpec
+    from tests.helpers.models import tiny_target
+
+    SPEC = FeatureSpec((FeatureField("aux_hidden", 3 * 48, "float32"), FeatureField("last_hidden", 48, "float32"),
+                        FeatureField("target_ids", 1, "int64"), FeatureField("input_ids", 1, "int64"),
+                        FeatureField("loss_mask", 1, "int64")))
+    events = []
+
+    class Engine:
+        computes_apart = True
+
+        def submit(self, rows):
+            batch = tuple(r[0] for r in rows)  # the batch's first tokens name it
+            events.append(("submit", batch))
+            futures = []
+            for r in rows:
+                f = Future()
+                g = torch.Generator().manual_seed(sum(r))
+                f.set_result(torch.randn(len(r), 4, 48, generator=g))
+                f.result = lambda real=f.result, batch=batch: events.append(("read", batch)) or real()
+                futures.append(f)
+            return futures
+
+    rows = [{"input_ids": [10 * i + 3] + list(range(4, 4 + n)), "loss_mask": [1] * (n + 1)}
+            for i, n in enumerate((6, 4, 5, 3, 7, 2))]
+
+    class Split:
+        def __getitem__(self, ids):
+            return {k: [rows[i][k] for i in ids] for k in ("input_ids", "loss_mask")}
+
+    def plan(step, ids):
+        return types.SimpleNamespace(batch_of=lambda rank: ids, split="train", feature_spec=SPEC, step=step)
+
+    def worker(apart):
+        w = RolloutWorker.__new__(RolloutWorker)
+        engine = Engine()
+        engine.computes_apart = apart
+        w.rank, w.device, w.cfg = 0, torch.device("cpu"), load_config(None, ["data.max_length=16"])
+        w.target = TargetModel(model=tiny_target(), tokenizer=types.SimpleNamespace(pad_token_id=0),
+                               aux_layer_ids=[1, 2, 3], device=torch.device("cpu"), engine=engine)
+        w.data, sent = types.SimpleNamespace(train=Split()), {}
+        w.transport = types.SimpleNamespace(device=torch.device("cpu"),
+                                            send_step=lambda plan, feats, my_rank: sent.update(feats) or
+                                            SendHandle(None, 0))
+        w.window = SendWindow(1 << 30)
+        return w, sent
+
+    plans = [plan(0, (0, 1)), plan(1, (2, 3)), plan(2, (4, 5))]
+    first = lambda p: tuple(rows[i]["input_ids"][0] for i in p.batch_of(0))  # noqa: E731
+    a, b, c = map(first, plans)
+
+    def run(apart):
+        events.clear()
+        w, sent = worker(apart)
+        for i, p in enumerate(plans):
+            w.rollout_step(p, plans[i + 1: i + 2])
+        return [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]], sent
+
+    order, piped = run(True)
+    assert order == [("submit", a), ("submit", b), ("read", a), ("submit", c), ("read", b), ("read", c)], order
+    order, serial = run(False)  # the control
+    assert order == [("submit", a), ("read", a), ("submit", b), ("read", b), ("submit", c), ("read", c)], order
+    assert sorted(piped) == sorted(serial) == list(range(6))
+    for sid in serial:
+        for name, t in serial[sid].items():
+            assert torch.equal(piped[sid][name], t), (sid, name)
+
+    events.clear()  # the look-ahead announced plan 1; plan 2 comes: plan 2's rows are asked for, not plan 1's
+    w, sent = worker(True)
+    w.rollout_step(plans[0], plans[1:2])
+    w.rollout_step(plans[2], ())
+    assert [e for e in events if e[0] == "submit"] == [("submit", a), ("submit", b), ("submit", c)]
+    assert sorted(sent) == [0, 1, 4, 5] and w._ahead is None
+
+
+HOST_COPIES = """
+import json, re, sys
+import torch
+import safetensors.torch
+from specforge.models import handoff
+
+def peak():  # MiB: this process's peak resident memory so far
+    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
+
+def mapped(t, path):  # whether t's memory lies in a mapping of the file at path
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        a, b = (int(v, 16) for v in span.split("-"))
+        if a <= t.data_ptr() < b:
+            return rest[-1] == path
+    return False
+
+path, control = sys.argv[1], sys.argv[2] == "control"
+hs = torch.ones(128, 2**19, dtype=torch.bfloat16)  # 128 MiB: the engine's copy out of its cache
+tensors = {"hidden_states": hs, "token_ids": torch.arange(128)}
+before = peak()
+if control:  # the file's bytes built in memory first (safetensors < 0.8's save_file), then written
+    open(path, "wb").write(safetensors.torch.save(tensors, handoff.origin("m", [1])))
+else:
+    assert handoff.save_atomically(tensors, path, handoff.origin("m", [1]))
+grew = peak() - before
+if control:  # read into memory, then parsed (load_file's old way)
+    got = safetensors.torch.load(open(path, "rb").read())["hidden_states"]
+else:
+    got = handoff.read(path)[0]["hidden_states"]
+print(json.dumps({"write_grew_mib": grew, "read_is_the_file": mapped(got, path), "equal": torch.equal(got, hs)}))
+"""
+
+
+def test_the_hand_off_copies_each_token_at_most_twice_on_the_host(tmp_path):
+    """Between the engine's cache and our device the hand-off copies a token twice on the host: vLLM's
+    device-to-host copy into pinned memory (the connector's GPU path; on the CPU its gather) and the
+    file write, which safetensors (>= 0.8) makes from the tensor's own memory; the client's read is the
+    file's pages themselves (``handoff.read``: memory-mapped), from which the features go to the device.
+    Measured in a fresh process on 128 MiB of hidden states: the write grows the peak by under an eighth
+    of them, and the tensor read lies in the file's mapping. Control: a write that builds the file's
+    bytes first grows it by at least their size, and a read into memory is not the file."""
+    import json
+    import subprocess
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", HOST_COPIES, str(tmp_path / f"{mode}.safetensors"), mode],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    ours, control = run("ours"), run("control")
+    assert ours["equal"] and control["equal"]
+    assert ours["write_grew_mib"] < 16 and ours["read_is_the_file"], ours
+    assert control["write_grew_mib"] >= 128 and not control["read_is_the_file"], control
+
+
 def test_with_an_engine_the_host_converts_only_what_it_computes_with(tmp_path):
     """``load_target(engine_for=...)``: the host copy of the target keeps the checkpoint's dtype (here
     fp32, the run's bf16: memory-mapped, nothing converted, only pages read resident); the final norm and

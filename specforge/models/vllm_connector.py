@@ -89,7 +89,7 @@ class SpecforgeHiddenStatesConnector(ExampleHiddenStatesConnector):
         slots = (torch.arange(self._block_size, dtype=torch.long, device=dev)[None, :]
                  + blocks[:, None] * self._block_size).flatten()
         num_tokens = int(pending.token_ids.shape[0])
-        hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+        hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens)  # a gather: already a copy
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         save_atomically({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename, _ORIGIN)
         lock_fd = self._lock_fds.pop(pending.req_id, None)

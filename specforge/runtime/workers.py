@@ -21,6 +21,7 @@ Legend: B batch, T tokens, H target hidden.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Optional, Sequence
 
@@ -33,7 +34,7 @@ from specforge.data.packing import target_packs
 from specforge.data.vocab import load_draft_vocab
 from specforge.device import StageClock, bind, pick_device, set_threads, synchronize
 from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
-from specforge.models.target import capture, load_target
+from specforge.models.target import capture, engine_rows, load_target
 from specforge.models.vllm_engine import EngineError, die_with_engine, engine_factory
 from specforge.parallel.dims import ParallelDims
 from specforge.parallel.parallelize import parallelize_draft, sum_over_train_ranks
@@ -82,9 +83,31 @@ def build_groups(cfg: Config, layout: Layout, my_rank: int, device: torch.device
 # ------------------------------------------------------------------------------ rollout
 
 
+@dataclasses.dataclass
+class _Batch:
+    """A rollout worker's batch of one plan, collated; ``pending``: its engine requests, once asked."""
+
+    key: tuple
+    ids: Sequence[int]
+    lengths: list[int]
+    input_ids_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    attn_BT: torch.Tensor
+    pending: Optional[list] = None
+
+
 class RolloutWorker(DistributedWorker):
     """The frozen target. ``rollout_step`` returns once the sends are posted, so the worker can
-    run ahead of training; its ``SendWindow`` bounds the bytes in flight (backpressure)."""
+    run ahead of training; its ``SendWindow`` bounds the bytes in flight (backpressure).
+
+    With an engine that computes on devices of its own (``VllmEngine.computes_apart``: vLLM on GPUs) the
+    worker is a pipeline, not a batch barrier: before it waits for a plan's hidden states it asks for the
+    next plan's (``upcoming``, the loop's look-ahead), so the engine prefills those while this worker
+    reads, norms, argmaxes and sends. The engine client's pool (``handoff.MAX_INFLIGHT`` requests, what the
+    hand-off folder is sized for) bounds what is in flight, whatever the padded batch's size; the next
+    plan's requests queue behind this one's."""
+
+    _ahead: Optional[_Batch] = None  # the next plan's batch, its requests already sent
 
     def __init__(self, cfg: Config):
         super().__init__(cfg.train.num_threads)
@@ -106,10 +129,10 @@ class RolloutWorker(DistributedWorker):
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
         return self.rank
 
-    def rollout_step(self, plan: StepPlan) -> StepReport:
+    def rollout_step(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> StepReport:
         forwards0, clock = self.target.forwards, StageClock(self.device)
         clock.mark("start")
-        feats = self._forward(plan)
+        feats = self._forward(plan, upcoming)
         clock.mark("forward")  # no sync: the sends are posted behind the forward (stream order on NCCL)
         t1 = time.perf_counter()
         handle = self.transport.send_step(plan, feats, my_rank=self.rank)
@@ -131,26 +154,51 @@ class RolloutWorker(DistributedWorker):
             bytes_sent=handle.nbytes,
         )
 
-    @torch.no_grad()
-    def _forward(self, plan: StepPlan) -> dict[int, dict[str, torch.Tensor]]:
-        """ONE right-padded target forward over this worker's batch of ``plan`` (packed rows with
-        ``rollout.pack_tokens``); per-sample full-length wire tensors (none when the batch is empty)."""
+    def _batch(self, plan: StepPlan) -> Optional[_Batch]:
+        """This worker's batch of ``plan``, collated (host data); None when it has no samples."""
         ids = plan.batch_of(self.rank)
         if not ids:
-            return {}
+            return None
         rows = getattr(self.data, plan.split)[list(ids)]
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
         input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.target.tokenizer))
+        return _Batch((plan.split, plan.step, tuple(ids)), ids, [len(r["input_ids"]) for r in rows],
+                      input_ids_BT, loss_mask_BT, attn_BT)
+
+    def _requests(self, plan: StepPlan, upcoming: Sequence[StepPlan]) -> Optional[_Batch]:
+        """``plan``'s batch; with an engine that computes apart, its requests sent (unless they went out
+        with the last step), then the next plan's. A look-ahead that does not match (another plan came:
+        a replaced peer, the end of a split) is dropped: its requests finish and their files go."""
+        ahead, self._ahead = self._ahead, None
+        key = (plan.split, plan.step, tuple(plan.batch_of(self.rank)))
+        batch = ahead if ahead is not None and ahead.key == key else self._batch(plan)
+        engine = self.target.engine
+        if engine is None or not engine.computes_apart:
+            return batch  # on our own cores one batch at a time (measured faster there: benchmarks/README.md)
+        if batch is not None and batch.pending is None:
+            batch.pending = engine.submit(engine_rows(batch.input_ids_BT, batch.attn_BT))
+        nxt = self._batch(upcoming[0]) if upcoming else None
+        if nxt is not None:
+            nxt.pending = engine.submit(engine_rows(nxt.input_ids_BT, nxt.attn_BT))
+            self._ahead = nxt
+        return batch
+
+    @torch.no_grad()
+    def _forward(self, plan: StepPlan, upcoming: Sequence[StepPlan] = ()) -> dict[int, dict[str, torch.Tensor]]:
+        """ONE right-padded target forward over this worker's batch of ``plan`` (packed rows with
+        ``rollout.pack_tokens``); per-sample full-length wire tensors (none when the batch is empty)."""
         try:
-            f = capture(self.target, input_ids_BT, attn_BT, self.cfg.model.argmax_chunk_tokens,
-                        target_packs(attn_BT, self.cfg.rollout.pack_tokens))
+            b = self._requests(plan, upcoming)
+            if b is None:
+                return {}
+            f = capture(self.target, b.input_ids_BT, b.attn_BT, self.cfg.model.argmax_chunk_tokens,
+                        target_packs(b.attn_BT, self.cfg.rollout.pack_tokens), pending=b.pending)
         except EngineError as e:  # its engine is gone: this worker goes too, and is replaced as a dead one is
             die_with_engine(self.target.engine, e)
         fields = {"aux_hidden": f.aux_hidden_BTKH, "last_hidden": f.last_hidden_BTH, "target_ids": f.target_ids_BT,
-                  "input_ids": input_ids_BT, "loss_mask": loss_mask_BT}
-        per_sample = wire_features(plan.feature_spec, fields, [len(r["input_ids"]) for r in rows],
-                                   self.transport.device)
-        return dict(zip(ids, per_sample))
+                  "input_ids": b.input_ids_BT, "loss_mask": b.loss_mask_BT}
+        per_sample = wire_features(plan.feature_spec, fields, b.lengths, self.transport.device)
+        return dict(zip(b.ids, per_sample))
 
     def forward_only(self, plan: StepPlan) -> StepReport:
         """Benchmark probe: the rollout stage alone (the batched forward, nothing sent)."""
