@@ -59,7 +59,7 @@ one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_er
 | unknown key, wrong type | error naming the dotted key | tests/test_config.py |
 | ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | \
 error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
-| capture / regenerate / training: ``store.dir``, ``regenerate.output`` or ``rollout.vllm_storage`` read-only (hf \
+| capture / regenerate / training / adapt: ``store.dir``, ``regenerate.output`` or ``rollout.vllm_storage`` read-only (hf \
 and vllm) | one ``error:`` line naming the key before the target or its engine starts | \
 test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_engine_starts |
 | the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | \
@@ -634,6 +634,11 @@ def test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_en
             check_run(make_cfg(assets, tmp_path, "rollout.backend=vllm", "placement.mode=disaggregated",
                                f"rollout.vllm_storage={READ_ONLY / 'handoff'}",
                                f"rollout.vllm_python={sys.executable}"))
+        from specforge.adapt.rounds import check as adapt_check  # lazy: the adapt package's imports
+
+        with pytest.raises(ValueError, match="rollout.vllm_storage.*is not writable"):  # before the draft is read
+            adapt_check(make_cfg(assets, tmp_path, "rollout.backend=vllm", f"adapt.dir={tmp_path / 'adapt'}",
+                                 f"rollout.vllm_storage={READ_ONLY / 'handoff'}"))
     with pytest.raises(AssertionError, match="started before the outputs were checked"):  # the control
         capture.main(["--no-progress", *base, f"store.dir={tmp_path / 'store'}"])
 

@@ -67,7 +67,7 @@ from specforge.engines.llamacpp import (
 from specforge.eval import Setting, evaluate_settings
 from specforge.files import open_safetensors
 from specforge.models.target import load_target, resolve_target_path
-from specforge.models.vllm_engine import engine_factory
+from specforge.models.vllm_engine import check_storage, engine_factory
 from specforge.preflight import check_writable
 from specforge.registry import algorithm_of, feature_layers, get_algorithm, load_draft, read_draft_config
 from specforge.runtime.plan import replayable_ids
@@ -192,6 +192,7 @@ def check(cfg: Config):
         raise ValueError(f"adapt.traffic={a.traffic!r}: no such file; name the JSONL of served traffic")
     root = adapt_root(cfg)
     check_writable("adapt.dir", root)
+    check_storage(cfg)  # where a round's engine writes its hidden states (rollout.backend=vllm)
     state = State.load(root)
     start = root / "drafts" / "start"
     changed = start_changed(cfg, root, state)
