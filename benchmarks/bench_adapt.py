@@ -166,7 +166,7 @@ def main() -> int:
 
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.data.template import resolve_chat_template
-    from specforge.engines.llamacpp import free_port
+    from specforge.jsonhttp import free_port
     from specforge.models.target import load_tokenizer
 
     out = Path(args.out)

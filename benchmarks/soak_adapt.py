@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="more adapt keys, e.g. adapt.general_prompts=8")
     args = ap.parse_args()
 
-    from specforge.engines.llamacpp import free_port
+    from specforge.jsonhttp import free_port
 
     out = Path(args.out)
     root = out / "adapt"

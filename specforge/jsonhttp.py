@@ -1,6 +1,6 @@
 """JSON over HTTP to the engines we start or are pointed at (vLLM, llama.cpp, an OpenAI-compatible
-endpoint): one POST, one health probe and the wait for a starting server, standard library only,
-every wait bounded by a timeout.
+endpoint): one POST, one health probe and the wait for a starting server, the port a server we start
+listens on, standard library only, every wait bounded by a timeout.
 
 Callers turn :class:`HttpFailure` into their own one-line error (which key or engine, what to do).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -20,6 +21,17 @@ from typing import Callable, Literal
 # reach the proxy, and an engine we started would never answer /health. Other hosts (a user's
 # endpoint) go the way the environment says.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+PORT_TRIES = 3  # starts of a server whose port was taken before it bound it, each with a new port
+
+
+def free_port() -> int:
+    """A loopback port free now. The port is released when this returns, so another process may bind
+    it before the server does: a start whose server says so picks again (up to ``PORT_TRIES``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def is_loopback(url: str) -> bool:

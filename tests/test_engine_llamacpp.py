@@ -241,6 +241,37 @@ def test_server_that_cannot_start_shows_its_log(tmp_path):
         LlamaServer(tmp_path / "missing.gguf")
 
 
+def test_a_port_taken_before_llama_server_binds_it_is_picked_again(monkeypatch):
+    """``free_port`` releases the port it found; another process may bind it first. llama-server then exits
+    at once ("couldn't bind", before it loads anything) and is started again on a new port. Control: with
+    one try the same start is one error showing that line of its log."""
+    import socket
+
+    from specforge.models.target import embedded_gguf_path
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    real = llamacpp.free_port
+    try:
+        for tries in (llamacpp.PORT_TRIES, 1):
+            picks = iter([taken])
+            monkeypatch.setattr(llamacpp, "free_port", lambda: next(picks, None) or real())
+            monkeypatch.setattr(llamacpp, "PORT_TRIES", tries)
+            srv = LlamaServer(embedded_gguf_path(), threads=1, ctx_size=256)
+            if tries == 1:
+                with pytest.raises(ValueError, match=r"(?s)exited with code .*couldn't bind HTTP server socket"):
+                    with srv:
+                        pass
+                continue
+            with srv:
+                assert srv.port != taken and f"--port {srv.port}" in " ".join(srv.args)
+                assert srv.complete([1, 2, 3], 2).tokens
+    finally:
+        held.close()
+
+
 def test_unsupported_target_family_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
     with pytest.raises(ValueError, match=r"Qwen2ForCausalLM.*cannot serve drafts in llama.cpp.*SGLang or vLLM"):

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from specforge.children import tied
 from specforge.compat import check_draft_shape
 from specforge.engines.gguf_header import GgufHeader, read_gguf_header
 from specforge.forkserver import run_script_in_child
-from specforge.jsonhttp import HttpFailure, get_text, post_json, wait_healthy
+from specforge.jsonhttp import PORT_TRIES, HttpFailure, free_port, get_text, post_json, wait_healthy
 from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.seam import Format
 from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
@@ -334,12 +333,6 @@ def _gguf_header(path: str, mtime_ns: int) -> Optional[GgufHeader]:
         return None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` on a free port of 127.0.0.1, one slot, for the lifetime of a ``with`` block.
 
@@ -403,17 +396,35 @@ class LlamaServer:
 
     def __enter__(self) -> "LlamaServer":
         self._logdir = tempfile.TemporaryDirectory(prefix="specforge-llama-server-")
-        with open(self.log_path, "wb") as log:
-            # tied: SIGTERM when the process that started it dies, so a killed eval or test never leaves a
-            # server running (__exit__ does not run on SIGKILL)
-            self.proc = subprocess.Popen(tied(self.args), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(PORT_TRIES):
+            with open(self.log_path, "wb") as log:
+                # tied: SIGTERM when the process that started it dies, so a killed eval or test never leaves
+                # a server running (__exit__ does not run on SIGKILL)
+                self.proc = subprocess.Popen(tied(self.args), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL)
+            try:
+                self._wait_healthy()
+                return self
+            except ValueError:
+                if attempt + 1 == PORT_TRIES or not self._port_was_taken():
+                    self.stop()
+                    raise
+                self._new_port()  # another process bound it between our pick and the server's bind
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _port_was_taken(self) -> bool:
+        """Whether the server exited because its port was in use (it binds before it loads the model)."""
+        return self.proc is not None and self.proc.poll() is not None and \
+            "couldn't bind HTTP server socket" in self.log_tail(40)
+
+    def _new_port(self) -> None:
+        i = self.args.index("--port")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args[i + 1] = str(self.port)
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -33,7 +33,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from specforge.children import tied
 from specforge.config import engine_start_timeout
 from specforge.device import engine_gpu_ids
 from specforge.files import check_writable
-from specforge.jsonhttp import HttpFailure, post_json, wait_healthy
+from specforge.jsonhttp import PORT_TRIES, HttpFailure, free_port, post_json, wait_healthy
 from specforge.models import handoff
 from specforge.models.arrivals import Arrivals
 from specforge.targets import read_config_json, text_config
@@ -60,7 +59,6 @@ CONNECTOR_MODULE = "specforge.models.vllm_connector"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where `specforge` imports from in the engine's venv
 ENDPOINT_WAIT_S = 10.0  # rollout.vllm_endpoint: how long its /health may take to answer
 REQUEST_TIMEOUT_S = 600.0  # one request (a whole batch is in flight at once on a slow CPU)
-PORT_TRIES = 3  # engine starts whose port was taken before vLLM bound it, each with a new port
 
 
 class EngineError(ValueError):
@@ -165,12 +163,6 @@ def cpu_binding(cores: Sequence[int], ranks: int) -> str:
     per = max(1, len(cores) // ranks)
     shares = [cores[(i * per) % len(cores):][:per] for i in range(ranks)]
     return "|".join(",".join(map(str, share)) for share in shares)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The engine runs under a shell that leads its own process group (a new session). When the process
