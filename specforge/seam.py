@@ -145,8 +145,11 @@ class Drafting(Protocol):
 
     dynamic_drafting: bool  # whether the eval also runs it with cost-based early stops (a chain, not a block)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype]):
-        """The eval's proposer: ``start(ids, aux_TH)``, ``propose(k, costs=None)``, ``accept(new, aux_TH)``."""
+    def proposer(self, draft, dtype: Optional[torch.dtype], as_served: bool = False):
+        """The eval's proposer: ``start(ids, aux_TH)``, ``propose(k, costs=None)``, ``accept(new, aux_TH)``.
+        A block draft proposes from its whole trained block; ``as_served``: from a block as long as the
+        drafts asked for, as vLLM and llama.cpp run it (``dflash.propose.block_rows``). Drafts with no
+        block (a chain, P-EAGLE's parallel rows, XPress's always-whole block) propose the same either way."""
 
 
 # ---------------------------------------------------------------- bound roles (hooks take no config)

@@ -326,6 +326,24 @@ def test_the_proposer_drafts_the_selector_chain(tiny, anchor_first):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("anchor_first", [False, True])
+def test_the_eval_proposes_from_the_whole_trained_block(tiny, anchor_first):
+    """The eval's proposer runs the whole block and keeps the first k drafts; ``as_served`` runs the rows
+    an engine runs for k drafts. Control: those shorter blocks draft other tokens at some anchors."""
+    from specforge.algorithms.dflash.propose import context_features
+    from specforge.algorithms.dflash2.propose import DFlash2Proposer, propose_block_dflash2
+    from tests.helpers.dflash import rounds_against_the_whole_block
+
+    target, drafts = tiny
+    _, ours = drafts[anchor_first]
+    ids = torch.randint(0, MASK, (1, 30), generator=torch.Generator().manual_seed(5))
+    ctx = context_features(target(ids, output_hidden_states=True).hidden_states, IDS)
+    differ = rounds_against_the_whole_block(lambda served: DFlash2Proposer(ours, as_served=served), ctx, ids,
+                                            lambda cache, a: propose_block_dflash2(ours, cache, a), range(4, 30, 3))
+    assert differ > 0
+
+
+@torch.no_grad()
 def test_spec_decoding_with_the_proposer_is_lossless(tiny):
     from specforge.algorithms.dflash.propose import greedy_decode, spec_decode_greedy
     from specforge.algorithms.dflash2.propose import propose_block_dflash2

@@ -178,6 +178,31 @@ def test_eval_runs_dflash_and_eagle3_drafts_losslessly_in_one_table(assets, sing
         (str(dflash), "chain 3 fixed"), (str(eagle), "chain 3 fixed"), (str(eagle), "dynamic <=3")]
     assert all(r["ties"] == 0 and r["new_tokens"] > 0 and r["acceptance_length"] >= 1 for r in rows)
     assert rows[0]["drafted_per_round"] == 3  # a block of 4 drafts 3 tokens in one forward
+    assert run_cli(lambda: ev.main(["--draft", str(dflash), "--num-prompts", "2", "--max-new-tokens", "12",
+                                    "--chain", "2", "--as-served", "--json", str(out_json), *base])) == 0
+    rows = json.loads(out_json.read_text())["rows"]  # 3-row blocks, as an engine runs them for 2 drafts
+    assert [r["setting"] for r in rows] == ["chain 2 fixed, block as served"] and rows[0]["drafted_per_round"] == 2
+
+
+def test_the_eval_proposes_from_the_whole_trained_block(assets, single):
+    """A round of the eval runs the whole block (``block_size`` rows, as training does: its rows attend
+    each other both ways) and keeps the first k drafts; ``as_served`` runs k + 1 rows, as vLLM and
+    llama.cpp do for k drafts. At k = block_size - 1 they are the same block. Control: on the trained
+    draft, the shorter blocks draft other tokens at some anchors (21 of 72 rounds here)."""
+    from specforge.algorithms.dflash.propose import DFlashProposer, propose_block
+    from specforge.models.target import forward_aux, load_target
+    from specforge.registry import load_draft
+    from tests.helpers.dflash import rounds_against_the_whole_block
+
+    _, ckpt = single
+    cfg = dflash_cfg(assets, assets / "unused")
+    target = load_target(cfg.model, torch.device("cpu"), layers=lambda n: [1, 3])
+    draft = load_draft(ckpt, target).double()
+    ids = torch.randint(0, 297, (1, 40), generator=torch.Generator().manual_seed(0))
+    aux = forward_aux(target, ids)[0].double()
+    differ = rounds_against_the_whole_block(lambda served: DFlashProposer(draft, as_served=served), aux, ids,
+                                            lambda cache, a: propose_block(draft, cache, a), range(4, 40))
+    assert differ > 0
 
 
 def test_the_dflash_proposer_drafts_what_the_training_forward_predicts(assets, single):

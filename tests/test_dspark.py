@@ -253,6 +253,23 @@ def test_the_proposer_drafts_the_greedy_markov_chain(tiny):
 
 
 @torch.no_grad()
+def test_the_eval_proposes_from_the_whole_trained_block(tiny):
+    """The eval's proposer runs the whole block (K rows, anchor-first: K drafts) and keeps the first k;
+    ``as_served`` runs k rows, as llama-server with n_max k does. Control: those shorter blocks draft
+    other tokens at some anchors (the rows attend each other both ways)."""
+    from specforge.algorithms.dflash.propose import context_features
+    from specforge.algorithms.dspark.propose import DSparkProposer, propose_block_dspark
+    from tests.helpers.dflash import rounds_against_the_whole_block
+
+    target_dir, target, folder, ours = tiny
+    ids = torch.randint(0, MASK, (1, 30), generator=torch.Generator().manual_seed(5))
+    ctx = context_features(target(ids, output_hidden_states=True).hidden_states, IDS)
+    differ = rounds_against_the_whole_block(lambda served: DSparkProposer(ours, as_served=served), ctx, ids,
+                                            lambda cache, a: propose_block_dspark(ours, cache, a)[0], range(4, 30, 3))
+    assert differ > 0
+
+
+@torch.no_grad()
 def test_proposer_lengths_follow_llama_server(tiny):
     """n_max drafts a round, clamped to K anchor-first (K - 1 in DFlash's layout, llama-server's
     clamp); llama-server's confidence cut (p_min) and its n_min drop."""
@@ -607,7 +624,7 @@ def _probe(served, ours, draft_gguf) -> dict:
             if a >= len(r.tokens):
                 break
             assert len(block) == LC_N_MAX  # n_max drafts a round in both layouts
-            proposer = DSparkProposer(ours)  # the eval's proposer, fed what the eval feeds it
+            proposer = DSparkProposer(ours, as_served=True)  # the eval's proposer, as llama-server runs blocks
             proposer.start(p + r.tokens[: a + 1], feats[0, : len(p) + a])  # every token before the anchor
             mine = proposer.propose(LC_N_MAX)
             cache = ContextCache().extend(ours, feats[:, : len(p) + a])

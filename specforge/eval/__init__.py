@@ -344,7 +344,8 @@ class Setting:
     target: Optional[TargetModel] = None  # the target capturing this draft's layers (None: the shared one)
 
     def name(self, chain: int) -> str:
-        return f"dynamic <={chain}" if self.dynamic else f"chain {chain} fixed"
+        name = f"dynamic <={chain}" if self.dynamic else f"chain {chain} fixed"
+        return name + (", block as served" if getattr(self.proposer, "as_served", False) else "")
 
 
 @dataclass
@@ -474,9 +475,10 @@ def format_report(rep: EvalReport, label: Optional[str] = None) -> str:
 
 
 def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Optional[torch.dtype],
-                   aux_ids: Optional[dict[str, Optional[list[int]]]] = None) -> list[Setting]:
+                   aux_ids: Optional[dict[str, Optional[list[int]]]] = None, as_served: bool = False) -> list[Setting]:
     """prompt-lookup: the fixed chain; a checkpoint: the fixed chain and dynamic drafting, each fed
-    the target layers ``aux_ids[name]`` (default: the target's)."""
+    the target layers ``aux_ids[name]`` (default: the target's). ``as_served``: block drafts run blocks as
+    long as the drafts asked for, as vLLM and llama.cpp do (default: the whole block, as trained)."""
     settings: list[Setting] = []
     for name in dict.fromkeys(drafts):  # a draft named twice runs once
         if name == "prompt-lookup":
@@ -486,9 +488,9 @@ def build_settings(drafts: Sequence[str], target: TargetModel, draft_dtype: Opti
         draft = load_draft(name, target).to(target.device)
         layers = (aux_ids or {}).get(name)
         view = replace(target, aux_layer_ids=layers) if layers and layers != target.aux_layer_ids else None
-        settings.append(Setting(name, algo.proposer(draft, draft_dtype), target=view))
+        settings.append(Setting(name, algo.proposer(draft, draft_dtype, as_served), target=view))
         if algo.dynamic_drafting:  # a chain can stop early token by token; a DFlash block is drafted whole
-            settings.append(Setting(name, algo.proposer(draft, draft_dtype), dynamic=True, target=view))
+            settings.append(Setting(name, algo.proposer(draft, draft_dtype, as_served), dynamic=True, target=view))
     return settings
 
 
@@ -516,6 +518,10 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
                     help="prompt-length bucket edges in tokens: acceptance is also reported per bucket")
     ap.add_argument("--chain", type=int, default=7)
+    ap.add_argument("--as-served", action="store_true",
+                    help="block drafts (DFlash, DSpark, DFlash2) propose --chain drafts from a block of that many "
+                         "rows, as vLLM (num_speculative_tokens) and llama.cpp (n_max) run them; default: the whole "
+                         "trained block, its first --chain drafts")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="dtype the draft runs in; auto = the autocast dtype of train.precision")
@@ -558,7 +564,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompts, cap = pick_prompts(cfg, target.tokenizer, args, max_positions)
     draft_dtype = _draft_dtype(args.draft_dtype, cfg.train.precision, target.device)
-    settings = build_settings(args.draft, target, draft_dtype, aux_ids)
+    settings = build_settings(args.draft, target, draft_dtype, aux_ids, args.as_served)
     reports = evaluate_settings(target, settings, prompts, args.max_new_tokens, args.chain, buckets=args.bucket_edges)
     target_dtype = str(target.lm_head_weight_VH.dtype).replace("torch.", "")
     print(f"target {cfg.model.target_path} in {target_dtype} on {target.device.type}, draft in "

@@ -21,3 +21,26 @@ def tiny_draft(dtype=torch.float64, **kw):
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return d
+
+
+def rounds_against_the_whole_block(proposer_for, ctx_1TF, ids_1T, whole, anchors) -> int:
+    """The block family's eval proposers against one forward of the whole block, fed what the eval feeds
+    them (the target's features of every token before the anchor). ``proposer_for(as_served)`` makes
+    one; ``whole(cache, anchor_B)`` drafts a whole block's tokens ``[1, drafts per block]``. At every
+    anchor and every k up to the drafts of a block, the default proposer's k drafts are the first k of
+    the whole block's (asserted); returns in how many (anchor, k) rounds ``as_served`` (a block of the
+    rows an engine runs for k drafts) drafts others: none at k = drafts per block (asserted)."""
+    from specforge.algorithms.dflash.model import ContextCache
+
+    trained, served = proposer_for(False), proposer_for(True)
+    draft, differ = trained.draft, 0
+    for s in anchors:
+        full = whole(ContextCache().extend(draft, ctx_1TF[:, :s]), ids_1T[:, s])[0].tolist()
+        for p in (trained, served):
+            p.start(ids_1T[0, : s + 1].tolist(), ctx_1TF[0, :s])
+        for k in range(1, len(full) + 1):
+            assert trained.propose(k) == full[:k], (s, k)
+            short = served.propose(k)
+            assert len(short) == k and (k < len(full) or short == full), (s, k)
+            differ += short != full[:k]
+    return differ

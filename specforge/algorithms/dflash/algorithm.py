@@ -283,8 +283,8 @@ class DFlash(Binds):
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
         return llamacpp_config(draft_config, target_config, layer_ids)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return DFlashProposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return DFlashProposer(draft, dtype, as_served=as_served)
 
 
 ALGORITHM = DFlash()

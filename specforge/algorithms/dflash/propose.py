@@ -8,6 +8,14 @@ of ``0 .. s-1`` (:class:`~.model.ContextCache`), drafts ``x_{s+1} .. x_{s+K-1}``
 ``[x_s, mask, ...]``. The target verifies ``[x_s, drafts]`` in one forward; the accepted drafts plus
 the target's next token (the bonus) are appended, the bonus is the next anchor, and the features of
 the anchor and the accepted drafts extend the context.
+
+Rows of a round's block (:func:`block_rows`). The rows of a block attend each other both ways, so a
+block's length changes what every row drafts. Training always runs whole blocks of ``block_size``
+rows, and so does the eval by default: a round runs the whole block and keeps its first k drafts.
+vLLM (``1 + num_speculative_tokens`` query rows) and llama.cpp (``n_max + 1`` rows, ``n_max`` for
+anchor-first DSpark) run a block as long as the drafts asked for: served with k below the drafts of
+one block, they run a shorter block than the draft was trained on. ``as_served=True`` proposes that
+way (the engine-parity probes); at k = drafts per block both are the same block.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ import torch
 
 from .model import ContextCache, DFlashDraft
 
-__all__ = ["DFlashProposer", "propose_block", "context_features", "spec_decode_greedy", "greedy_decode"]
+__all__ = ["DFlashProposer", "block_rows", "propose_block", "context_features", "spec_decode_greedy",
+           "greedy_decode"]
 
 
 @torch.no_grad()
@@ -31,6 +40,16 @@ def propose_block(draft: DFlashDraft, cache: ContextCache, anchor_ids_B: torch.T
     block[:, 0] = anchor_ids_B
     hidden = draft.forward_block(cache, block)
     return draft.logits(hidden[:, 1:]).argmax(-1)
+
+
+def block_rows(config, k: int, as_served: bool = False) -> int:
+    """Rows of the block a round that wants ``k`` drafts runs: the whole trained block (``block_size``),
+    or, ``as_served``, what vLLM and llama.cpp run for ``k`` drafts: one row per draft, plus the anchor's
+    row where the anchor drafts nothing (``shift`` 0; DFlash has no ``shift``), clamped to one block."""
+    if not as_served:
+        return config.block_size
+    shift = getattr(config, "shift", 0)
+    return min(k, config.block_size - 1 + shift) + 1 - shift
 
 
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -83,13 +102,18 @@ class DFlashProposer:
     ``start``, then the verified anchor + accepted drafts at ``accept``): exactly the context the
     draft reads. The last token produced (the target's own, not yet run by it) is the anchor.
     ``propose(k)`` drafts ``min(k, block_size - 1)`` tokens (k = the eval's chain: a block of K drafts
-    K - 1).
+    K - 1): the first k of the whole block's, as trained; ``as_served``: from a block of k + 1 rows, as
+    vLLM and llama.cpp run it (:func:`block_rows`).
     """
 
-    def __init__(self, draft: DFlashDraft, dtype: Optional[torch.dtype] = None):
+    def __init__(self, draft: DFlashDraft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
         self.draft = draft if dtype is None else draft.to(dtype)
         self.dtype = next(draft.parameters()).dtype
         self.cache, self.anchor = ContextCache(), 0
+        self.as_served = as_served
+
+    def rows(self, k: int) -> int:
+        return block_rows(self.draft.config, k, self.as_served)
 
     @torch.no_grad()
     def start(self, ids: list[int], aux_TH: torch.Tensor) -> None:
@@ -98,9 +122,8 @@ class DFlashProposer:
 
     @torch.no_grad()
     def propose(self, k: int, costs=None) -> list[int]:
-        K = min(k + 1, self.draft.config.block_size)
         anchor = torch.tensor([self.anchor], device=self.draft.fc.weight.device)
-        return propose_block(self.draft, self.cache, anchor, K)[0].tolist()
+        return propose_block(self.draft, self.cache, anchor, self.rows(k))[0, :k].tolist()
 
     @torch.no_grad()
     def accept(self, new_tokens: list[int], aux_TH: torch.Tensor) -> None:

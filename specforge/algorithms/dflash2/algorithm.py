@@ -146,8 +146,8 @@ class DFlash2(ShiftedBlocks, DFlash):
     def llamacpp_config(self, draft_config: dict, target_config: dict, layer_ids=None) -> dict:
         raise ValueError(NO_LLAMACPP)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return DFlash2Proposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return DFlash2Proposer(draft, dtype, as_served=as_served)
 
 
 ALGORITHM = DFlash2()

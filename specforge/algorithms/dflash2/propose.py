@@ -38,14 +38,13 @@ def propose_block_dflash2(draft: DFlash2Draft, cache: ContextCache, anchor_ids_B
 
 class DFlash2Proposer(DFlashProposer):
     """``specforge.eval``'s proposer for a DFlash2 draft: ``propose(k)`` drafts ``min(k,
-    drafts_per_block)`` tokens from one block (``start`` / ``accept`` are DFlash's)."""
+    drafts_per_block)`` tokens from one block, the whole block as trained unless ``as_served``
+    (DFlash's ``block_rows``; ``start`` / ``accept`` are DFlash's)."""
 
-    def __init__(self, draft: DFlash2Draft, dtype: Optional[torch.dtype] = None):
-        super().__init__(draft, dtype)
+    def __init__(self, draft: DFlash2Draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        super().__init__(draft, dtype, as_served)
 
     @torch.no_grad()
     def propose(self, k: int, costs=None) -> list[int]:
-        c = self.draft.config
-        n_rows = min(k, c.drafts_per_block) + 1 - c.shift
         anchor = torch.tensor([self.anchor], device=self.draft.fc.weight.device)
-        return propose_block_dflash2(self.draft, self.cache, anchor, n_rows)[0].tolist()
+        return propose_block_dflash2(self.draft, self.cache, anchor, self.rows(k))[0, :k].tolist()

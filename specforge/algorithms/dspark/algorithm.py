@@ -138,8 +138,8 @@ class DSpark(ShiftedBlocks, DFlash):
         raise ValueError(f"--engine {engine}: DSparkDraftModel drafts are exported for llama.cpp only "
                          "(--engine llama.cpp)")
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return DSparkProposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return DSparkProposer(draft, dtype, as_served=as_served)
 
 
 ALGORITHM = DSpark()

@@ -5,7 +5,8 @@ it); the draft's context is the target's features of ``0 .. s-1`` (DFlash's
 :class:`~specforge.algorithms.dflash.model.ContextCache`). The draft runs ONE block of ``n`` rows
 ``[x_s, mask, ...]`` at positions ``s .. s+n-1`` (``common/speculative.cpp``: ``n = n_max``
 anchor-first, ``n_max + 1`` otherwise, ``n_max`` clamped to what one trained block drafts; the block
-is n rows long, not block_size: in-block attention is bidirectional, so the length matters). Then
+is n rows long, not block_size: in-block attention is bidirectional, so the length matters; the
+eval's proposer runs the whole block as trained unless ``as_served``). Then
 the Markov chain, always greedy (``src/models/dflash.cpp`` ``build_dspark_markov_head``):
 ``prev = x_s``; for each drafting row i (from 0 anchor-first, else from 1)
 ``col_i = lm_head(h_i) + W2 W1[prev]``, ``conf_i = sigmoid(proj([h_i ; W1[prev]]))``,
@@ -65,18 +66,19 @@ def cut_draft(tokens: list[int], confidence: Optional[list[float]], p_min: float
 
 
 class DSparkProposer(DFlashProposer):
-    """``specforge.eval``'s proposer for a DSpark draft: ``propose(k)`` drafts what llama-server
-    with ``--spec-draft-n-max k`` drafts (k clamped to ``drafts_per_block``), from the same context
-    (the target's features of every token it has run; ``start`` / ``accept`` are DFlash's)."""
+    """``specforge.eval``'s proposer for a DSpark draft: ``propose(k)`` drafts the first k (clamped to
+    ``drafts_per_block``) of the whole block, as trained; ``as_served``: what llama-server with
+    ``--spec-draft-n-max k`` drafts, from a block of k rows (DFlash's ``block_rows``). The same context
+    either way (the target's features of every token it has run; ``start`` / ``accept`` are DFlash's)."""
 
-    def __init__(self, draft: DSparkDraft, dtype: Optional[torch.dtype] = None, p_min: float = 0.0, n_min: int = 0):
-        super().__init__(draft, dtype)
+    def __init__(self, draft: DSparkDraft, dtype: Optional[torch.dtype] = None, p_min: float = 0.0, n_min: int = 0,
+                 as_served: bool = False):
+        super().__init__(draft, dtype, as_served)
         self.p_min, self.n_min = p_min, n_min
 
     @torch.no_grad()
     def propose(self, k: int, costs=None) -> list[int]:
-        c = self.draft.config
-        n_rows = min(k, c.drafts_per_block) + 1 - c.shift
         anchor = torch.tensor([self.anchor], device=self.draft.fc.weight.device)
-        tokens, conf = propose_block_dspark(self.draft, self.cache, anchor, n_rows)
-        return cut_draft(tokens[0].tolist(), None if conf is None else conf[0].tolist(), self.p_min, self.n_min)
+        tokens, conf = propose_block_dspark(self.draft, self.cache, anchor, self.rows(k))
+        tokens, conf = tokens[0, :k].tolist(), None if conf is None else conf[0, :k].tolist()
+        return cut_draft(tokens, conf, self.p_min, self.n_min)

@@ -224,8 +224,8 @@ class Eagle3(Binds):
     def read_published(self, path):
         return read_published(path)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return EagleProposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return EagleProposer(draft, dtype)  # no block to shorten
 
     def tokens_per_round(self, hf_config: dict) -> int:
         return DEFAULT_SPECULATIVE_TOKENS

@@ -80,8 +80,8 @@ class Eagle31(Eagle3):
     def load(self, path, target):
         return load_eagle31(path, target)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return Eagle31Proposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return Eagle31Proposer(draft, dtype)  # no block to shorten
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
         return export(engine, draft_dir, out_dir, req)

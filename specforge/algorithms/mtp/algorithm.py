@@ -210,8 +210,8 @@ class MTP(Binds):
     def refusal(self, engine: str) -> Optional[str]:
         return NO_ENGINE.get(engine)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return MTPProposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return MTPProposer(draft, dtype)  # no block to shorten
 
 
 ALGORITHM = MTP()

@@ -150,8 +150,8 @@ class PEagle(Eagle3):
     def load(self, path, target):
         return load_peagle(path, target)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return PEagleProposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return PEagleProposer(draft, dtype)  # no block to shorten
 
     def tokens_per_round(self, hf_config: dict) -> int:
         return parallel_tokens(hf_config)

@@ -162,8 +162,8 @@ class XPress(ShiftedBlocks, DFlash):
     def refusal(self, engine: str) -> Optional[str]:
         return NO_ENGINE.get(engine)
 
-    def proposer(self, draft, dtype: Optional[torch.dtype] = None):
-        return XPressProposer(draft, dtype)
+    def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
+        return XPressProposer(draft, dtype)  # no block to shorten
 
 
 ALGORITHM = XPress()
