@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from specforge.seam import BoundAlgorithm, DraftAlgorithm
+from specforge.seam import BoundAlgorithm, DraftAlgorithm, missing_members
 
 __all__ = ["NAMES", "get_algorithm", "bound_algorithm", "algorithm_of", "algorithm_name", "feature_layers",
            "load_draft", "by_gguf", "published_algorithm_name", "read_draft_config"]
@@ -24,10 +24,19 @@ __all__ = ["NAMES", "get_algorithm", "bound_algorithm", "algorithm_of", "algorit
 NAMES = ("eagle3", "dflash", "dspark", "eagle31", "peagle", "dflash2", "mtp", "xpress")
 
 
+_CHECKED: set[str] = set()  # the algorithms found to play every role (each checked at its first lookup)
+
+
 def get_algorithm(name: str) -> DraftAlgorithm:
     if name not in NAMES:
         raise ValueError(f"config key 'draft.algorithm'={name!r}: one of {', '.join(NAMES)}")
-    return importlib.import_module(f"specforge.algorithms.{name}").ALGORITHM
+    algorithm = importlib.import_module(f"specforge.algorithms.{name}").ALGORITHM
+    if name not in _CHECKED:  # registered means it plays every role of the seam: said at once, not at first use
+        if missing := missing_members(algorithm):
+            raise TypeError(f"draft algorithm {name!r} (specforge/algorithms/{name}) lacks {', '.join(missing)}: "
+                            "every registered algorithm plays every role of specforge/seam.py")
+        _CHECKED.add(name)
+    return algorithm
 
 
 def bound_algorithm(cfg) -> BoundAlgorithm:

@@ -25,6 +25,7 @@ argmax, the input ids and the loss mask, whatever the feature source.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # annotations only: the seam imports no torch
     import torch
 
 __all__ = ["RunFacts", "ExportRequest", "Configured", "Training", "MemoryTerms", "Format", "Drafting",
-           "DraftAlgorithm", "BoundAlgorithm", "Binds"]
+           "DraftAlgorithm", "BoundAlgorithm", "Binds", "ROLES", "BINDING", "role_members", "missing_members"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Configured(Protocol):
 
     name: str
     options: type  # a ``config.DraftConfig`` subclass: the ``draft.*`` keys this algorithm reads
+    reads_last_layer: bool  # its feature layer may be the target's last (L-1: MTP), past EAGLE-3's L-2
 
     def config_errors(self, cfg) -> list[str]:
         """Checks of the config alone: one message per problem, naming the key."""
@@ -87,14 +89,13 @@ class Configured(Protocol):
 class Format(Protocol):
     """A saved draft: its checkpoint, the published folders it reads, its engine exports."""
 
-    name: str
     architecture: str  # config.json ``architectures`` entry of its saved folder
     engines: tuple[str, ...]  # the engines whose export it writes (``specforge.export.ENGINES``)
     llamacpp_spec_type: Optional[str]  # ``llama-server --spec-type`` (None: llama.cpp cannot serve it)
     gguf_architecture: Optional[str]  # ``general.architecture`` of its draft GGUF
 
     def hf_config(self, draft) -> dict:
-        """The checkpoint's config.json (the format its servers load)."""
+        """The checkpoint's config.json (the format its servers load; what a run's checkpoint saves)."""
 
     def owns_checkpoint(self, hf_config: dict) -> bool:
         """Whether a saved folder's config.json is this algorithm's (the registry asks the last
@@ -202,15 +203,10 @@ class Training(Protocol):
     def metrics(self, counts: torch.Tensor) -> dict[str, float]:
         """Rates from the summed counters (loss, per-position accuracy, simulated acceptance tau)."""
 
-    def hf_config(self, draft) -> dict:
-        """The checkpoint's config.json (what a checkpoint of the run saves)."""
-
 
 class MemoryTerms(Protocol):
-    """What the memory model and the dry run count of a bound algorithm's step."""
-
-    def sp_halo(self) -> int:
-        """Rows past its own slice a sequence-parallel rank reads (the step's rows grow by it)."""
+    """What the memory model and the dry run count of a bound algorithm's step (with ``Training.sp_halo``:
+    a sequence-parallel step's rows grow by it)."""
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict[str, list]:
         """The memory model's terms of one micro-batch's step (``specforge.memory``), by phase."""
@@ -229,6 +225,35 @@ class BoundAlgorithm(DraftAlgorithm, Training, MemoryTerms, Protocol):
     facts: RunFacts
 
 
+ROLES = (Configured, Format, Drafting, Training, MemoryTerms)
+BINDING = ("facts", "run", "opt")  # what ``Binds`` adds to every algorithm besides the roles' members
+
+
+def role_members(role) -> list[str]:
+    """The members a role declares: its annotated attributes and its methods, in order (a role's
+    Protocol bases' too)."""
+    names: dict[str, None] = {}
+    for cls in reversed(role.__mro__):
+        if cls in (Protocol, object) or not getattr(cls, "_is_protocol", False):
+            continue
+        names.update(dict.fromkeys(n for n in vars(cls).get("__annotations__", {}) if not n.startswith("_")))
+        names.update(dict.fromkeys(n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")))
+    return list(names)
+
+
+def missing_members(algorithm) -> list[str]:
+    """``Role.member`` for each member of a role that ``algorithm`` (a registry entry: unbound, so
+    looked up without calling a property) lacks; empty when it plays every role."""
+    missing = []
+    for role in ROLES:
+        for name in role_members(role):
+            try:
+                inspect.getattr_static(algorithm, name)
+            except AttributeError:
+                missing.append(f"{role.__name__}.{name}")
+    return missing
+
+
 def recorded_layers(hf_config: dict) -> Optional[list[int]]:
     """The layer ids a draft's config.json records under EAGLE-3's key (``eagle_config``
     ``eagle_aux_hidden_state_layer_ids``, SGLang's) or DFlash's (``dflash_config`` ``target_layer_ids``:
@@ -245,7 +270,7 @@ class Binds:
     options). Also the default of a hook or two every algorithm but one shares (``recorded_layers``)."""
 
     facts: Optional[RunFacts] = None
-    reads_last_layer = False  # its feature layer may be the target's last (L-1: MTP), past EAGLE-3's L-2
+    reads_last_layer = False  # Configured.reads_last_layer: only MTP's may be the target's last layer
 
     def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:
         return recorded_layers(hf_config)

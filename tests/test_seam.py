@@ -1,0 +1,82 @@
+"""The draft-algorithm seam says all it needs (``specforge/seam.py``): every registered algorithm plays
+every member of every role, checked when the registry first hands it out (an algorithm missing one is
+refused there, in one line naming it); each member is declared by one role; and the code outside the
+algorithms reads of an algorithm only what a role declares."""
+
+import ast
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import specforge.registry as registry
+from specforge.registry import NAMES, get_algorithm
+from specforge.seam import BINDING, ROLES, missing_members, role_members
+
+ROOT = Path(__file__).resolve().parent.parent / "specforge"
+OWN = ("algorithms", "seam.py", "registry.py")  # where an algorithm's own members may be read
+# the names callers hold an algorithm by, and the lookups that return one
+HOLDERS = {"algo", "algorithm", "bound", "alg"}
+LOOKUPS = {"get_algorithm", "algorithm_of", "bound_algorithm", "by_gguf"}
+
+
+def test_every_registered_algorithm_plays_every_role():
+    for name in NAMES:
+        algorithm = get_algorithm(name)  # the registry's own check passed
+        assert missing_members(algorithm) == [], name
+        assert name in registry._CHECKED
+
+
+def test_each_member_is_declared_by_one_role():
+    seen: dict[str, str] = {}
+    for role in ROLES:
+        for member in role_members(role):
+            assert member not in seen, f"{member} is declared by {seen[member]} and {role.__name__}"
+            seen[member] = role.__name__
+    assert "reads_last_layer" in seen and "hf_config" in seen and "sp_halo" in seen
+
+
+def test_an_algorithm_missing_a_member_is_refused_when_registered(monkeypatch):
+    """A package whose ALGORITHM lacks ``owns_gguf`` is refused at its first lookup with one line naming
+    ``Format.owns_gguf``. Control: the same object with every member passes."""
+    members = {m: None for role in ROLES for m in role_members(role)}
+    for name, algorithm in (("fake_whole", types.SimpleNamespace(**members)),
+                            ("fake_short", types.SimpleNamespace(**{m: v for m, v in members.items()
+                                                                    if m != "owns_gguf"}))):
+        module = types.ModuleType(f"specforge.algorithms.{name}")
+        module.ALGORITHM = algorithm
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(registry, "NAMES", NAMES + ("fake_whole", "fake_short"))
+    assert get_algorithm("fake_whole") is sys.modules["specforge.algorithms.fake_whole"].ALGORITHM
+    with pytest.raises(TypeError) as e:
+        get_algorithm("fake_short")
+    assert str(e.value).count("\n") == 0 and "'fake_short'" in str(e.value) and "lacks Format.owns_gguf:" in str(e.value)
+    registry._CHECKED.discard("fake_whole")
+
+
+def undeclared_reads(source: str) -> list[str]:
+    """``line: name`` of each attribute read off an algorithm (a name ``HOLDERS`` lists, ``self.algo``,
+    or a registry lookup's result) that no role declares and ``Binds`` does not add."""
+    declared = {m for role in ROLES for m in role_members(role)} | set(BINDING)
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        held = (isinstance(v, ast.Name) and v.id in HOLDERS) or \
+            (isinstance(v, ast.Attribute) and v.attr in HOLDERS) or \
+            (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in LOOKUPS)
+        if held and node.attr not in declared:
+            bad.append(f"line {node.lineno}: {node.attr}")
+    return bad
+
+
+def test_callers_read_only_what_a_role_declares():
+    """Every attribute the code outside the algorithms reads of an algorithm is a role's member. Control:
+    a read of an undeclared one (``reads_last_layer`` was, before Configured declared it) is caught."""
+    bad = [f"{path.relative_to(ROOT)} {v}" for path in sorted(ROOT.rglob("*.py"))
+           if not str(path.relative_to(ROOT)).startswith(OWN) for v in undeclared_reads(path.read_text())]
+    assert not bad, "\n".join(bad)
+    assert undeclared_reads("top = algo.title\nx = get_algorithm(n).secret\nok = self.algo.loss\n") == [
+        "line 1: title", "line 2: secret"]
