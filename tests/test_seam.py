@@ -80,3 +80,26 @@ def test_callers_read_only_what_a_role_declares():
     assert not bad, "\n".join(bad)
     assert undeclared_reads("top = algo.title\nx = get_algorithm(n).secret\nok = self.algo.loss\n") == [
         "line 1: title", "line 2: secret"]
+
+
+def undocumented(package: Path) -> list[str]:
+    """The modules of an algorithm package (or, for ``algorithms/`` itself, the packages) its
+    ``__init__`` docstring does not name (in double backquotes)."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    if package.name == "algorithms":
+        have = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+        return sorted(f"{n}/" for n in have if f"``{n}/``" not in doc)
+    return sorted(f.stem for f in package.glob("*.py") if f.stem != "__init__" and f"``{f.stem}``" not in doc)
+
+
+def test_the_package_docstrings_name_what_is_there(tmp_path):
+    """``algorithms/__init__.py`` names every algorithm package, and each package's docstring each of its
+    modules. Control: a package whose docstring skips a module is reported."""
+    root = ROOT / "algorithms"
+    assert sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file()) == sorted(NAMES)
+    assert {p.name: undocumented(p) for p in [root, *sorted(root.iterdir())] if (p / "__init__.py").is_file()} == \
+        {p: [] for p in ["algorithms", *sorted(NAMES)]}
+    (tmp_path / "__init__.py").write_text('"""``model`` (the draft)."""\n')
+    (tmp_path / "model.py").write_text("")
+    (tmp_path / "loss.py").write_text("")
+    assert undocumented(tmp_path) == ["loss"]

@@ -2,7 +2,8 @@
 
 ``model`` (the draft, training and inference forwards), ``loss`` (anchors, blocks, decayed block
 cross-entropy, metrics), ``propose`` (block proposal + a greedy reference loop), ``export``
-(the public ``DFlashDraftModel`` checkpoint format).
+(the public ``DFlashDraftModel`` checkpoint format), ``sp`` (ring sequence parallelism), ``memory``
+(its memory terms), ``algorithm`` (the seam's hooks).
 """
 
 from .algorithm import ALGORITHM
