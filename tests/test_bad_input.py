@@ -59,8 +59,8 @@ one ``error:`` line, no traceback, exit 1 | test_every_entry_point_prints_one_er
 | unknown key, wrong type | error naming the dotted key | tests/test_config.py |
 | ``checkpoint.dir`` / ``train.output_dir`` read-only, or an existing file | \
 error naming the key before anything loads | test_unwritable_output_folder_is_refused_before_anything_loads |
-| capture / regenerate / training / adapt: ``store.dir``, ``regenerate.output`` or ``rollout.vllm_storage`` read-only (hf \
-and vllm) | one ``error:`` line naming the key before the target or its engine starts | \
+| capture / regenerate / training / adapt: ``store.dir``, ``regenerate.output`` or ``rollout.vllm_storage`` \
+read-only (hf and vllm) | one ``error:`` line naming the key before the target or its engine starts | \
 test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_engine_starts |
 | the final save fails anyway (disk turns read-only or full) | saved to a rescue folder the error names, exit 1 | \
 test_a_failed_final_save_is_rescued_and_exits_non_zero, test_a_failed_final_save_in_ray_exits_non_zero |

@@ -329,10 +329,10 @@ def test_a_rollout_worker_asks_for_the_next_plan_before_reading_this_one():
     from concurrent.futures import Future
 
     from specforge.config import load_config
+    from specforge.contracts import FeatureField, FeatureSpec
     from specforge.models.target import TargetModel
     from specforge.runtime.dataplane import SendHandle, SendWindow
     from specforge.runtime.workers import RolloutWorker
-    from specforge.contracts import FeatureField, FeatureSpec
     from tests.helpers.models import tiny_target
 
     SPEC = FeatureSpec((FeatureField("aux_hidden", 3 * 48, "float32"), FeatureField("last_hidden", 48, "float32"),
