@@ -17,7 +17,7 @@ from typing import Optional
 
 from specforge.seam import BoundAlgorithm, DraftAlgorithm, missing_members
 
-__all__ = ["NAMES", "get_algorithm", "bound_algorithm", "algorithm_of", "algorithm_name", "feature_layers",
+__all__ = ["NAMES", "get_algorithm", "owner", "bound_algorithm", "algorithm_of", "algorithm_name", "feature_layers",
            "load_draft", "by_gguf", "published_algorithm_name", "read_draft_config"]
 
 # each name is a package specforge/algorithms/<name>/ exposing ALGORITHM
@@ -44,12 +44,23 @@ def bound_algorithm(cfg) -> BoundAlgorithm:
     return get_algorithm(cfg.draft.algorithm).bind(cfg)
 
 
+def owner(claims) -> Optional[str]:
+    """The one algorithm of those that claim a folder (names, ``owns_checkpoint`` / ``owns_published``):
+    a claimant whose format another claimant ``refines`` gives way to it. None if none claims it; a
+    RuntimeError if two formats of their own both do (a registry defect, never a user's)."""
+    claims = list(claims)
+    kept = [n for n in claims if not any(get_algorithm(o).refines == n for o in claims)]
+    if len(kept) > 1:
+        raise RuntimeError(f"draft algorithms {', '.join(sorted(kept))} each own the same folder and none "
+                           "refines another's format (seam.Format.refines)")
+    return kept[0] if kept else None
+
+
 def algorithm_name(hf_config: dict, where: str = "draft") -> str:
-    """The algorithm of a saved draft, from its config.json: the last registered algorithm that owns
-    it (``owns_checkpoint``; a later algorithm may refine an earlier one's format, so it asks first)."""
-    for name in reversed(NAMES):
-        if get_algorithm(name).owns_checkpoint(hf_config):
-            return name
+    """The algorithm of a saved draft, from its config.json: the algorithm that owns it
+    (``owns_checkpoint``; where a refinement of a format and that format both do, the refinement)."""
+    if (name := owner(n for n in NAMES if get_algorithm(n).owns_checkpoint(hf_config))) is not None:
+        return name
     known = sorted({get_algorithm(n).architecture for n in NAMES})
     raise ValueError(f"{where}: config.json architectures {hf_config.get('architectures') or []} is none of "
                      f"{', '.join(known)}; not a draft checkpoint this project wrote")
@@ -57,10 +68,9 @@ def algorithm_name(hf_config: dict, where: str = "draft") -> str:
 
 def published_algorithm_name(hf_config: dict, where: str) -> str:
     """The algorithm of a published draft folder (``draft.init_from``): ours or an engine's format
-    (``owns_published``, asked last registered first); a ValueError naming ``where`` if none reads it."""
-    for name in reversed(NAMES):
-        if get_algorithm(name).owns_published(hf_config):
-            return name
+    (``owns_published``, two claims resolved as ``owner`` says); a ValueError naming ``where`` if none reads it."""
+    if (name := owner(n for n in NAMES if get_algorithm(n).owns_published(hf_config))) is not None:
+        return name
     kind = hf_config.get("speculators_model_type") or hf_config.get("architectures") or []
     raise ValueError(f"{where}: config.json ({kind}) is not a draft folder any algorithm here reads "
                      f"({', '.join(NAMES)}: ours, SGLang's EAGLE-3, a speculators/vLLM EAGLE-3 export or "
@@ -73,9 +83,10 @@ def algorithm_of(hf_config: dict, where: str = "draft") -> DraftAlgorithm:
 
 
 def by_gguf(arch: str, tensor_names) -> Optional[DraftAlgorithm]:
-    """The algorithm whose draft GGUF has ``general.architecture`` ``arch`` and these tensors (the last
-    registered that owns it, ``owns_gguf``); None: none of ours."""
-    return next((a for a in map(get_algorithm, reversed(NAMES)) if a.owns_gguf(arch, set(tensor_names))), None)
+    """The algorithm whose draft GGUF has ``general.architecture`` ``arch`` and these tensors (``owns_gguf``;
+    two claims resolved as ``owner`` says); None: none of ours."""
+    name = owner(n for n in NAMES if get_algorithm(n).owns_gguf(arch, set(tensor_names)))
+    return None if name is None else get_algorithm(name)
 
 
 def feature_layers(cfg, num_layers: int) -> list[int]:

@@ -90,6 +90,8 @@ class Format(Protocol):
     """A saved draft: its checkpoint, the published folders it reads, its engine exports."""
 
     architecture: str  # config.json ``architectures`` entry of its saved folder
+    refines: Optional[str]  # the algorithm whose saved format this one's extends (EAGLE-3.1: EAGLE-3's flags
+    # set): where both own a folder, this one does (``registry.owner``); None for a format of its own
     engines: tuple[str, ...]  # the engines whose export it writes (``specforge.export.ENGINES``)
     llamacpp_spec_type: Optional[str]  # ``llama-server --spec-type`` (None: llama.cpp cannot serve it)
     gguf_architecture: Optional[str]  # ``general.architecture`` of its draft GGUF
@@ -98,8 +100,8 @@ class Format(Protocol):
         """The checkpoint's config.json (the format its servers load; what a run's checkpoint saves)."""
 
     def owns_checkpoint(self, hf_config: dict) -> bool:
-        """Whether a saved folder's config.json is this algorithm's (the registry asks the last
-        registered first, so a refinement of an earlier format claims its own folders)."""
+        """Whether a saved folder's config.json is this algorithm's (where two claim it, the one that
+        ``refines`` the other's format owns it, whatever the order of the registry's names)."""
 
     def owns_gguf(self, arch: str, tensor_names: set[str]) -> bool:
         """Whether a draft GGUF (its ``general.architecture`` and tensor names) is this algorithm's."""
@@ -112,8 +114,8 @@ class Format(Protocol):
 
     def owns_published(self, hf_config: dict) -> bool:
         """Whether a published draft folder's config.json (ours, or an engine's format this algorithm
-        reads: SGLang, speculators/vLLM, z-lab's DFlash) is this algorithm's (``draft.init_from``;
-        asked last registered first, as ``owns_checkpoint``)."""
+        reads: SGLang, speculators/vLLM, z-lab's DFlash) is this algorithm's (``draft.init_from``; two
+        claims resolved as ``owns_checkpoint``'s)."""
 
     def read_published(self, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         """``(config.json in our saved format, weights named as the draft's export_state_dict)`` of a
@@ -270,6 +272,7 @@ class Binds:
     options). Also the default of a hook or two every algorithm but one shares (``recorded_layers``)."""
 
     facts: Optional[RunFacts] = None
+    refines: Optional[str] = None  # Format.refines: a format of its own
     reads_last_layer = False  # Configured.reads_last_layer: only MTP's may be the target's last layer
 
     def recorded_layers(self, hf_config: dict) -> Optional[list[int]]:

@@ -51,7 +51,8 @@ def test_an_algorithm_missing_a_member_is_refused_when_registered(monkeypatch):
     assert get_algorithm("fake_whole") is sys.modules["specforge.algorithms.fake_whole"].ALGORITHM
     with pytest.raises(TypeError) as e:
         get_algorithm("fake_short")
-    assert str(e.value).count("\n") == 0 and "'fake_short'" in str(e.value) and "lacks Format.owns_gguf:" in str(e.value)
+    msg = str(e.value)
+    assert msg.count("\n") == 0 and "'fake_short'" in msg and "lacks Format.owns_gguf:" in msg
     registry._CHECKED.discard("fake_whole")
 
 
@@ -103,3 +104,32 @@ def test_the_package_docstrings_name_what_is_there(tmp_path):
     (tmp_path / "model.py").write_text("")
     (tmp_path / "loss.py").write_text("")
     assert undocumented(tmp_path) == ["loss"]
+
+
+def _folders():
+    """A saved config.json of each algorithm's and a GGUF's (architecture, tensor names) of each
+    llama.cpp serves, with the algorithm that owns it."""
+    from specforge.algorithms.eagle31.export import GGUF_MARKER
+
+    configs = [({"architectures": [get_algorithm(n).architecture]}, n) for n in NAMES if n not in ("eagle31", "mtp")]
+    configs += [({"architectures": ["LlamaForCausalLMEagle3"], "norm_before_fc": True}, "eagle31"),
+                ({"architectures": [get_algorithm("mtp").architecture], "speculators_model_type": "mtp"}, "mtp")]
+    ggufs = [(("eagle3", set()), "eagle3"), (("eagle3", {GGUF_MARKER}), "eagle31"),
+             (("dflash", set()), "dflash"), (("dflash", {"markov_w1.weight"}), "dspark")]
+    return configs, ggufs
+
+
+def test_who_owns_a_folder_does_not_depend_on_the_order_of_the_names(monkeypatch):
+    """Each algorithm's folder and GGUF is its own, with the registry's names in either order (EAGLE-3.1
+    refines EAGLE-3's folder, DSpark DFlash's GGUF: ``Format.refines``). Control: without EAGLE-3.1's
+    ``refines`` both own its folder, and the registry says so instead of picking by order."""
+    from specforge.registry import algorithm_name, by_gguf
+
+    configs, ggufs = _folders()
+    for names in (NAMES, tuple(reversed(NAMES))):
+        monkeypatch.setattr(registry, "NAMES", names)
+        assert [algorithm_name(c) for c, _ in configs] == [n for _, n in configs]
+        assert [by_gguf(*g).name for g, _ in ggufs] == [n for _, n in ggufs]
+    monkeypatch.setattr(type(get_algorithm("eagle31")), "refines", None)
+    with pytest.raises(RuntimeError, match="eagle3, eagle31 each own the same folder"):
+        algorithm_name(configs[-2][0])

@@ -68,6 +68,7 @@ class DSpark(ShiftedBlocks, DFlash):
     dynamic_drafting = False  # a block is drafted whole, in one forward (the chain runs on its logits)
     llamacpp_spec_type = "draft-dspark"
     gguf_architecture = "dflash"  # llama.cpp's converter writes DFlash's architecture; owns_gguf tells them apart
+    refines = "dflash"  # its GGUF is DFlash's plus the Markov head: both own it, DSpark wins
     engines = ("llama.cpp",)
     title = "DSpark"
     ring_sp = False  # its loss (the Markov and confidence heads) has no sequence-parallel path

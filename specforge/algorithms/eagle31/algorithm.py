@@ -46,6 +46,7 @@ def flags_of(draft_cfg) -> dict[str, bool]:
 class Eagle31(Eagle3):
     name = "eagle31"
     options = Eagle31Options
+    refines = "eagle3"  # EAGLE-3's folder with a flag set: it owns those, EAGLE-3 the rest
 
     def config_errors(self, cfg) -> list[str]:
         errors = super().config_errors(cfg)
