@@ -188,16 +188,18 @@ class Training(Protocol):
     def train_state(self, target, vocab) -> Any:
         """Frozen tensors the loss needs besides the draft (EAGLE-3: the teacher rows), or None."""
 
-    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
+    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (summed over micro-batches and ranks): a
         0-dim tensor on the batch's device, or a vector where the loss averages several terms apart
-        (summed entry by entry); never read to the host (a read is a GPU sync)."""
+        (summed entry by entry); never read to the host (a read is a GPU sync). ``training``: a train
+        step's (else held-out metrics'), said by the trainer: a hook never reads it off grad mode, so
+        a caller may run the normalizer under ``no_grad`` and still draw a train step's anchors."""
 
-    def loss(self, draft, batch, state, step: int,
-             normalizer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *,
+             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, counts)`` of one micro-batch: the loss is its share of the global mean when
         ``normalizer`` (the global sum, a float64 tensor on the device, the normalizer's shape) is given;
-        counts are raw float64 sums, reduced once."""
+        counts are raw float64 sums, reduced once. ``training`` as the normalizer's."""
 
     def counts_shape(self) -> tuple[int, int]:
         """The shape of the summed counters."""

@@ -123,13 +123,13 @@ class _Spy:
     def _record(self, hook, batch):
         self.seen.append((hook, getattr(batch, "moved", False)))
 
-    def normalizer(self, draft, batch, step):
+    def normalizer(self, draft, batch, step, *, training):
         self._record("normalizer", batch)
-        return self.inner.normalizer(draft, batch, step)
+        return self.inner.normalizer(draft, batch, step, training=training)
 
-    def loss(self, draft, batch, state, step, normalizer):
+    def loss(self, draft, batch, state, step, normalizer, *, training):
         self._record("loss", batch)
-        return self.inner.loss(draft, batch, state, step, normalizer)
+        return self.inner.loss(draft, batch, state, step, normalizer, training=training)
 
 
 @dataclasses.dataclass

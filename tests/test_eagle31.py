@@ -254,7 +254,7 @@ def test_training_lowers_the_loss_and_the_checkpoint_round_trips(tmp_path):
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for step in range(12):
-        loss, _ = ALGO.bind(cfg).loss(draft, batch, state, step, None)
+        loss, _ = ALGO.bind(cfg).loss(draft, batch, state, step, None, training=True)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -317,7 +317,7 @@ def test_inference_paths_and_the_loss_agree_with_the_training_forward(target, fl
     batch = TrainBatch(ids, torch.ones_like(ids), aux, last, target_ids)
     teacher = torch.randn(N, H, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        got, counts = ALGO.bind(cfg).loss(draft, batch, teacher, 0, None)
+        got, counts = ALGO.bind(cfg).loss(draft, batch, teacher, 0, None, training=False)  # the whole unroll
         want, want_counts = ttt_loss_reference(draft, batch, teacher, 3, cfg.draft.ttt_decay)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(counts, want_counts, rtol=1e-5, atol=1e-4)

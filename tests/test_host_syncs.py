@@ -80,8 +80,8 @@ class FloatNormalizer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def normalizer(self, draft, batch, step):
-        return float(self.inner.normalizer(draft, batch, step))
+    def normalizer(self, draft, batch, step, *, training):
+        return float(self.inner.normalizer(draft, batch, step, training=training))
 
 
 def test_an_eagle3_train_step_reads_the_device_once_per_micro_batch_and_once_at_its_end():

@@ -204,9 +204,9 @@ def _padded(samples, pad_id=5):
 
 def _step(algo, draft, batches):
     """The loss over ``batches`` as the trainer computes it (the global per-step normalizer first)."""
-    shares = [algo.normalizer(draft, b, 0) for b in batches]
+    shares = [algo.normalizer(draft, b, 0, training=True) for b in batches]
     total = sum(shares)
-    losses, counts = zip(*(algo.loss(draft, b, None, 0, total) for b in batches))
+    losses, counts = zip(*(algo.loss(draft, b, None, 0, total, training=True) for b in batches))
     loss = sum(losses)
     return loss, sum(counts), torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad])
 

@@ -162,8 +162,8 @@ def _micro_batches(name, dtype, draft=None):
 
 def _loss_counts_grads(algo, cfg, draft, state, batches):
     """The step's loss over ``batches`` as the trainer computes it (the global normalizer first)."""
-    total = sum(algo.normalizer(draft, b, STEP) for b in batches)
-    losses, counts = zip(*(algo.loss(draft, b, state, STEP, total) for b in batches))
+    total = sum(algo.normalizer(draft, b, STEP, training=True) for b in batches)
+    losses, counts = zip(*(algo.loss(draft, b, state, STEP, total, training=True) for b in batches))
     loss = sum(losses)
     return loss, sum(counts), torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad])
 

@@ -133,3 +133,34 @@ def test_who_owns_a_folder_does_not_depend_on_the_order_of_the_names(monkeypatch
     monkeypatch.setattr(type(get_algorithm("eagle31")), "refines", None)
     with pytest.raises(RuntimeError, match="eagle3, eagle31 each own the same folder"):
         algorithm_name(configs[-2][0])
+
+
+def test_a_train_steps_hooks_under_no_grad_compute_the_train_step():
+    """``training`` comes from the trainer, never from grad mode: a DFlash train step's normalizer and loss
+    run under ``no_grad`` draw the train step's anchors (the same loss as with grad), while
+    ``training=False`` (held-out metrics) draws the eval's: another loss (the control)."""
+    import torch
+
+    from specforge.config import load_config
+    from specforge.models.features import TrainBatch
+    from tests.helpers.dflash import tiny_draft
+
+    cfg = load_config(None, ["draft.algorithm=dflash", "draft.block_size=4", "draft.num_anchors=3"])
+    algo = get_algorithm("dflash").bind(cfg)
+    draft = tiny_draft()
+    g = torch.Generator().manual_seed(0)
+    B, T, c = 2, 24, draft.config
+    ids = torch.randint(0, c.vocab_size - 1, (B, T), generator=g)
+    batch = TrainBatch(ids, torch.ones_like(ids), torch.randn(B, T, c.context_width, generator=g, dtype=torch.float64),
+                       torch.randn(B, T, c.hidden_size, generator=g, dtype=torch.float64),
+                       torch.randint(0, c.vocab_size - 1, (B, T), generator=g))
+
+    def loss(training):
+        n = algo.normalizer(draft, batch, 5, training=training)
+        return algo.loss(draft, batch, None, 5, n.reshape(()).double(), training=training)[0]
+
+    with_grad = loss(True)
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        assert torch.equal(loss(True), with_grad.detach())
+        assert not torch.equal(loss(False), with_grad.detach())

@@ -265,7 +265,7 @@ def test_teacher_equals_hf_logits_on_the_draft_vocab(name):
     cfg = Config()
     cfg.draft.vocab_size, cfg.draft.ttt_length, cfg.draft.ttt_warmup_steps = 48, 2, 0
     with torch.no_grad():
-        loss, _ = eagle3.bind(cfg).loss(draft, batch, head, 0, None)
+        loss, _ = eagle3.bind(cfg).loss(draft, batch, head, 0, None, training=False)
         want, _ = ttt_loss_reference(draft, batch, head.weight_NH, 2, cfg.draft.ttt_decay, softcap=head.softcap)
         torch.testing.assert_close(loss, want)
     if head.softcap:  # negative control: the uncapped teacher is another distribution

@@ -54,7 +54,7 @@ def test_the_trainer_runs_the_algorithm_it_is_given_and_refuses_another():
     with pytest.raises(ValueError, match="DraftTrainer got algorithm 'eagle3' unbound.*bound_algorithm"):
         DraftTrainer(EAGLE3, trainer.draft, trainer.state, trainer.cfg, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="unbound algorithm; bind it"):
-        EAGLE3.loss(trainer.draft, None, trainer.state, 0, None)
+        EAGLE3.loss(trainer.draft, None, trainer.state, 0, None, training=True)
 
 
 def test_checkpoint_reloads_to_identical_logits_and_resumes_exactly(tmp_path):

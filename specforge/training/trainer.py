@@ -132,16 +132,17 @@ class DraftTrainer:
         loss mask on the host while its capture wrote the features on the GPU)."""
         return [mb.to(self.device) for mb in micro_batches]
 
-    def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[torch.Tensor]) -> torch.Tensor:
-        """Run the loss over ``micro_batches`` (backward too when training); the summed counters,
+    def _counts(self, micro_batches: Sequence[TrainBatch], normalizer: Optional[torch.Tensor],
+                training: bool) -> torch.Tensor:
+        """Run the loss over ``micro_batches`` (backward too when ``training``); the summed counters,
         on the trainer's device (summed there: no host sync per micro-batch)."""
         algo = self.algorithm
         counts = torch.zeros(algo.counts_shape(), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             mb = _compute_dtype(mb, self.amp_dtype)
             with autocast(self.device, self.amp_dtype):
-                loss, c = algo.loss(self.draft, mb, self.state, self.step_count, normalizer)
-            if torch.is_grad_enabled():
+                loss, c = algo.loss(self.draft, mb, self.state, self.step_count, normalizer, training=training)
+            if training:
                 loss.backward()
             counts[: c.shape[0]] += c.to(self.device)
         return self.reduce_sum(counts)
@@ -151,9 +152,10 @@ class DraftTrainer:
         reduced there, divided there: a host read of it would be one GPU sync a step). An algorithm's
         normalizer is a 0-dim tensor, or a vector where it averages terms apart (summed entrywise)."""
         total = None
-        for mb in micro_batches:
-            n = torch.as_tensor(self.algorithm.normalizer(self.draft, mb, self.step_count), dtype=torch.float64,
-                                device=self.device)
+        for mb in micro_batches:  # a denominator: nothing to differentiate (a train step's anchors all the same)
+            with torch.no_grad():
+                n = self.algorithm.normalizer(self.draft, mb, self.step_count, training=True)
+            n = torch.as_tensor(n, dtype=torch.float64, device=self.device)
             total = n if total is None else total + n
         if total is None:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -169,7 +171,7 @@ class DraftTrainer:
         total = self._global_normalizer(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        counts = self._counts(micro_batches, total)
+        counts = self._counts(micro_batches, total, training=True)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.draft.parameters() if p.requires_grad], cfg.train.max_grad_norm
         )
@@ -196,7 +198,7 @@ class DraftTrainer:
         """Metrics of ``batches`` (summed over all train ranks), no update."""
         self.draft.eval()
         # the metrics hooks read host counters, as step's do (one copy to the host)
-        return self.algorithm.metrics(self._counts(self.on_device(batches), None).cpu())
+        return self.algorithm.metrics(self._counts(self.on_device(batches), None, training=False).cpu())
 
 
 def local_batches(target: TargetModel, rows: Sequence[dict], batch_size: int, chunk_tokens: int,

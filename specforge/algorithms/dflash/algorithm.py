@@ -165,11 +165,11 @@ class DFlash(Binds):
     def train_state(self, target, vocab):
         return None
 
-    def _anchors(self, draft, batch, step: int):
+    def _anchors(self, draft, batch, step: int, training: bool):
         """``(anchors, keep, ring)``: the micro-batch's anchors, as indices into this rank's rows; ``ring``
         (``sp.RingBlocks``) on a ring rank (the anchors drawn over the whole micro-batch, whose ids and
         loss mask the ranks all-gather, then those in its rows kept), else None."""
-        step = step if torch.is_grad_enabled() else EVAL_STEP
+        step = step if training else EVAL_STEP
         comm = ring_comm(draft) if hasattr(batch, "num_rows") else None
         if comm is None:
             doc_ids_BT = getattr(batch, "doc_ids_BT", None)  # packed rows (data/packing.py): anchors per sample
@@ -187,16 +187,16 @@ class DFlash(Binds):
             ring = RingBlocks(comm, batch.start)
         return anchors, keep, ring
 
-    def _blocks(self, draft, batch, step: int):
+    def _blocks(self, draft, batch, step: int, training: bool):
         c = draft.config
-        anchors, keep, ring = self._anchors(draft, batch, step)
+        anchors, keep, ring = self._anchors(draft, batch, step, training)
         labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
         labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size,
                                           getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels_BNK, valid, ring
 
-    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
-        valid = self._blocks(draft, batch, step)[3]
+    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
+        valid = self._blocks(draft, batch, step, training)[3]
         return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
     @staticmethod
@@ -205,9 +205,9 @@ class DFlash(Binds):
         micro-batch's own). DSpark and DFlash2 divide by it too."""
         return None if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32, device=device)
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
         c = draft.config
-        anchors, keep, labels, valid, ring = self._blocks(draft, batch, step)
+        anchors, keep, labels, valid, ring = self._blocks(draft, batch, step, training)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
         if ring is None:  # packed rows: positions restart per sample, a block sees its own sample only
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),

@@ -106,9 +106,9 @@ class DFlash2(ShiftedBlocks, DFlash):
     def _new_draft(self, dcfg):
         return DFlash2Draft(dcfg)
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
         c, d = draft.config, self.opt
-        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step)
+        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step, training)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
         def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)

@@ -48,16 +48,16 @@ class ShiftedBlocks:
     """DFlash's anchors with DSpark's block targets (a block's rows shifted by ``sample_from_anchor``) and
     their decay-weighted normalizer: shared by DSpark and DFlash2, whose heads read the same targets."""
 
-    def _targets(self, draft, batch, step: int):
+    def _targets(self, draft, batch, step: int, training: bool):
         c = draft.config
-        anchors, keep, _ = self._anchors(draft, batch, step)  # DFlash's, per sample (no ring: refused)
+        anchors, keep, _ = self._anchors(draft, batch, step, training)  # DFlash's, per sample (no ring: refused)
         labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
                                                  anchors, keep, c.block_size, c.shift,
                                                  getattr(batch, "doc_ids_BT", None))
         return anchors, keep, labels, valid, prev_pos
 
-    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
-        valid = self._targets(draft, batch, step)[3]
+    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
+        valid = self._targets(draft, batch, step, training)[3]
         return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
 
@@ -101,9 +101,9 @@ class DSpark(ShiftedBlocks, DFlash):
     def _new_draft(self, dcfg):
         return DSparkDraft(dcfg)
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
         c, d = draft.config, self.opt
-        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step)
+        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step, training)
         block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
         def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)

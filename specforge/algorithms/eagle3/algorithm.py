@@ -168,11 +168,11 @@ class Eagle3(Binds):
         (evaluation: always all). A function of the step alone, so every rank agrees without talking."""
         return 1 if training and step < self.opt.ttt_warmup_steps else self.opt.ttt_length
 
-    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
+    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         return num_valid_rows(batch, draft.t2d, self.opt.ttt_length)
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
-        steps = self.unroll_length(step, torch.is_grad_enabled())
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
+        steps = self.unroll_length(step, training)
         total = None if normalizer is None else normalizer.clamp(min=1.0)  # no valid row anywhere: a zero loss
         head = state if isinstance(state, TeacherHead) else TeacherHead(state)  # a bare N x H tensor: no soft-cap
         return ttt_loss(draft, batch, head.weight_NH, steps, self.opt.ttt_decay, num_valid_global=total,

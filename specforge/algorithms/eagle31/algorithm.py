@@ -60,8 +60,8 @@ class Eagle31(Eagle3):
         draft = super().build_draft(target, vocab)
         return Eagle31Draft.adopt(draft, Eagle31DraftConfig.of(draft.config, **flags_of(self.opt)))
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
-        return super().loss(for_loss(draft), batch, state, step, normalizer)
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
+        return super().loss(for_loss(draft), batch, state, step, normalizer, training=training)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         step = super().memory_step(draft, shape, precision, gpu)

@@ -137,7 +137,7 @@ class MTP(Binds):
     def train_state(self, target, vocab):
         return None
 
-    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
+    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         """Each step's counted rows (the loss averages every step over its own, as speculators does):
         a vector on the batch's device, one entry per step."""
         docs = getattr(batch, "doc_ids_BT", None)
@@ -146,7 +146,7 @@ class MTP(Binds):
         return torch.stack([step_valid(mask, k, docs).sum() if k < mask.shape[1] - 1 else zero
                             for k in range(self.opt.num_speculative_steps)])
 
-    def loss(self, draft, batch, state, step: int, normalizer):
+    def loss(self, draft, batch, state, step: int, normalizer, *, training: bool):
         return mtp_loss(draft, batch.last_hidden_BTH, batch.input_ids_BT, batch.loss_mask_BT, self.weights(),
                         normalizer, getattr(batch, "position_ids_BT", None), getattr(batch, "doc_ids_BT", None))
 

@@ -118,7 +118,7 @@ class PEagle(Eagle3):
     def unroll_length(self, step: int, training: bool) -> int:
         return self.opt.parallel_tokens  # no chain, no warmup: every depth from the first step
 
-    def normalizer(self, draft, batch, step: int) -> torch.Tensor:
+    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         return num_valid_rows(batch, draft.t2d, self.opt.parallel_tokens)
 
     def counts_shape(self) -> tuple[int, int]:

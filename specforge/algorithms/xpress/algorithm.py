@@ -111,9 +111,9 @@ class XPress(ShiftedBlocks, DFlash):
     def _new_draft(self, dcfg):
         return XPressDraft(dcfg)
 
-    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor]):
+    def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
         c, d = draft.config, self.opt
-        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step)
+        anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step, training)
         doc_ids_BT = getattr(batch, "doc_ids_BT", None)
         prev = teacher_prev(batch.input_ids_BT, anchors, c.block_size, c.shift, doc_ids_BT)
         ce_labels = None
