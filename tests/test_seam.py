@@ -164,3 +164,18 @@ def test_a_train_steps_hooks_under_no_grad_compute_the_train_step():
     with torch.no_grad():
         assert torch.equal(loss(True), with_grad.detach())
         assert not torch.equal(loss(False), with_grad.detach())
+
+
+def test_each_block_draft_names_its_own_saved_format():
+    """The block family's hooks reach a saved folder through the declared ``saved`` (``BlockFormat``), no
+    module found by name: each algorithm's functions are its own export module's. Control: a DSpark
+    that kept DFlash's would load DFlash's folder class."""
+    from specforge.algorithms.dflash.export import FORMAT as DFLASH
+
+    def own(name, saved) -> bool:
+        return {f.__module__ for f in vars(saved).values()} == {f"specforge.algorithms.{name}.export"}
+
+    blocks = [n for n in NAMES if hasattr(get_algorithm(n), "saved")]
+    assert sorted(blocks) == ["dflash", "dflash2", "dspark", "xpress"]
+    assert [n for n in blocks if not own(n, get_algorithm(n).saved)] == []
+    assert not own("dspark", DFLASH)

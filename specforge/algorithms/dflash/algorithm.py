@@ -18,7 +18,6 @@ process); the context's keys/values travel the ring. Ulysses is refused.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from specforge.algorithms.dflash.export import export, llamacpp_config
+from specforge.algorithms.dflash.export import FORMAT, export, llamacpp_config
 from specforge.algorithms.dflash.loss import (
     anchor_keys,
     block_loss,
@@ -85,11 +84,7 @@ class DFlash(Binds):
     engines = ("sglang", "vllm", "llama.cpp")
     title = "DFlash"  # how messages name it
     ring_sp = True  # ring sequence parallelism (sp.py); a subclass whose loss does not take it says False
-
-    def _module(self, part: str):
-        """This algorithm's ``export`` / ``propose`` / ... module: a subclass (DSpark) that keeps
-        DFlash's hooks gets its own package's functions through it."""
-        return importlib.import_module(f"specforge.algorithms.{self.name}.{part}")
+    saved = FORMAT  # its saved folder's functions (export.BlockFormat): a subclass names its own export's
 
     def config_errors(self, cfg) -> list[str]:
         errors = [] if cfg.model.aux_layer_ids is None else aux_layer_errors(cfg.model.aux_layer_ids)
@@ -243,7 +238,7 @@ class DFlash(Binds):
     # ---------------------------------------------------------------- a saved draft (unbound)
 
     def hf_config(self, draft) -> dict:
-        return self._module("export").to_hf_config(draft.config)
+        return self.saved.to_hf_config(draft.config)
 
     def owns_checkpoint(self, hf_config: dict) -> bool:
         return self.architecture in (hf_config.get("architectures") or [])
@@ -252,12 +247,11 @@ class DFlash(Binds):
         return arch == self.gguf_architecture
 
     def check_checkpoint(self, path):
-        return self._module("export").check_checkpoint(path)
+        return self.saved.check_checkpoint(path)
 
     def load(self, path, target):
         self.check_checkpoint(path)  # a truncated or misshapen file is named, as for every checkpoint
-        load = getattr(self._module("export"), f"load_{self.name}")
-        return load(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
+        return self.saved.load(path, target.embed_weight_VH, target.lm_head_weight_VH).eval()
 
     def owns_published(self, hf_config: dict) -> bool:
         return self.owns_checkpoint(hf_config)  # our folder IS z-lab's format
@@ -270,7 +264,7 @@ class DFlash(Binds):
                 {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))})
 
     def tokens_per_round(self, hf_config: dict) -> int:
-        return self._module("export").tokens_per_round(hf_config)
+        return self.saved.tokens_per_round(hf_config)
 
     def max_tokens_per_round(self, hf_config: dict) -> Optional[int]:
         """One block a round (llama-server clamps n_max to it): DFlash's anchor + block_size - 1

@@ -32,6 +32,7 @@ so the draft's logits are the target's full vocabulary.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
@@ -168,6 +169,20 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
     model present and shaped as its config says, the mask token set; a ValueError naming what is wrong."""
     return check_block_checkpoint(draft_dir, from_hf_config, DFlashDraft, ARCHITECTURE, "dflash",
                                   "every engine drafts with it")
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block draft's saved folder, as the family's algorithm hooks (``DFlash.saved``) use it: each
+    member of the family names its own export module's functions here."""
+
+    to_hf_config: Callable[..., dict]  # (draft config, dtype) -> config.json
+    check_checkpoint: Callable[..., tuple]  # (folder) -> (config.json, None); a ValueError naming what is wrong
+    load: Callable[..., torch.nn.Module]  # (folder, embed_VH, lm_head_VH) -> the draft
+    tokens_per_round: Callable[[Mapping], int]  # (config.json) -> tokens one block drafts
+
+
+FORMAT = BlockFormat(to_hf_config, check_checkpoint, load_dflash, tokens_per_round)
 
 
 def check_block_checkpoint(draft_dir, parse, model_cls, architecture: str, algorithm: str,

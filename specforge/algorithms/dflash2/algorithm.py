@@ -21,7 +21,7 @@ import torch
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.loss import build_block_ids
 from specforge.algorithms.dflash.memory import anchors_per_row
-from specforge.algorithms.dflash2.export import NO_LLAMACPP, NO_SGLANG, export
+from specforge.algorithms.dflash2.export import FORMAT, NO_LLAMACPP, NO_SGLANG, export
 from specforge.algorithms.dflash2.loss import dflash2_block_loss, dflash2_metrics
 from specforge.algorithms.dflash2.memory import dflash2_step
 from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
@@ -55,6 +55,7 @@ class DFlash2Options(DFlashOptions):
 class DFlash2(ShiftedBlocks, DFlash):
     name = "dflash2"
     options = DFlash2Options
+    saved = FORMAT  # its own saved folder's functions (DFlash's hooks call them)
     architecture = "DFlash2DraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward (the selector's chain runs on its rows)
     llamacpp_spec_type = None  # not exported for llama.cpp yet (export.NO_LLAMACPP)

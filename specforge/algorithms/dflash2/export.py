@@ -109,6 +109,9 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
                                   "every block is drafted from it")
 
 
+FORMAT = dflash_export.BlockFormat(to_hf_config, check_checkpoint, load_dflash2, tokens_per_round)
+
+
 # ---------------------------------------------------------------- vLLM (speculators' DFlash2 format)
 
 NO_SGLANG = "SGLang has no DFlash2 drafting; export it with --engine vllm"

@@ -21,6 +21,7 @@ import torch
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.loss import build_block_ids, decay_weights
 from specforge.algorithms.dflash.memory import anchors_per_row
+from specforge.algorithms.dspark.export import FORMAT
 from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
 from specforge.algorithms.dspark.memory import dspark_step
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
@@ -64,6 +65,7 @@ class ShiftedBlocks:
 class DSpark(ShiftedBlocks, DFlash):
     name = "dspark"
     options = DSparkOptions
+    saved = FORMAT  # its own saved folder's functions (DFlash's hooks call them)
     architecture = "DSparkDraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward (the chain runs on its logits)
     llamacpp_spec_type = "draft-dspark"

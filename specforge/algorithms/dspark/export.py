@@ -87,3 +87,6 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
     says, the mask token set; one ValueError naming what is wrong."""
     return check_block_checkpoint(draft_dir, from_hf_config, DSparkDraft, ARCHITECTURE, "dspark",
                                   "llama.cpp drafts with it")
+
+
+FORMAT = dflash_export.BlockFormat(to_hf_config, check_checkpoint, load_dspark, tokens_per_round)

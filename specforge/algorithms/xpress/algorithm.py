@@ -26,6 +26,7 @@ from specforge.algorithms.dflash.loss import build_block_ids
 from specforge.algorithms.dflash.memory import anchors_per_row
 from specforge.algorithms.dspark.algorithm import ShiftedBlocks
 from specforge.algorithms.dspark.loss import dspark_targets
+from specforge.algorithms.xpress.export import FORMAT
 from specforge.algorithms.xpress.loss import LossMix, teacher_prev, xpress_block_loss, xpress_metrics
 from specforge.algorithms.xpress.memory import xpress_step
 from specforge.algorithms.xpress.model import XPressConfig, XPressDraft
@@ -71,6 +72,7 @@ NO_ENGINE = {  # why each engine cannot serve an XPress draft (checked: vLLM 0.3
 class XPress(ShiftedBlocks, DFlash):
     name = "xpress"
     options = XPressOptions
+    saved = FORMAT  # its own saved folder's functions (DFlash's hooks call them)
     architecture = "XPressDraftModel"
     dynamic_drafting = False  # a block is drafted whole, in one forward (the Jacobi passes run on its rows)
     llamacpp_spec_type = None  # llama.cpp has no XPress drafting
