@@ -180,7 +180,7 @@ def test_each_sample_draws_its_anchors_packed_or_padded():
     def per_sample(batches):
         out = []
         for b in batches:
-            anchors, keep, _ = algo._anchors(None, b, STEP)
+            anchors, keep, _ = algo._anchors(None, b, STEP, True)
             doc = getattr(b, "doc_ids_BT", None)
             pos = getattr(b, "position_ids_BT", None)
             for r in range(anchors.shape[0]):
