@@ -178,17 +178,17 @@ def speculators_run(folder, target, T=24, anchors=4, seed=5):
 def our_run(ours, ref, swap_predecessor=False):
     """Our training forward + loss + backward at speculators' anchors, on the same features:
     (unary logits [n, K, V], candidates and scores over the predicted rows, loss, gradients)."""
+    from specforge.algorithms.dflash.blocks import rows_at, shifted_targets
     from specforge.algorithms.dflash.loss import build_block_ids
     from specforge.algorithms.dflash.propose import context_features
-    from specforge.algorithms.dflash2.loss import dflash2_block_loss, rows_at, training_candidates
-    from specforge.algorithms.dspark.loss import dspark_targets
+    from specforge.algorithms.dflash2.loss import dflash2_block_loss, training_candidates
 
     ours.zero_grad()
     ids, T, shift = ref.ids, ref.ids.shape[1], ours.config.shift
     ctx = context_features(ref.hs, ours.config.target_layer_ids)
     anchors, keep = ref.anchors.view(1, -1), torch.ones(1, ref.anchors.numel(), dtype=torch.bool)
     batch = SimpleNamespace(input_ids_BT=ids, last_hidden_BTH=ref.hs[-1], loss_mask_BT=torch.ones(1, T))
-    labels, valid, prev_pos = dspark_targets(ids, ref.target_ids, batch.loss_mask_BT, anchors, keep, K, shift)
+    labels, valid, prev_pos = shifted_targets(ids, ref.target_ids, batch.loss_mask_BT, anchors, keep, K, shift)
     hidden = ours(ctx, build_block_ids(ids, anchors, K, MASK), anchors, keep)
     # speculators divides each term by the counted rows (+ 1e-5), not by the decay weights' sum
     count = valid.sum().double() + 1e-5

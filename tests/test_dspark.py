@@ -144,15 +144,16 @@ def speculators_run(folder, target, T=24, anchors=4, seed=5):
 @torch.no_grad()
 def our_rows(ours, ids, hs, anchors_N):
     """Our training forward at speculators' anchors: (logits [n, K, V], conf [n, K], loss with its normaliser)."""
+    from specforge.algorithms.dflash.blocks import shifted_targets
     from specforge.algorithms.dflash.loss import build_block_ids
     from specforge.algorithms.dflash.propose import context_features
-    from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_targets
+    from specforge.algorithms.dspark.loss import dspark_block_loss
 
     T, shift = ids.shape[1], ours.config.shift
     ctx = context_features(hs, ours.config.target_layer_ids)
     anchors, keep = anchors_N.view(1, -1), torch.ones(1, anchors_N.numel(), dtype=torch.bool)
     batch = SimpleNamespace(input_ids_BT=ids, last_hidden_BTH=hs[-1], target_ids_BT=None, loss_mask_BT=torch.ones(1, T))
-    labels, valid, prev_pos = dspark_targets(ids, None, batch.loss_mask_BT, anchors, keep, K, shift)
+    labels, valid, prev_pos = shifted_targets(ids, None, batch.loss_mask_BT, anchors, keep, K, shift)
     hidden = ours(ctx, build_block_ids(ids, anchors, K, MASK), anchors, keep)
     # the data token before each row's prediction (anchor-first: x_{a+k}; else x_{a+k-1}, the anchor for rows 0, 1)
     prev = ids[0, (anchors_N.view(-1, 1) + torch.arange(K) - 1 + shift).clamp(min=anchors_N.view(-1, 1))]

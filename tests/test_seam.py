@@ -179,3 +179,57 @@ def test_each_block_draft_names_its_own_saved_format():
     assert sorted(blocks) == ["dflash", "dflash2", "dspark", "xpress"]
     assert [n for n in blocks if not own(n, get_algorithm(n).saved)] == []
     assert not own("dspark", DFLASH)
+
+
+FAMILY_BASE = {"dspark": "dflash", "dflash2": "dflash", "xpress": "dflash", "eagle31": "eagle3", "peagle": "eagle3"}
+
+
+def sibling_imports(package: Path) -> list[str]:
+    """``file: module`` of each import in an algorithm package of another algorithm's package than its
+    family's base (DFlash's for the block drafts, EAGLE-3's for its refinements)."""
+    own, base = package.name, FAMILY_BASE.get(package.name)
+    bad = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specforge.algorithms."):
+                other = node.module.split(".")[2]
+                if other not in (own, base):
+                    bad.append(f"{path.name}: {node.module}")
+    return bad
+
+
+def test_no_algorithm_imports_a_siblings_modules(tmp_path):
+    """The block drafts take what they share from DFlash's package (``dflash/blocks.py``), never from each
+    other. Control: an XPress module importing DFlash2's loss is reported."""
+    root = ROOT / "algorithms"
+    assert {n: sibling_imports(root / n) for n in NAMES} == {n: [] for n in NAMES}
+    (tmp_path / "xpress").mkdir()
+    (tmp_path / "xpress" / "loss.py").write_text("from specforge.algorithms.dflash2.loss import rows_at\n")
+    assert sibling_imports(tmp_path / "xpress") == ["loss.py: specforge.algorithms.dflash2.loss"]
+
+
+def test_a_block_drafts_anchors_and_targets_are_drawn_once_per_micro_batch(monkeypatch):
+    """The normalizer's draw of a micro-batch's anchors and targets is the loss's (``blocks.DrawnOnce``):
+    one draw for both, for DFlash and the shifted layouts alike; another step draws again."""
+    import torch
+
+    import specforge.algorithms.dflash.algorithm as dflash_algorithm
+    from specforge.config import load_config
+    from specforge.models.features import TrainBatch
+    from tests.helpers.dflash import tiny_draft
+
+    draws = []
+    real = dflash_algorithm.sample_anchors
+    monkeypatch.setattr(dflash_algorithm, "sample_anchors", lambda *a, **k: draws.append(1) or real(*a, **k))
+    cfg = load_config(None, ["draft.algorithm=dflash", "draft.block_size=4", "draft.num_anchors=3"])
+    algo, draft = get_algorithm("dflash").bind(cfg), tiny_draft()
+    g = torch.Generator().manual_seed(0)
+    B, T, c = 2, 24, draft.config
+    ids = torch.randint(0, c.vocab_size - 1, (B, T), generator=g)
+    batch = TrainBatch(ids, torch.ones_like(ids), torch.randn(B, T, c.context_width, generator=g, dtype=torch.float64),
+                       torch.randn(B, T, c.hidden_size, generator=g, dtype=torch.float64),
+                       torch.randint(0, c.vocab_size - 1, (B, T), generator=g))
+    for step in (1, 2):
+        n = algo.normalizer(draft, batch, step, training=True)
+        algo.loss(draft, batch, None, step, n.reshape(()).double(), training=True)
+    assert len(draws) == 2  # one a step: the loss took the normalizer's

@@ -208,9 +208,9 @@ def speculators_run(folder, target, mix, T=24, anchors=4, seed=5, packed=False, 
 def our_run(ours, ref, mix, own_token_prev=False):
     """Our training forward + loss + backward at speculators' anchors, on the same features:
     (teacher-forced refined logits [n, K, V], each pass's, loss, gradients, counted rows)."""
+    from specforge.algorithms.dflash.blocks import shifted_targets
     from specforge.algorithms.dflash.loss import build_block_ids
     from specforge.algorithms.dflash.propose import context_features
-    from specforge.algorithms.dspark.loss import dspark_targets
     from specforge.algorithms.xpress.loss import LossMix, teacher_prev, xpress_block_loss
     from specforge.algorithms.xpress.model import jacobi_prev
 
@@ -221,8 +221,8 @@ def our_run(ours, ref, mix, own_token_prev=False):
     ctx = context_features(ref.hs, c.target_layer_ids)
     anchors, keep = ref.anchors.view(1, -1), torch.ones(1, ref.anchors.numel(), dtype=torch.bool)
     batch = SimpleNamespace(input_ids_BT=ids, last_hidden_BTH=ref.hs[-1], loss_mask_BT=ref.mask)
-    labels, valid, prev_pos = dspark_targets(ids, ref.target_ids, ref.mask, anchors, keep, K, c.shift, doc)
-    data_labels = dspark_targets(ids, None, ref.mask, anchors, keep, K, c.shift, doc)[0]
+    labels, valid, prev_pos = shifted_targets(ids, ref.target_ids, ref.mask, anchors, keep, K, c.shift, doc)
+    data_labels = shifted_targets(ids, None, ref.mask, anchors, keep, K, c.shift, doc)[0]
     prev = teacher_prev(ids, anchors, K, c.shift, doc)
     if own_token_prev:  # the convention a refiner must not use: each row fed its own token
         prev = teacher_prev(ids, anchors, K, 1, doc) if not c.shift else torch.cat(

@@ -3,7 +3,8 @@
 ``model`` (the draft, training and inference forwards), ``loss`` (anchors, blocks, decayed block
 cross-entropy, metrics), ``propose`` (block proposal + a greedy reference loop), ``export``
 (the public ``DFlashDraftModel`` checkpoint format), ``sp`` (ring sequence parallelism), ``memory``
-(its memory terms), ``algorithm`` (the seam's hooks).
+(its memory terms), ``algorithm`` (the seam's hooks), ``blocks`` (what the block family, DSpark,
+DFlash2 and XPress, shares: the shifted layout and targets, the chunked loss, the counters, the hooks).
 """
 
 from .algorithm import ALGORITHM

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from specforge.algorithms.dflash.blocks import DrawnOnce, drafted_metrics
 from specforge.algorithms.dflash.export import FORMAT, export, llamacpp_config
 from specforge.algorithms.dflash.loss import (
     anchor_keys,
@@ -34,7 +34,6 @@ from specforge.algorithms.dflash.loss import (
     build_block_ids,
     decay_weights,
     local_anchors,
-    metrics_from_counts,
     next_token_labels,
     sample_anchors,
 )
@@ -182,13 +181,26 @@ class DFlash(Binds):
             ring = RingBlocks(comm, batch.start)
         return anchors, keep, ring
 
+    @property
+    def drawn(self) -> DrawnOnce:
+        """The micro-batches' anchors and targets, drawn once for the normalizer and the loss; each bound
+        copy its own (``Binds.bind`` copies the registry's object)."""
+        if "_drawn" not in vars(self):
+            self._drawn = DrawnOnce()
+        return self._drawn
+
     def _blocks(self, draft, batch, step: int, training: bool):
-        c = draft.config
-        anchors, keep, ring = self._anchors(draft, batch, step, training)
-        labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
-        labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size,
-                                          getattr(batch, "doc_ids_BT", None))
-        return anchors, keep, labels_BNK, valid, ring
+        def draw():
+            c = draft.config
+            anchors, keep, ring = self._anchors(draft, batch, step, training)
+            labels = next_token_labels(batch.input_ids_BT, batch.target_ids_BT)
+            labels_BNK, valid = block_targets(labels, batch.loss_mask_BT, anchors, keep, c.block_size,
+                                              getattr(batch, "doc_ids_BT", None))
+            return anchors, keep, labels_BNK, valid, ring
+
+        if hasattr(batch, "num_rows"):  # a ring rank: its draw is collective (an all-gather); each call draws
+            return draw()
+        return self.drawn.get("blocks", batch, step, training, draw)
 
     def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         valid = self._blocks(draft, batch, step, training)[3]
@@ -218,11 +230,7 @@ class DFlash(Binds):
     def metrics(self, counts: torch.Tensor) -> dict[str, float]:
         # block row k drafts the k-th token after the anchor: logged as position k-1, as EAGLE-3's
         # acc_0 is its first drafted token, so dashboards and the end-of-run line read both alike
-        out = {}
-        for key, v in metrics_from_counts(counts, self.opt.loss_gamma).items():
-            m = re.fullmatch(r"(loss|acc)_(\d+)", key)
-            out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
-        return out
+        return drafted_metrics(counts, self.opt.loss_gamma)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         # ring SP: a rank holds R = T / ring context rows, and in the worst case every block of the

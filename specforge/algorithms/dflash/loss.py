@@ -181,6 +181,20 @@ def _chunk_terms(logits_fn, hidden, labels, valid):
     return ce, correct
 
 
+def chunked(terms: Callable, head, args: tuple, *extra, chunk_blocks: int = 0) -> tuple:
+    """``terms(head, *args, *extra)``, a tuple of per-row tensors ``[B, N, ...]``; with ``0 < chunk_blocks
+    < N`` over that many blocks at a time (``args`` split on their block dim; a None stays None), each
+    chunk recomputed in backward, and the pieces concatenated."""
+    N = args[0].shape[1]
+    if not chunk_blocks or chunk_blocks >= N:
+        return terms(head, *args, *extra)
+    n = math.ceil(N / chunk_blocks)
+    pieces = zip(*[a.split(chunk_blocks, 1) if a is not None else [None] * n for a in args])
+    parts = [checkpoint(terms, head, *p, *extra, use_reentrant=False) for p in pieces]
+    return tuple(torch.cat(t, 1) for t in zip(*parts))
+
+
+
 def block_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden_BNKH: torch.Tensor,
                labels_BNK: torch.Tensor, valid_BNK: torch.Tensor, gamma: Optional[float],
                normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
@@ -192,14 +206,7 @@ def block_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden_BNKH: t
     """
     K = labels_BNK.shape[-1]
     w = decay_weights(K, gamma, hidden_BNKH.device)
-    if chunk_blocks and chunk_blocks < labels_BNK.shape[1]:
-        parts = [checkpoint(_chunk_terms, logits_fn, h, y, v, use_reentrant=False)
-                 for h, y, v in zip(hidden_BNKH.split(chunk_blocks, 1), labels_BNK.split(chunk_blocks, 1),
-                                    valid_BNK.split(chunk_blocks, 1))]
-        ce = torch.cat([p[0] for p in parts], 1)
-        correct = torch.cat([p[1] for p in parts], 1)
-    else:
-        ce, correct = _chunk_terms(logits_fn, hidden_BNKH, labels_BNK, valid_BNK)
+    ce, correct = chunked(_chunk_terms, logits_fn, (hidden_BNKH, labels_BNK, valid_BNK), chunk_blocks=chunk_blocks)
     weight = valid_BNK * w
     if normalizer is None:
         normalizer = weight.sum()

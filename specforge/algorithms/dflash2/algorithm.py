@@ -19,14 +19,13 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
-from specforge.algorithms.dflash.loss import build_block_ids
+from specforge.algorithms.dflash.blocks import ShiftedBlocks
 from specforge.algorithms.dflash.memory import anchors_per_row
 from specforge.algorithms.dflash2.export import FORMAT, NO_LLAMACPP, NO_SGLANG, export
 from specforge.algorithms.dflash2.loss import dflash2_block_loss, dflash2_metrics
 from specforge.algorithms.dflash2.memory import dflash2_step
 from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
 from specforge.algorithms.dflash2.propose import DFlash2Proposer
-from specforge.algorithms.dspark.algorithm import ShiftedBlocks
 
 
 @dataclass
@@ -108,19 +107,15 @@ class DFlash2(ShiftedBlocks, DFlash):
         return DFlash2Draft(dcfg)
 
     def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
-        c, d = draft.config, self.opt
+        d = self.opt
         anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step, training)
-        block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
-        def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
-            norm = self.loss_normalizer(normalizer, hidden.device)
+        def head_loss(module, hidden, norm):
             return dflash2_block_loss(module, hidden, batch, labels, valid, prev_pos, gamma=d.loss_gamma,
                                       kl_weight=d.kl_weight, ce_weight=d.ce_weight, selector_weight=d.selector_weight,
                                       normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
 
-        # packed rows: positions restart per sample, a block sees its own sample only
-        return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
-                     getattr(batch, "doc_ids_BT", None), heads=heads)
+        return self._forward_with(draft, batch, anchors, keep, normalizer, head_loss)
 
     def counts_shape(self) -> tuple[int, int]:
         return (self.opt.block_size + int(self.opt.sample_from_anchor), 8)

@@ -4,7 +4,7 @@ the selector's K-way cross-entropy (speculators 0.9.0 ``models/dflash2/metrics.p
 Legend: B batch, N blocks per row, K block size, R = K + shift token rows of a block, V vocab, k top-k.
 
 Rows, labels, counted rows, the previous token and the teacher's row are DSpark's
-(:func:`~specforge.algorithms.dspark.loss.dspark_targets`): row j of a block anchored at a stands
+(:func:`~specforge.algorithms.dflash.blocks.shifted_targets`): row j of a block anchored at a stands
 for the token at a + j; the label is the target's greedy token; the previous token ``x_{p-1}`` is
 the data token (teacher forcing); the teacher is ``softmax(lm_head(last_hidden[p - 1]))``.
 
@@ -29,14 +29,13 @@ unary argmax's correct rows and the rows whose label is in the unary top-k (reca
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from specforge.algorithms.dflash.loss import decay_weights, metrics_from_counts
+from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
+from specforge.algorithms.dflash.loss import decay_weights
 
 __all__ = ["COUNTERS", "training_candidates", "dflash2_block_loss", "dflash2_metrics"]
 
@@ -52,15 +51,6 @@ def training_candidates(top_ids: torch.Tensor, labels: torch.Tensor):
     cand = top_ids.clone()
     cand[..., -1] = torch.where(contains, cand[..., -1], labels)
     return cand, slot, contains
-
-
-def rows_at(x_BTX: torch.Tensor, pos_BNJ: torch.Tensor) -> torch.Tensor:
-    """``x`` at positions ``pos [B, N, J]`` -> ``[B, N, J(, X)]``."""
-    B, N, J = pos_BNJ.shape
-    flat = pos_BNJ.reshape(B, N * J)
-    if x_BTX.dim() == 2:
-        return x_BTX.gather(1, flat).view(B, N, J)
-    return x_BTX.gather(1, flat.unsqueeze(-1).expand(-1, -1, x_BTX.shape[-1])).view(B, N, J, -1)
 
 
 def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, ce_weight: float):
@@ -98,28 +88,17 @@ def dflash2_block_loss(draft, hidden_BNKH: torch.Tensor, batch, labels_BNR, vali
     labels, valid = labels_BNR[..., 1:], valid_BNR[..., 1:]
     prev = rows_at(batch.input_ids_BT, prev_pos_BNJ)
     teacher = rows_at(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden.dtype) if kl_weight else None
-    args = (hidden, prev, teacher, labels, valid)
-    N = hidden.shape[1]
-    if chunk_blocks and chunk_blocks < N:
-        pieces = zip(*[a.split(chunk_blocks, 1) if a is not None else [None] * math.ceil(N / chunk_blocks)
-                       for a in args])
-        parts = [checkpoint(_chunk_terms, draft, *p, kl_weight, ce_weight, use_reentrant=False) for p in pieces]
-        main, sel, correct, unary_correct, recall = (torch.cat(t, 1) for t in zip(*parts))
-    else:
-        main, sel, correct, unary_correct, recall = _chunk_terms(draft, *args, kl_weight, ce_weight)
+    main, sel, correct, unary_correct, recall = chunked(_chunk_terms, draft, (hidden, prev, teacher, labels, valid),
+                                                        kl_weight, ce_weight, chunk_blocks=chunk_blocks)
     w = decay_weights(R, gamma, hidden.device)[1:]
     if normalizer is None:
         normalizer = (valid * w).sum()
     total = main + selector_weight * sel
     loss = (total * w).sum() / normalizer.clamp_min(1e-12)
     with torch.no_grad():
-        run = F.pad(correct, (1, 0), value=True).long().cumprod(-1).bool()[..., 1:]
-
-        def rows(x):  # [B, N, R-1] -> per token row [R] (row 0: the anchor, zero)
-            return F.pad(x.detach().float().flatten(0, 1).sum(0), (1, 0))
-
-        counts = torch.stack([rows(total), rows(valid), rows(correct), rows(run), rows(main), rows(sel),
-                              rows(unary_correct), rows(recall)], 1)
+        rows = token_rows
+        counts = torch.stack([rows(total), rows(valid), rows(correct), rows(accepted_run(correct)), rows(main),
+                              rows(sel), rows(unary_correct), rows(recall)], 1)
     return loss, counts
 
 
@@ -128,10 +107,7 @@ def dflash2_metrics(counts_R8: torch.Tensor, gamma: Optional[float], top_k: int)
     the selector's picks; block row k logged as position k-1), ``loss_unary``, ``loss_selector``
     (decay-weighted means), ``acc_unary`` (the unary argmax's accuracy) and ``recall_at_<k>``."""
     c = counts_R8.double().cpu()
-    out = {}
-    for key, v in metrics_from_counts(c[:, :4], gamma).items():
-        m = re.fullmatch(r"(loss|acc)_(\d+)", key)
-        out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
+    out = drafted_metrics(c[:, :4], gamma)
     w = decay_weights(c.shape[0], gamma, c.device).double()
     denom = (w * c[:, 1]).sum().item()
     n = c[:, 1].sum().item()

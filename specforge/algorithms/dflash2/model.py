@@ -41,13 +41,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specforge.algorithms.dflash.blocks import ShiftedLayout
 from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft, DFlashLayer
 
 __all__ = ["DFlash2Config", "DFlash2Draft", "DFlash2Layer", "BlockConv", "CandidateSelector", "block_conv"]
 
 
 @dataclass
-class DFlash2Config(DFlashConfig):
+class DFlash2Config(ShiftedLayout, DFlashConfig):
     """DFlash's shape plus the convolutions and the selector (speculators' defaults)."""
 
     block_size: int = 8
@@ -75,16 +76,6 @@ class DFlash2Config(DFlashConfig):
                             "not implemented")
         if problems:
             raise ValueError("; ".join(problems))
-
-    @property
-    def shift(self) -> int:
-        """1 when row k predicts the token after a + k (sample_from_anchor), else 0."""
-        return int(self.sample_from_anchor)
-
-    @property
-    def drafts_per_block(self) -> int:
-        """Tokens one block of K rows drafts: K anchor-first, K - 1 otherwise."""
-        return self.block_size - 1 + self.shift
 
     @property
     def num_groups(self) -> int:

@@ -19,10 +19,10 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
-from specforge.algorithms.dflash.loss import build_block_ids, decay_weights
+from specforge.algorithms.dflash.blocks import ShiftedBlocks
 from specforge.algorithms.dflash.memory import anchors_per_row
 from specforge.algorithms.dspark.export import FORMAT
-from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics, dspark_targets
+from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics
 from specforge.algorithms.dspark.memory import dspark_step
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
 from specforge.algorithms.dspark.propose import DSparkProposer
@@ -43,23 +43,6 @@ class DSparkOptions(DFlashOptions):
     kl_weight: float = field(default=1.0, metadata={"at_least": 0})
     ce_weight: float = field(default=0.0, metadata={"at_least": 0})
     confidence_weight: float = field(default=1.0, metadata={"at_least": 0})
-
-
-class ShiftedBlocks:
-    """DFlash's anchors with DSpark's block targets (a block's rows shifted by ``sample_from_anchor``) and
-    their decay-weighted normalizer: shared by DSpark and DFlash2, whose heads read the same targets."""
-
-    def _targets(self, draft, batch, step: int, training: bool):
-        c = draft.config
-        anchors, keep, _ = self._anchors(draft, batch, step, training)  # DFlash's, per sample (no ring: refused)
-        labels, valid, prev_pos = dspark_targets(batch.input_ids_BT, batch.target_ids_BT, batch.loss_mask_BT,
-                                                 anchors, keep, c.block_size, c.shift,
-                                                 getattr(batch, "doc_ids_BT", None))
-        return anchors, keep, labels, valid, prev_pos
-
-    def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
-        valid = self._targets(draft, batch, step, training)[3]
-        return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
 
 class DSpark(ShiftedBlocks, DFlash):
@@ -104,19 +87,15 @@ class DSpark(ShiftedBlocks, DFlash):
         return DSparkDraft(dcfg)
 
     def loss(self, draft, batch, state, step: int, normalizer: Optional[torch.Tensor], *, training: bool):
-        c, d = draft.config, self.opt
+        d = self.opt
         anchors, keep, labels, valid, prev_pos = self._targets(draft, batch, step, training)
-        block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
 
-        def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
-            norm = self.loss_normalizer(normalizer, hidden.device)
+        def head_loss(module, hidden, norm):
             return dspark_block_loss(module, hidden, batch, anchors, labels, valid, prev_pos, gamma=d.loss_gamma,
                                      kl_weight=d.kl_weight, ce_weight=d.ce_weight,
                                      confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
 
-        # packed rows: positions restart per sample, a block sees its own sample only
-        return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
-                     getattr(batch, "doc_ids_BT", None), heads=heads)
+        return self._forward_with(draft, batch, anchors, keep, normalizer, head_loss)
 
     def counts_shape(self) -> tuple[int, int]:
         return (self.opt.block_size + int(self.opt.sample_from_anchor), 7)

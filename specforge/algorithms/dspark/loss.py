@@ -6,8 +6,9 @@ Legend: B batch, T tokens, N blocks per row, K block size, R = K + shift rows of
 Token space: row j of a block anchored at a stands for the token at a + j (row 0: the anchor,
 never predicted). With ``sample_from_anchor`` (shift 1) draft row k predicts row k + 1, so the K
 draft rows predict rows 1 .. K; without it (shift 0, DFlash's layout) draft row k predicts row k,
-so rows 1 .. K - 1. Labels and which rows count are DFlash's :func:`block_targets` over R rows
-(the target's greedy token, the run stopping at the first non-assistant token); the weights are
+so rows 1 .. K - 1 (``dflash.blocks.shifted_targets``). Labels and which rows count are DFlash's
+:func:`block_targets` over R rows (the target's greedy token, the run stopping at the first
+non-assistant token); the weights are
 DFlash's decay over R rows (``exp(-(j - 1) / gamma)`` for row j: the first drafted token weighs 1).
 
 Per predicted row (at token position p = a + j):
@@ -36,42 +37,17 @@ them into ``loss_k`` / ``acc_k`` / ``tau`` unchanged, plus the BCE sum, the sum 
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from specforge.algorithms.dflash.loss import block_targets, decay_weights, metrics_from_counts, next_token_labels
+from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
+from specforge.algorithms.dflash.loss import decay_weights
 
-__all__ = ["COUNTERS", "dspark_targets", "dspark_block_loss", "dspark_metrics"]
+__all__ = ["COUNTERS", "dspark_block_loss", "dspark_metrics"]
 
 COUNTERS = ("loss_sum", "valid", "correct", "accepted", "conf_bce_sum", "conf_abs_err_sum", "accept_prob_sum")
-
-
-def dspark_targets(input_ids_BT: torch.Tensor, target_ids_BT: Optional[torch.Tensor], loss_mask_BT: torch.Tensor,
-                   anchors_BN: torch.Tensor, keep_BN: torch.Tensor, block_size: int, shift: int,
-                   doc_ids_BT: Optional[torch.Tensor] = None):
-    """``(labels [B,N,R], valid [B,N,R], prev_pos [B,N,R-1])``: DFlash's labels and counted rows over
-    R = K + shift token rows, and for predicted rows 1 .. R-1 the position of the token before each
-    (the Markov head's previous token and the teacher's row), clamped inside the sequence.
-    ``doc_ids_BT``: packed rows; a counted row lies in its anchor's sample (so does its
-    previous position; an uncounted one's may not, and weighs 0)."""
-    T = input_ids_BT.shape[1]
-    R = block_size + shift
-    labels = next_token_labels(input_ids_BT, target_ids_BT)
-    labels_BNR, valid = block_targets(labels, loss_mask_BT, anchors_BN, keep_BN, R, doc_ids_BT)
-    prev_pos = (anchors_BN.unsqueeze(-1) + torch.arange(R - 1, device=anchors_BN.device)).clamp(max=T - 1)
-    return labels_BNR, valid, prev_pos
-
-
-def _gather_rows(x_BTX: torch.Tensor, pos_BNJ: torch.Tensor) -> torch.Tensor:
-    B, N, J = pos_BNJ.shape
-    flat = pos_BNJ.reshape(B, N * J)
-    if x_BTX.dim() == 2:
-        return x_BTX.gather(1, flat).view(B, N, J)
-    return x_BTX.gather(1, flat.unsqueeze(-1).expand(-1, -1, x_BTX.shape[-1])).view(B, N, J, -1)
 
 
 def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, ce_weight: float):
@@ -109,30 +85,20 @@ def dspark_block_loss(draft, hidden_BNKH: torch.Tensor, batch, anchors_BN, label
     shift = R - c.block_size
     hidden = hidden_BNKH[:, :, 1 - shift:]  # the draft rows that predict token rows 1 .. R-1
     labels, valid = labels_BNR[..., 1:], valid_BNR[..., 1:]
-    prev = _gather_rows(batch.input_ids_BT, prev_pos_BNJ)
+    prev = rows_at(batch.input_ids_BT, prev_pos_BNJ)
     need_teacher = bool(kl_weight) or draft.confidence_head is not None
-    teacher = _gather_rows(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden.dtype) if need_teacher else None
-    args = (hidden, prev, teacher, labels, valid)
-    N = hidden.shape[1]
-    if chunk_blocks and chunk_blocks < N:
-        pieces = zip(*[a.split(chunk_blocks, 1) if a is not None else [None] * math.ceil(N / chunk_blocks)
-                       for a in args])
-        parts = [checkpoint(_chunk_terms, draft, *p, kl_weight, ce_weight, use_reentrant=False) for p in pieces]
-        main, bce, correct, accept, err = (torch.cat(t, 1) for t in zip(*parts))
-    else:
-        main, bce, correct, accept, err = _chunk_terms(draft, *args, kl_weight, ce_weight)
+    teacher = rows_at(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden.dtype) if need_teacher else None
+    main, bce, correct, accept, err = chunked(_chunk_terms, draft, (hidden, prev, teacher, labels, valid), kl_weight,
+                                              ce_weight, chunk_blocks=chunk_blocks)
     w = decay_weights(R, gamma, hidden.device)[1:]
     if normalizer is None:
         normalizer = (valid * w).sum()
     alpha = confidence_weight if draft.confidence_head is not None else 0.0
     loss = ((main + alpha * bce) * w).sum() / normalizer.clamp_min(1e-12)
     with torch.no_grad():
-        run = F.pad(correct, (1, 0), value=True).long().cumprod(-1).bool()[..., 1:]
-
-        def rows(x):  # [B, N, R-1] -> per token row [R] (row 0: the anchor, zero)
-            return F.pad(x.detach().float().flatten(0, 1).sum(0), (1, 0))
-
-        counts = torch.stack([rows(main), rows(valid), rows(correct), rows(run), rows(bce), rows(err), rows(accept)], 1)
+        rows = token_rows
+        counts = torch.stack([rows(main), rows(valid), rows(correct), rows(accepted_run(correct)), rows(bce), rows(err),
+                              rows(accept)], 1)
     return loss, counts
 
 
@@ -143,10 +109,7 @@ def dspark_metrics(counts_R7: torch.Tensor, gamma: Optional[float], confidence_w
     confidence term), ``loss_main``, ``accept_rate`` (mean c*; only when the teacher was computed:
     a KL term or a confidence head), ``conf_bce`` and ``conf_error``."""
     c = counts_R7.double().cpu()
-    out = {}
-    for key, v in metrics_from_counts(c[:, :4], gamma).items():
-        m = re.fullmatch(r"(loss|acc)_(\d+)", key)
-        out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
+    out = drafted_metrics(c[:, :4], gamma)
     w = decay_weights(c.shape[0], gamma, c.device).double()
     denom = (w * c[:, 1]).sum().item()
     n = c[:, 1].sum().item()

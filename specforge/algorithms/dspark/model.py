@@ -34,13 +34,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from specforge.algorithms.dflash.blocks import ShiftedLayout
 from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft
 
 __all__ = ["DSparkConfig", "DSparkDraft", "MarkovHead", "ConfidenceHead"]
 
 
 @dataclass
-class DSparkConfig(DFlashConfig):
+class DSparkConfig(ShiftedLayout, DFlashConfig):
     """DFlash's shape plus the heads (speculators' defaults: rank 256, a confidence head, anchor-first)."""
 
     block_size: int = 8
@@ -52,16 +53,6 @@ class DSparkConfig(DFlashConfig):
         super().__post_init__()
         if self.markov_rank < 1:
             raise ValueError(f"markov_rank={self.markov_rank}: the Markov head needs a rank >= 1")
-
-    @property
-    def shift(self) -> int:
-        """1 when row k predicts the token after a + k (sample_from_anchor), else 0."""
-        return int(self.sample_from_anchor)
-
-    @property
-    def drafts_per_block(self) -> int:
-        """Tokens one block of K rows drafts: K anchor-first, K - 1 otherwise."""
-        return self.block_size - 1 + self.shift
 
 
 class MarkovHead(nn.Module):

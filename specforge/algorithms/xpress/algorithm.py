@@ -22,10 +22,8 @@ from typing import Optional
 import torch
 
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
-from specforge.algorithms.dflash.loss import build_block_ids
+from specforge.algorithms.dflash.blocks import ShiftedBlocks, shifted_targets
 from specforge.algorithms.dflash.memory import anchors_per_row
-from specforge.algorithms.dspark.algorithm import ShiftedBlocks
-from specforge.algorithms.dspark.loss import dspark_targets
 from specforge.algorithms.xpress.export import FORMAT
 from specforge.algorithms.xpress.loss import LossMix, teacher_prev, xpress_block_loss, xpress_metrics
 from specforge.algorithms.xpress.memory import xpress_step
@@ -120,19 +118,15 @@ class XPress(ShiftedBlocks, DFlash):
         prev = teacher_prev(batch.input_ids_BT, anchors, c.block_size, c.shift, doc_ids_BT)
         ce_labels = None
         if d.ce_from_data:  # the data token of each row (no target argmax)
-            ce_labels = dspark_targets(batch.input_ids_BT, None, batch.loss_mask_BT, anchors, keep, c.block_size,
-                                       c.shift, doc_ids_BT)[0]
-        block_ids = build_block_ids(batch.input_ids_BT, anchors, c.block_size, c.mask_token_id)
+            ce_labels = shifted_targets(batch.input_ids_BT, None, batch.loss_mask_BT, anchors, keep, c.block_size,
+                                        c.shift, doc_ids_BT)[0]
 
-        def heads(module, hidden):  # inside the draft's forward (FSDP2 unshards its parameters for it)
-            norm = self.loss_normalizer(normalizer, hidden.device)
+        def head_loss(module, hidden, norm):
             return xpress_block_loss(module, hidden, batch, labels, valid, prev_pos, prev, gamma=d.loss_gamma,
                                      mix=LossMix.of(d), ce_labels_BNR=ce_labels, normalizer=norm,
                                      chunk_blocks=CHUNK_BLOCKS)
 
-        # packed rows: positions restart per sample, a block sees its own sample only
-        return draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, getattr(batch, "position_ids_BT", None),
-                     doc_ids_BT, heads=heads)
+        return self._forward_with(draft, batch, anchors, keep, normalizer, head_loss)
 
     def counts_shape(self) -> tuple[int, int]:
         return (self.opt.block_size + int(self.opt.sample_from_anchor), 8)

@@ -4,8 +4,8 @@ teacher-forced and free-running, the backbone held to the target (speculators 0.
 
 Legend: B batch, N blocks per row, K block size, R = K + shift token rows of a block, V vocab.
 
-Rows, labels, counted rows and the teacher's row are DSpark's
-(:func:`~specforge.algorithms.dspark.loss.dspark_targets`): token row j of a block anchored at a
+Rows, labels, counted rows and the teacher's row are the block family's shifted layout
+(:func:`~specforge.algorithms.dflash.blocks.shifted_targets`): token row j of a block anchored at a
 stands for the token at a + j; its label is the target's greedy token (or, with ``ce_from_data``,
 the data token, for the CE part only); its teacher is ``softmax(lm_head(last_hidden[a + j - 1]))``.
 The refiner reads all K rows of a block (its block mean and causal mix see them), the loss the
@@ -34,15 +34,13 @@ and base terms, and the base argmax correct.
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from specforge.algorithms.dflash.loss import decay_weights, metrics_from_counts
-from specforge.algorithms.dflash2.loss import rows_at
+from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
+from specforge.algorithms.dflash.loss import decay_weights
 
 from .model import jacobi_prev
 
@@ -137,7 +135,7 @@ def xpress_block_loss(draft, hidden_BNKH: torch.Tensor, batch, labels_BNR, valid
                       gamma: Optional[float], mix: LossMix, ce_labels_BNR=None,
                       normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
     """``(loss, counts[R, 8])`` of one micro-batch (the module docstring). ``batch``: its
-    ``last_hidden_BTH`` (with a TV or KL term); ``prev_pos_BNJ`` the teacher's rows (``dspark_targets``);
+    ``last_hidden_BTH`` (with a TV or KL term); ``prev_pos_BNJ`` the teacher's rows (``shifted_targets``);
     ``prev_BNK`` the teacher-forced
     previous tokens (:func:`teacher_prev`); ``ce_labels_BNR`` the CE's labels where they are not
     ``labels``. ``chunk_blocks > 0``: that many blocks' full-vocab logits at a time, recomputed in
@@ -148,28 +146,17 @@ def xpress_block_loss(draft, hidden_BNKH: torch.Tensor, batch, labels_BNR, valid
     teacher = rows_at(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden_BNKH.dtype) if mix.tv or mix.kl else None
     w = decay_weights(R, gamma, hidden_BNKH.device)[1:]
     args = (hidden_BNKH, prev_BNK, teacher, labels, ce_labels, valid)
-    N = hidden_BNKH.shape[1]
-    if chunk_blocks and chunk_blocks < N:
-        n_chunks = math.ceil(N / chunk_blocks)
-        pieces = zip(*[a.split(chunk_blocks, 1) if a is not None else [None] * n_chunks for a in args])
-        parts = [checkpoint(_chunk_terms, draft, *p, mix, use_reentrant=False) for p in pieces]
-        d_tf, d_cons, d_base, correct, base_correct = (torch.cat(t, 1) for t in zip(*parts))
-    else:
-        d_tf, d_cons, d_base, correct, base_correct = _chunk_terms(draft, *args, mix)
+    d_tf, d_cons, d_base, correct, base_correct = chunked(_chunk_terms, draft, args, mix, chunk_blocks=chunk_blocks)
     if normalizer is None:
         normalizer = (valid * w).sum()
     w_anchor = valid.float() if mix.anchor_full else w
     total = (d_tf + mix.consistency * d_cons) * w + mix.anchor * d_base * w_anchor
     loss = total.sum() / normalizer.clamp_min(1e-12)
     with torch.no_grad():
-        run = F.pad(correct, (1, 0), value=True).long().cumprod(-1).bool()[..., 1:]
-
-        def rows(x):  # [B, N, R-1] -> per token row [R] (row 0: the anchor, zero)
-            return F.pad(x.detach().float().flatten(0, 1).sum(0), (1, 0))
-
+        rows = token_rows
         row_loss = d_tf + mix.consistency * d_cons + mix.anchor * d_base
-        counts = torch.stack([rows(row_loss), rows(valid), rows(correct), rows(run), rows(d_tf), rows(d_cons),
-                              rows(d_base), rows(base_correct)], 1)
+        counts = torch.stack([rows(row_loss), rows(valid), rows(correct), rows(accepted_run(correct)), rows(d_tf),
+                              rows(d_cons), rows(d_base), rows(base_correct)], 1)
     return loss, counts
 
 
@@ -179,10 +166,7 @@ def xpress_metrics(counts_R8: torch.Tensor, gamma: Optional[float]) -> dict[str,
     ``loss_consistency``, ``loss_anchor`` (decay-weighted means) and ``acc_base`` (the backbone's
     argmax alone, drafting's seed)."""
     c = counts_R8.double().cpu()
-    out = {}
-    for key, v in metrics_from_counts(c[:, :4], gamma).items():
-        m = re.fullmatch(r"(loss|acc)_(\d+)", key)
-        out[f"{m[1]}_{int(m[2]) - 1}" if m else key] = v
+    out = drafted_metrics(c[:, :4], gamma)
     w = decay_weights(c.shape[0], gamma, c.device).double()
     denom = (w * c[:, 1]).sum().item()
     n = c[:, 1].sum().item()

@@ -33,13 +33,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specforge.algorithms.dflash.blocks import ShiftedLayout
 from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft
 
 __all__ = ["XPressConfig", "XPressDraft", "CausalRefiner", "jacobi_prev"]
 
 
 @dataclass
-class XPressConfig(DFlashConfig):
+class XPressConfig(ShiftedLayout, DFlashConfig):
     """DFlash's shape plus the refiner (speculators' XPress defaults) and the block layout."""
 
     block_size: int = 16
@@ -62,16 +63,6 @@ class XPressConfig(DFlashConfig):
             problems.append("sliding_window: XPress has no sliding window")
         if problems:
             raise ValueError("; ".join(problems))
-
-    @property
-    def shift(self) -> int:
-        """1 when row k predicts the token after a + k (sample_from_anchor), else 0."""
-        return int(self.sample_from_anchor)
-
-    @property
-    def drafts_per_block(self) -> int:
-        """Tokens one block of K rows drafts: K anchor-first, K - 1 otherwise."""
-        return self.block_size - 1 + self.shift
 
 
 class CausalRefiner(nn.Module):
