@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from specforge.compat import check_draft_shape, check_target_weights
 from specforge.config import EMBEDDED_TARGET, ModelConfig
-from specforge.engines import llamacpp
+from specforge.engines import llamacpp, refusal_line
 from specforge.engines.llamacpp import OUTTYPES  # what llama.cpp's converter writes itself
 from specforge.registry import algorithm_of, read_draft_config
 from specforge.seam import ExportRequest, Format
@@ -160,11 +160,7 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     draft_config = read_draft_config(draft)
     algo = algorithm_of(draft_config, repr(str(draft)))
     if args.engine not in algo.engines:
-        instead = (f"export this draft for {' or '.join(algo.engines)}" if algo.engines else
-                   "no engine here serves them yet; evaluate it with python -m specforge.eval")
-        why = algo.refusal(args.engine)
-        raise ValueError(f"--engine {args.engine}: {algo.architecture} drafts cannot be served by {args.engine}"
-                         f"{f' ({why})' if why else ''}; {instead}")
+        raise ValueError(f"--engine {args.engine}: {refusal_line(algo, args.engine)}")
     algo.check_checkpoint(draft)
     if args.engine == "sglang" and args.target is None:  # SGLang reads the folder alone: no target needed
         return algo.export(args.engine, draft, tmp, ExportRequest(Path(args.out), None))

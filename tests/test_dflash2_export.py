@@ -261,8 +261,9 @@ def test_engines_that_cannot_serve_it_are_refused_in_one_line(tiny, tmp_path, ca
         assert err.startswith("error: draft.sample_from_anchor=true: vLLM's DFlash runtime"), err
     else:
         why = "SGLang has no DFlash2 drafting" if engine == "sglang" else "does not export DFlash2 drafts for llama.cpp"
-        assert err.startswith(f"error: --engine {engine}: DFlash2DraftModel drafts cannot be served by {engine} ("), err
-        assert why in err and err.rstrip().endswith("export this draft for vllm"), err
+        name = {"sglang": "SGLang", "llama.cpp": "llama.cpp"}[engine]
+        assert err.startswith(f"error: --engine {engine}: {name} cannot serve DFlash2DraftModel drafts ("), err
+        assert why in err and err.rstrip().endswith("python -m specforge.export --engine vllm"), err
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 

@@ -511,8 +511,10 @@ def test_export_for_sglang_or_vllm_is_refused_in_one_line(tiny, tmp_path):
 
     target_dir, target, folder, ours = tiny
     for engine in ("sglang", "vllm"):
-        with pytest.raises(ValueError, match=rf"^--engine {engine}: DSparkDraftModel drafts cannot be served by "
-                                             rf"{engine}; export this draft for llama\.cpp$"):
+        name = {"sglang": "SGLang", "vllm": "vLLM"}[engine]
+        with pytest.raises(ValueError, match=rf"^--engine {engine}: {name} cannot serve DSparkDraftModel drafts; "
+                                             r"export it for llama\.cpp instead: python -m specforge\.export "
+                                             r"--engine llama\.cpp$"):
             main(["--draft", str(folder), "--engine", engine, "--out", str(tmp_path / engine), "--target",
                   str(target_dir)])
         assert not (tmp_path / engine).exists()

@@ -310,7 +310,7 @@ def test_a_draft_llamacpp_does_not_serve_is_refused(tmp_path):
     from specforge.models.target import resolve_target_path
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
-    with pytest.raises(ValueError, match=r"MedusaModel.*serves .*DFlashDraftModel, .*LlamaForCausalLMEagle3 drafts; "
+    with pytest.raises(ValueError, match=r"MedusaModel.*serves .*DFlashDraftModel, .*LlamaForCausalLMEagle3 drafts\): "
                                          r"serve it with the engine it was trained for"):
         convert_draft(tmp_path, resolve_target_path(ModelConfig()), tmp_path / "d.gguf")
 

