@@ -506,18 +506,17 @@ def test_the_registry_routes_folders_and_ggufs_to_dspark():
     assert by_gguf("dflash", body).name == "dflash"  # control: DFlash's GGUF, same architecture string
 
 
-def test_export_for_sglang_or_vllm_is_refused_in_one_line(tiny, tmp_path):
+def test_export_for_sglang_is_refused_in_one_line(tiny, tmp_path):
+    """SGLang has no DSpark drafting: one line saying so and where it is served (vLLM: tests/test_dspark_vllm.py)."""
     from specforge.export import main
 
     target_dir, target, folder, ours = tiny
-    for engine in ("sglang", "vllm"):
-        name = {"sglang": "SGLang", "vllm": "vLLM"}[engine]
-        with pytest.raises(ValueError, match=rf"^--engine {engine}: {name} cannot serve DSparkDraftModel drafts; "
-                                             r"export it for llama\.cpp instead: python -m specforge\.export "
-                                             r"--engine llama\.cpp$"):
-            main(["--draft", str(folder), "--engine", engine, "--out", str(tmp_path / engine), "--target",
-                  str(target_dir)])
-        assert not (tmp_path / engine).exists()
+    with pytest.raises(ValueError, match=r"^--engine sglang: SGLang cannot serve DSparkDraftModel drafts \(SGLang "
+                                         r"has no DSpark drafting\); export it for llama\.cpp or vLLM instead: python "
+                                         r"-m specforge\.export --engine llama\.cpp\|vllm$"):
+        main(["--draft", str(folder), "--engine", "sglang", "--out", str(tmp_path / "sglang"), "--target",
+              str(target_dir)])
+    assert not (tmp_path / "sglang").exists()
 
 
 # ---------------------------------------------------------------- llama.cpp (slow)

@@ -32,14 +32,16 @@ so the draft's logits are the target's full vocabulary.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from safetensors.torch import save_file
 
 from specforge.engines import sglang
+from specforge.engines.vllm import quiet_speculators
 from specforge.files import open_safetensors, read_safetensors
 from specforge.training.checkpoint import load_draft_folder
 
@@ -237,3 +239,101 @@ def llamacpp_config(draft_config: dict, target_config: dict, layer_ids=None) -> 
     if layer_ids is not None:
         dflash["target_layer_ids"] = [int(i) for i in layer_ids]
     return {**draft_config, "dflash_config": dflash}
+
+
+# ---------------------------------------------------------------- speculators' format (vLLM), for the family
+
+# keys of a block draft's config.json that are not its draft layer's (Qwen3) config
+NOT_LAYER_KEYS = frozenset({"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
+                            "draft_vocab_size", "sample_from_anchor", "sliding_window_non_causal"})
+
+
+@dataclass(frozen=True)
+class SpeculatorsFormat:
+    """How a block draft is written in speculators' format for vLLM (DFlash2's, DSpark's): speculators'
+    config class (``config_class()``, imported when used), the architecture vLLM builds, vLLM's
+    ``--speculative-config`` method, the algorithm's own keys (``keys``: config.json key -> the value
+    written) and the layer-config keys to leave out besides ``NOT_LAYER_KEYS``."""
+
+    algorithm: str  # speculators_model_type
+    config_class: Callable[[], type]
+    architectures: tuple[str, ...]
+    method: str
+    keys: Callable[[Mapping], dict]  # our config.json -> the algorithm's keys of speculators' config
+    not_layer: frozenset = frozenset()
+
+
+def speculators_layer_ids(ours) -> list[int]:
+    """Our layer OUTPUT ids -> speculators' and vLLM's "after k layers" ids (the one bridge: + 1)."""
+    return [int(i) + 1 for i in ours]
+
+
+def speculators_config(fmt: SpeculatorsFormat, hf_config: Mapping, target: str, target_architectures: list[str],
+                       speculative_tokens: int):
+    """speculators' config (``fmt.config_class``) of a block draft's config.json (ours)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig  # lazy: optional (speculators)
+    from speculators.proposals.greedy import GreedyTokenProposalConfig  # lazy: optional (speculators)
+
+    cfg = from_hf_config({**hf_config, "architectures": [ARCHITECTURE]})
+    layer = {k: v for k, v in hf_config.items() if k not in NOT_LAYER_KEYS | fmt.not_layer}
+    return fmt.config_class()(
+        transformer_layer_config=layer, draft_vocab_size=cfg.vocab_size, block_size=cfg.block_size,
+        aux_hidden_state_layer_ids=speculators_layer_ids(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
+        # always true: our blocks are bidirectional; false would make vLLM's layers causal (its update_dflash
+        # writes dflash_config.causal = not this) wherever the layer config sets no is_causal (unwindowed drafts)
+        sliding_window_non_causal=True, architectures=list(fmt.architectures), **fmt.keys(hf_config),
+        speculators_config=SpeculatorsConfig(
+            algorithm=fmt.algorithm, default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(target), architectures=list(target_architectures)),
+            proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy",
+                                                        speculative_tokens=int(speculative_tokens))]))
+
+
+def export_speculators(fmt: SpeculatorsFormat, draft_dir, out_dir, hf_config: Mapping, target: str,
+                       target_architectures: list[str], speculative_tokens: int) -> Path:
+    """Write speculators' folder of a (validated) block draft into ``out_dir``: the config by speculators'
+    own class, our tensors copied (their names are speculators'); then reread it (``check_speculators``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with quiet_speculators():
+        speculators_config(fmt, hf_config, target, target_architectures, speculative_tokens).save_pretrained(str(out))
+    shutil.copyfile(Path(draft_dir) / "model.safetensors", out / "model.safetensors")
+    check_speculators(fmt, out, hf_config, speculative_tokens)
+    return out
+
+
+def check_speculators(fmt: SpeculatorsFormat, out: Path, hf_config: Mapping, speculative_tokens: int) -> None:
+    """Reread ``out``'s config.json with speculators' config class: what vLLM reads, as ours says."""
+    cfg = from_hf_config({**hf_config, "architectures": [ARCHITECTURE]})
+    theirs = fmt.config_class().from_pretrained(str(out))
+    layer = theirs.transformer_layer_config
+    want = {"speculators_model_type": fmt.algorithm, "architectures": list(fmt.architectures),
+            "aux_hidden_state_layer_ids": speculators_layer_ids(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size, "draft_vocab_size": cfg.vocab_size,
+            "sliding_window_non_causal": True, **fmt.keys(hf_config)}
+    errors = [f"{k} is {getattr(theirs, k)!r}, expected {v!r}" for k, v in want.items() if getattr(theirs, k) != v]
+    got_layer = {k: getattr(layer, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                       "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                       "intermediate_size", "sliding_window")}
+    want_layer = {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+                  "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads,
+                  "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                  "intermediate_size": cfg.intermediate_size, "sliding_window": cfg.sliding_window}
+    errors += [f"transformer_layer_config.{k} is {got_layer[k]!r}, expected {v!r}" for k, v in want_layer.items()
+               if got_layer[k] != v]
+    if theirs.speculators_config.proposal_methods[0].speculative_tokens != speculative_tokens:
+        errors.append(f"speculative_tokens is not {speculative_tokens}")
+    if errors:
+        raise ValueError(f"the {fmt.algorithm} export {str(out)!r} was written wrongly: " + "; ".join(errors))
+
+
+def speculators_serve_command(fmt: SpeculatorsFormat, target: Any, out: Path, n: int) -> str:
+    return (f"vllm serve {target} --speculative-config '{{\"method\": \"{fmt.method}\", \"model\": \"{out}\", "
+            f"\"num_speculative_tokens\": {n}}}'")
+
+
+def target_architectures(target_config) -> list[str]:
+    """The ``architectures`` of a target's config (a transformers config or its dict)."""
+    tc = target_config
+    return list(getattr(tc, "architectures", None) or (tc.get("architectures") if isinstance(tc, dict) else None)
+                or [])

