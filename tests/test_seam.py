@@ -135,10 +135,8 @@ def test_who_owns_a_folder_does_not_depend_on_the_order_of_the_names(monkeypatch
         algorithm_name(configs[-2][0])
 
 
-def test_a_train_steps_hooks_under_no_grad_compute_the_train_step():
-    """``training`` comes from the trainer, never from grad mode: a DFlash train step's normalizer and loss
-    run under ``no_grad`` draw the train step's anchors (the same loss as with grad), while
-    ``training=False`` (held-out metrics) draws the eval's: another loss (the control)."""
+def _dflash_step():
+    """(bound DFlash algorithm, tiny fp64 draft, one micro-batch of random ids and features)."""
     import torch
 
     from specforge.config import load_config
@@ -146,7 +144,6 @@ def test_a_train_steps_hooks_under_no_grad_compute_the_train_step():
     from tests.helpers.dflash import tiny_draft
 
     cfg = load_config(None, ["draft.algorithm=dflash", "draft.block_size=4", "draft.num_anchors=3"])
-    algo = get_algorithm("dflash").bind(cfg)
     draft = tiny_draft()
     g = torch.Generator().manual_seed(0)
     B, T, c = 2, 24, draft.config
@@ -154,6 +151,16 @@ def test_a_train_steps_hooks_under_no_grad_compute_the_train_step():
     batch = TrainBatch(ids, torch.ones_like(ids), torch.randn(B, T, c.context_width, generator=g, dtype=torch.float64),
                        torch.randn(B, T, c.hidden_size, generator=g, dtype=torch.float64),
                        torch.randint(0, c.vocab_size - 1, (B, T), generator=g))
+    return get_algorithm("dflash").bind(cfg), draft, batch
+
+
+def test_a_train_steps_hooks_under_no_grad_compute_the_train_step():
+    """``training`` comes from the trainer, never from grad mode: a DFlash train step's normalizer and loss
+    run under ``no_grad`` draw the train step's anchors (the same loss as with grad), while
+    ``training=False`` (held-out metrics) draws the eval's: another loss (the control)."""
+    import torch
+
+    algo, draft, batch = _dflash_step()
 
     def loss(training):
         n = algo.normalizer(draft, batch, 5, training=training)
@@ -211,24 +218,13 @@ def test_no_algorithm_imports_a_siblings_modules(tmp_path):
 def test_a_block_drafts_anchors_and_targets_are_drawn_once_per_micro_batch(monkeypatch):
     """The normalizer's draw of a micro-batch's anchors and targets is the loss's (``blocks.DrawnOnce``):
     one draw for both, for DFlash and the shifted layouts alike; another step draws again."""
-    import torch
 
     import specforge.algorithms.dflash.algorithm as dflash_algorithm
-    from specforge.config import load_config
-    from specforge.models.features import TrainBatch
-    from tests.helpers.dflash import tiny_draft
 
     draws = []
     real = dflash_algorithm.sample_anchors
     monkeypatch.setattr(dflash_algorithm, "sample_anchors", lambda *a, **k: draws.append(1) or real(*a, **k))
-    cfg = load_config(None, ["draft.algorithm=dflash", "draft.block_size=4", "draft.num_anchors=3"])
-    algo, draft = get_algorithm("dflash").bind(cfg), tiny_draft()
-    g = torch.Generator().manual_seed(0)
-    B, T, c = 2, 24, draft.config
-    ids = torch.randint(0, c.vocab_size - 1, (B, T), generator=g)
-    batch = TrainBatch(ids, torch.ones_like(ids), torch.randn(B, T, c.context_width, generator=g, dtype=torch.float64),
-                       torch.randn(B, T, c.hidden_size, generator=g, dtype=torch.float64),
-                       torch.randint(0, c.vocab_size - 1, (B, T), generator=g))
+    algo, draft, batch = _dflash_step()
     for step in (1, 2):
         n = algo.normalizer(draft, batch, step, training=True)
         algo.loss(draft, batch, None, step, n.reshape(()).double(), training=True)
