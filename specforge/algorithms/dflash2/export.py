@@ -112,24 +112,27 @@ FORMAT = dflash_export.BlockFormat(to_hf_config, check_checkpoint, load_dflash2,
 
 # ---------------------------------------------------------------- vLLM (speculators' DFlash2 format)
 
-NO_SGLANG = "SGLang has no DFlash2 drafting; export it with --engine vllm"
-NO_LLAMACPP = ("specforge does not export DFlash2 drafts for llama.cpp yet (its DFlash2 drafting is not checked "
-               "against this draft); export it with --engine vllm")
+# why an engine does not serve it (the reason alone: engines.refusal_line says what to do instead)
+NO_SGLANG = "SGLang has no DFlash2 drafting"
+NO_LLAMACPP = ("specforge does not export DFlash2 drafts for llama.cpp yet: its DFlash2 drafting is not checked "
+               "against this draft")
+
+
 def _speculators_keys(hf_config: Mapping) -> dict:
     cfg = from_hf_config(hf_config)
     return {"sample_from_anchor": bool(cfg.sample_from_anchor), **{k: getattr(cfg, k) for k in KEYS}}
-
-
-# speculators' DFlash2 format: vLLM's DFlash runtime ("method": "dflash") builds DFlash2DraftModel from it
-SPECULATORS = dflash_export.SpeculatorsFormat(
-    algorithm="dflash2", config_class=lambda: _config_class(), architectures=(ARCHITECTURE,), method="dflash",
-    keys=_speculators_keys, not_layer=frozenset(KEYS))
 
 
 def _config_class():
     from speculators.models.dflash2 import DFlash2SpeculatorConfig  # lazy: optional (speculators)
 
     return DFlash2SpeculatorConfig
+
+
+# speculators' DFlash2 format: vLLM's DFlash runtime ("method": "dflash") builds DFlash2DraftModel from it
+SPECULATORS = dflash_export.SpeculatorsFormat(
+    algorithm="dflash2", config_class=_config_class, architectures=(ARCHITECTURE,), method="dflash",
+    keys=_speculators_keys, not_layer=frozenset(KEYS))
 
 
 def vllm_tokens(hf_config: Mapping, asked: Optional[int]) -> int:
@@ -161,7 +164,8 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     """vLLM: speculators' DFlash2 folder (:func:`export_vllm`); returns the serve command. SGLang and
     llama.cpp: one ValueError each (the CLI refuses them first, from ``engines``)."""
     if engine != "vllm":
-        raise ValueError(f"--engine {engine}: {NO_SGLANG if engine == 'sglang' else NO_LLAMACPP}")
+        raise ValueError(f"--engine {engine}: {NO_SGLANG if engine == 'sglang' else NO_LLAMACPP}; export it with "
+                         "--engine vllm")
     if req.target is None:
         raise ValueError("--target: the vLLM export of a DFlash2 draft names its verifier; pass the target")
     hf_config = json.loads((Path(draft_dir) / "config.json").read_text())

@@ -102,7 +102,7 @@ FORMAT = dflash_export.BlockFormat(to_hf_config, check_checkpoint, load_dspark, 
 
 # ---------------------------------------------------------------- vLLM (speculators' DSpark format)
 
-NO_SGLANG = "SGLang has no DSpark drafting; export it with --engine vllm or --engine llama.cpp"
+NO_SGLANG = "SGLang has no DSpark drafting"
 
 
 def _speculators_keys(hf_config: Mapping) -> dict:
@@ -140,7 +140,7 @@ def export(engine: str, draft_dir: Path, out_dir: Path, req) -> str:
     """vLLM: speculators' DSpark folder (``dflash.export.export_speculators``); returns the serve command.
     llama.cpp's GGUF is the export CLI's (its converter); SGLang: one ValueError (the CLI refuses it first)."""
     if engine != "vllm":
-        raise ValueError(f"--engine {engine}: {NO_SGLANG}")
+        raise ValueError(f"--engine {engine}: {NO_SGLANG}; export it with --engine vllm or --engine llama.cpp")
     if req.target is None:
         raise ValueError("--target: the vLLM export of a DSpark draft names its verifier; pass the target")
     hf_config, _ = check_checkpoint(draft_dir)
