@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge import export
+from specforge.algorithms.dflash.export import save_dflash
 from specforge.cli import run_cli
 from specforge.config import Config, ModelConfig, TrainConfig
 from specforge.data.vocab import build_draft_vocab, load_draft_vocab
@@ -134,7 +135,7 @@ def test_a_dflash_draft_starts_from_its_zlab_folder(tmp_path, target):
     cfg = run_cfg(tmp_path, seed=1, algorithm="dflash")
     vocab = own_vocab()
     src = DFLASH.bind(cfg).build_draft(target, vocab).eval()
-    folder = DFLASH._module("export").save_dflash(src, tmp_path / "zlab", dtype=torch.float32)
+    folder = save_dflash(src, tmp_path / "zlab", dtype=torch.float32)
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     fresh = trainer_path(run_cfg(tmp_path, seed=2, algorithm="dflash", init_from=folder), target, vocab)
     torch.testing.assert_close(outputs(fresh, dflash=True), outputs(src, dflash=True), rtol=0, atol=1e-6)
@@ -196,7 +197,7 @@ def vocab_path_of(cfg, target_vocab_size: int):
 def test_a_config_fact_without_a_shape_is_compared(tmp_path, target):
     """Same tensors, other math: the mask token of a DFlash folder, the layers an EAGLE-3 draft fuses."""
     cfg = run_cfg(tmp_path, seed=1, algorithm="dflash")
-    folder = DFLASH._module("export").save_dflash(DFLASH.bind(cfg).build_draft(target, own_vocab()), tmp_path / "zlab")
+    folder = save_dflash(DFLASH.bind(cfg).build_draft(target, own_vocab()), tmp_path / "zlab")
     with pytest.raises(ValueError, match=rf"its dflash_config.mask_token_id is {V - 1}, the run's draft has {V - 2} "
                                          rf"\(set draft.mask_token_id={V - 1}\)"):
         trainer_path(run_cfg(tmp_path, seed=2, algorithm="dflash", init_from=folder, mask_token_id=V - 2), target,
