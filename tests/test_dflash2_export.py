@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.vllm_venv import run_in_vllm
+from tests.helpers.vllm_venv import assert_loaded_as_saved, run_probe
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -321,14 +321,6 @@ print(json.dumps(report))
 """
 
 
-def run_vllm(target_dir: Path, out: Path, n: int, probe: dict, tmp_path: Path) -> tuple[dict, dict]:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in probe.items()}, tmp_path / "probe.safetensors")
-    return run_in_vllm(VLLM_SCRIPT, [target_dir, out, n, tmp_path / "probe.safetensors",
-                                     tmp_path / "result.safetensors"])
-
-
 @torch.no_grad()
 def test_vllm_builds_the_draft_from_the_export_and_computes_its_convolution_and_selector(tiny, tmp_path, capsys):
     """vLLM's own parser, model registry, ``DFlash2Qwen3ForCausalLM`` and its ``load_weights`` on the
@@ -351,7 +343,7 @@ def test_vllm_builds_the_draft_from_the_export_and_computes_its_convolution_and_
     probe = {"x": torch.randn(2 * rows, c.hidden_size, generator=g), "cand": cand[None],
              "unary": unary_full.gather(-1, cand)[None], "hidden": torch.randn(1, rows, c.hidden_size, generator=g),
              "anchor": torch.tensor([5])}
-    got, res = run_vllm(target_dir, out, n, probe, tmp_path)
+    got, res = run_probe(VLLM_SCRIPT, target_dir, out, n, probe, tmp_path)
 
     assert (got["architectures"], got["resolved"], got["model"]) == (["DFlash2DraftModel"], "DFlash2DraftModel",
                                                                      "DFlash2Qwen3ForCausalLM")
@@ -363,18 +355,7 @@ def test_vllm_builds_the_draft_from_the_export_and_computes_its_convolution_and_
     assert got["spec"] == {"method": "dflash", "num_speculative_tokens": n}
 
     saved = load_file(out / "model.safetensors")
-    stacked = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    used = set()
-    for name in got["params"]:
-        key = name.removeprefix("model.")
-        if key in ("embed_tokens.weight", "mask_embedding") or name == "lm_head.weight":
-            continue  # the target's (none in the file), shared by vLLM's proposer
-        part = next((p for p in stacked if f".{p}." in key), None)
-        names = [key.replace(part, s) for s in stacked[part]] if part else [key]
-        want = torch.cat([saved[k] for k in names])
-        used |= set(names)
-        assert torch.equal(res["param." + name], want), name
-    assert used == set(saved)  # every tensor of the export is a parameter of vLLM's model
+    assert_loaded_as_saved({name: res["param." + name] for name in got["params"]}, saved)
     print("control:", got["control"])
     assert got["control"].startswith("raised") or got["control"] == "loaded; equal False", got["control"]
 

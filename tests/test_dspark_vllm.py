@@ -4,12 +4,11 @@ which vLLM 0.32 itself (its venv, a subprocess: its ``SpeculatorsConfig`` parser
 Markov bias and confidence equal our heads'. Control: a renamed tensor does not load. Needs the vLLM venv
 (``bash scripts/install_vllm.sh``; scripts/test.sh installs it)."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.vllm_venv import run_in_vllm
+from tests.helpers.vllm_venv import assert_loaded_as_saved, run_probe
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -78,14 +77,6 @@ print(json.dumps(report))
 """
 
 
-def run_vllm(target_dir: Path, out: Path, n: int, probe: dict, tmp_path: Path) -> tuple[dict, dict]:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in probe.items()}, tmp_path / "probe.safetensors")
-    return run_in_vllm(VLLM_SCRIPT, [target_dir, out, n, tmp_path / "probe.safetensors",
-                                     tmp_path / "result.safetensors"])
-
-
 @torch.no_grad()
 def test_vllm_builds_the_dspark_draft_from_the_export_and_computes_its_heads(tiny, tmp_path, capsys):
     """vLLM's parser reads the export as a Qwen3 DSpark draft of our layers (ours + 1, "after k layers",
@@ -104,24 +95,14 @@ def test_vllm_builds_the_dspark_draft_from_the_export_and_computes_its_heads(tin
     assert "\"method\": \"dspark\"" in capsys.readouterr().out
     g = torch.Generator().manual_seed(3)
     probe = {"prev": torch.randint(0, V, (5,), generator=g), "hidden": torch.randn(5, H, generator=g)}
-    got, res = run_vllm(target_dir, out, K, probe, tmp_path)
+    got, res = run_probe(VLLM_SCRIPT, target_dir, out, K, probe, tmp_path)
     assert (got["resolved"], got["model"]) == ("Qwen3DSparkModel", "Qwen3DSparkForCausalLM"), got
     assert got["target_layer_ids"] == IDS and got["markov_rank"] == R and got["sample_from_anchor"] is True
     assert got["confidence"] is True and got["with_markov"] is True
     assert got["spec"]["num_speculative_tokens"] == K
 
     saved = load_file(out / "model.safetensors")
-    stacked = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    used = set()
-    for name in (k.removeprefix("param.") for k in res if k.startswith("param.")):
-        key = name.removeprefix("model.")
-        if key in ("embed_tokens.weight", "mask_embedding") or name == "lm_head.weight":
-            continue  # the target's (none in the file), shared by vLLM's proposer
-        part = next((p for p in stacked if f".{p}." in key), None)
-        names = [key.replace(part, s) for s in stacked[part]] if part else [key]
-        assert torch.equal(res["param." + name], torch.cat([saved[k] for k in names])), name
-        used |= set(names)
-    assert used == set(saved), set(saved) - used  # every tensor we wrote is one vLLM loaded
+    assert_loaded_as_saved({k.removeprefix("param."): v for k, v in res.items() if k.startswith("param.")}, saved)
 
     e = ours.markov_head.markov_w1(probe["prev"])
     torch.testing.assert_close(res["bias"], ours.markov_head.markov_w2(e), rtol=1e-5, atol=1e-5)

@@ -53,3 +53,33 @@ def run_in_vllm(body: str, args: list, timeout: int = 600) -> tuple[dict, dict]:
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), load_file(Path(args[-1]))
+
+
+def run_probe(body: str, target_dir: Path, out: Path, n: int, probe: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """``run_in_vllm`` of a script reading ``(target, export, num_speculative_tokens, probe file, result
+    file)``: ``probe``'s tensors saved for it first."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in probe.items()}, tmp_path / "probe.safetensors")
+    return run_in_vllm(body, [target_dir, out, n, tmp_path / "probe.safetensors", tmp_path / "result.safetensors"])
+
+
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def assert_loaded_as_saved(params: dict, saved: dict) -> None:
+    """Every parameter of vLLM's draft (``params``: name -> tensor) is the export's tensor (q/k/v and gate/up
+    stacked as vLLM stacks them), but the target's embedding / lm_head (none in the file, shared by vLLM's
+    proposer) and the unused ``mask_embedding``; and every tensor of the export is one of them."""
+    import torch
+
+    used = set()
+    for name, got in params.items():
+        key = name.removeprefix("model.")
+        if key in ("embed_tokens.weight", "mask_embedding") or name == "lm_head.weight":
+            continue
+        part = next((p for p in STACKED if f".{p}." in key), None)
+        names = [key.replace(part, s) for s in STACKED[part]] if part else [key]
+        assert torch.equal(got, torch.cat([saved[k] for k in names])), name
+        used |= set(names)
+    assert used == set(saved), set(saved) - used
