@@ -162,16 +162,18 @@ class RolloutWorker(DistributedWorker):
         rows = getattr(self.data, plan.split)[list(ids)]
         rows = [{"input_ids": a, "loss_mask": b} for a, b in zip(rows["input_ids"], rows["loss_mask"])]
         input_ids_BT, loss_mask_BT, attn_BT = collate(rows, pad_id(self.target.tokenizer))
-        return _Batch((plan.split, plan.step, tuple(ids)), ids, [len(r["input_ids"]) for r in rows],
-                      input_ids_BT, loss_mask_BT, attn_BT)
+        return _Batch(self._key(plan), ids, [len(r["input_ids"]) for r in rows], input_ids_BT, loss_mask_BT, attn_BT)
+
+    def _key(self, plan: StepPlan) -> tuple:
+        """What tells one plan's batch of this worker from another's (a look-ahead is used only for its own)."""
+        return plan.split, plan.step, tuple(plan.batch_of(self.rank))
 
     def _requests(self, plan: StepPlan, upcoming: Sequence[StepPlan]) -> Optional[_Batch]:
         """``plan``'s batch; with an engine that computes apart, its requests sent (unless they went out
         with the last step), then the next plan's. A look-ahead that does not match (another plan came:
         a replaced peer, the end of a split) is dropped: its requests finish and their files go."""
         ahead, self._ahead = self._ahead, None
-        key = (plan.split, plan.step, tuple(plan.batch_of(self.rank)))
-        batch = ahead if ahead is not None and ahead.key == key else self._batch(plan)
+        batch = ahead if ahead is not None and ahead.key == self._key(plan) else self._batch(plan)
         engine = self.target.engine
         if engine is None or not engine.computes_apart:
             return batch  # on our own cores one batch at a time (measured faster there: benchmarks/README.md)
