@@ -76,7 +76,6 @@ class DraftConfig:
     ``positive`` or ``unit`` (``"(0, 1]"``)."""
 
     algorithm: str = DEFAULT_ALGORITHM
-    vocab_size: int = 32000  # draft vocabulary (most frequent assistant tokens)
     intermediate_size: Optional[int] = None  # None = the target's (per algorithm: its default)
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
@@ -481,7 +480,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 # Numeric ranges a type cannot say: key -> (lowest, inclusive). A null Optional passes.
 _AT_LEAST = {
     "model.argmax_chunk_tokens": 1, "model.num_gpus": 1, "data.max_length": 8, "data.max_samples": 1,
-    "data.num_eval": 0, "data.num_proc": 1, "draft.vocab_size": 2, "draft.intermediate_size": 1,
+    "data.num_eval": 0, "data.num_proc": 1, "draft.intermediate_size": 1,
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1,
     "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
     "train.grad_accum": 1,

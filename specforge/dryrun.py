@@ -108,16 +108,16 @@ def _target_dtype(cfg: Config) -> torch.dtype:
 def meta_models(cfg: Config, hf_config, dtype: torch.dtype):
     """``(target, draft, train_state)`` on the meta device: the target's class from the family table
     in ``dtype``, the draft and its train state from the run's algorithm, as the workers build them
-    (a draft vocab of ``draft.vocab_size`` placeholder ids)."""
+    (a draft vocab of the algorithm's ``draft_vocab_size`` placeholder ids)."""
     text = text_config(hf_config)
     family = family_of(hf_config)
     meta = torch.device("meta")
-    n = min(cfg.draft.vocab_size, text.vocab_size)  # real (small) tensors: an algorithm may read the ids
+    algo = bound_algorithm(cfg)
+    n = min(algo.draft_vocab_size(text.vocab_size), text.vocab_size)  # real (small) tensors: an algorithm reads ids
     vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.zeros(text.vocab_size, dtype=torch.bool))  # device: host
     with meta:
         model = family.auto_class().from_config(hf_config, dtype=dtype)
         target = TargetModel(model, None, feature_layers(cfg, text.num_hidden_layers), meta)
-        algo = bound_algorithm(cfg)
         draft = algo.build_draft(target, vocab)
         state = algo.train_state(target, vocab)
     return target, draft, state

@@ -297,7 +297,7 @@ def test_memory_model_within_ten_percent_of_the_measured_peak(algorithm):
                      num_key_value_heads=4, max_position_embeddings=2 * T)
     target = TargetModel(model=LlamaForCausalLM(lc).to(torch.bfloat16).eval(), tokenizer=None,
                          aux_layer_ids=algo.feature_layers(4), device=torch.device("cpu"))
-    n = min(cfg.draft.vocab_size, V)
+    n = min(algo.draft_vocab_size(V), V)
     vocab = DraftVocab(torch.zeros(n, dtype=torch.long), torch.arange(V) < n)
     draft = algo.build_draft(target, vocab).to(dev)
     state = algo.train_state(target, vocab)

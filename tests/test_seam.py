@@ -229,3 +229,41 @@ def test_a_block_drafts_anchors_and_targets_are_drawn_once_per_micro_batch(monke
         n = algo.normalizer(draft, batch, step, training=True)
         algo.loss(draft, batch, None, step, n.reshape(()).double(), training=True)
     assert len(draws) == 2  # one a step: the loss took the normalizer's
+
+
+# a value other than every algorithm's default for each shared draft key
+OTHER = {"intermediate_size": 96, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
+         "rope_theta": 12345.0, "rms_norm_eps": 1e-3}
+
+
+def _draft_config(algorithm: str, *overrides: str):
+    """The config of the draft ``algorithm`` builds (on the meta device, as the dry run does) for a tiny target."""
+    import torch
+    from transformers import LlamaConfig
+
+    from specforge.config import load_config
+    from specforge.dryrun import meta_models
+
+    target = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return meta_models(load_config(None, [f"draft.algorithm={algorithm}", *overrides]), target, torch.float32)[1].config
+
+
+def test_the_shared_draft_keys_are_read_by_every_algorithm():
+    """``DraftConfig`` holds only keys every algorithm reads: each one set reaches every algorithm's draft
+    (``algorithm`` picks the class, ``init_from`` is read by training/init_from.py for all). A key only some
+    read belongs in their options: EAGLE-3's ``vocab_size`` is refused for DFlash in one line. Control: the
+    check fails for a key that does not reach the draft (EAGLE-3's vocab_size is its draft_vocab_size, not
+    its config's vocab_size, the target's)."""
+    import dataclasses
+
+    from specforge.config import DraftConfig, load_config
+
+    shared = {f.name for f in dataclasses.fields(DraftConfig)} - {"algorithm", "init_from"}
+    assert shared == set(OTHER), "a new shared draft key: add it to OTHER, and check every algorithm reads it"
+    for name in NAMES:
+        for key, value in OTHER.items():
+            assert getattr(_draft_config(name, f"draft.{key}={value}"), key) == value, (name, key)
+    assert _draft_config("eagle3", "draft.vocab_size=200").vocab_size != 200  # the control
+    with pytest.raises(ValueError, match=r"'draft\.vocab_size'=200 applies to draft\.algorithm=eagle3, not dflash"):
+        load_config(None, ["draft.algorithm=dflash", "draft.vocab_size=200"])

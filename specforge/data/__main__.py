@@ -1,8 +1,8 @@
 """``python -m specforge.data prepare --config configs/x.yaml [section.key=value ...] [--vocab-out PATH]``
 
 Tokenizes the configured conversations with the target's chat template (cached), prints the
-statistics table, and optionally builds + saves the draft vocab (``draft.vocab_size`` most
-frequent assistant tokens).
+statistics table, and optionally builds + saves the draft vocab (the most frequent assistant tokens,
+as many as the run's algorithm keeps: EAGLE-3's ``draft.vocab_size``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from specforge.config import load_config
 from specforge.data.prepare import prepare_dataset
 from specforge.data.vocab import build_draft_vocab, save_draft_vocab
 from specforge.models.target import load_tokenizer
+from specforge.registry import bound_algorithm
 
 
 def main(argv=None) -> int:
@@ -52,14 +53,15 @@ def prepare(cfg, vocab_out, progress: bool) -> int:
     print(f"{'tokenizer load seconds':<40}{t_tok:>12.1f}")
     if vocab_out:
         V = len(tokenizer)
-        if cfg.draft.vocab_size > V:
-            raise ValueError(f"config key 'draft.vocab_size'={cfg.draft.vocab_size} exceeds the target's "
+        n = bound_algorithm(cfg).draft_vocab_size(V)
+        if n > V:  # only EAGLE-3's own key can ask for more
+            raise ValueError(f"config key 'draft.vocab_size'={n} exceeds the target's "
                              f"vocabulary ({V} tokens); choose at most {V}")
         t1 = time.perf_counter()
-        vocab = build_draft_vocab(out.train, V, cfg.draft.vocab_size)  # train split only: eval is never trained on
+        vocab = build_draft_vocab(out.train, V, n)  # train split only: eval is never trained on
         path = save_draft_vocab(vocab, vocab_out)
         cov = f"{vocab.coverage:.4f}" if vocab.coverage is not None else "n/a"
-        print(f"draft vocab: {cfg.draft.vocab_size} of {V} target tokens, coverage of train loss tokens {cov}, "
+        print(f"draft vocab: {n} of {V} target tokens, coverage of train loss tokens {cov}, "
               f"saved to {path} ({time.perf_counter() - t1:.1f} s)")
     print(f"{'total wall seconds':<40}{time.perf_counter() - t0:>12.1f}")
     return 0

@@ -27,6 +27,10 @@ from safetensors.torch import save_file
 
 from specforge.files import open_safetensors
 
+# The draft-vocab file of a draft that predicts the target's whole vocabulary (DFlash's family, MTP):
+# the ids the data use most, no more (DFlash picks its mask token outside them)
+MOST_USED_IDS = 32000
+
 __all__ = ["DraftVocab", "count_loss_tokens", "build_draft_vocab", "save_draft_vocab", "load_draft_vocab"]
 
 

@@ -78,7 +78,7 @@ def prepare(cfg: Config, use_gpu: bool) -> RunData:
     path = init_vocab_path(algo, cfg, target_cfg.vocab_size)  # draft.init_from: the folder's mapping
     if path is None:
         build_vocab(algo, cfg, data.train, target_cfg.vocab_size, data.cache_key)  # writes the file workers load
-        path = vocab_path(cfg, data.cache_key)
+        path = vocab_path(algo, cfg, data.cache_key, target_cfg.vocab_size)
     return RunData(
         lengths=tuple(int(n) for n in data.train.data.column("length").to_pylist()),
         eval_lengths=tuple(int(n) for n in data.eval.data.column("length").to_pylist()),

@@ -45,15 +45,15 @@ def keep_old_checkpoints(cfg: Config) -> None:
         print(f"checkpoint.resume=false: moved the existing checkpoints of {checkpoint_root(cfg)} aside to {moved}")
 
 
-def vocab_path(cfg: Config, data_key: str) -> Path:
+def vocab_path(algo: Training, cfg: Config, data_key: str, target_vocab_size: int) -> Path:
     """Where the draft vocab of this data + tokenizer is cached (workers load it from here)."""
-    return (Path(cfg.model.cache_dir).expanduser() / "vocab"
-            / f"{data_key}-n{cfg.draft.vocab_size}-{cfg.draft.algorithm}.safetensors")
+    n = algo.draft_vocab_size(target_vocab_size)
+    return Path(cfg.model.cache_dir).expanduser() / "vocab" / f"{data_key}-n{n}-{cfg.draft.algorithm}.safetensors"
 
 
 def build_vocab(algo: Training, cfg: Config, train_rows, target_vocab_size: int, data_key: str) -> DraftVocab:
     """The draft vocab of this data + tokenizer, cached next to the tokenized data."""
-    path = vocab_path(cfg, data_key)
+    path = vocab_path(algo, cfg, data_key, target_vocab_size)
     if path.is_file():
         return load_draft_vocab(path)
     vocab = build_draft_vocab(train_rows, target_vocab_size, algo.draft_vocab_size(target_vocab_size))

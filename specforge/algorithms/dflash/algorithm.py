@@ -42,6 +42,7 @@ from specforge.algorithms.dflash.model import DFlashConfig, DFlashDraft, default
 from specforge.algorithms.dflash.propose import DFlashProposer
 from specforge.algorithms.dflash.sp import RingBlocks, gather_rows, ring_comm
 from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
+from specforge.data.vocab import MOST_USED_IDS
 from specforge.files import read_safetensors_folder
 from specforge.seam import Binds
 
@@ -91,9 +92,6 @@ class DFlash(Binds):
         if w is not None and w < cfg.draft.block_size:
             errors.append(f"config key 'draft.sliding_window'={w} is below 'draft.block_size'={cfg.draft.block_size}: "
                           "a block's rows must see each other; use at least the block size, or null (full attention)")
-        if cfg.draft.vocab_size != DraftConfig.vocab_size:
-            errors.append(f"config key 'draft.vocab_size'={cfg.draft.vocab_size!r} applies to draft.algorithm=eagle3, "
-                          f"not {self.name} (a {self.title} draft predicts the target's whole vocabulary); remove it")
         return errors
 
     # ---------------------------------------------------------------- bound to a run (bind)
@@ -105,13 +103,12 @@ class DFlash(Binds):
     def draft_vocab_size(self, target_vocab_size: int) -> int:
         """DFlash predicts the target's whole vocabulary (its public format has no draft vocab): the
         file only marks the ids the data use most, so that the mask token can be one outside them."""
-        return min(self.opt.vocab_size, target_vocab_size - 1)
+        return min(MOST_USED_IDS, target_vocab_size - 1)
 
     def identity(self) -> dict:
-        """Every draft.* key but vocab_size (refused unless the default, config_errors) and init_from
-        (where a fresh run's weights came from, not what a step computes)."""
+        """Every draft.* key but init_from (where a fresh run's weights came from, not what a step computes)."""
         return {f"draft.{f.name}": getattr(self.opt, f.name) for f in dataclasses.fields(self.opt)
-                if f.name not in ("vocab_size", "init_from")}
+                if f.name != "init_from"}
 
     def sp_halo(self) -> int:
         # a block anchored at a ring rank's last row reads labels and loss mask up to block_size - 1 rows past it

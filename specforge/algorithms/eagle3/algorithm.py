@@ -43,6 +43,8 @@ from specforge.targets import logit_softcap
 class Eagle3Options(DraftConfig):
     """``draft.*`` keys of an EAGLE-3 draft (besides the shared ones of ``DraftConfig``)."""
 
+    # the draft vocabulary: the target tokens the train split's loss positions use most (data/vocab.py)
+    vocab_size: int = field(default=32000, metadata={"at_least": 2})
     hidden_size: Optional[int] = field(default=None, metadata={"at_least": 1})  # None = the target's
     init_lm_head_from_target: bool = True
     init_midlayer_from_target: bool = False  # start from the target layer after the deepest aux layer

@@ -33,6 +33,7 @@ from specforge.algorithms.mtp.memory import MTPDims, mtp_step
 from specforge.algorithms.mtp.model import MTPConfig, MTPDraft
 from specforge.algorithms.mtp.propose import MTPProposer
 from specforge.config import DraftConfig
+from specforge.data.vocab import MOST_USED_IDS
 from specforge.files import read_safetensors_folder
 from specforge.seam import Binds
 
@@ -78,9 +79,6 @@ class MTP(Binds):
         if ids is not None and len(ids) != 1:
             errors.append(f"config key 'model.aux_layer_ids'={ids}: an MTP draft reads the target's last layer "
                           "alone; remove it (null)")
-        if d.vocab_size != DraftConfig.vocab_size:
-            errors.append(f"config key 'draft.vocab_size'={d.vocab_size!r} applies to draft.algorithm=eagle3, not mtp "
-                          "(an MTP draft predicts the target's whole vocabulary); remove it")
         if d.stitch_target_mtp:
             errors.append("config key 'draft.stitch_target_mtp'=true: the target loader drops a checkpoint's mtp.* "
                           "tensors and no target's own MTP layer is this draft's Qwen3 layer; use false")
@@ -109,11 +107,11 @@ class MTP(Binds):
                              "heads; use a divisor of them")
 
     def draft_vocab_size(self, target_vocab_size: int) -> int:
-        return min(self.opt.vocab_size, target_vocab_size)  # the file only; the draft predicts every token
+        return min(MOST_USED_IDS, target_vocab_size)  # the file only; the draft predicts every token
 
     def identity(self) -> dict:
         return {f"draft.{f.name}": getattr(self.opt, f.name) for f in dataclasses.fields(self.opt)
-                if f.name not in ("vocab_size", "init_from")}
+                if f.name != "init_from"}
 
     def sp_halo(self) -> int:
         return 0
