@@ -118,6 +118,7 @@ from specforge.config import load_config
 from specforge.preflight import check_resources, check_run, needed_resources, ray_resources
 from tests.helpers.data import make_tokenizer, rec, write_jsonl
 from tests.helpers.ray_run import cfg_overrides, make_cfg
+from tests.helpers.tables import algorithm_cfg, assert_row, config_refused
 
 pytestmark = [pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parent.parent
@@ -200,12 +201,7 @@ def test_every_placement_checks_the_target_before_ray(assets, tmp_path, placemen
     (["parallel.sp_ulysses=3", "train.num_workers=3"], None),  # 4 heads over 3 ranks: padded, exact
 ])
 def test_target_table(assets, tmp_path, overrides, pattern):
-    cfg = make_cfg(assets, tmp_path, *overrides)
-    if pattern is None:
-        check_run(cfg)
-        return
-    with pytest.raises(ValueError, match=pattern):
-        check_run(cfg)
+    assert_row(lambda: check_run(make_cfg(assets, tmp_path, *overrides)), pattern)
 
 
 
@@ -222,11 +218,9 @@ def test_target_table(assets, tmp_path, overrides, pattern):
     (["draft.markov_rank=8"], r"'draft\.markov_rank'=8 applies to draft\.algorithm=dspark, not dflash2"),
 ])
 def test_dflash2_config_error(overrides, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        load_config(None, ["draft.algorithm=dflash2", *overrides])
-    # control: the same keys at valid values load
-    cfg = load_config(None, ["draft.algorithm=dflash2", "draft.conv_kernel_size=8", "draft.kl_weight=0",
-                             "draft.ce_weight=1", "draft.sliding_window=16", "draft.selector_weight=0"])
+    cfg = config_refused("dflash2", overrides, pattern, [
+        "draft.conv_kernel_size=8", "draft.kl_weight=0", "draft.ce_weight=1", "draft.sliding_window=16",
+        "draft.selector_weight=0"])
     assert (cfg.draft.conv_kernel_size, cfg.draft.selector_top_k, cfg.draft.sliding_window_non_causal) == (8, 16, True)
 
 
@@ -237,13 +231,7 @@ def test_dflash2_config_error(overrides, pattern):
     (["draft.conv_group_size=24", "draft.selector_top_k=297"], None),
 ])
 def test_dflash2_target_table(assets, tmp_path, overrides, pattern):
-    base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers="))]
-    cfg = load_config(None, [*base, "draft.algorithm=dflash2", "train.num_workers=1", *overrides])
-    if pattern is None:
-        check_run(cfg)
-        return
-    with pytest.raises(ValueError, match=pattern):
-        check_run(cfg)
+    assert_row(lambda: check_run(algorithm_cfg(assets, tmp_path, "dflash2", *overrides)), pattern)
 
 @pytest.mark.parametrize("overrides, pattern", [
     (["draft.num_speculative_steps=0"], r"'draft\.num_speculative_steps'=0 must be >= 1"),
@@ -257,11 +245,8 @@ def test_dflash2_target_table(assets, tmp_path, overrides, pattern):
     (["draft.block_size=4"], r"draft\.block_size"),
 ])
 def test_mtp_config_error(overrides, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        load_config(None, ["draft.algorithm=mtp", *overrides])
-    # control: the same keys at valid values load
-    cfg = load_config(None, ["draft.algorithm=mtp", "draft.num_speculative_steps=1", "draft.step_weight_beta=2.0",
-                             "draft.stitch_target_mtp=false", "model.aux_layer_ids=[29]"])
+    cfg = config_refused("mtp", overrides, pattern, ["draft.num_speculative_steps=1", "draft.step_weight_beta=2.0",
+                                                     "draft.stitch_target_mtp=false", "model.aux_layer_ids=[29]"])
     assert (cfg.draft.num_speculative_steps, cfg.draft.step_weight_beta) == (1, 2.0)
 
 
@@ -271,14 +256,8 @@ def test_mtp_config_error(overrides, pattern):
     ([], None),
 ])
 def test_mtp_target_table(assets, tmp_path, overrides, pattern):
-    base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers=",
-                                                                             "model.aux_layer_ids="))]
-    cfg = load_config(None, [*base, "draft.algorithm=mtp", "train.num_workers=1", *overrides])
-    if pattern is None:
-        check_run(cfg)
-        return
-    with pytest.raises(ValueError, match=pattern):
-        check_run(cfg)
+    cfg = algorithm_cfg(assets, tmp_path, "mtp", *overrides, drop=("model.aux_layer_ids=",))
+    assert_row(lambda: check_run(cfg), pattern)
 
 
 @pytest.mark.parametrize("overrides, pattern", [
@@ -301,12 +280,9 @@ def test_mtp_target_table(assets, tmp_path, overrides, pattern):
     (["draft.selector_rank=8"], r"'draft\.selector_rank'=8 applies to draft\.algorithm=dflash2, not xpress"),
 ])
 def test_xpress_config_error(overrides, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        load_config(None, ["draft.algorithm=xpress", *overrides])
-    # control: the same keys at valid values load
-    cfg = load_config(None, ["draft.algorithm=xpress", "draft.refiner_rank=1", "draft.jacobi_passes=0",
-                             "draft.consistency_passes=0", "draft.consistency_weight=0", "draft.ce_weight=0",
-                             "draft.tv_weight=0", "draft.kl_weight=1", "draft.anchor_weight=0"])
+    cfg = config_refused("xpress", overrides, pattern, [
+        "draft.refiner_rank=1", "draft.jacobi_passes=0", "draft.consistency_passes=0", "draft.consistency_weight=0",
+        "draft.ce_weight=0", "draft.tv_weight=0", "draft.kl_weight=1", "draft.anchor_weight=0"])
     assert (cfg.draft.refiner_rank, cfg.draft.jacobi_passes, cfg.draft.kl_weight) == (1, 0, 1.0)
 
 
@@ -316,13 +292,7 @@ def test_xpress_config_error(overrides, pattern):
     (["draft.refiner_rank=4", "draft.block_size=3"], None),
 ])
 def test_xpress_target_table(assets, tmp_path, overrides, pattern):
-    base = [o for o in cfg_overrides(assets, tmp_path) if not o.startswith(("draft.", "train.num_workers="))]
-    cfg = load_config(None, [*base, "draft.algorithm=xpress", "train.num_workers=1", *overrides])
-    if pattern is None:
-        check_run(cfg)
-        return
-    with pytest.raises(ValueError, match=pattern):
-        check_run(cfg)
+    assert_row(lambda: check_run(algorithm_cfg(assets, tmp_path, "xpress", *overrides)), pattern)
 
 
 def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):
@@ -355,12 +325,7 @@ def test_offline_store_meta_is_checked_by_the_driver(assets, tmp_path):
     (["train.num_workers=2"], False, {"CPU": 2.0}, None),
 ])
 def test_resources_table(overrides, use_gpu, have, pattern):
-    cfg = load_config(None, overrides)
-    if pattern is None:
-        check_resources(cfg, use_gpu, have, "this machine")
-        return
-    with pytest.raises(ValueError, match=pattern):
-        check_resources(cfg, use_gpu, have, "this machine")
+    assert_row(lambda: check_resources(load_config(None, overrides), use_gpu, have, "this machine"), pattern)
 
 
 def test_ray_num_cpus_oversubscribes_on_purpose(monkeypatch):

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.dflash import both_layouts, qwen3_target, sharp_dflash2_draft, with_our_weights
+
 pytestmark = [pytest.mark.timeout(900)]
 
 L, H, V, MASK, IDS, K, R, TOPK = 6, 64, 128, 127, [1, 3, 4], 4, 16, 8
@@ -37,37 +39,8 @@ def _close(got, want, rel):
 
 
 def _tiny_draft(target_config, sample_from_anchor=False, seed=0):
-    """A random DFlash2 draft whose every part matters: sharp context attention (q/k norm weights 3,
-    as the DFlash tests), convolutions away from identity (random base kernels and kernel
-    projections) and a selector whose transition scores are as large as the unary logits."""
-    from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
-
-    torch.manual_seed(seed)
-    cfg = DFlash2Config.from_target(target_config, mask_token_id=MASK, num_hidden_layers=2, target_layer_ids=IDS,
-                                    block_size=K, conv_kernel_size=2, conv_group_size=16, selector_rank=R,
-                                    selector_top_k=TOPK, sample_from_anchor=sample_from_anchor)
-    draft = DFlash2Draft(cfg)
-    with torch.no_grad():
-        for layer in draft.layers:
-            layer.self_attn.q_norm.weight.fill_(3.0)
-            layer.self_attn.k_norm.weight.fill_(3.0)
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.add_(0.5 * torch.randn_like(conv.base_kernel))
-                conv.kernel_projection.weight.normal_(0.0, 0.2)
-        sel = draft.candidate_selector
-        sel.predecessor_codebook.normal_(0.0, 1.0)
-        sel.successor_codebook.normal_(0.0, 1.0)
-        sel.hidden_projection.weight.normal_(0.0, 0.3)
-    return draft
-
-
-def _target():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(tc).eval()
+    return sharp_dflash2_draft(target_config, mask=MASK, ids=IDS, block=K, rank=R, top_k=TOPK,
+                               sample_from_anchor=sample_from_anchor, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +49,8 @@ def tiny(tmp_path_factory):
     from specforge.algorithms.dflash2.export import load_dflash2, save_dflash2
 
     root = tmp_path_factory.mktemp("dflash2")
-    target = _target()
-    drafts = {}
-    for anchor_first in (False, True):
-        draft = _tiny_draft(target.config.to_dict(), anchor_first, seed=int(anchor_first))
-        folder = save_dflash2(draft, root / f"draft-{int(anchor_first)}", torch.float32)
-        ours = load_dflash2(folder, target.get_input_embeddings().weight, target.lm_head.weight).eval()
-        drafts[anchor_first] = folder, ours
+    target = qwen3_target(V, H, L)
+    drafts = both_layouts(root, target, _tiny_draft, save_dflash2, load_dflash2)
     return target, drafts
 
 
@@ -94,7 +62,6 @@ def speculators_model(folder: Path, target):
     ids -> its "after k layers" ids: + 1), weights loaded under the same names, the frozen verifier
     parts copied from the target."""
     from loguru import logger
-    from safetensors.torch import load_file
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     from transformers import Qwen3Config
 
@@ -112,17 +79,7 @@ def speculators_model(folder: Path, target):
         sliding_window_non_causal=d["sliding_window_non_causal"], conv_kernel_size=d["conv_kernel_size"],
         conv_group_size=d["conv_group_size"], selector_rank=d["selector_rank"], selector_top_k=d["selector_top_k"])
     model = DFlash2DraftModel(cfg)
-    missing, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
-    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                               "verifier_norm.weight"}, (missing, unexpected)
-    with torch.no_grad():  # load_verifier_weights() needs a verifier path: copy the target's by hand
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_norm.weight.copy_(target.model.norm.weight)
-    for name in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
-        model.get_parameter(name).requires_grad_(False)
-    return model.float().train()
+    return with_our_weights(model, folder, target, train=True)
 
 
 def _features(target, ids):

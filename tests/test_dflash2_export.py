@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.dflash import both_layouts, qwen3_target, sharp_dflash2_draft
 from tests.helpers.vllm_venv import assert_loaded_as_saved, run_probe
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -43,37 +44,8 @@ def _close(got, want, rel):
 
 
 def _tiny_draft(target_config, sample_from_anchor=False, seed=0):
-    """A random DFlash2 draft whose every part matters (tests/test_dflash2.py's): sharp context
-    attention, convolutions away from identity, transition scores as large as the unary logits."""
-    from specforge.algorithms.dflash2.model import DFlash2Config, DFlash2Draft
-
-    torch.manual_seed(seed)
-    cfg = DFlash2Config.from_target(target_config, mask_token_id=MASK, num_hidden_layers=2, target_layer_ids=IDS,
-                                    block_size=K, conv_kernel_size=2, conv_group_size=16, selector_rank=R,
-                                    selector_top_k=TOPK, sample_from_anchor=sample_from_anchor)
-    draft = DFlash2Draft(cfg)
-    with torch.no_grad():
-        for layer in draft.layers:
-            layer.self_attn.q_norm.weight.fill_(3.0)
-            layer.self_attn.k_norm.weight.fill_(3.0)
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.add_(0.5 * torch.randn_like(conv.base_kernel))
-                conv.kernel_projection.weight.normal_(0.0, 0.2)
-        sel = draft.candidate_selector
-        sel.predecessor_codebook.normal_(0.0, 1.0)
-        sel.successor_codebook.normal_(0.0, 1.0)
-        sel.hidden_projection.weight.normal_(0.0, 0.3)
-    return draft
-
-
-def _target():
-    """A random 6-layer Qwen3 target, fp32."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(tc).eval()
+    return sharp_dflash2_draft(target_config, mask=MASK, ids=IDS, block=K, rank=R, top_k=TOPK,
+                               sample_from_anchor=sample_from_anchor, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +54,9 @@ def tiny(tmp_path_factory):
     from specforge.algorithms.dflash2.export import load_dflash2, save_dflash2
 
     root = tmp_path_factory.mktemp("dflash2-export")
-    target = _target()
+    target = qwen3_target(V, H, L)
     target.save_pretrained(root / "target")
-    drafts = {}
-    for anchor_first in (False, True):
-        draft = _tiny_draft(target.config.to_dict(), anchor_first, seed=int(anchor_first))
-        folder = save_dflash2(draft, root / f"draft-{int(anchor_first)}", torch.float32)
-        drafts[anchor_first] = folder, load_dflash2(folder, target.get_input_embeddings().weight,
-                                                    target.lm_head.weight).eval()
+    drafts = both_layouts(root, target, _tiny_draft, save_dflash2, load_dflash2)
     return root / "target", target, drafts
 
 

@@ -24,6 +24,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.dflash import qwen3_target, with_our_weights
+from tests.helpers.tables import config_refused
+
 pytestmark = [pytest.mark.timeout(900)]
 
 L, H, V, MASK, IDS, K, R = 6, 64, 128, 127, [1, 3, 4], 4, 16
@@ -51,15 +54,11 @@ def _tiny_draft(target_config, sample_from_anchor=True, confidence_head=True, id
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(target dir, HF Qwen3 target fp32 (6 layers, random), our draft folder, our draft loaded from it)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from specforge.algorithms.dspark.export import load_dspark, save_dspark
 
     root = tmp_path_factory.mktemp("dspark")
-    torch.manual_seed(0)
-    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
-    target = Qwen3ForCausalLM(tc).eval()
+    target = qwen3_target(V, H, L)
+    tc = target.config
     target.save_pretrained(root / "target")
     folder = save_dspark(_tiny_draft(tc.to_dict()), root / "draft", torch.float32)
     ours = load_dspark(folder, target.get_input_embeddings().weight, target.get_output_embeddings().weight).eval()
@@ -72,7 +71,6 @@ def tiny(tmp_path_factory):
 def speculators_model(folder: Path, target):
     """speculators' DSparkDraftModel from our flat folder (config mapped by hand, weights loaded as saved)."""
     from loguru import logger
-    from safetensors.torch import load_file
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from transformers import Qwen3Config
 
@@ -91,15 +89,7 @@ def speculators_model(folder: Path, target):
         enable_confidence_head=d["enable_confidence_head"],
         confidence_head_with_markov=d["confidence_head_with_markov"])
     model = DSparkDraftModel(cfg)
-    missing, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
-    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                               "verifier_norm.weight"}, (missing, unexpected)
-    with torch.no_grad():  # load_verifier_weights() needs a verifier path: copy the target's by hand
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_norm.weight.copy_(target.model.norm.weight)
-    return model.float().eval()
+    return with_our_weights(model, folder, target, train=False)
 
 
 @torch.no_grad()
@@ -447,13 +437,9 @@ def test_the_shipped_cpu_recipe_dry_runs_with_the_heads_in_its_memory_plan():
     (["draft.ttt_length=3"], r"'draft\.ttt_length'=3 applies to draft\.algorithm=eagle3, not dspark"),
 ])
 def test_config_errors_name_the_key(overrides, pattern):
-    from specforge.config import load_config
-
-    with pytest.raises(ValueError, match=pattern):
-        load_config(None, ["draft.algorithm=dspark", *overrides])
-    # controls: the same keys at valid values load
-    cfg = load_config(None, ["draft.algorithm=dspark", "draft.kl_weight=0", "draft.ce_weight=1",
-                             "draft.confidence_head=false", "draft.confidence_weight=0", "draft.markov_rank=1"])
+    cfg = config_refused("dspark", overrides, pattern, [  # the controls: the same keys at valid values load
+        "draft.kl_weight=0", "draft.ce_weight=1", "draft.confidence_head=false", "draft.confidence_weight=0",
+        "draft.markov_rank=1"])
     assert (cfg.draft.kl_weight, cfg.draft.confidence_head, cfg.draft.markov_rank) == (0, False, 1)
 
 

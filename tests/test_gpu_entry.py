@@ -32,11 +32,11 @@ import torch
 
 from specforge.registry import get_algorithm
 from tests.helpers.data import write_tiny_assets
-from tests.helpers.ray_run import losses as train_rows
+from tests.helpers.single_run import STEPS, assert_resumed_exactly, kill_and_resume, run_args
+from tests.helpers.single_run import step_losses as losses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.rehearsal, pytest.mark.timeout(600)]
 DEVICE = "cpu" if os.environ.get("SPECFORGE_GPU_REHEARSAL") == "cpu" else "cuda"
-STEPS, KILL_AFTER = 6, 3
 
 ALGORITHMS = {
     "eagle3": ["draft.vocab_size=64", "draft.ttt_length=3"],
@@ -73,41 +73,8 @@ def assets(tmp_path_factory):
 
 def overrides(assets, out, algorithm, *extra):
     """The tiny run on ``DEVICE`` with the GPU's policy: a bf16 target, ``train.precision=auto``."""
-    return [f"model.target_path={assets / 'target'}", "model.dtype=bfloat16", f"model.device={DEVICE}",
-            f"model.cache_dir={assets / 'cache'}", f"data.path={assets / 'data.jsonl'}", "data.max_length=64",
-            "data.num_eval=2", f"draft.algorithm={algorithm}", *ALGORITHMS[algorithm], "train.lr=1e-2",
-            "train.warmup_steps=0", "train.batch_size=2", f"train.max_steps={STEPS}", "train.precision=auto",
-            "train.num_threads=2", "train.log_every=1", "train.eval_every=0", f"train.output_dir={out}",
-            "tracking.wandb=false", f"checkpoint.every_steps={KILL_AFTER}", "checkpoint.keep_last=0",
-            "checkpoint.resume=true", "parallel.timeout_s=120", *extra]
-
-
-def losses(out):
-    return {r["step"]: r["loss"] for r in train_rows(out)}
-
-
-class _Killed(BaseException):
-    """Ends a run between two steps as a SIGKILL would: no cleanup, no save on the way out."""
-
-
-def killed_run(args, monkeypatch):
-    """``python -m specforge.train`` stopped before step KILL_AFTER + 1, its checkpoint of KILL_AFTER on disk."""
-    from specforge import train as local
-    from specforge.runtime.loop import LocalCluster
-    from specforge.training.trainer import DraftTrainer
-
-    real_step = DraftTrainer.step
-
-    def step(self, micro_batches):
-        if self.step_count == KILL_AFTER:
-            raise _Killed
-        return real_step(self, micro_batches)
-
-    with monkeypatch.context() as m:
-        m.setattr(DraftTrainer, "step", step)
-        m.setattr(LocalCluster, "save", lambda self: None)
-        with pytest.raises(_Killed):
-            local.main(args)
+    return run_args(assets, out, [f"draft.algorithm={algorithm}", *ALGORITHMS[algorithm]], *extra, device=DEVICE,
+                    dtype="bfloat16", precision="auto", threads=2, timeout_s=120)
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -127,14 +94,7 @@ def test_train_resume_eval_export_on_one_device(assets, tmp_path, monkeypatch, c
     assert sorted(want) == list(range(1, STEPS + 1)) and all(v == v for v in want.values()), want
 
     killed = tmp_path / "killed"
-    killed_run(overrides(assets, killed, algorithm), monkeypatch)
-    assert (killed / "checkpoints" / f"step-{KILL_AFTER:06d}").is_dir()
-    assert not (killed / "checkpoints" / f"step-{STEPS:06d}").exists()
-    assert local.main(overrides(assets, killed, algorithm)) == 0  # the same command again
-    got = losses(killed)
-    assert sorted(got) == sorted(want)
-    for step in want:  # the killed run's steps and the resumed run's alike
-        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (step, got[step], want[step])
+    assert_resumed_exactly(want, kill_and_resume(overrides(assets, killed, algorithm), killed, monkeypatch))
 
     ckpt = latest_checkpoint(straight / "checkpoints")
     report = tmp_path / "eval.json"

@@ -8,34 +8,20 @@ SGLang and llama.cpp in one line each.
 """
 
 import json
-import math
 
 import pytest
 import torch
 
 from tests.helpers.ray_run import losses as train_rows
+from tests.helpers.single_run import assert_resumed_exactly, assert_training_lowers_the_loss, kill_and_resume, run_args
+from tests.helpers.single_run import step_losses as losses
 
 pytestmark = [pytest.mark.timeout(900)]
-STEPS, KILL_AFTER = 6, 3
 MTP = ["draft.algorithm=mtp", "draft.num_speculative_steps=3", "draft.step_weight_beta=0.6"]
 
 
 def args(assets, out, *extra):
-    return [f"model.target_path={assets / 'target'}", "model.dtype=float32", "model.device=cpu",
-            f"model.cache_dir={assets / 'cache'}", f"data.path={assets / 'data.jsonl'}", "data.max_length=64",
-            "data.num_eval=2", *MTP, "train.lr=1e-2", "train.warmup_steps=0", "train.batch_size=2",
-            f"train.max_steps={STEPS}", "train.precision=fp32", "train.num_threads=1", "train.num_workers=1",
-            "train.log_every=1", "train.eval_every=0", f"train.output_dir={out}", "tracking.wandb=false",
-            f"checkpoint.every_steps={KILL_AFTER}", "checkpoint.keep_last=0", "checkpoint.resume=true",
-            "parallel.timeout_s=90", *extra]
-
-
-def losses(out):
-    return {r["step"]: r["loss"] for r in train_rows(out)}
-
-
-class _Killed(BaseException):
-    """Ends a run between two steps as a SIGKILL would: no cleanup, no save on the way out."""
+    return run_args(assets, out, MTP, *extra)
 
 
 def test_train_resume_checkpoint_eval_and_export(assets, tmp_path, monkeypatch, capsys):
@@ -44,38 +30,18 @@ def test_train_resume_checkpoint_eval_and_export(assets, tmp_path, monkeypatch, 
     from specforge import train as local
     from specforge.cli import run_cli
     from specforge.registry import algorithm_name
-    from specforge.runtime.loop import LocalCluster
     from specforge.training.checkpoint import latest_checkpoint
-    from specforge.training.trainer import DraftTrainer
 
     straight = tmp_path / "straight"
     assert local.main(args(assets, straight)) == 0
     want = losses(straight)
-    assert sorted(want) == list(range(1, STEPS + 1)) and all(math.isfinite(v) and v > 0 for v in want.values())
     first = train_rows(straight)[0]
     assert {"acc_0", "acc_2", "loss_0", "loss_2", "tau"} <= set(first) and "acc_3" not in first
     w = [0.6 ** k / (1 + 0.6 + 0.36) for k in range(3)]
     assert first["loss"] == pytest.approx(sum(wk * first[f"loss_{k}"] for k, wk in enumerate(w)), rel=1e-5)
 
     killed = tmp_path / "killed"
-    real_step = DraftTrainer.step
-
-    def step(self, micro_batches):
-        if self.step_count == KILL_AFTER:
-            raise _Killed
-        return real_step(self, micro_batches)
-
-    with monkeypatch.context() as m:
-        m.setattr(DraftTrainer, "step", step)
-        m.setattr(LocalCluster, "save", lambda self: None)
-        with pytest.raises(_Killed):
-            local.main(args(assets, killed))
-    assert (killed / "checkpoints" / f"step-{KILL_AFTER:06d}").is_dir()
-    assert local.main(args(assets, killed)) == 0  # the same command again resumes
-    got = losses(killed)
-    assert sorted(got) == sorted(want)
-    for s in want:
-        assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-7), (s, got[s], want[s])
+    assert_resumed_exactly(want, kill_and_resume(args(assets, killed), killed, monkeypatch))
 
     ckpt = latest_checkpoint(straight / "checkpoints")
     hf = json.loads((ckpt / "config.json").read_text())
@@ -146,18 +112,7 @@ def _model_cfg(assets):
 
 def test_training_lowers_the_loss(assets, tmp_path):
     """The MTP loss falls over 30 steps; the same run at a learning rate that moves nothing stays put."""
-    from specforge import train as local
-
-    ratios = {}
-    for lr in ("1e-2", "1e-9"):
-        out = tmp_path / lr
-        assert local.main(args(assets, out, "train.max_steps=30", f"train.lr={lr}", "checkpoint.every_steps=0",
-                               "train.batch_size=1")) == 0
-        recs = [v for _, v in sorted(losses(out).items())]
-        assert all(math.isfinite(v) for v in recs)
-        ratios[lr] = sum(recs[-4:]) / sum(recs[:4])
-    print(ratios)
-    assert ratios["1e-2"] < 0.9 and ratios["1e-9"] > 0.95, ratios
+    assert_training_lowers_the_loss(lambda out, *extra: args(assets, out, *extra), tmp_path)
 
 
 def test_the_shipped_cpu_recipe_dry_runs_with_its_parts_in_the_memory_plan():

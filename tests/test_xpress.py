@@ -23,6 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.dflash import both_layouts, qwen3_target, with_our_weights
+
 pytestmark = [pytest.mark.timeout(900)]
 
 L, H, V, MASK, IDS, K, RANK = 6, 64, 128, 127, [1, 3, 4], 4, 16
@@ -61,28 +63,14 @@ def _tiny_draft(target_config, sample_from_anchor=False, seed=0):
     return draft
 
 
-def _target():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(tc).eval()
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(HF Qwen3 target fp32 (6 layers, random), {layout: (our folder, our draft loaded from it)})."""
     from specforge.algorithms.xpress.export import load_xpress, save_xpress
 
     root = tmp_path_factory.mktemp("xpress")
-    target = _target()
-    drafts = {}
-    for anchor_first in (False, True):
-        draft = _tiny_draft(target.config.to_dict(), anchor_first, seed=int(anchor_first))
-        folder = save_xpress(draft, root / f"draft-{int(anchor_first)}", torch.float32)
-        ours = load_xpress(folder, target.get_input_embeddings().weight, target.lm_head.weight).eval()
-        drafts[anchor_first] = folder, ours
+    target = qwen3_target(V, H, L)
+    drafts = both_layouts(root, target, _tiny_draft, save_xpress, load_xpress)
     return target, drafts
 
 
@@ -94,7 +82,6 @@ def speculators_model(folder: Path, target, layer_offset: int = 1):
     ids -> its "after k layers" ids: + ``layer_offset``, 1; our refiner keys are its xpress_* keys),
     weights loaded under the same names, the frozen verifier parts copied from the target."""
     from loguru import logger
-    from safetensors.torch import load_file
     from speculators.models.xpress import XPressDraftModel, XPressSpeculatorConfig
     from transformers import Qwen3Config
 
@@ -111,17 +98,7 @@ def speculators_model(folder: Path, target, layer_offset: int = 1):
         xpress_rank=d["xpress_rank"], xpress_mlp_ratio=d["xpress_mlp_ratio"],
         num_jacobi_passes=d["num_jacobi_passes"])
     model = XPressDraftModel(cfg)
-    missing, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
-    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                               "verifier_norm.weight"}, (missing, unexpected)
-    with torch.no_grad():  # load_verifier_weights() needs a verifier path: copy the target's by hand
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_lm_head.weight.copy_(target.lm_head.weight)
-        model.verifier_norm.weight.copy_(target.model.norm.weight)
-    for name in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
-        model.get_parameter(name).requires_grad_(False)
-    return model.float().train()
+    return with_our_weights(model, folder, target, train=True)
 
 
 def _features(target, ids, doc_ids):

@@ -1,0 +1,31 @@
+"""The bad-input table pattern (tests/test_bad_input.py and each algorithm's tests): a row of keys is
+refused in one ValueError matching its pattern; a row without one is the table's control and passes."""
+
+import pytest
+
+from specforge.config import load_config
+from tests.helpers.ray_run import cfg_overrides
+
+
+def assert_row(check, pattern) -> None:
+    """``check()`` raises a ValueError matching ``pattern``; with ``pattern`` None it passes (the control)."""
+    if pattern is None:
+        check()
+        return
+    with pytest.raises(ValueError, match=pattern):
+        check()
+
+
+def config_refused(algorithm: str, overrides, pattern, control):
+    """``overrides`` refused by the config as ``algorithm``; the config of ``control`` (the same keys at valid
+    values: the negative control) loads and is returned."""
+    with pytest.raises(ValueError, match=pattern):
+        load_config(None, [f"draft.algorithm={algorithm}", *overrides])
+    return load_config(None, [f"draft.algorithm={algorithm}", *control])
+
+
+def algorithm_cfg(assets, out, algorithm: str, *overrides, drop=()):
+    """The tiny Ray run's config (tests/helpers/ray_run.py) as ``algorithm`` on one train worker: its
+    EAGLE-3 ``draft.*`` keys and any key starting with one of ``drop`` left out."""
+    base = [o for o in cfg_overrides(assets, out) if not o.startswith(("draft.", "train.num_workers=", *drop))]
+    return load_config(None, [*base, f"draft.algorithm={algorithm}", "train.num_workers=1", *overrides])
