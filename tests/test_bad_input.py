@@ -46,7 +46,7 @@ test_offline_store_meta_is_checked_by_the_driver |
 | truncated target ``model.safetensors`` | error naming the file | test_truncated_target_weights_name_the_file |
 | truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | error naming the file | \
 test_truncated_draft_checkpoint_names_the_file |
-| corrupt / truncated feature-store shard | names the shard | test_corrupt_store_shard_names_the_file |
+| corrupt / truncated feature-store shard | names the shard and the capture that redoes it | test_corrupt_store_shard_names_the_file |
 | data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string \
 content, empty content, no assistant turn | counted skips by reason | test_bad_row_is_a_counted_skip |
 | over-long row | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
@@ -436,7 +436,7 @@ def test_corrupt_store_shard_names_the_file(tmp_path):
         w.add(0, torch.arange(6), torch.ones(6), torch.randn(6, 24), torch.randn(6, 8), torch.arange(6))
     (shard,) = tmp_path.glob("shard-*.safetensors")
     shard.write_bytes(b"\xff" * 16 + shard.read_bytes()[16:])
-    with pytest.raises(ValueError, match=rf"feature store shard '{shard}' cannot be read"):
+    with pytest.raises(ValueError, match=rf"feature store shard {shard} is corrupt \(sha256 differs .* delete it"):
         FeatureStore(tmp_path).read(0)
 
 

@@ -7,11 +7,12 @@ by another target or max_length is refused by name.
 """
 
 import json
+import re
 
 import pytest
 
 from specforge.config import load_config
-from tests.helpers.ray_run import STEPS, make_cfg
+from tests.helpers.ray_run import STEPS, cfg_overrides, make_cfg
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -115,3 +116,52 @@ def test_packed_store_training_equals_online_training(assets, store, tmp_path):
     for a, b in zip(want, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
         assert b["valid_tokens"] == a["valid_tokens"]
+
+
+def _corrupted_copy(store, to):
+    """A copy of ``store`` with one byte of its first shard's tensor data flipped (the size unchanged)."""
+    import shutil
+
+    shutil.copytree(store, to)
+    first = to / json.loads((to / "index.json").read_text())["shards"][0]["file"]
+    data = bytearray(first.read_bytes())
+    data[-3] ^= 0xFF
+    first.write_bytes(bytes(data))
+    return first
+
+
+@pytest.mark.parametrize("reader", ["driver", "train-rank"])
+def test_a_shard_corrupted_after_capture_stops_the_run_naming_it(assets, store, tmp_path, reader, request):
+    """Bytes of a shard flipped after the index named it (the size unchanged): the run never trains on it.
+    Its sha256 is checked at the shard's first open in each process and the run ends naming the shard and
+    the capture command that redoes its samples, with nothing trained. ``driver``: a Ray run's driver counts
+    the store's tokens for the draft vocab (not cached yet) and refuses before any worker starts;
+    ``train-rank``: the vocab cached, the first read is a train rank's (one process). Control: the intact
+    store trains every step (and caches the vocab the train-rank case reads)."""
+    from specforge.ray_train import fit
+    from specforge.train import run
+
+    cache = f"model.cache_dir={tmp_path / 'cache'}"
+    run(_offline(assets, tmp_path / "ok", store, "train.grad_accum=2", "train.num_workers=1", cache))
+    assert [r["step"] for r in _losses(tmp_path / "ok")] == list(range(1, STEPS + 1))
+    bad = _corrupted_copy(store, tmp_path / "features")
+    corrupt = rf"{bad.name} is corrupt \(sha256 differs.*rerun the python -m specforge\.capture command"
+    out = tmp_path / "out"
+    if reader == "driver":
+        request.getfixturevalue("ray_session")
+        with pytest.raises(ValueError, match=corrupt):
+            fit(_offline(assets, out, tmp_path / "features", f"model.cache_dir={tmp_path / 'fresh'}"))
+    else:  # through the entry point: one error line, exit 1
+        from specforge.cli import run_cli
+        from specforge.train import main
+
+        args = [*cfg_overrides(assets, out, "model.dtype=bfloat16", "placement.mode=offline", "train.grad_accum=2",
+                               f"store.dir={tmp_path / 'features'}", "train.num_workers=1", cache,
+                               "checkpoint.every_steps=1")]
+        capsys = request.getfixturevalue("capsys")
+        capsys.readouterr()
+        assert run_cli(lambda: main(args)) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert re.search(corrupt, err[-1]) and err[-1].startswith("error: "), err[-3:]
+    # the first shard holds step 1's samples: nothing trained (a final save may keep step 0 alone)
+    assert {p.name for p in out.glob("checkpoints/step-*")} <= {"step-000000"}

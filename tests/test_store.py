@@ -252,12 +252,28 @@ def test_corrupt_or_truncated_shard_names_the_file(target, rows, meta, tmp_path)
     first, second, third = (tmp_path / sh["file"] for sh in shards[:3])
     in_first, in_second, in_third = (sh["samples"][0]["id"] for sh in shards[:3])
 
+    last_in_third = shards[2]["samples"][-1]["id"]  # the flipped byte below is in its rows
+    want = {k: v.clone() for k, v in FeatureStore(tmp_path).read(last_in_third).items()}
     data = bytearray(third.read_bytes())
-    data[-3] ^= 0xFF  # a flipped bit in the tensor bytes: only the checksum sees it
+    data[-3] ^= 0xFF  # a flipped bit in the tensor bytes (the size unchanged): only the checksum sees it
     third.write_bytes(bytes(data))
-    FeatureStore(tmp_path).read(in_third)
-    with pytest.raises(ValueError, match=rf"{third.name} is corrupt \(sha256"):
+    corrupt = (rf"{third.name} is corrupt \(sha256 differs from the index.*delete it and rerun the python -m "
+               rf"specforge\.capture command that wrote {tmp_path}: it captures that shard's "
+               rf"{len(shards[2]['samples'])} samples again")
+    with pytest.raises(ValueError, match=corrupt):  # checked at the shard's first open in a process
+        FeatureStore(tmp_path).read(in_third)
+    with pytest.raises(ValueError, match=corrupt):
         FeatureStore(tmp_path).verify()
+    FeatureStore(tmp_path).read(in_first)  # control: the intact shards still read
+    unchecked = FeatureStore(tmp_path)
+    unchecked._check_sha256 = lambda sh: None  # control: without the checksum the flipped bytes read silently
+    assert not all(torch.equal(v, want[k]) for k, v in unchecked.read(last_in_third).items())
+    # the fix the line names: the shard deleted, the capture rerun redoes its samples alone, as they were
+    third.unlink()
+    write(target, rows, tmp_path, meta)
+    assert {sh["file"] for sh in index(tmp_path)["shards"]} >= {first.name, second.name}
+    got = FeatureStore(tmp_path).read(last_in_third)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
     data = first.read_bytes()
     first.write_bytes(data[: len(data) // 2])
@@ -265,8 +281,8 @@ def test_corrupt_or_truncated_shard_names_the_file(target, rows, meta, tmp_path)
         FeatureStore(tmp_path).read(in_first)
 
     data = second.read_bytes()
-    second.write_bytes(b"\xff" * 16 + data[16:])  # same size, unreadable header
-    with pytest.raises(ValueError, match=rf"{second.name}' cannot be read .*a truncated, empty or foreign file"):
+    second.write_bytes(b"\xff" * 16 + data[16:])  # same size, unreadable header: the checksum names it first
+    with pytest.raises(ValueError, match=rf"{second.name} is corrupt \(sha256 differs"):
         FeatureStore(tmp_path).read(in_second)
 
     (tmp_path / "index.json").write_text("{not json")

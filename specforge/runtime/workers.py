@@ -52,6 +52,11 @@ class FeaturesLost(RuntimeError):
     """A train rank (this or another) could not get a plan's features; no rank trained that plan."""
 
 
+class FeaturesUnreadable(FeaturesLost, ValueError):
+    """This rank's own read failed on bad input the user fixes (a corrupt or missing store shard): one
+    ``error:`` line from the entry point, not a traceback."""
+
+
 class FeaturesRefused(ValueError):
     """A plan's features hold NaN or inf, or a captured layer is all zeros, on some train rank: every
     train rank raises it at the same step, before any of them trained on them (``check_batches``)."""
@@ -293,7 +298,8 @@ class TrainWorker(DistributedWorker):
                     self.lost = f"{plan.split} step {plan.step}: its features were refused"
                     raise FeaturesRefused(str(bad)) from None
         if self.lost is not None:  # every later plan fails alike, with no collective
-            raise FeaturesLost(f"train rank {self.rank} trained nothing since {self.lost}") from err
+            lost = FeaturesUnreadable if isinstance(err, ValueError) else FeaturesLost
+            raise lost(f"train rank {self.rank} trained nothing since {self.lost}") from err
         return batches
 
     @control
