@@ -46,7 +46,8 @@ test_offline_store_meta_is_checked_by_the_driver |
 | truncated target ``model.safetensors`` | error naming the file | test_truncated_target_weights_name_the_file |
 | truncated draft ``model.safetensors`` / ``config.json`` (eval, resume) | error naming the file | \
 test_truncated_draft_checkpoint_names_the_file |
-| corrupt / truncated feature-store shard | names the shard and the capture that redoes it | test_corrupt_store_shard_names_the_file |
+| corrupt / truncated feature-store shard | names the shard and the capture that redoes it | \
+test_corrupt_store_shard_names_the_file |
 | data rows: bad JSON, not an object, no turn list, empty conversation, turn not an object, unknown role, non-string \
 content, empty content, no assistant turn | counted skips by reason | test_bad_row_is_a_counted_skip |
 | over-long row | truncated to data.max_length, counted | test_over_long_row_is_truncated_and_counted |
