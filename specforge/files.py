@@ -82,3 +82,12 @@ def check_writable(key: str, folder: str | Path) -> None:
     except OSError as e:
         raise ValueError(f"config key {key!r}={str(folder)!r} is not writable ({e.strerror} in {str(existing)!r}); "
                          "name a folder this user can write") from None
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a person reads them: ``512 B``, ``1.5 MiB``, ``2.0 TiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

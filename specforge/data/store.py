@@ -49,7 +49,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save
 
 from specforge.data.prepare import tokenizer_fingerprint
-from specforge.files import open_safetensors
+from specforge.files import human_bytes, open_safetensors
 from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
 
 FORMAT = "specforge-feature-store-v1"
@@ -158,14 +158,6 @@ def bytes_per_token(hidden_size: int, dtype: str, num_aux: int = 3) -> float:
     if dtype == "int8":
         return rows + (num_aux + 1) * 4 + _ID_BYTES
     raise ValueError(f"store.dtype {dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def check_disk(root, nbytes: int) -> None:

@@ -22,6 +22,7 @@ over the train ranks): the other ranks hold and copy nothing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from specforge.files import read_safetensors, read_torch
+from specforge.files import human_bytes, read_safetensors, read_torch
 from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, is_first_rank
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -61,10 +62,13 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
+    tensors = served_tensors(weights, hf_config.get("torch_dtype"))
+    need = int(SAVE_MARGIN * (sum(t.nbytes for t in tensors.values()) + tensor_bytes(train_state)) + SAVE_SLACK)
+    if (free := shutil.disk_usage(root).free) < need:  # refused before a byte is written
+        raise OSError(errno.ENOSPC, f"step {step} needs ~{human_bytes(need)}, {human_bytes(free)} free")
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step}-"))
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        tensors = served_tensors(weights, hf_config.get("torch_dtype"))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
         if train_state is not None:
             torch.save(train_state, tmp / "training_state.pt")
@@ -72,7 +76,12 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    finally:
+    except OSError as e:  # the disk filled (or a file-size limit hit) mid-write: say what it needed
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise OSError(e.errno, f"{e.strerror or e} while writing step {step}, which needs ~{human_bytes(need)} "
+                               f"({human_bytes(free)} were free when it started)") from e
+    finally:  # a partial folder never stays (and ``latest`` moves only after the rename)
         shutil.rmtree(tmp, ignore_errors=True)
     link = tmp.with_name(f".{LATEST}-{step}")
     link.unlink(missing_ok=True)
@@ -83,6 +92,21 @@ def save_checkpoint(
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+SAVE_MARGIN, SAVE_SLACK = 1.05, 1 << 20  # a save's free-space check: its tensors' bytes + 5% + 1 MiB of pickle
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in ``obj`` (dicts, lists and tuples walked): what ``torch.save`` writes, less
+    its pickle."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def served_tensors(weights: dict[str, torch.Tensor], dtype_name: Optional[str]) -> dict[str, torch.Tensor]:
