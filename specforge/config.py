@@ -128,6 +128,9 @@ class TrainConfig:
     recompute_mlp: bool = False
     num_threads: Optional[int] = None  # torch intra-op threads (None = leave as is)
     num_workers: int = 1  # train workers (Ray); one process (specforge.train) trains their global batch
+    # train workers lost (killed, crashed, their node gone) after which the driver restarts the train
+    # group from the last complete checkpoint, per run; past it the run ends naming the worker
+    max_restarts: int = 3
     log_every: int = 10
     eval_every: int = 100
     output_dir: str = "runs/default"
@@ -484,7 +487,7 @@ _AT_LEAST = {
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1,
     "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
     "train.grad_accum": 1,
-    "train.max_steps": 1, "train.num_threads": 1, "train.num_workers": 1, "train.log_every": 1,
+    "train.max_steps": 1, "train.num_threads": 1, "train.num_workers": 1, "train.max_restarts": 0, "train.log_every": 1,
     "train.eval_every": 0, "rollout.num_workers": 1, "rollout.max_restarts": 0, "parallel.sp_ulysses": 1,
     "parallel.sp_ring": 1, "ray.num_cpus": 1, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0,
     "regenerate.concurrency": 1, "regenerate.retries": 0, "regenerate.max_new_tokens": 1,

@@ -24,8 +24,11 @@ Failures (every wait is bounded by ``parallel.timeout_s``; a dead actor is seen 
                           (torch.distributed cannot add a rank to a live communicator); the train
                           workers resume that checkpoint and the loop re-plans from its step, so
                           no sample is lost or trained twice (``recover``; ``rollout.max_restarts``)
-    train worker dies     the run ends, naming the worker and the last good checkpoint; rerunning
-                          the same command resumes from it (a hard-killed driver too)
+    train worker dies     every actor goes and the placement is respawned, the train workers resuming
+                          the last complete checkpoint; the loop re-plans from its step, each later
+                          step trained again from it (``recover``; ``train.max_restarts``). Past that
+                          the run ends, naming the worker and the last good checkpoint; rerunning the
+                          same command resumes from it (a hard-killed driver too)
     rollout worker raises its peers are told at once, the train ranks stop at one step and save it;
                           the run ends with the worker's error (``RolloutFailed``, not replaced)
     features unsound      NaN or inf, or a captured layer all zeros, wherever they were computed:
@@ -318,32 +321,54 @@ def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> Non
 
 
 def train_with_recovery(cfg: Config, cluster: Cluster, plan: Planner, logger, recover_fn) -> None:
-    """THE loop; after ``RolloutLost``, ``recover_fn(err)`` replaces the placement's actors and the
-    loop goes on from the step they resumed at (at most ``rollout.max_restarts`` times). The
+    """THE loop; after ``RolloutLost`` or ``TrainWorkerLost``, ``recover_fn(err)`` replaces the placement's
+    actors and the loop goes on from the step they resumed at (at most ``rollout.max_restarts`` and
+    ``train.max_restarts`` times; a failure during a recovery counts as the next one). The
     ``train.max_minutes`` clock runs from the first start: a recovery does not reset it."""
     deadline = run_deadline(cfg)
-    for restarts in itertools.count():
+    restarts = {RolloutLost: 0, TrainWorkerLost: 0}
+    while True:
         try:
             train_loop(cfg, cluster, plan, logger, deadline)
             return
-        except RolloutLost as err:
-            if restarts >= cfg.rollout.max_restarts:
-                raise WorkerError(f"{err}; gave up after {restarts} replacements (rollout.max_restarts)") from err
+        except (RolloutLost, TrainWorkerLost) as err:
+            kind = type(err)
+            if restarts[kind] >= (cfg.rollout.max_restarts if kind is RolloutLost else cfg.train.max_restarts):
+                if kind is TrainWorkerLost:  # fit names the last good checkpoint
+                    raise
+                raise WorkerError(f"{err}; gave up after {restarts[kind]} replacements (rollout.max_restarts)") from err
+            restarts[kind] += 1
             recover_fn(err)
 
 
-def recover(cfg: Config, data: RunData, use_gpu: bool, err: RolloutLost, cluster: Cluster) -> None:
-    """Replace a placement whose rollout worker died, in place: the train ranks (stopped at one step)
-    save it, every actor goes, new ones resume that checkpoint (whatever checkpoint.resume says)."""
-    print(f"{err.label} died: saving, replacing it and resuming", file=sys.stderr)
-    try:
-        cluster.save(min(cluster.timeout_s, 60))
-    except WorkerError as save_err:  # then the newest periodic checkpoint: exact all the same
-        print(f"could not save at the failure ({save_err}); resuming the newest checkpoint", file=sys.stderr)
+def recover(cfg: Config, data: RunData, use_gpu: bool, err: WorkerError, cluster: Cluster) -> None:
+    """Replace a placement whose rollout or train worker died, in place, whatever checkpoint.resume says.
+    A rollout worker: the train ranks (stopped at one step) save it, every actor goes, new ones resume
+    that checkpoint. A train worker: no save (it is collective over the train ranks), every actor goes,
+    new ones resume the last complete checkpoint, and the steps after it are trained again."""
+    if isinstance(err, TrainWorkerLost):
+        last = latest_checkpoint(checkpoint_root(cfg))
+        print(f"{err} ({why(err)}): restarting the train workers from {last or 'the start (no checkpoint yet)'} "
+              f"(train.max_restarts={cfg.train.max_restarts})", file=sys.stderr)
+    else:
+        print(f"{err.label} died: saving, replacing it and resuming", file=sys.stderr)
+        try:
+            cluster.save(min(cluster.timeout_s, 60))
+        except WorkerError as save_err:  # then the newest periodic checkpoint: exact all the same
+            print(f"could not save at the failure ({save_err}); resuming the newest checkpoint", file=sys.stderr)
     cluster.shutdown()
     resume = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     cluster.adopt(spawn_cluster(resume, data, use_gpu))
-    print(f"resumed at step {cluster.start_step} with a new rollout worker", file=sys.stderr)
+    print(f"resumed at step {cluster.start_step} with new {'train' if isinstance(err, TrainWorkerLost) else 'rollout'} "
+          "workers", file=sys.stderr)
+
+
+def why(err: BaseException) -> str:
+    """The first cause under ``err`` that says more than that a worker died: its type and message."""
+    cause = err.__cause__
+    while cause is not None and cause.__cause__ is not None and not str(cause).strip():
+        cause = cause.__cause__
+    return f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}" if cause is not None else "no cause given"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

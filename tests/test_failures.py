@@ -7,8 +7,10 @@ without a failure:
 * rollout worker killed: the run notices (the train ranks' receives fail at once; every wait is
   bounded by parallel.timeout_s), replaces it, re-plans from the step the train ranks stopped at,
   and finishes with every step trained and logged once and every loss unchanged.
-* train worker killed: the run ends with an error naming that worker and the last good
-  checkpoint; the same command then resumes from it, with unchanged losses.
+* train worker killed: the driver restarts the train group from the last complete checkpoint and the
+  run ends with every loss unchanged (``train.max_restarts``); with no restarts left the run ends
+  with an error naming that worker and the last good checkpoint, and the same command resumes from
+  it, with unchanged losses.
 * rollout worker raising (alive, never sending), and NaN features (sent, refused by the train
   ranks): the run ends at once in one line, keeping every step trained and nothing trained on NaN.
 
@@ -81,15 +83,39 @@ def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_sessi
 
 
 @on_ray
-def test_killed_train_worker_ends_the_run_naming_it_and_resume_works(assets, ray_session, straight, semantics,
-                                                                    tmp_path):
-    """A train worker SIGKILLed after step 1 ends the run naming it and the checkpoint; the same command
-    resumes to the straight run's losses. Over 30 s beside the other pytest worker: two runs (the killed
-    and the resumed) of three Ray actors each, ~4.5 s of CPU an actor to start."""
+def test_killed_train_worker_is_restarted_in_the_run(assets, ray_session, straight, semantics, tmp_path, capsys):
+    """A train worker SIGKILLed after step 3: the driver says so in one line naming the worker and the
+    checkpoint, restarts every actor from the last complete checkpoint, and the run ends with the straight run's
+    losses at every step (steps past the checkpoint trained again from it). Over 30 s beside the other
+    pytest worker: two placements of three Ray actors each, ~4.5 s of CPU an actor to start."""
+    from specforge.ray_train import fit
+
+    out = tmp_path / f"train-restarted-{semantics}"
+    with killing("train", 1, after_step=3) as spawned:
+        path = fit(failure_cfg(assets, out))
+    assert path.endswith(f"step-{STEPS:06d}") and len(spawned) == 2
+    start = spawned[1][0].start_step  # the last complete checkpoint: step 2, or 4 if it was saved before the kill
+    assert start in (2, 4), start
+    said = [line for line in capsys.readouterr().err.splitlines() if "restarting the train workers" in line]
+    assert len(said) == 1 and "train worker train[1] died" in said[0] and f"step-{start:06d}" in said[0], said
+    got = {r["step"]: r["loss"] for r in losses(out)}  # a step logged twice: the later row is the one kept
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == straight[step], step
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_train_worker_with_no_restart_left_ends_the_run_naming_it_and_resume_works(assets, ray_session,
+                                                                                         straight, tmp_path):
+    """``train.max_restarts=0``: a train worker SIGKILLed after step 1 ends the run naming it and the
+    checkpoint; the same command resumes to the straight run's losses. Over 30 s beside the other pytest
+    worker: two runs (the killed and the resumed) of three Ray actors each, ~4.5 s of CPU an actor to start."""
     from specforge.ray_train import TrainWorkerLost, fit
 
-    out = tmp_path / f"train-killed-{semantics}"
-    cfg = failure_cfg(assets, out)
+    out = tmp_path / "train-killed"
+    cfg = failure_cfg(assets, out, "train.max_restarts=0")
     with killing("train", 1, after_step=1):
         with pytest.raises(TrainWorkerLost, match=r"(?s)train worker train\[1\] died.*last good checkpoint: "
                                                   r"\S+step-00000[2-6]; rerun the same command"):

@@ -32,7 +32,7 @@ from specforge.training.checkpoint import recorded_rows
 # Keys that say how a run is distributed, not what it computes: a placement names the ones it
 # does not apply when they are set (never ignores them silently).
 DISTRIBUTION_KEYS = ("placement.mode", "placement.transport", "placement.max_inflight_mb", "rollout.num_workers",
-                     "rollout.max_restarts", "parallel.backend", "parallel.timeout_s",
+                     "rollout.max_restarts", "train.max_restarts", "parallel.backend", "parallel.timeout_s",
                      "parallel.setup_timeout_s", "ray.address",
                      "ray.num_cpus", "ray.temp_dir", "ray.rollout_resources", "ray.train_resources")
 _NO_DATA_PLANE = ("placement.transport", "ray.rollout_resources", "placement.max_inflight_mb", "rollout.num_workers",

@@ -11,19 +11,20 @@ from tests.helpers.ray_run import make_cfg
 STEPS = 6
 
 
-def failure_cfg(assets, out):
+def failure_cfg(assets, out, *extra):
     # an in-flight budget of two of the largest steps: few plans at a time, so a worker killed after
     # step k has steps left to do
     common = ["placement.mode=disaggregated", "rollout.num_workers=1", f"train.max_steps={STEPS}",
               "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true"]
     largest = planner(make_cfg(assets, out, *common), train_ranks=(1, 2)).largest_step_bytes()
-    return make_cfg(assets, out, *common, f"placement.max_inflight_mb={2 * largest / 2**20}")
+    return make_cfg(assets, out, *common, f"placement.max_inflight_mb={2 * largest / 2**20}", *extra)
 
 
 @contextlib.contextmanager
 def killing(group: str, index: int, after_step: int):
     """SIGKILL actor ``index`` of the first placement's ``group`` ("rollout"/"train") once the driver
-    has collected train step ``after_step``; yields the placements spawned meanwhile."""
+    has collected train step ``after_step`` (once: a recovered run collects it again); yields the placements
+    spawned meanwhile."""
     import ray
 
     import specforge.ray_train as rt
@@ -40,7 +41,7 @@ def killing(group: str, index: int, after_step: int):
     def collect(self, handle, what):
         out = real_collect(self, handle, what)
         first, pids = spawned[0]
-        if self is first and what == f"train step {after_step}":
+        if self is first and what == f"train step {after_step}" and len(spawned) == 1:
             os.kill(pids[index], signal.SIGKILL)
         return out
 
