@@ -16,6 +16,7 @@ method thread, the main thread), as the callers here do.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from typing import Sequence
 
@@ -37,3 +38,70 @@ def tied(cmd: Sequence[str], python: str = sys.executable) -> list[str]:
     interpreter by default, without site packages or PYTHON* variables; the command gets the
     environment unchanged)."""
     return [python, "-E", "-S", "-c", PRELUDE, str(os.getpid()), *map(str, cmd)]
+
+
+# The reaper of a cluster this process started (``reaper``): it sleeps until SIGTERM, which
+# PR_SET_PDEATHSIG sends when its parent dies (the ``tied`` prelude), then ends the given processes and
+# every process under them: SIGTERM, up to REAP_GRACE_S for them to go, SIGKILL for the rest. A parent
+# that ends normally SIGKILLs the reaper first (``stop``): nothing is signalled then.
+REAPER = """
+import os, signal, sys, time
+pids, grace = [int(p) for p in sys.argv[2:]], float(sys.argv[1])
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+def family(roots):  # roots and every process under them (a raylet's agents and workers), from /proc
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+def reap(*_):
+    global pids
+    pids = family(pids)  # before any goes: an orphan's parent id is no longer its starter's
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, reap)
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the group is the parent's to handle (it stops us)
+while True:
+    signal.pause()
+"""
+REAP_GRACE_S = 5.0
+
+
+def reaper(pids: Sequence[int]):
+    """A process that ends ``pids`` and their descendants (SIGTERM, then SIGKILL after ``REAP_GRACE_S``) if
+    this process dies before calling ``stop(reaper)``, even by SIGKILL: a driver's own Ray cluster goes with
+    it. Start it from the thread that outlives the cluster (the main thread)."""
+    return subprocess.Popen(tied([sys.executable, "-E", "-S", "-c", REAPER, str(REAP_GRACE_S), *map(str, pids)]),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def stop(proc) -> None:
+    """End a ``reaper`` without it signalling anything (its cluster was shut down in order)."""
+    proc.kill()
+    proc.wait()

@@ -63,6 +63,7 @@ from specforge.runtime.actors import (
     dead_actors,
     gather,
     init_communicator,
+    shutdown_ray,
     spawn_actors,
     start_ray,
 )
@@ -295,7 +296,7 @@ def fit(cfg: Config) -> Optional[str]:
         if cluster is not None:
             cluster.shutdown()
         if started:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> None:

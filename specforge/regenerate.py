@@ -78,7 +78,7 @@ from specforge.models.target import load_target, load_tokenizer
 from specforge.models.vllm_engine import check_storage, engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
 from specforge.registry import feature_layers
-from specforge.runtime.actors import start_ray
+from specforge.runtime.actors import shutdown_ray, start_ray
 from specforge.training.batch import collate, pad_id
 
 HELD_OUT = "held out for eval"
@@ -679,7 +679,7 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
             summary.seconds = max(summary.seconds, part.seconds)
     finally:
         if started:
-            ray.shutdown()
+            shutdown_ray()
     merge_parts(output, W)
     return summary
 

@@ -204,7 +204,8 @@ def _run(args, timeout=400) -> str:
 def test_hard_killed_driver_resumes_exactly(assets, ray_session, tmp_path):
     """A driver SIGKILLed mid-run, then the same command: it resumes at the last checkpoint and ends with
     the uninterrupted run's losses. Over 30 s: two driver processes (killed, resumed), each starting its
-    own Ray cluster, which the kill must take down with it; the uninterrupted run, the same run from a
+    own Ray cluster, which the kill takes down with it (within 30 s, nothing of it left: control, a
+    cluster started without its reaper outlives the driver); the uninterrupted run, the same run from a
     driver that nothing interrupts, is ``fit`` in this process, on the session's cluster."""
     from specforge.config import load_config
     from specforge.ray_train import fit
@@ -228,6 +229,11 @@ def test_hard_killed_driver_resumes_exactly(assets, ray_session, tmp_path):
         assert p.poll() is None, "the run ended before it could be killed:\n" + p.stdout.read()[-3000:]
         os.kill(p.pid, signal.SIGKILL)  # the driver, mid-run, no chance to clean up
         p.wait(30)
+        # its Ray cluster (GCS, raylet, actors) goes with it: the driver's reaper (children.reaper)
+        deadline = time.time() + 30
+        while _session_pids(p.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _session_pids(p.pid), f"processes of the killed driver's run survived it: {_session_pids(p.pid)}"
     finally:
         _kill_session(p.pid)
     assert not (out / "checkpoints" / f"step-{KILL_STEPS:06d}").exists()

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import psutil
 import ray
 import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -27,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch.distributed.distributed_c10d import _abort_process_group
 
 from specforge import device
+from specforge.children import reaper, stop
 from specforge.config import Config
 from specforge.environment import env_defaults
 
@@ -264,4 +267,34 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
             num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
                      _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
+            global _REAPER
+            # its processes (GCS, raylet, their agents; the raylet's workers go with it) are this process'
+            # children: they end with it even if it is SIGKILLed (children.reaper). The signal follows the
+            # starting thread: only from the main thread, which outlives the cluster.
+            if threading.current_thread() is threading.main_thread():
+                _REAPER = reaper(ray_processes())
     return True
+
+
+def ray_processes() -> list[int]:
+    """This process' children that are Ray's: the GCS, the raylet and the Python daemons Ray runs."""
+    def ours(p) -> bool:
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+        return any(k in cmd for k in ("gcs_server", "raylet", "/ray/"))
+
+    return [p.pid for p in psutil.Process().children() if ours(p)]
+
+
+_REAPER = None  # the reaper of the cluster start_ray started, until shutdown_ray
+
+
+def shutdown_ray() -> None:
+    """End the Ray cluster ``start_ray`` started (or leave the one it joined), and its reaper."""
+    global _REAPER
+    ray.shutdown()
+    if _REAPER is not None:
+        stop(_REAPER)
+        _REAPER = None
