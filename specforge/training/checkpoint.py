@@ -64,7 +64,9 @@ def save_checkpoint(
     final = step_dir(root, step)
     tensors = served_tensors(weights, hf_config.get("torch_dtype"))
     need = int(SAVE_MARGIN * (sum(t.nbytes for t in tensors.values()) + tensor_bytes(train_state)) + SAVE_SLACK)
-    if (free := shutil.disk_usage(root).free) < need:  # refused before a byte is written
+    usage = shutil.disk_usage(root)
+    free = usage.free
+    if usage.total and free < need:  # refused before a byte is written (a mount that reports no size: unchecked)
         raise OSError(errno.ENOSPC, f"step {step} needs ~{human_bytes(need)}, {human_bytes(free)} free")
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step}-"))
     try:
