@@ -119,7 +119,7 @@ from specforge.config import load_config
 from specforge.preflight import check_resources, check_run, needed_resources, ray_resources
 from tests.helpers.data import make_tokenizer, rec, write_jsonl
 from tests.helpers.ray_run import cfg_overrides, make_cfg
-from tests.helpers.tables import algorithm_cfg, assert_row, config_refused
+from tests.helpers.tables import algorithm_cfg, assert_row, config_refused, one_error_line
 
 pytestmark = [pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parent.parent
@@ -392,7 +392,7 @@ def test_more_workers_than_cores_fails_before_any_worker(assets, tmp_path):
         pytest.skip("this machine has 64 cores")
     out = _cli(["specforge.ray_train", *_base(assets, tmp_path), "train.num_workers=64"], timeout=240)
     assert out.returncode == 1, out.stderr[-2000:]
-    _one_error_line(out.stderr, "train.num_workers = 64 workers need 64 CPU")
+    one_error_line(out.stderr, "train.num_workers = 64 workers need 64 CPU")
     assert not Path(f"/tmp/sfray-bad-{os.getpid()}").exists()  # the run's ray.temp_dir: Ray never started
 
 
@@ -494,12 +494,6 @@ def _base(assets, tmp_path):
             f"ray.temp_dir=/tmp/sfray-bad-{os.getpid()}"]
 
 
-def _one_error_line(err: str, *needles: str) -> None:
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    for n in needles:
-        assert n in lines[0], lines[0]
-
 
 @pytest.mark.parametrize("case, data, needle", [
     ("missing data path", "nowhere.jsonl", "does not exist"),
@@ -514,7 +508,7 @@ def test_data_cli_one_line_error(assets, tmp_path, capsys, case, data, needle):
     write_jsonl(tmp_path / "bad.jsonl", [BAD_ROWS["no assistant turn"], BAD_ROWS["empty conversation"]])
     args = [a for a in _base(assets, tmp_path) if not a.startswith("data.path=")]
     assert main(["prepare", "--no-progress", *args, f"data.path={tmp_path / data}"]) == 1
-    _one_error_line(capsys.readouterr().err, needle)
+    one_error_line(capsys.readouterr().err, needle)
 
 
 def test_eval_one_line_error(assets, tmp_path, capsys):
@@ -522,10 +516,10 @@ def test_eval_one_line_error(assets, tmp_path, capsys):
 
     base = _base(assets, tmp_path)
     assert run_cli(lambda: ev.main(["--draft", "prompt-lookup", *base, f"model.target_path={tmp_path / 'nope'}"])) == 1
-    _one_error_line(capsys.readouterr().err, "model.target_path", "does not exist")
+    one_error_line(capsys.readouterr().err, "model.target_path", "does not exist")
     (tmp_path / "notackpt").mkdir()
     assert run_cli(lambda: ev.main(["--draft", str(tmp_path / "notackpt"), "--num-prompts", "1", *base])) == 1
-    _one_error_line(capsys.readouterr().err, "is not a draft checkpoint")
+    one_error_line(capsys.readouterr().err, "is not a draft checkpoint")
 
 
 def _cli(args, timeout=120, env=None):
@@ -542,7 +536,7 @@ def _cli(args, timeout=120, env=None):
 def test_every_entry_point_prints_one_error_line(assets, tmp_path, module):
     out = _cli([*module, *_base(assets, tmp_path), f"model.target_path={tmp_path / 'missing-model'}"])
     assert out.returncode == 1, out.stderr[-2000:]
-    _one_error_line(out.stderr, "missing-model", "does not exist")
+    one_error_line(out.stderr, "missing-model", "does not exist")
 
 
 # ---------------------------------------------------------------- nothing lost, nothing silent
@@ -584,18 +578,18 @@ def test_capture_and_regenerate_refuse_an_unwritable_output_before_a_model_or_en
         monkeypatch.setattr(module, "engine_factory", started)
     base = [*cfg_overrides(assets, tmp_path / "run"), f"rollout.backend={backend}", "placement.mode=disaggregated"]
     assert capture.main(["--no-progress", *base, f"store.dir={READ_ONLY / 'store'}"]) == 1
-    _one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
+    one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
     assert regenerate.main([*base, f"regenerate.output={READ_ONLY / 'out.jsonl'}"]) == 1
-    _one_error_line(capsys.readouterr().err, "config key 'regenerate.output'", "is not writable")
+    one_error_line(capsys.readouterr().err, "config key 'regenerate.output'", "is not writable")
     assert regenerate.main([*base, f"regenerate.output={tmp_path / 'out.jsonl'}", "regenerate.capture_features=true",
                             f"store.dir={READ_ONLY / 'store'}"]) == 1
-    _one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
+    one_error_line(capsys.readouterr().err, "config key 'store.dir'", "is not writable")
     if backend == "vllm":  # where the engine will write its hidden states for us
         ro = [f"store.dir={tmp_path / 'store'}", f"rollout.vllm_storage={READ_ONLY / 'handoff'}"]
         assert capture.main(["--no-progress", *base, *ro]) == 1
-        _one_error_line(capsys.readouterr().err, "config key 'rollout.vllm_storage'", "is not writable")
+        one_error_line(capsys.readouterr().err, "config key 'rollout.vllm_storage'", "is not writable")
         assert regenerate.main([*base, f"regenerate.output={tmp_path / 'out.jsonl'}", *ro]) == 1
-        _one_error_line(capsys.readouterr().err, "config key 'rollout.vllm_storage'", "is not writable")
+        one_error_line(capsys.readouterr().err, "config key 'rollout.vllm_storage'", "is not writable")
         with pytest.raises(ValueError, match="rollout.vllm_storage.*is not writable"):
             check_run(make_cfg(assets, tmp_path, "rollout.backend=vllm", "placement.mode=disaggregated",
                                f"rollout.vllm_storage={READ_ONLY / 'handoff'}",
@@ -638,7 +632,7 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
                          f"checkpoint.dir={READ_ONLY / 'ckpt'}")
     assert run_cli(lambda: main(args)) == 1
     err = capsys.readouterr().err
-    _one_error_line(err, f"could not write checkpoint step 2 under '{READ_ONLY / 'ckpt'}'", "saved in")
+    one_error_line(err, f"could not write checkpoint step 2 under '{READ_ONLY / 'ckpt'}'", "saved in")
     (rescued,) = (tmp_path / "tmp").glob("specforge-rescue-*/step-000002")
     assert str(rescued) in err and load_train_state(rescued)["step"] == 2
     assert "fc.weight" in load_draft_folder(rescued)[1]
@@ -711,7 +705,7 @@ def _eval(assets, tmp_path, *args):
 def test_eval_refuses_a_draft_of_another_target(assets, tmp_path, trained, capsys):
     ckpt, other = trained
     assert _eval(assets, tmp_path, "--draft", str(ckpt), "--target", str(other)) == 1
-    _one_error_line(capsys.readouterr().err, f"draft '{ckpt}' was trained with another target", "--allow-mismatch")
+    one_error_line(capsys.readouterr().err, f"draft '{ckpt}' was trained with another target", "--allow-mismatch")
     assert _eval(assets, tmp_path, "--draft", str(ckpt), "--target", str(other), "--allow-mismatch") == 0
     assert "evaluating anyway" in capsys.readouterr().err
     assert _eval(assets, tmp_path, "--draft", str(ckpt)) == 0  # negative control: its own target passes
@@ -726,7 +720,7 @@ def test_eval_runs_a_draft_on_its_own_layers(assets, tmp_path, trained, capsys, 
     own = json.loads((ckpt / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert own == [1, 2, 2]  # the default of a 6-layer target
     assert _eval(assets, tmp_path, "--draft", str(ckpt), "model.aux_layer_ids=[0,2,4]") == 1
-    _one_error_line(capsys.readouterr().err, "trained on target layers [1, 2, 2]", "asks for [0, 2, 4]")
+    one_error_line(capsys.readouterr().err, "trained on target layers [1, 2, 2]", "asks for [0, 2, 4]")
     # without the key, every draft runs on the layers it was trained on (here a draft of [0, 2, 4])
     cfg = load_config(None, [a for a in _base(assets, tmp_path) if not a.startswith("train.")])
     relabeled = tmp_path / "relabeled"
@@ -871,7 +865,7 @@ def _script(*args, timeout=120):
 def test_the_default_script_reports_a_bad_config_in_one_line(args, needle):
     out = _script(*args)
     assert out.returncode == 1, out.stderr[-2000:]
-    _one_error_line(out.stderr, needle)
+    one_error_line(out.stderr, needle)
 
 
 def test_bench_ttt_measures_the_precision_training_runs(monkeypatch):
@@ -935,7 +929,7 @@ def test_the_gpu_path_on_a_machine_without_cuda_is_one_error_line(assets, tmp_pa
     if entry == "eval":
         args = ["--draft", "prompt-lookup", *args]
     assert run_cli(lambda: main(args)) == 1
-    _one_error_line(capsys.readouterr().err, *needles)
+    one_error_line(capsys.readouterr().err, *needles)
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
 
 
@@ -984,7 +978,7 @@ def test_a_broken_weights_file_is_one_error_line_naming_it(assets, tmp_path, tra
     capsys.readouterr()
     assert run_cli(call) == 1
     err = capsys.readouterr().err
-    _one_error_line(err, f"'{broken}'", "cannot be read", "a truncated, empty or foreign file")
+    one_error_line(err, f"'{broken}'", "cannot be read", "a truncated, empty or foreign file")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
@@ -995,7 +989,7 @@ def test_a_gpu_config_without_gpus_names_the_gpus_before_ray_or_the_hub(tmp_path
     out = _cli(["specforge.ray_train", "--config", "configs/llama3.1-8b-instruct.yaml",
                 f"train.output_dir={tmp_path / 'run'}"], env=env)
     assert out.returncode == 1, out.stderr[-2000:]
-    _one_error_line(out.stderr, "'model.device'='cuda'", "GPU(s)", "has 0", "torch sees no CUDA device")
+    one_error_line(out.stderr, "'model.device'='cuda'", "GPU(s)", "has 0", "torch sees no CUDA device")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers.ray_run import cfg_overrides
 from tests.helpers.single_run import step_losses
+from tests.helpers.tables import one_error_line
 
 STEPS, EVERY = 4, 2
 
@@ -37,11 +38,6 @@ def straight(assets, tmp_path_factory):
     assert main(_args(assets, out)) == 0
     return step_losses(out)
 
-
-def _error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    return lines[0]
 
 
 @pytest.mark.parametrize("when", ["mid-write", "before-write"])
@@ -81,7 +77,7 @@ def test_a_full_disk_at_a_save_keeps_the_last_checkpoint_and_the_rerun_resumes(a
     monkeypatch.setattr(ck.shutil, "disk_usage", short)
     capsys.readouterr()
     assert run_cli(lambda: main(_args(assets, out))) == 1
-    line = _error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert f"could not write checkpoint step {STEPS} under '{root}'" in line, line
     if when == "mid-write":
         assert "No space left on device while writing step 4, which needs ~" in line, line

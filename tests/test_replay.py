@@ -15,6 +15,7 @@ import torch
 
 from tests.helpers.data import WORDS, rec, write_jsonl
 from tests.helpers.ray_run import cfg_overrides, make_cfg
+from tests.helpers.tables import one_error_line
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -119,12 +120,6 @@ def test_reference_of_another_setup_is_refused_naming_the_field(assets, stores, 
     check_run(_cfg(assets, tmp_path, stores))  # the same setup passes
 
 
-def _one_error_line(err: str, *needles: str) -> None:
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    for n in needles:
-        assert n in lines[0], lines[0]
-
 
 @pytest.mark.parametrize("case", ["share 1", "share negative", "not offline", "not a store", "own store"])
 def test_bad_replay_keys_are_one_error_line_before_anything_loads(assets, stores, tmp_path, capsys, monkeypatch, case):
@@ -142,7 +137,7 @@ def test_bad_replay_keys_are_one_error_line_before_anything_loads(assets, stores
     argv = cfg_overrides(assets, tmp_path / "run", "model.dtype=bfloat16", "placement.mode=offline",
                          f"store.dir={stores / 'own'}", f"store.replay_dir={stores / 'ref'}", *extra)
     assert run_cli(lambda: local.main(argv)) == 1
-    _one_error_line(capsys.readouterr().err, *needles)
+    one_error_line(capsys.readouterr().err, *needles)
 
 
 def test_single_process_run_with_replay_trains_and_says_what_it_replays(assets, stores, tmp_path, capsys):

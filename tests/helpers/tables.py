@@ -7,6 +7,15 @@ from specforge.config import load_config
 from tests.helpers.ray_run import cfg_overrides
 
 
+def one_error_line(err: str, *needles: str) -> str:
+    """The one ``error:`` line of an entry point's stderr ``err`` (no traceback), holding each of ``needles``."""
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
 def assert_row(check, pattern) -> None:
     """``check()`` raises a ValueError matching ``pattern``; with ``pattern`` None it passes (the control)."""
     if pattern is None:
