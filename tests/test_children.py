@@ -1,6 +1,7 @@
 """specforge.children: a child started with ``tied`` goes when the process that started it dies, even by
 SIGKILL, and is started without ``preexec_fn`` (Python between fork and exec, unsafe with threads)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -128,3 +129,115 @@ def test_engines_are_started_without_preexec_fn(monkeypatch, tmp_path):
     for args, kw in seen:
         assert "preexec_fn" not in kw and args[:5] == tied([])[:5], args
     assert seen[1][1].get("start_new_session") is True
+
+
+# ---------------------------------------------------------------- the guard and the reaper: nothing left behind
+
+# What a killed vLLM leaves: a POSIX shared-memory segment it maps (created as vLLM's message queues are,
+# without Python's resource tracker, which would unlink it itself) and Intel OpenMP's registration file;
+# plus a process under it in its group.
+ENGINE = """
+import _posixshmem, mmap, multiprocessing, os, subprocess, sys, time
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, which Python's resource tracker unlinks
+name = f"/psm_sftest_{os.getpid()}"
+fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+os.ftruncate(fd, 1 << 20)
+seg = mmap.mmap(fd, 1 << 20)
+os.close(fd)
+open(f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_{os.getuid()}", "w").write("x")
+kid = subprocess.Popen(["sleep", "120"])
+print(os.getpid(), kid.pid, "/dev/shm" + name, f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_{os.getuid()}",
+      "/dev/shm/sem." + lock._semlock.name.lstrip("/"), flush=True)
+time.sleep(120)
+"""
+
+GUARDED = """
+import subprocess, sys
+from specforge.children import guarded
+p = subprocess.Popen(guarded([sys.executable, "-c", sys.argv[1]], poll_s=0.1), start_new_session=True,
+                     stdout=subprocess.PIPE, text=True)
+print(p.pid, p.stdout.readline().strip(), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+REAPED = """
+import os, subprocess, sys
+from specforge.children import REAP_GRACE_S, REAPER, start_time
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+line = engine.stdout.readline().strip()
+other = int(sys.argv[2])  # a pid whose process is not the one meant ("stale": it started at another time)
+other_start = start_time(other) - (sys.argv[3] == "stale")
+subprocess.Popen([sys.executable, "-E", "-S", "-c", REAPER, str(os.getpid()), str(REAP_GRACE_S), "0.1",
+                  f"{engine.pid}:{start_time(engine.pid)}", f"{other}:{other_start}"])  # as children.reaper does
+print(line, flush=True)
+sys.stdin.read()
+"""
+
+
+def _starter(script: str, *args) -> tuple[subprocess.Popen, list[str]]:
+    starter = subprocess.Popen([sys.executable, "-c", script, ENGINE, *map(str, args)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return starter, starter.stdout.readline().split()
+
+
+def _remove(*files) -> None:
+    for f in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+
+
+def _left(pids, files) -> list:
+    return [p for p in pids if not _gone(int(p), 0.01)] + [f for f in files if os.path.exists(f)]
+
+
+def _settled(pids, files, within_s: float) -> list:
+    deadline = time.monotonic() + within_s
+    while (left := _left(pids, files)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_a_guarded_engine_leaves_no_process_or_shared_memory_when_its_starter_dies_or_it_dies():
+    """The engine's starter SIGKILLed, or the engine itself: its group is gone and so are its segment, its
+    OpenMP registration and its named semaphore. The control: the same engine's group SIGKILLed without the
+    guard leaves all three."""
+    for victim in ("starter", "engine"):
+        starter, (guard, engine, kid, seg, kmp, sem) = _starter(GUARDED)
+        try:
+            assert all(map(os.path.exists, (seg, kmp, sem)))
+            time.sleep(0.5)  # the guard records what its group maps every 0.1 s here
+            os.kill(starter.pid if victim == "starter" else int(engine), signal.SIGKILL)
+            assert _settled([guard, engine, kid], [seg, kmp, sem], 20) == [], victim
+        finally:
+            starter.kill()
+            starter.wait()
+            _remove(seg, kmp, sem)
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    _, kid, seg, kmp, sem = engine.stdout.readline().split()
+    try:
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
+        assert _settled([kid], [], 10) == []
+        assert all(map(os.path.exists, (seg, kmp, sem))), "the control: an unguarded engine leaves its files"
+    finally:
+        _remove(seg, kmp, sem)
+
+
+def test_the_reaper_ends_only_the_processes_it_was_given_and_removes_what_they_left():
+    """A driver SIGKILLed: its reaper ends the child it was given (and the child's own child) and removes
+    the child's segment, OpenMP registration and named semaphore. A pid it was given whose process started
+    at another time than the one meant (the pid was taken by another process) is never signalled; the
+    control: the same process named with its own start time is."""
+    for how in ("stale", "same"):
+        other = subprocess.Popen(["sleep", "120"])
+        starter, (engine, kid, seg, kmp, sem) = _starter(REAPED, other.pid, how)
+        try:
+            starter.kill()
+            starter.wait()
+            assert _settled([engine, kid], [seg, kmp, sem], 20) == [], how
+            assert _gone(other.pid, 3) == (how == "same"), how
+        finally:
+            other.kill()
+            other.wait()
+            _remove(seg, kmp, sem)

@@ -334,11 +334,14 @@ def test_an_engine_error_is_a_user_error():
 @pytest.mark.timeout(900)
 def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(folders, ray_session, tmp_path,
                                                                              monkeypatch):
-    """Disaggregated, features from vLLM: the rollout worker's engine is SIGKILLed after train step 1.
+    """Disaggregated, features from vLLM: the rollout worker's engine server is SIGKILLed after train step 1.
     The worker exits with it, the driver replaces it as any dead rollout worker (a new engine), the
-    train ranks resume at a consistent step: every step trains once, losses as with transformers.
+    train ranks resume at a consistent step: every step trains once, losses as with transformers. What
+    the killed engine held in /dev/shm (vLLM's message queues, OpenMP's registrations) is gone once its
+    guard ends (specforge.children.guarded).
     Over 30 s: two vLLM engine starts (the first and its replacement, ~30 s each on 2 cores) and a Ray run."""
 
+    import psutil
     import ray
 
     import specforge.ray_train as rt
@@ -357,21 +360,24 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
     fit(load_config(None, base + [f"train.output_dir={tmp_path / 'hf'}"]))
     want = {r["step"]: r["loss"] for r in losses(tmp_path / "hf")}
 
-    spawned, killed, causes = [], [], []
+    spawned, killed, causes, held = [], [], [], set()
     real_spawn, real_collect, real_recover = rt.spawn_cluster, rt.Cluster.collect, rt.recover
 
     def spawn(*args, **kw):
         cluster = real_spawn(*args, **kw)
-        pids = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid)
-                        for w in cluster.rollout.actors], timeout=60)
+        guards = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid)
+                          for w in cluster.rollout.actors], timeout=60)
+        pids = [psutil.Process(g).children()[0].pid for g in guards]  # the server: its group is the engine's
         spawned.append((cluster, pids))
         return cluster
 
     def collect(self, handle, what):
         out = real_collect(self, handle, what)
         if self is spawned[0][0] and what == "train step 1" and not killed:
-            os.killpg(spawned[0][1][0], signal.SIGKILL)  # the engine and its workers
-            killed.append(spawned[0][1][0])
+            server = spawned[0][1][0]  # its pid is its group's id
+            held.update(_shm_of_group(server))
+            os.kill(server, signal.SIGKILL)  # its guard ends its core and workers
+            killed.append(server)
         return out
 
     monkeypatch.setattr(rt, "spawn_cluster", spawn)
@@ -382,6 +388,8 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
     fit(load_config(None, base + VLLM + [f"train.output_dir={out}"]))
     assert killed and len(causes) == 1 and "rollout" in causes[0], causes
     assert len(spawned) == 2 and spawned[1][1][0] != killed[0]  # a new worker with a new engine
+    assert held and not [f for f in held if os.path.exists(f)], "the killed engine's shared memory was left"
+    assert not _alive_in(killed[0]), "processes of the killed engine were left"
     got = losses(out)
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # each step trained (and logged) once
     for r in got:
@@ -452,14 +460,26 @@ def test_vllm_command_prints_the_engine_with_its_storage_folder(folders, capsys,
 
 
 def _group_of(marker: str) -> Optional[int]:
-    """The process group of the engine server whose command line holds ``marker`` (None: none runs)."""
+    """The process group of the engine server whose command line holds ``marker`` (None: none runs); not its
+    guard's, whose command line holds the server's too (specforge.children.guarded)."""
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             with contextlib.suppress(OSError):
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if "vllm.entrypoints" in cmd and marker in cmd:
+                args = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                if args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and any(marker in a for a in args):
                     return os.getpgid(int(d.name))
     return None
+
+
+def _shm_of_group(group: int) -> set[str]:
+    """What the processes of ``group`` hold in /dev/shm, and their OpenMP registration files."""
+    from specforge.children import PROC
+
+    procs: dict = {}
+    exec(PROC, procs)
+    pids = _alive_in(group)
+    return {f for pid in pids for f in procs["shm_of"](pid)} | \
+        {f for pid in pids if os.path.exists(f := f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{os.getuid()}")}
 
 
 def _alive_in(group: int) -> list[int]:
@@ -477,7 +497,8 @@ def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(fol
     """The process that starts an engine is SIGKILLed while the engine starts (its core and workers
     up, the server not yet serving): the whole engine goes within seconds. vLLM's server catches
     SIGTERM and, during start-up, keeps running with its core and workers, so a plain parent-death
-    signal to the server leaves them behind; the group guard kills the group."""
+    signal to the server leaves them behind; the guard kills the group, and removes what it held in
+    /dev/shm."""
     storage = tmp_path / "marker-storage"
     storage.mkdir()
     code = ("import torch\n"
@@ -496,11 +517,12 @@ def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(fol
         group, deadline = None, time.monotonic() + 120
         while time.monotonic() < deadline:  # the engine's core and a worker up: start-up under way
             group = group or _group_of(str(storage))
-            if group is not None and len(_alive_in(group)) >= 4:  # guard, server, engine core, worker
+            if group is not None and len(_alive_in(group)) >= 3:  # server, engine core, worker
                 break
             assert starter.poll() is None, "the starter exited before its engine started"
             time.sleep(0.5)
-        assert group is not None and len(_alive_in(group)) >= 4, "the engine did not start in 120 s"
+        assert group is not None and len(_alive_in(group)) >= 3, "the engine did not start in 120 s"
+        held = _shm_of_group(group)
     finally:
         starter.kill()
         starter.wait(timeout=30)
@@ -511,6 +533,10 @@ def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(fol
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)  # do not leave them to the next test either way
     assert not left, f"engine processes left after their starter died: {left}"
+    deadline = time.monotonic() + 10  # the guard removes them once the group is gone
+    while [f for f in held if os.path.exists(f)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held and not [f for f in held if os.path.exists(f)], "the engine's shared memory was left"
 
 
 def test_an_endpoint_started_for_other_layers_is_refused_not_trained_on(folders, llama_engine):

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specforge.children import tied
+from specforge.children import guarded
 from specforge.config import engine_start_timeout
 from specforge.device import engine_gpu_ids
 from specforge.files import check_writable
@@ -165,11 +165,11 @@ def cpu_binding(cores: Sequence[int], ranks: int) -> str:
     return "|".join(",".join(map(str, share)) for share in shares)
 
 
-# The engine runs under a shell that leads its own process group (a new session). When the process
-# that started it goes (``children.tied``: PR_SET_PDEATHSIG sends the shell SIGTERM) or close() signals
-# the group, the shell kills the whole group at once: vLLM's server catches SIGTERM and, while it
-# starts, neither exits nor stops its engine core and workers, which an orphaned server leaves running.
-GROUP_GUARD = ["/bin/sh", "-c", 'trap "kill -KILL 0" TERM INT HUP; "$@" & wait $!', "specforge-vllm"]
+# The engine runs under a guard (``children.guarded``) in a new session: when the process that started it
+# goes (even by SIGKILL) or close() signals the guard's group, or the server itself dies, the guard kills the
+# engine's whole process group at once (vLLM's server catches SIGTERM and, while it starts, neither exits
+# nor stops its engine core and workers, which an orphaned server leaves running) and removes the shared
+# memory vLLM's processes left in /dev/shm (its message queues; Intel OpenMP's registration files).
 
 
 class VllmEngine:
@@ -204,7 +204,7 @@ class VllmEngine:
             self.url = f"http://127.0.0.1:{port}"
             self.log_path = logs / f"vllm-{port}.log"
             with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(tied(GROUP_GUARD + spec.command(port, self.storage, str(python))),
+                self.proc = subprocess.Popen(guarded(spec.command(port, self.storage, str(python))),
                                              env=spec.env(python), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.storage,
                                              start_new_session=True)
