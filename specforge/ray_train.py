@@ -61,6 +61,7 @@ from specforge.runtime.actors import (
     ActorGroup,
     WorkerError,
     dead_actors,
+    exit_on_head_lost,
     gather,
     init_communicator,
     shutdown_ray,
@@ -263,7 +264,8 @@ def fit(cfg: Config) -> Optional[str]:
     check_placement(cfg)  # every check: the keys, the target's config.json and, if Ray starts here, the machine
     if skipped := not_applied(cfg, cfg.placement.mode):
         print(f"{cfg.placement.mode}: not applying {', '.join(skipped)}")
-    started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg))
+    started = start_ray(cfg, cfg.train.num_workers + num_rollout(cfg),
+                        on_head_lost=exit_on_head_lost(lambda: kept(cfg)))
     cluster = None
     try:
         use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
@@ -297,6 +299,13 @@ def fit(cfg: Config) -> Optional[str]:
             cluster.shutdown()
         if started:
             shutdown_ray()
+
+
+def kept(cfg: Config) -> str:
+    """What a stopped run keeps: its last good checkpoint and how to go on from it."""
+    last = latest_checkpoint(checkpoint_root(cfg))
+    return (f"last good checkpoint: {last}; rerun the same command to resume from it (the steps after it are "
+            "trained again)") if last else "no checkpoint was saved yet: rerun the same command to start again"
 
 
 def final_save(cluster: Optional[Cluster], failed: Optional[WorkerError]) -> None:
@@ -359,6 +368,7 @@ def recover(cfg: Config, data: RunData, use_gpu: bool, err: WorkerError, cluster
             print(f"could not save at the failure ({save_err}); resuming the newest checkpoint", file=sys.stderr)
     cluster.shutdown()
     resume = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+    keep_old_checkpoints(resume)  # a save the dead worker was writing left its temp folder
     cluster.adopt(spawn_cluster(resume, data, use_gpu))
     print(f"resumed at step {cluster.start_step} with new {'train' if isinstance(err, TrainWorkerLost) else 'rollout'} "
           "workers", file=sys.stderr)

@@ -78,7 +78,7 @@ from specforge.models.target import load_target, load_tokenizer
 from specforge.models.vllm_engine import check_storage, engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
 from specforge.registry import feature_layers
-from specforge.runtime.actors import shutdown_ray, start_ray
+from specforge.runtime.actors import exit_on_head_lost, shutdown_ray, start_ray
 from specforge.training.batch import collate, pad_id
 
 HELD_OUT = "held out for eval"
@@ -662,7 +662,8 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
     W = cfg.regenerate.num_workers
     if local := before_local_ray(cfg):  # before Ray prestarts a process per CPU it is given
         check_workers("regenerate.num_workers", W, *local, gpus=cfg.model.num_gpus)
-    started = start_ray(cfg, W)
+    started = start_ray(cfg, W, on_head_lost=exit_on_head_lost(
+        lambda: "the rows finished so far are kept: rerun the same command to go on from them"))
     try:
         use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_workers("regenerate.num_workers", W, use_gpu, *ray_resources(cfg, started), gpus=cfg.model.num_gpus)

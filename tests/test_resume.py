@@ -6,13 +6,15 @@
 * A checkpoint of another run (other target weights, vocab mapping, data, or a config key that
   changes the math) is refused with a message naming every difference.
 * Train ranks that resumed at different steps are refused, not reconciled.
-* ``python -m specforge.ray_train`` SIGKILLed after a periodic checkpoint (its own Ray cluster
-  killed with it), then rerun unchanged, logs per-step losses equal to an uninterrupted run's.
+* ``python -m specforge.ray_train`` stopped at fixed moments (the driver SIGKILLed mid-step, during a
+  save, during an eval; the Ray head killed), nothing of it left behind each time, then rerun unchanged,
+  logs per-step losses and evals equal to an uninterrupted run's.
 * A driver that dies after the workers saved a step but before it logged that step's rows: the
   checkpoint carries them and the resumed run logs them (marked ``restored``), and a half-written
   last line of metrics.jsonl is cut instead of having the next row run into it.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -30,7 +32,7 @@ from specforge.algorithms.eagle3.algorithm import Eagle3Options
 from specforge.config import Config, TrainConfig
 from specforge.data.vocab import DraftVocab
 from specforge.registry import get_algorithm, load_draft
-from specforge.training.checkpoint import CheckpointManager, load_train_state
+from specforge.training.checkpoint import CheckpointManager, list_checkpoints, load_train_state, step_dir
 from specforge.training.trainer import run_identity
 from tests.helpers.ray_run import cfg_overrides, losses
 from tests.helpers.trainer import feature_batch, setup_trainer, trainable_params
@@ -150,14 +152,16 @@ def test_train_ranks_at_different_steps_are_refused():
 # ---------------------------------------------------------------- a hard-killed driver
 # (the tiny Ray run: cfg_overrides and losses from tests/helpers/ray_run.py, its assets fixture from conftest)
 
-KILL_STEPS = 12  # two epochs of the 12 train samples: the kill lands well before the end
+KILL_STEPS = 24  # four epochs of the 12 train samples: the faults land well before the end
 
 
-def _cli(args, **kw) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+def _cli(args, env=None) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     # its own session: the driver and every process of the Ray cluster it starts can be found and killed
-    return subprocess.Popen([sys.executable, "-m", "specforge.ray_train", *args], cwd=REPO, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    p = subprocess.Popen([sys.executable, "-m", "specforge.ray_train", *args], cwd=REPO, env=env,
+                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p.started = time.time() - 1  # the file times' rounding
+    return p
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -199,53 +203,136 @@ def _run(args, timeout=400) -> str:
     return out
 
 
+def _shm_held(pids, since: float) -> set[str]:
+    """The files under /dev/shm that ``pids`` map or hold open, and the OpenMP registrations named by them
+    written since ``since`` (an older one is a dead process' of the same pid): what a killed process leaves
+    there (specforge.children)."""
+    from specforge.children import PROC
+
+    procs: dict = {}
+    exec(PROC, procs)
+    registered = {f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{os.getuid()}" for pid in pids}
+    return {f for pid in pids for f in procs["shm_of"](pid)} | \
+        {f for f in registered if os.path.exists(f) and os.path.getmtime(f) >= since}
+
+
+def _cmdlines(pids) -> list[str]:
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200])
+    return out
+
+
+def _stop_and_check(p, out, kill) -> str:
+    """Fault ``kill(p)`` on the running driver ``p``; then nothing of its session may be left within 30 s
+    (processes, or what they held in /dev/shm). The driver's output."""
+    held = _shm_held(_session_pids(p.pid), since=p.started)
+    try:
+        kill(p)
+        try:
+            log, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the driver did not end within 60 s of the fault") from None
+        deadline = time.time() + 30  # the driver's reaper (children.reaper) takes its Ray cluster with it
+        while _session_pids(p.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not (left := _session_pids(p.pid)), f"processes of the stopped run survived it: {_cmdlines(left)}"
+        assert not [f for f in held if os.path.exists(f)], "shared-memory files of the stopped run were left"
+    finally:
+        _kill_session(p.pid)
+    return log
+
+
+def _wait_for(p, path: Path, timeout: float = 400) -> None:
+    deadline = time.time() + timeout
+    while not path.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None and path.exists(), f"{path} never came:\n" + p.stdout.read()[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_hard_killed_driver_resumes_exactly(assets, ray_session, tmp_path):
-    """A driver SIGKILLed mid-run, then the same command: it resumes at the last checkpoint and ends with
-    the uninterrupted run's losses. Over 30 s: two driver processes (killed, resumed), each starting its
-    own Ray cluster, which the kill takes down with it (within 30 s, nothing of it left: control, a
-    cluster started without its reaper outlives the driver); the uninterrupted run, the same run from a
-    driver that nothing interrupts, is ``fit`` in this process, on the session's cluster."""
+def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_path):
+    """The same command, run again after each fault and then to its end, logs the uninterrupted run's losses
+    and held-out evals. The faults, at fixed moments (``specforge.failpoints`` holds a train rank there):
+    the driver SIGKILLed mid-step; the driver SIGKILLed while a rank writes step 4's checkpoint (step 2 stays
+    latest; the next run removes the partial save and says so); the driver SIGKILLed during the held-out eval
+    after step 4; the Ray head (the GCS of the driver's own cluster) killed mid-step (the driver ends at once
+    with one error line naming it and the last good checkpoint, status 1). After each: no process of the
+    run's session within 30 s, nor a file it held in /dev/shm (control, checked: a cluster started without
+    its reaper outlives the driver). The uninterrupted run is ``fit`` in this process, on the session's
+    cluster."""
+    import psutil
+
     from specforge.config import load_config
     from specforge.ray_train import fit
 
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/sfk")  # short: Ray's socket paths live under it
+    marks = tmp_path / "marks"
 
     def run_args(out):
         return cfg_overrides(assets, out, "placement.mode=colocated", f"train.max_steps={KILL_STEPS}",
-                             "checkpoint.every_steps=2", "checkpoint.keep_last=0", "checkpoint.resume=true")
+                             "train.eval_every=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                             "checkpoint.resume=true")
 
     def args(out):  # the drivers' own clusters: ray.* decides where Ray runs, not what the run computes
         return run_args(out) + [f"ray.temp_dir={ray_tmp}", "ray.num_cpus=4"]
 
+    def start(out, failpoint=None):
+        env = {"SPECFORGE_FAILPOINTS": failpoint, "SPECFORGE_FAILPOINT_DIR": str(marks)} if failpoint else {}
+        return _cli(args(out), env)
+
+    def sigkill(p):
+        os.kill(p.pid, signal.SIGKILL)
+
     fit(load_config(None, run_args(tmp_path / "straight")))
     out = tmp_path / "killed"
-    p = _cli(args(out))
-    try:
-        deadline = time.time() + 400
-        while not (out / "checkpoints" / "step-000002").is_dir() and p.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert p.poll() is None, "the run ended before it could be killed:\n" + p.stdout.read()[-3000:]
-        os.kill(p.pid, signal.SIGKILL)  # the driver, mid-run, no chance to clean up
-        p.wait(30)
-        # its Ray cluster (GCS, raylet, actors) goes with it: the driver's reaper (children.reaper)
-        deadline = time.time() + 30
-        while _session_pids(p.pid) and time.time() < deadline:
-            time.sleep(0.2)
-        assert not _session_pids(p.pid), f"processes of the killed driver's run survived it: {_session_pids(p.pid)}"
-    finally:
-        _kill_session(p.pid)
-    assert not (out / "checkpoints" / f"step-{KILL_STEPS:06d}").exists()
-    resumed_at = int(os.readlink(out / "checkpoints" / "latest").split("-")[1])
-    log = _run(args(out))  # the same command
+    ckpts = out / "checkpoints"
+    latest = lambda: os.readlink(ckpts / "latest")  # noqa: E731
+
+    step = lambda: int(latest().split("-")[1])  # noqa: E731
+
+    p = start(out)  # 1. the driver, mid-step
+    _wait_for(p, ckpts / "step-000002")
+    _stop_and_check(p, out, sigkill)
+    before = step()
+
+    p = start(out, "checkpoint.write:pause")  # 2. the driver while the next checkpoint is being written
+    _wait_for(p, marks / "checkpoint.write")
+    _stop_and_check(p, out, sigkill)
+    assert step() == before and list_checkpoints(ckpts)[-1].name == latest()
+    assert [d.name for d in ckpts.glob(".tmp-step-*")], "the partial save was expected to stay until the next run"
+    (marks / "checkpoint.write").unlink()
+
+    p = start(out, "eval:pause")  # 3. the driver during the next held-out eval (before that step's save)
+    _wait_for(p, marks / "eval")
+    log = _stop_and_check(p, out, sigkill)
+    assert f"resuming at step {before}" in log and "removed the partial save an interrupted run left (.tmp-step-" in log
+    assert not list(ckpts.glob(".tmp-step-*")) and step() == before
+
+    p = start(out)  # 4. the Ray head, mid-step
+    _wait_for(p, step_dir(ckpts, before + 2))
+    gcs = [c for c in psutil.Process(p.pid).children() if "gcs_server" in " ".join(c.cmdline())]
+    t0 = time.monotonic()
+    log = _stop_and_check(p, out, lambda p: gcs[0].kill())
+    assert p.returncode == 1 and time.monotonic() - t0 < 30, (p.returncode, log[-2000:])
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"the Ray head was lost (its GCS process {gcs[0].pid} exited)" in errors[0], log[-2000:]
+    assert f"last good checkpoint: {ckpts / latest()}; rerun the same command" in errors[0]
+    assert step() < KILL_STEPS, "the run was expected to stop before its end"
+
+    resumed_at = step()
+    log = _run(args(out))  # 5. the same command, to the end
     assert f"resuming at step {resumed_at}" in log
-    want = {r["step"]: r["loss"] for r in losses(tmp_path / "straight")}
-    got = losses(out)
-    assert sorted(want) == list(range(1, KILL_STEPS + 1)) and got[-1]["step"] == KILL_STEPS
-    assert {r["step"] for r in got} == set(want)  # nothing skipped
-    for r in got:  # the killed run's steps and the resumed run's alike
-        assert r["loss"] == want[r["step"]], r["step"]
+    for kind in ("train", "eval"):
+        want = {r["step"]: r["loss"] for r in losses(tmp_path / "straight", kind)}
+        got = losses(out, kind)
+        every = 1 if kind == "train" else 4
+        assert sorted(want) == list(range(every, KILL_STEPS + 1, every))
+        assert {r["step"] for r in got} == set(want)  # nothing skipped
+        for r in got:  # every run's rows alike, the faulted runs' and the last one's
+            assert r["loss"] == want[r["step"]], (kind, r["step"])
 
 
 # ---------------------------------------------------------------- rows saved but never logged

@@ -48,6 +48,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save
 
+from specforge import failpoints
 from specforge.data.prepare import tokenizer_fingerprint
 from specforge.files import human_bytes, open_safetensors
 from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
@@ -212,6 +213,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if path.name == INDEX:
+        failpoints.hit("store.index")
     os.replace(tmp, path)
 
 

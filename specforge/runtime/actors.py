@@ -14,12 +14,15 @@ the driver tells a train worker blocked on a dead peer's transfer to give up (``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import psutil
 import ray
@@ -28,8 +31,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch.distributed.distributed_c10d import _abort_process_group
 
-from specforge import device
-from specforge.children import reaper, stop
+from specforge import device, failpoints
+from specforge.children import REAP_GRACE_S, reaper, stop
 from specforge.config import Config
 from specforge.environment import env_defaults
 
@@ -192,7 +195,7 @@ def spawn_actors(
         remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
     else:
         remote_cls = ray.remote(actor_cls)
-    if env := device.worker_env():  # SPECFORGE_DEVICE / SPECFORGE_EMULATE_NCCL reach the workers
+    if env := {**device.worker_env(), **failpoints.worker_env()}:  # our switches reach the workers
         runtime_env = {**(runtime_env or {}), "env_vars": {**(runtime_env or {}).get("env_vars", {}), **env}}
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"runtime_env": runtime_env} if runtime_env else {})}
     actors = [
@@ -252,9 +255,11 @@ def check_ray_address(address: Optional[str], timeout_s: float) -> None:
 RAY_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 
 
-def start_ray(cfg: Config, num_actors: int) -> bool:
+def start_ray(cfg: Config, num_actors: int, on_head_lost: Optional[Callable[[str], None]] = None) -> bool:
     """Join or start Ray; True if we started it (and so must shut it down). The workers' environment
-    goes through Ray's runtime environment, not this process' ``os.environ``."""
+    goes through Ray's runtime environment, not this process' ``os.environ``. ``on_head_lost(what)`` is
+    called (from a watcher thread) if the cluster's head goes while it runs (``HeadWatch``), until
+    ``shutdown_ray``."""
     if ray.is_initialized():
         return False
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
@@ -273,28 +278,117 @@ def start_ray(cfg: Config, num_actors: int) -> bool:
             # starting thread: only from the main thread, which outlives the cluster.
             if threading.current_thread() is threading.main_thread():
                 _REAPER = reaper(ray_processes())
+    if on_head_lost is not None:
+        global _WATCH
+        _WATCH = HeadWatch(on_head_lost, own=not cfg.ray.address)
     return True
 
 
 def ray_processes() -> list[int]:
     """This process' children that are Ray's: the GCS, the raylet and the Python daemons Ray runs."""
     def ours(p) -> bool:
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            return False
-        return any(k in cmd for k in ("gcs_server", "raylet", "/ray/"))
+        return any(k in " ".join(_cmdline(p)) for k in ("gcs_server", "raylet", "/ray/"))
 
     return [p.pid for p in psutil.Process().children() if ours(p)]
 
 
 _REAPER = None  # the reaper of the cluster start_ray started, until shutdown_ray
+_WATCH = None  # the watch on its head, until shutdown_ray
 
 
 def shutdown_ray() -> None:
-    """End the Ray cluster ``start_ray`` started (or leave the one it joined), and its reaper."""
-    global _REAPER
+    """End the Ray cluster ``start_ray`` started (or leave the one it joined), its head's watch and its reaper."""
+    global _REAPER, _WATCH
+    if _WATCH is not None:  # first: the orderly end of the head is not its loss
+        _WATCH.stop()
+        _WATCH = None
     ray.shutdown()
     if _REAPER is not None:
         stop(_REAPER)
         _REAPER = None
+
+
+# A joined cluster's head may come back (GCS fault tolerance): it is lost once unreachable this long, short of
+# the time after which Ray itself ends the driver (RAY_gcs_rpc_server_reconnect_timeout_s, 60 s by default).
+RAY_GCS_RECONNECT_S = 60.0
+HEAD_POLL_S = 1.0
+
+
+class HeadWatch:
+    """Calls ``on_lost(what)`` once, from a daemon thread, when the Ray head goes while the driver runs. Without
+    it Ray's core worker ends the driver itself 60 s later with a C++ log line (``Failed to connect to GCS``),
+    while the train workers go on for that minute. Our own cluster (``own``): its GCS and raylet are this
+    process' children, lost the moment either exits (no fault-tolerant GCS without Redis). A joined cluster:
+    its GCS address refuses connections for ``grace_s`` (default: Ray's reconnect timeout less 10 s)."""
+
+    def __init__(self, on_lost: Callable[[str], None], own: bool, grace_s: Optional[float] = None,
+                 poll_s: float = HEAD_POLL_S, address: Optional[str] = None):
+        self.on_lost, self.poll_s = on_lost, poll_s
+        reconnect = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", RAY_GCS_RECONNECT_S))
+        self.grace_s = max(reconnect - 10.0, 1.0) if grace_s is None else grace_s
+        self.heads = [(p, role) for p in psutil.Process().children() if own
+                      for role in ("gcs_server", "raylet") if role in " ".join(_cmdline(p))]
+        self.address = None if own else (address or ray.get_runtime_context().gcs_address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ray-head-watch", daemon=True)
+        self._thread.start()
+
+    def lost(self) -> Optional[str]:
+        """What is gone now, or None (a joined head that refuses connections counts once ``grace_s`` passed)."""
+        for p, role in self.heads:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"its {'GCS' if role == 'gcs_server' else role} process {p.pid} exited"
+        if self.address is None:
+            return None
+        host, _, port = self.address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=self.poll_s).close()
+            self._down_since = None
+            return None
+        except OSError as e:
+            since = getattr(self, "_down_since", None) or time.monotonic()
+            self._down_since = since
+            if time.monotonic() - since < self.grace_s:
+                return None
+            return f"its GCS at {self.address} refused connections for {self.grace_s:.0f} s ({e.strerror or e})"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if (what := self.lost()) is not None:
+                if not self._stop.is_set():
+                    self.on_lost(what)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.poll_s + 5)
+
+
+def exit_on_head_lost(kept: Callable[[], str]) -> Callable[[str], None]:
+    """An ``on_head_lost`` for an entry point: one ``error:`` line naming what went and what is kept (``kept()``:
+    e.g. the last good checkpoint and the command that resumes), then this process ends (exit status 1) as Ray
+    would end it a minute later: every remote call would fail or hang meanwhile. Our own cluster's remaining
+    processes go with it (the reaper)."""
+    def lost(what: str) -> None:
+        try:
+            if _REAPER is not None:  # our cluster's processes go first: a save that lands meanwhile is counted
+                _REAPER.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    _REAPER.wait(timeout=2 * REAP_GRACE_S + 5)
+            # on a line of its own (after a progress bar's)
+            print(f"\nerror: the Ray head was lost ({what}): the run stopped; {kept()}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(1)
+
+    return lost
+
+
+def _cmdline(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from specforge import failpoints
 from specforge.config import Config
 from specforge.contracts import MAX_STEPS_AHEAD, Layout, StepPlan, StepReport
 from specforge.data.packing import target_packs
@@ -339,6 +340,7 @@ class TrainWorker(DistributedWorker):
         ``save``: checkpoint afterwards (the loop saves after the eval that follows a save step)."""
         t0 = time.perf_counter()
         metrics = self.trainer.evaluate(self._features(plan, upcoming))  # ends in a host copy: finished work
+        failpoints.hit("eval")
         self._record("eval", plan.step, metrics)
         if save:
             self.save()

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from specforge import failpoints
 from specforge.files import human_bytes, read_safetensors, read_torch
 from specforge.parallel.fsdp import full_optimizer_state, full_state_dict, is_first_rank
 
@@ -72,12 +73,16 @@ def save_checkpoint(
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
+        failpoints.hit("checkpoint.write")
         if train_state is not None:
             torch.save(train_state, tmp / "training_state.pt")
         make_readable(tmp)
+        for f in tmp.iterdir():  # on disk before the folder is named: a node that loses power after the
+            sync(f)  # rename must not come back with a complete-looking folder of empty files
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        sync(root)
     except OSError as e:  # the disk filled (or a file-size limit hit) mid-write: say what it needed
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
@@ -85,10 +90,12 @@ def save_checkpoint(
                                f"({human_bytes(free)} were free when it started)") from e
     finally:  # a partial folder never stays (and ``latest`` moves only after the rename)
         shutil.rmtree(tmp, ignore_errors=True)
+    failpoints.hit("checkpoint.publish")
     link = tmp.with_name(f".{LATEST}-{step}")
     link.unlink(missing_ok=True)
     link.symlink_to(final.name)
     os.replace(link, root / LATEST)
+    sync(root)
     if keep_last > 0:
         for old in list_checkpoints(root)[:-keep_last]:
             if old != final:
@@ -97,6 +104,36 @@ def save_checkpoint(
 
 
 SAVE_MARGIN, SAVE_SLACK = 1.05, 1 << 20  # a save's free-space check: its tensors' bytes + 5% + 1 MiB of pickle
+
+
+def sync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # a filesystem that cannot sync a folder (some network mounts): the rename still stands
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def clear_interrupted(root: str | Path) -> list[str]:
+    """Remove what saves killed mid-way left under ``root`` (their hidden temp folders and links: never taken
+    as a checkpoint, but they fill the disk); the names removed. Call it only where no save of ``root`` can
+    be running (a run's start, before any step)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    left = sorted(p for p in root.iterdir() if p.name.startswith(".tmp-step-")
+                  or (p.name.startswith(f".{LATEST}-") and p.is_symlink()))
+    for p in left:
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in left]
+
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -28,7 +28,7 @@ from specforge.models.layers import hold_frozen_tables, set_mlp_recompute
 from specforge.models.target import TargetModel, capture
 from specforge.seam import Training
 from specforge.training.batch import collate, pad_id
-from specforge.training.checkpoint import set_aside, tensor_digest
+from specforge.training.checkpoint import clear_interrupted, set_aside, tensor_digest
 from specforge.training.optim import build_optimizer
 
 # ---------------------------------------------------------------- building
@@ -40,9 +40,14 @@ def checkpoint_root(cfg: Config) -> Path:
 
 def keep_old_checkpoints(cfg: Config) -> None:
     """A fresh start (``checkpoint.resume=false``) in a folder holding checkpoints moves them aside
-    first, and says where: its saves would otherwise replace step folders of the same number."""
-    if not cfg.checkpoint.resume and (moved := set_aside(checkpoint_root(cfg))):
-        print(f"checkpoint.resume=false: moved the existing checkpoints of {checkpoint_root(cfg)} aside to {moved}")
+    first, and says where: its saves would otherwise replace step folders of the same number. What a
+    killed save left (``clear_interrupted``) goes, and is named."""
+    root = checkpoint_root(cfg)
+    if left := clear_interrupted(root):
+        print(f"{root}: removed the partial save an interrupted run left ({', '.join(left)}); "
+              "the checkpoints before it are whole")
+    if not cfg.checkpoint.resume and (moved := set_aside(root)):
+        print(f"checkpoint.resume=false: moved the existing checkpoints of {root} aside to {moved}")
 
 
 def vocab_path(algo: Training, cfg: Config, data_key: str, target_vocab_size: int) -> Path:
