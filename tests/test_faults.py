@@ -98,3 +98,21 @@ def test_a_full_disk_at_a_save_keeps_the_last_checkpoint_and_the_rerun_resumes(a
     assert sorted(got) == sorted(straight)
     for s in straight:
         assert got[s] == pytest.approx(straight[s], rel=1e-5, abs=1e-7), s
+
+
+def test_failpoints_are_off_unless_set_and_a_bad_entry_names_itself(monkeypatch, tmp_path):
+    """No switch, no effect; ``enospc`` fails the n-th hit only; a misspelt entry is refused naming it."""
+    from specforge import failpoints
+
+    monkeypatch.delenv(failpoints.ENV, raising=False)
+    failpoints.hit("checkpoint.write")  # nothing
+    monkeypatch.setattr(failpoints, "_hits", __import__("collections").Counter())
+    monkeypatch.setenv(failpoints.ENV, "checkpoint.write:enospc@2")
+    failpoints.hit("checkpoint.write")
+    failpoints.hit("eval")  # another name: nothing
+    with pytest.raises(OSError) as e:
+        failpoints.hit("checkpoint.write")
+    assert e.value.errno == errno.ENOSPC
+    failpoints.hit("checkpoint.write")  # the third: nothing
+    with pytest.raises(ValueError, match="'checkpoint.wirte:pause'"):
+        failpoints.parse("eval,checkpoint.wirte:pause")

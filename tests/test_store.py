@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import specforge.models.target as target_mod
 from specforge.capture import iter_features, main, plan_batches, write_store
 from specforge.config import Config, DataConfig
 from specforge.data.store import (
+    INDEX,
     FeatureStore,
     FeatureStoreWriter,
     bytes_per_token,
@@ -352,6 +354,52 @@ def test_capture_cli_end_to_end(assets, tmp_path, capsys):
     assert last.startswith("error: ") and "store.dtype" in last
     assert main(cli_args(assets, tmp_path, "data.max_length=32")) == 1
     assert "max_length (store: 64, this run: 32)" in capsys.readouterr().err
+
+
+def test_a_capture_killed_while_it_rewrites_the_index_resumes_to_the_same_store(assets, tmp_path):
+    """``python -m specforge.capture`` SIGKILLed at its second index rewrite (held there by a failpoint: the
+    new index written to its temp file, not yet renamed): the store keeps the index before it, which opens
+    as the partial store it is; the same command then completes it, equal to an uninterrupted capture's
+    (same shards, same bytes) and intact. The control: a capture held at the first rewrite has no index."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parent.parent
+
+    def capture(out, failpoint=None):
+        env = {**os.environ, "SPECFORGE_FAILPOINTS": failpoint or "",
+               "SPECFORGE_FAILPOINT_DIR": str(tmp_path / "marks")}
+        return subprocess.Popen([sys.executable, "-m", "specforge.capture", *cli_args(assets, out)], cwd=repo, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def killed_at(out, n):
+        mark = tmp_path / "marks" / "store.index"
+        mark.unlink(missing_ok=True)
+        p = capture(out, f"store.index:pause@{n}")
+        deadline = time.monotonic() + 300
+        while not mark.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), p.communicate()[0][-2000:]
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        return out / "features"
+
+    first = killed_at(tmp_path / "first", 1)
+    assert not (first / INDEX).exists() and (first / (INDEX + ".tmp")).exists()  # the control
+    root = killed_at(tmp_path / "killed", 2)
+    partial = index(root)
+    assert not partial["complete"] and len(partial["shards"]) == 1
+    with pytest.raises(ValueError, match="incomplete"):
+        FeatureStore(root)
+    assert len(FeatureStore(root, allow_partial=True)) == len(partial["shards"][0]["samples"])
+    p = capture(tmp_path / "killed")  # the same command
+    assert p.wait(300) == 0, p.communicate()[0][-2000:]
+    assert main(cli_args(assets, tmp_path / "straight")) == 0
+    assert index(root) == index(tmp_path / "straight" / "features")
+    FeatureStore(root).verify()
+    assert not (root / (INDEX + ".tmp")).exists()
 
 
 def test_the_writer_never_stores_nan_or_an_all_zero_layer(meta, tmp_path):
