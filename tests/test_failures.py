@@ -272,3 +272,34 @@ def test_a_recovery_keeps_the_max_minutes_clock(monkeypatch):
                            lambda err: (recoveries.append(err.label), time.sleep(0.2)))
     assert recoveries == ["rollout<0>", "rollout<0>"]
     assert len(set(deadlines)) == 1 and abs(deadlines[0] - (t0 + 300)) < 5, deadlines
+
+
+def test_a_joined_heads_loss_is_told_once_after_its_grace_and_not_before():
+    """A joined cluster's head (``HeadWatch``, its GCS address): while it accepts connections nothing is
+    told; once it refuses them for ``grace_s`` the loss is told once, naming the address. Our own
+    cluster's head is watched through its processes (tests/test_resume.py kills its GCS)."""
+    import socket
+    import threading
+    import time
+
+    from specforge.runtime.actors import HeadWatch
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    told, lost = [], threading.Event()
+    watch = HeadWatch(lambda what: (told.append(what), lost.set()), own=False, grace_s=1.0, poll_s=0.1,
+                      address=address)
+    try:
+        time.sleep(1.5)
+        assert told == []  # the control: a head that answers
+        server.close()
+        t0 = time.monotonic()
+        assert lost.wait(10)
+        assert time.monotonic() - t0 >= 1.0  # not before its grace
+        time.sleep(0.5)
+        assert len(told) == 1 and address in told[0] and "refused connections" in told[0], told
+    finally:
+        watch.stop()
+        server.close()

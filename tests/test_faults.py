@@ -101,7 +101,8 @@ def test_a_full_disk_at_a_save_keeps_the_last_checkpoint_and_the_rerun_resumes(a
 
 
 def test_failpoints_are_off_unless_set_and_a_bad_entry_names_itself(monkeypatch, tmp_path):
-    """No switch, no effect; ``enospc`` fails the n-th hit only; a misspelt entry is refused naming it."""
+    """No switch, no effect; ``enospc`` fails the n-th hit only, or the first one after each arming; a
+    misspelt entry is refused naming it."""
     from specforge import failpoints
 
     monkeypatch.delenv(failpoints.ENV, raising=False)
@@ -114,5 +115,13 @@ def test_failpoints_are_off_unless_set_and_a_bad_entry_names_itself(monkeypatch,
         failpoints.hit("checkpoint.write")
     assert e.value.errno == errno.ENOSPC
     failpoints.hit("checkpoint.write")  # the third: nothing
+    monkeypatch.setenv(failpoints.ENV, "checkpoint.write:enospc@armed")
+    monkeypatch.setenv(failpoints.DIR_ENV, str(tmp_path))
+    failpoints.hit("checkpoint.write")  # not armed: nothing
+    (tmp_path / "checkpoint.write.armed").touch()
+    with pytest.raises(OSError):
+        failpoints.hit("checkpoint.write")
+    assert not (tmp_path / "checkpoint.write.armed").exists()
+    failpoints.hit("checkpoint.write")  # once per arming
     with pytest.raises(ValueError, match="'checkpoint.wirte:pause'"):
         failpoints.parse("eval,checkpoint.wirte:pause")
