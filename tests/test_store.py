@@ -294,6 +294,33 @@ def test_corrupt_or_truncated_shard_names_the_file(target, rows, meta, tmp_path)
         FeatureStore(tmp_path / "nowhere")
 
 
+
+def test_a_shard_changed_while_the_run_reads_it_is_caught_at_the_next_read(target, rows, meta, tmp_path,
+                                                                           monkeypatch):
+    """A shard already checked and open in this process (memory-mapped), then written to by another job,
+    the size unchanged: the next read checks it again (its inode, size and mtime changed) and names it,
+    instead of reading the new bytes through the open map."""
+    from specforge.data import store as store_module
+
+    write(target, rows, tmp_path, meta)
+    sh = index(tmp_path)["shards"][0]
+    path, first, last = tmp_path / sh["file"], sh["samples"][0]["id"], sh["samples"][-1]["id"]
+    store, blind = FeatureStore(tmp_path), FeatureStore(tmp_path)
+    want = {k: v.clone() for k, v in store.read(last).items()}
+    assert all(torch.equal(store.read(last)[k], want[k]) for k in want)  # control: untouched, read again
+    blind.read(last)
+    with open(path, "r+b") as f:  # in place (same inode): an open map sees the new bytes
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match=rf"{path.name} is corrupt \(sha256 differs"):
+        store.read(first)
+    # control: the same open store without the stamp reads the flipped bytes silently
+    monkeypatch.setattr(store_module, "_stamp", lambda p: blind._seen[0])
+    assert not all(torch.equal(v, want[k]) for k, v in blind.read(last).items())
+
+
 Usage = namedtuple("Usage", "total used free")
 
 

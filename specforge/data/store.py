@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -59,6 +60,16 @@ STORE_DTYPES = ("bfloat16", "int8")
 DISK_MARGIN = 1.05  # filesystem overhead + the index; refuse before starting, not 90% in
 _ID_BYTES = 4 + 4 + 1  # input_ids int32, target_ids int32, loss_mask uint8
 _MAX_OPEN = 64  # memory-mapped shard handles kept open (LRU), well under the usual fd limit
+
+
+def _stamp(path: Path) -> Optional[tuple]:
+    """(inode, size, mtime) of a file, None where it is missing: a write to it or its replacement changes
+    it (one stat, ~2 us: taken at each read of a shard)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 # Smoothing exponents, picked on SmolLM2 features (0.25-1.0 tried): the captured layers have the
 # massive channels (0.5 best), the last hidden state is normed (0.75 best for the teacher argmax).
 _ALPHA = {"aux_hidden": 0.5, "last_hidden": 0.75}
@@ -435,6 +446,7 @@ class FeatureStore:
         self.lengths: dict[int, int] = {i: self._where[i][2] for i in self.ids}
         self._open: OrderedDict[int, object] = OrderedDict()
         self._verified: set[int] = set()  # shards whose sha256 this process checked (at their first open)
+        self._seen: dict[int, tuple] = {}  # shard -> (inode, size, mtime) when it was checked
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -444,23 +456,30 @@ class FeatureStore:
         return sum(sh["tokens"] for sh in self._shards)
 
     def __getstate__(self) -> dict:  # picklable (e.g. to worker processes): handles are reopened (and checked) there
-        return {**self.__dict__, "_open": OrderedDict(), "_verified": set()}
+        return {**self.__dict__, "_open": OrderedDict(), "_verified": set(), "_seen": {}}
 
     def _handle(self, shard: int):
         """The open (memory-mapped) shard, after a cheap check that it is the file the index names."""
-        if shard in self._open:
-            self._open.move_to_end(shard)
-            return self._open[shard]
         sh = self._shards[shard]
         path = self.root / sh["file"]
-        size = path.stat().st_size if path.is_file() else None
+        seen = _stamp(path)
+        if shard in self._open:
+            if seen == self._seen.get(shard):
+                self._open.move_to_end(shard)
+                return self._open[shard]
+            # written to (or replaced) since it was checked, by another job while this run reads it: the
+            # open handle would read the new bytes unchecked; drop it and check the file again
+            del self._open[shard]
+            self._verified.discard(shard)
+        size = seen[1] if seen is not None else None
         if size != sh["bytes"]:
             state = ("is missing" if size is None
                      else f"is truncated or was modified ({size} bytes, index says {sh['bytes']})")
             raise ValueError(f"feature store shard {path} {state}; recapture with python -m specforge.capture")
-        if shard not in self._verified:  # once a process: its bytes as written, before any sample is read
+        if shard not in self._verified or seen != self._seen.get(shard):  # before any sample is read
             self._check_sha256(sh)
             self._verified.add(shard)
+            self._seen[shard] = seen
         handle = open_safetensors(path, "feature store shard", "recapture with python -m specforge.capture")
         try:
             if handle.get_slice("input_ids").get_shape() != [sh["tokens"]]:
@@ -527,8 +546,10 @@ class FeatureStore:
     def verify(self) -> None:
         """Check every shard's sha256 against the index (reads the whole store once)."""
         for i, sh in enumerate(self._shards):
+            seen = _stamp(self.root / sh["file"])
             self._check_sha256(sh)
             self._verified.add(i)
+            self._seen[i] = seen
 
     def _check_sha256(self, sh: dict) -> None:
         """The shard's bytes hash to the sha256 the index recorded when it was written (~1.5 GB/s on one
