@@ -64,7 +64,7 @@ _MAX_OPEN = 64  # memory-mapped shard handles kept open (LRU), well under the us
 
 def _stamp(path: Path) -> Optional[tuple]:
     """(inode, size, mtime) of a file, None where it is missing: a write to it or its replacement changes
-    it (one stat, ~2 us: taken at each read of a shard)."""
+    it (one stat, ~3 us: taken at each read of a shard)."""
     try:
         st = path.stat()
     except OSError:
