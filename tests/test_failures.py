@@ -303,3 +303,37 @@ def test_a_joined_heads_loss_is_told_once_after_its_grace_and_not_before():
     finally:
         watch.stop()
         server.close()
+
+
+def test_a_group_call_that_fails_tells_the_rank_that_names_the_bad_input(ray_session, tmp_path):
+    """Train ranks agree to stop together (one flag all-reduced) when one rank's own read fails (a corrupt
+    store shard): the others know only that some rank failed, and may be told first. The group call
+    waits ``SIBLINGS_S`` for its siblings and tells the one whose cause names the bad input, in one line.
+    Control: a sibling failing later than that is not waited for (the first failure is told)."""
+    import os
+    import time
+
+    from specforge.runtime.actors import SIBLINGS_S, WorkerError, gather
+
+    ray = ray_session
+
+    @ray.remote
+    def agreed(mark):  # fails first, knowing only that another rank failed
+        open(mark, "w").close()
+        raise RuntimeError("train rank 0 trained nothing since train step 3: another train rank's features "
+                           "were lost")
+
+    @ray.remote
+    def unreadable(mark, delay):  # fails after it, naming the shard
+        while not os.path.exists(mark):
+            time.sleep(0.01)
+        time.sleep(delay)
+        raise ValueError("feature store shard shard-00002.safetensors is corrupt (sha256 differs)")
+
+    for n, (delay, told) in enumerate([(0.3, "train[1]"), (SIBLINGS_S + 2, "train[0]")]):
+        mark = str(tmp_path / f"first-{n}")
+        with pytest.raises(WorkerError) as e:
+            gather([agreed.remote(mark), unreadable.remote(mark, delay)], ["train[0]", "train[1]"], 60, "train step 3")
+        assert e.value.label == told, str(e.value)
+        if told == "train[1]":
+            assert "shard-00002.safetensors is corrupt" in str(e.value) and "\n" not in str(e.value)

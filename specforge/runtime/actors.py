@@ -132,8 +132,30 @@ def gather(refs: Sequence, labels: Sequence[str], timeout_s: float, what: str = 
             try:
                 results[i] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
             except ray.exceptions.RayError as err:
-                raise worker_error(err, labels[i], what) from err
+                raise most_telling(worker_error(err, labels[i], what), pending, index, labels, what) from err
     return results
+
+
+SIBLINGS_S = 2.0  # how long a failed group call waits for its siblings' failures before it is told
+
+
+def most_telling(first: WorkerError, pending: Sequence, index: dict, labels: Sequence[str], what: str) -> WorkerError:
+    """The failure to tell of a group call: ranks that agree to stop (a collective's flag) fail together,
+    and only the rank whose own input was bad (a ValueError or OSError: a corrupt store shard) can say
+    what the user fixes; the others know only that a rank failed. So unless the first failure is already
+    that, or an actor's death, its siblings' failures are waited for (``SIBLINGS_S``) and the first of
+    that kind among them is told instead."""
+    if isinstance(first, ActorDied) or isinstance(first.cause, (ValueError, OSError)) or not pending:
+        return first
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=SIBLINGS_S)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=1.0)
+        except ray.exceptions.RayError as err:
+            sibling = worker_error(err, labels[index[ref]], what)
+            if not isinstance(sibling, ActorDied) and isinstance(sibling.cause, (ValueError, OSError)):
+                return sibling
+    return first
 
 
 def worker_error(err: "ray.exceptions.RayError", label: str, what: str) -> WorkerError:
