@@ -307,6 +307,10 @@ def chaos(args, cmd, root: Path, out: Path, env: dict, marks: Path) -> tuple[lis
         print(f"chaos: {record}", flush=True)
         faults.append(record)
     while drivers[-1].p.wait() != 0:  # to the end: the same command until it completes
+        if len(drivers) > len(faults) + 3:  # a failure the same command cannot get past: the harness stops
+            print(f"{drivers[-1].text()[-3000:]}\nchaos: {len(drivers)} drivers and no end: stopped (the last "
+                  "one's output above)", flush=True)
+            break
         drivers.append(Driver(cmd, out.parent / f"chaos-{len(drivers)}.log", env))
     return faults, drivers
 
@@ -362,7 +366,8 @@ def main(argv=None) -> int:
     print(report)
     if not args.no_readme:
         append_section(f"{TITLE} (rollout.backend={args.backend})", f"{header_markdown()}\n\n{report}")
-    return 0 if not (mismatched or left_procs or left_shm or left_ports) and final.startswith("equal") else 1
+    ok = drivers[-1].p.returncode == 0 and final.startswith("equal")
+    return 0 if ok and not (mismatched or left_procs or left_shm or left_ports) else 1
 
 
 def ended_with(kind: str, faults: list[dict]) -> str:
@@ -390,7 +395,8 @@ def summarize(args, steps, ref_s, total_s, faults, drivers, rows, steps_logged, 
     facts = [
         ["train steps", steps],
         ["uninterrupted run", f"{ref_s:.0f} s"],
-        ["faulted run (all drivers)", f"{total_s:.0f} s, {len(drivers)} driver starts"],
+        ["faulted run (all drivers)", f"{total_s:.0f} s, {len(drivers)} driver starts, "
+         + ("completed" if drivers[-1].p.returncode == 0 else f"NOT completed (exit {drivers[-1].p.returncode})")],
         ["faults injected", len(faults)],
         ["train rows logged / distinct steps", f"{len(rows)} / {len(steps_logged)} (of {steps})"],
         ["steps logged with a loss or tokens other than the uninterrupted run's (samples not trained exactly "
