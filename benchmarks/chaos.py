@@ -293,6 +293,11 @@ def chaos(args, cmd, root: Path, out: Path, env: dict, marks: Path) -> tuple[lis
                 record["hung"] = True
             errors = [ln for ln in d.text()[since:].splitlines() if ln.startswith("error:")]
             record.update(exit=d.p.returncode, errors=len(errors), error=errors[0][:300] if errors else "")
+            if d.p.returncode == 0:  # the run completed before the fault was met (a shard it did not read again)
+                record.update(outcome="met by no step (the run completed)", seconds=None)
+                print(f"chaos: {record}", flush=True)
+                faults.append(record)
+                break
             rows = len(train_rows(out))
             if shard is not None and str(shard) in (errors[0] if errors else ""):  # the fix the line names
                 shard.unlink()
@@ -313,6 +318,14 @@ def chaos(args, cmd, root: Path, out: Path, env: dict, marks: Path) -> tuple[lis
             break
         drivers.append(Driver(cmd, out.parent / f"chaos-{len(drivers)}.log", env))
     return faults, drivers
+
+
+def differs(row: dict, ref: Optional[dict]) -> bool:
+    """A logged step against the uninterrupted run's: its loss, and its tokens (the samples) where both
+    rows say (a row a resumed run restores from its checkpoint keeps fewer metrics)."""
+    if ref is None or row["loss"] != ref["loss"]:
+        return True
+    return None not in (row.get("tokens"), ref.get("tokens")) and row["tokens"] != ref["tokens"]
 
 
 def weights_equal(a: Path, b: Path) -> str:
@@ -357,9 +370,9 @@ def main(argv=None) -> int:
         time.sleep(35)  # a stopped driver's reaper has 2 x 5 s; an engine's guard 10 s
         left_procs = [p for d in drivers for p in session(d.p.pid)]
         left_shm, left_ports = sorted(shm() - shm0), listening() - ports0
-        rows, want = train_rows(out), {r["step"]: (r["loss"], r["tokens"]) for r in train_rows(straight)}
+        rows, want = train_rows(out), {r["step"]: r for r in train_rows(straight)}
         steps_logged = {r["step"] for r in rows}
-        mismatched = sorted({r["step"] for r in rows if (r["loss"], r["tokens"]) != want.get(r["step"])})
+        mismatched = sorted({r["step"] for r in rows if differs(r, want.get(r["step"]))})
         final = weights_equal(out / "checkpoints" / "latest", straight / "checkpoints" / "latest")
     report = summarize(args, steps, ref_s, total_s, faults, drivers, rows, steps_logged, mismatched, final,
                        left_procs, left_shm, left_ports)
@@ -375,7 +388,9 @@ def ended_with(kind: str, faults: list[dict]) -> str:
         return f"`{line}`"
     if kind == "driver":
         return "none (SIGKILLed: it cannot print one; the rerun says where it resumes)"
-    return "none (recovered in the run; the driver said which worker it replaced)"
+    if all(f["outcome"] == "recovered in the run" for f in faults):
+        return "none (recovered in the run; the driver said which worker it replaced)"
+    return "none: " + "; ".join(sorted({f["outcome"] for f in faults}))
 
 
 def summarize(args, steps, ref_s, total_s, faults, drivers, rows, steps_logged, mismatched, final,

@@ -20,6 +20,9 @@ the run recovers only because the driver tells the train ranks (``peer_lost``), 
 ``parallel.timeout_s``.
 """
 
+import os
+import signal
+
 import pytest
 
 from tests.helpers.failures import STEPS, failure_cfg, killing
@@ -98,6 +101,43 @@ def test_killed_train_worker_is_restarted_in_the_run(assets, ray_session, straig
     assert start in (2, 4), start
     said = [line for line in capsys.readouterr().err.splitlines() if "restarting the train workers" in line]
     assert len(said) == 1 and "train worker train[1] died" in said[0] and f"step-{start:06d}" in said[0], said
+    got = {r["step"]: r["loss"] for r in losses(out)}  # a step logged twice: the later row is the one kept
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == straight[step], step
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_train_worker_killed_while_a_lost_rollout_worker_is_replaced_is_survived(assets, ray_session, straight,
+                                                                                  tmp_path, capsys):
+    """Two faults close together: the rollout worker SIGKILLed after step 1, then, while the driver replaces
+    it (its new placement just spawned), a train worker SIGKILLed too. The driver sees the second loss,
+    restarts the train group from the last complete checkpoint, and the run ends with the straight run's
+    losses at every step, each step in the final history once."""
+    import ray
+
+    import specforge.ray_train as rt
+    from specforge.ray_train import fit
+
+    out = tmp_path / "two-faults"
+    with killing("rollout", 0, after_step=1) as spawned:
+        during = rt.spawn_cluster
+
+        def spawn(*args, **kw):
+            cluster = during(*args, **kw)
+            if len(spawned) == 2:  # the rollout worker's replacement has just spawned: a train worker goes too
+                first = spawned[0][0]
+                pid = ray.get(first.train.actors[1].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+                os.kill(pid, signal.SIGKILL)
+            return cluster
+
+        rt.spawn_cluster = spawn
+        path = fit(failure_cfg(assets, out))
+    assert path.endswith(f"step-{STEPS:06d}") and len(spawned) >= 3, len(spawned)
+    said = [line for line in capsys.readouterr().err.splitlines() if "restarting the train workers" in line]
+    assert len(said) == 1 and "train[1] died" in said[0], said
     got = {r["step"]: r["loss"] for r in losses(out)}  # a step logged twice: the later row is the one kept
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in got.items():
@@ -310,7 +350,6 @@ def test_a_group_call_that_fails_tells_the_rank_that_names_the_bad_input(ray_ses
     store shard): the others know only that some rank failed, and may be told first. The group call
     waits ``SIBLINGS_S`` for its siblings and tells the one whose cause names the bad input, in one line.
     Control: a sibling failing later than that is not waited for (the first failure is told)."""
-    import os
     import time
 
     from specforge.runtime.actors import SIBLINGS_S, WorkerError, gather
