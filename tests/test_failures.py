@@ -112,8 +112,8 @@ def test_killed_train_worker_is_restarted_in_the_run(assets, ray_session, straig
 @pytest.mark.timeout(600)
 def test_a_train_worker_killed_while_a_lost_rollout_worker_is_replaced_is_survived(assets, ray_session, straight,
                                                                                   tmp_path, capsys):
-    """Two faults close together: the rollout worker SIGKILLed after step 1, then, while the driver replaces
-    it (its new placement just spawned), a train worker SIGKILLed too. The driver sees the second loss,
+    """Two faults close together: the rollout worker SIGKILLed after step 1, then, while the driver recovers
+    (the new placement just spawned, nothing resumed yet), a train worker of it SIGKILLed too. The driver sees the second loss,
     restarts the train group from the last complete checkpoint, and the run ends with the straight run's
     losses at every step, each step in the final history once."""
     import ray
@@ -127,10 +127,9 @@ def test_a_train_worker_killed_while_a_lost_rollout_worker_is_replaced_is_surviv
 
         def spawn(*args, **kw):
             cluster = during(*args, **kw)
-            if len(spawned) == 2:  # the rollout worker's replacement has just spawned: a train worker goes too
-                first = spawned[0][0]
-                pid = ray.get(first.train.actors[1].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-                os.kill(pid, signal.SIGKILL)
+            if len(spawned) == 2:  # the placement replacing the lost one has just spawned: a train worker of it
+                pid = ray.get(cluster.train.actors[1].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+                os.kill(pid, signal.SIGKILL)  # goes before it resumed a step
             return cluster
 
         rt.spawn_cluster = spawn
