@@ -113,9 +113,9 @@ def test_killed_train_worker_is_restarted_in_the_run(assets, ray_session, straig
 def test_a_train_worker_killed_while_a_lost_rollout_worker_is_replaced_is_survived(assets, ray_session, straight,
                                                                                   tmp_path, capsys):
     """Two faults close together: the rollout worker SIGKILLed after step 1, then, while the driver recovers
-    (the new placement just spawned, nothing resumed yet), a train worker of it SIGKILLed too. The driver sees the second loss,
-    restarts the train group from the last complete checkpoint, and the run ends with the straight run's
-    losses at every step, each step in the final history once."""
+    (the new placement just spawned, nothing resumed yet), a train worker of it SIGKILLed too. The driver
+    sees the second loss, restarts the train group from the last complete checkpoint, and the run ends with
+    the straight run's losses at every step, each step in the final history once."""
     import ray
 
     import specforge.ray_train as rt
