@@ -60,6 +60,10 @@ STORE_DTYPES = ("bfloat16", "int8")
 DISK_MARGIN = 1.05  # filesystem overhead + the index; refuse before starting, not 90% in
 _ID_BYTES = 4 + 4 + 1  # input_ids int32, target_ids int32, loss_mask uint8
 _MAX_OPEN = 64  # memory-mapped shard handles kept open (LRU), well under the usual fd limit
+# Smoothing exponents, picked on SmolLM2 features (0.25-1.0 tried): the captured layers have the
+# massive channels (0.5 best), the last hidden state is normed (0.75 best for the teacher argmax).
+_ALPHA = {"aux_hidden": 0.5, "last_hidden": 0.75}
+_QUANT_ROWS = 4096  # tokens quantized at a time at flush (bounds the float32 temporaries)
 
 
 def _stamp(path: Path) -> Optional[tuple]:
@@ -70,10 +74,6 @@ def _stamp(path: Path) -> Optional[tuple]:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
-# Smoothing exponents, picked on SmolLM2 features (0.25-1.0 tried): the captured layers have the
-# massive channels (0.5 best), the last hidden state is normed (0.75 best for the teacher argmax).
-_ALPHA = {"aux_hidden": 0.5, "last_hidden": 0.75}
-_QUANT_ROWS = 4096  # tokens quantized at a time at flush (bounds the float32 temporaries)
 
 
 @dataclass(frozen=True)
