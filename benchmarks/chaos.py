@@ -154,11 +154,17 @@ def victims(kind: str, driver: int) -> list[int]:
         return [p for p in pids if cmdline(p)[0].startswith("ray::RolloutWorker")]
     if kind == "train":
         return [p for p in pids if cmdline(p)[0].startswith("ray::TrainWorker")]
-    if kind == "engine":
-        return [p for p in pids if cmdline(p)[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]
+    if kind == "engine":  # its guard runs it in a session of its own: found by its command line
+        return engines()
     if kind == "head":
         return [p for p in pids if "gcs_server" in " ".join(cmdline(p))]
     return [driver]
+
+
+def engines() -> list[int]:
+    """Every vLLM server process on the machine (the harness runs alone: they are its rollout workers')."""
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()
+            and cmdline(int(d))[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]
 
 
 def listening() -> set[str]:
@@ -368,7 +374,7 @@ def main(argv=None) -> int:
         faults, drivers = chaos(args, command(root, out, args.backend, steps, ray_tmp), root, out, fenv, marks)
         total_s = time.monotonic() - t0
         time.sleep(35)  # a stopped driver's reaper has 2 x 5 s; an engine's guard 10 s
-        left_procs = [p for d in drivers for p in session(d.p.pid)]
+        left_procs = [p for d in drivers for p in session(d.p.pid)] + engines()
         left_shm, left_ports = sorted(shm() - shm0), listening() - ports0
         rows, want = train_rows(out), {r["step"]: r for r in train_rows(straight)}
         steps_logged = {r["step"] for r in rows}
