@@ -208,7 +208,6 @@ class Driver:
         self.f = open(log, "w")
         self.p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.f, stderr=subprocess.STDOUT,
                                   start_new_session=True)
-        self.sids = {self.p.pid}
 
     def text(self) -> str:
         self.f.flush()

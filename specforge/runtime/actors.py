@@ -137,6 +137,12 @@ def gather(refs: Sequence, labels: Sequence[str], timeout_s: float, what: str = 
 
 
 SIBLINGS_S = 2.0  # how long a failed group call waits for its siblings' failures before it is told
+TOLD_IN_ONE_LINE = (ValueError, OSError)  # a user mistake or a file problem: the message says what to fix
+
+
+def says_the_fix(e: WorkerError) -> bool:
+    """Whether an actor's failure says what the user fixes (its cause's message, in one line)."""
+    return not isinstance(e, ActorDied) and isinstance(e.cause, TOLD_IN_ONE_LINE)
 
 
 def most_telling(first: WorkerError, pending: Sequence, index: dict, labels: Sequence[str], what: str) -> WorkerError:
@@ -145,15 +151,14 @@ def most_telling(first: WorkerError, pending: Sequence, index: dict, labels: Seq
     what the user fixes; the others know only that a rank failed. So unless the first failure is already
     that, or an actor's death, its siblings' failures are waited for (``SIBLINGS_S``) and the first of
     that kind among them is told instead."""
-    if isinstance(first, ActorDied) or isinstance(first.cause, (ValueError, OSError)) or not pending:
+    if isinstance(first, ActorDied) or says_the_fix(first) or not pending:
         return first
     ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=SIBLINGS_S)
     for ref in ready:
         try:
             ray.get(ref, timeout=1.0)
         except ray.exceptions.RayError as err:
-            sibling = worker_error(err, labels[index[ref]], what)
-            if not isinstance(sibling, ActorDied) and isinstance(sibling.cause, (ValueError, OSError)):
+            if says_the_fix(sibling := worker_error(err, labels[index[ref]], what)):
                 return sibling
     return first
 
@@ -164,7 +169,7 @@ def worker_error(err: "ray.exceptions.RayError", label: str, what: str) -> Worke
     if isinstance(err, ray.exceptions.RayActorError):
         return ActorDied(f"{what}: {label} died ({type(err).__name__})", label)
     cause = getattr(err, "cause", None)
-    if isinstance(cause, (ValueError, OSError)):  # a user mistake or a file problem: its message says it
+    if isinstance(cause, TOLD_IN_ONE_LINE):
         return WorkerError(f"{what} failed on {label}: {cause}", label, cause)
     return WorkerError(f"{what} failed on {label}:\n{err}", label, cause)
 
@@ -351,6 +356,7 @@ class HeadWatch:
         self.heads = [(p, role) for p in psutil.Process().children() if own
                       for role in ("gcs_server", "raylet") if role in " ".join(_cmdline(p))]
         self.address = None if own else (address or ray.get_runtime_context().gcs_address)
+        self._down_since: Optional[float] = None  # when a joined head began to refuse connections
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ray-head-watch", daemon=True)
         self._thread.start()
@@ -372,8 +378,7 @@ class HeadWatch:
             self._down_since = None
             return None
         except OSError as e:
-            since = getattr(self, "_down_since", None) or time.monotonic()
-            self._down_since = since
+            since = self._down_since = self._down_since or time.monotonic()
             if time.monotonic() - since < self.grace_s:
                 return None
             return f"its GCS at {self.address} refused connections for {self.grace_s:.0f} s ({e.strerror or e})"
