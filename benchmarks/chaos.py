@@ -237,6 +237,23 @@ def wait_progress(out: Path, after: int, driver: Driver, timeout: float) -> Opti
     return None
 
 
+def left_by(driver: Driver, timeout: float = 30) -> list[str]:
+    """What an ended driver left (its session's processes, vLLM servers: no other driver runs meanwhile) once
+    ``timeout`` seconds have passed without it all going: pid, parent and command, for the record."""
+    deadline = time.monotonic() + timeout
+    while (pids := session(driver.p.pid) + engines()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue
+        out.append(f"{pid} (parent {ppid}): {' '.join(cmdline(pid)[:3])[:80]}")
+    return out
+
+
 def wait_for(driver: Driver, since: int, text: str, timeout: float) -> bool:
     """Whether ``text`` shows in the driver's output after offset ``since`` while it runs."""
     deadline = time.monotonic() + timeout
@@ -304,6 +321,8 @@ def chaos(args, cmd, root: Path, out: Path, env: dict, marks: Path) -> tuple[lis
                 faults.append(record)
                 break
             rows = len(train_rows(out))
+            if left := left_by(d):  # before the rerun starts: what is left is this driver's
+                record["left"] = left
             if shard is not None and str(shard) in (errors[0] if errors else ""):  # the fix the line names
                 shard.unlink()
                 fixed = subprocess.run(capture_command(root), cwd=REPO, env=env, capture_output=True, text=True)
@@ -436,7 +455,9 @@ def summarize(args, steps, ref_s, total_s, faults, drivers, rows, steps_logged, 
             + "\n\n" + markdown_table(["", ""], facts)
             + "\n\nThe line each kind of fault ended a driver with (first seen):\n\n"
             + "\n".join(f"* {kind}: {ended_with(kind, fs)}" for kind, fs in sorted(by_kind.items()))
-            + ("\n\nLeft in /dev/shm: " + ", ".join(left_shm[:10]) if left_shm else ""))
+            + ("\n\nLeft in /dev/shm: " + ", ".join(left_shm[:10]) if left_shm else "")
+            + "".join(f"\n\nLeft 30 s after the driver the {f['kind']} fault ended (at {f['at_s']} s): "
+                      + "; ".join(f["left"]) for f in faults if f.get("left")))
 
 
 if __name__ == "__main__":

@@ -207,29 +207,30 @@ def stop(proc) -> None:
 
 
 # The guard of an engine (``guarded``): it runs the command in a process group of its own and watches it.
-# When the command exits, or the guard gets SIGTERM (its starter died: the ``tied`` prelude; or close()),
-# it SIGKILLs the whole group at once (vLLM's server catches SIGTERM and, while it starts, neither exits nor
-# stops its engine core and workers, which an orphaned server leaves running) but for Python's resource
-# trackers, which then unlink the named semaphores they were told of and exit; waits up to GUARD_GRACE_S
-# for the group to go (SIGKILL for what is left); and removes the shared-memory files the group's processes
-# had mapped or open (recorded every GUARD_POLL_S while they ran, and once more before the kill). It exits
-# with the command's status (143 after SIGTERM).
+# When the command exits, or the guard gets SIGTERM (its front died, or forwarded one: see FRONT), it SIGKILLs
+# the whole group at once (vLLM's server catches SIGTERM and, while it starts, neither exits nor stops its
+# engine core and workers, which an orphaned server leaves running) but for Python's resource trackers, which
+# then unlink the named semaphores they were told of and exit; waits up to GUARD_GRACE_S for the group to go
+# (SIGKILL for what is left); and removes the shared-memory files the group's processes had mapped or open
+# (recorded every GUARD_POLL_S while they ran, and once more before the kill). It exits with the command's
+# status (143 after SIGTERM). A signal before the command started still ends it: the handlers come first.
 GUARD = PROC + """
 grace, poll = float(sys.argv[1]), float(sys.argv[2])
 import subprocess
-child = subprocess.Popen(sys.argv[3:], start_new_session=True)  # its own group: what the guard kills
 segments, seen, stopped = set(), set(), False
-
-class Stop(Exception):
-    pass
 
 def ignore():
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 
 def end(*_):
+    global stopped
+    stopped = True
     ignore()
-    raise Stop
+
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(sig, end)
+child = subprocess.Popen(sys.argv[3:], start_new_session=True)  # its own group: what the guard kills
 
 def group():  # the live processes of the command's group
     return [pid for pid, (state, _, pgrp, _) in table().items() if pgrp == child.pid and state != "Z"]
@@ -239,19 +240,14 @@ def record():
         seen.add(pid)
         segments.update(shm_of(pid))
 
-for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-    signal.signal(sig, end)
-try:
-    due = 0.0
-    # the child is not reaped until its group is killed: its pid, the group's id, cannot be taken meanwhile
-    while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() >= due:
-            record()
-            due = time.monotonic() + poll
-        time.sleep(0.1)
-    ignore()
-except Stop:
-    stopped = True
+due = 0.0
+# the child is not reaped until its group is killed: its pid, the group's id, cannot be taken meanwhile
+while not stopped and os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+    if time.monotonic() >= due:
+        record()
+        due = time.monotonic() + poll
+    time.sleep(0.1)
+ignore()
 record()
 
 def tracker(pid):  # Python's resource tracker: it unlinks the semaphores and segments it was told of once
@@ -283,10 +279,42 @@ os._exit(143 if stopped else status if status >= 0 else 128 - status)
 """
 GUARD_GRACE_S, GUARD_POLL_S = 10.0, 2.0
 
+# The guard's front: the process its starter holds. Ray SIGKILLs an actor's child processes when the actor
+# exits in order (``ray.kill``, a placement shut down for a restart: Ray's kill_child_processes_on_worker_exit),
+# before any parent-death signal could reach them, so the process that cleans up must not be the starter's
+# child: the front starts the guard (``tied`` to the front: argv[1] is the prelude) in a session of its own,
+# forwards SIGTERM, SIGHUP and SIGINT to it, and exits with its status; the front SIGKILLed, the guard's
+# parent-death signal starts the same clean-up.
+FRONT = """
+import os, signal, subprocess, sys
+pending, guard = [], None
+
+def forward(sig, _):
+    pending.append(sig)
+    if guard is not None:
+        try:
+            os.kill(guard.pid, sig)
+        except OSError:
+            pass
+
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(sig, forward)
+guard = subprocess.Popen([sys.executable, "-E", "-S", "-c", sys.argv[1], str(os.getpid()), *sys.argv[2:]],
+                         start_new_session=True)
+for sig in pending[:1]:  # one that came before the guard existed
+    try:
+        os.kill(guard.pid, sig)
+    except OSError:
+        pass
+status = guard.wait()
+os._exit(status if status >= 0 else 128 - status)
+"""
+
 
 def guarded(cmd: Sequence[str], poll_s: float = GUARD_POLL_S) -> list[str]:
-    """``cmd`` run by a guard (``tied`` to this process) that, when the command exits or this process goes
-    (even by SIGKILL) or the guard is sent SIGTERM, kills the command's whole process group and removes the
-    shared-memory files it left. Start it with ``start_new_session=True``: signalling that group signals the
-    guard, which does the rest."""
-    return tied([sys.executable, "-E", "-S", "-c", GUARD, str(GUARD_GRACE_S), str(poll_s), *map(str, cmd)])
+    """``cmd`` run by a guard (behind its front, ``tied`` to this process) that, when the command exits or this
+    process goes (even by SIGKILL) or the front is sent SIGTERM or SIGKILLed, kills the command's whole process
+    group and removes the shared-memory files it left. Start it with ``start_new_session=True``: signalling
+    that group signals the front, which tells the guard."""
+    return tied([sys.executable, "-E", "-S", "-c", FRONT, PRELUDE,
+                 sys.executable, "-E", "-S", "-c", GUARD, str(GUARD_GRACE_S), str(poll_s), *map(str, cmd)])

@@ -199,15 +199,16 @@ def _settled(pids, files, within_s: float) -> list:
 
 
 def test_a_guarded_engine_leaves_no_process_or_shared_memory_when_its_starter_dies_or_it_dies():
-    """The engine's starter SIGKILLed, or the engine itself: its group is gone and so are its segment, its
-    OpenMP registration and its named semaphore. The control: the same engine's group SIGKILLed without the
+    """The engine's starter SIGKILLed, or the engine itself, or the guard's front (the starter's child: what
+    Ray SIGKILLs when an actor exits in order): its group is gone and so are its segment, its OpenMP
+    registration and its named semaphore. The control: the same engine's group SIGKILLed without the
     guard leaves all three."""
-    for victim in ("starter", "engine"):
+    for victim in ("starter", "engine", "front"):
         starter, (guard, engine, kid, seg, kmp, sem) = _starter(GUARDED)
         try:
             assert all(map(os.path.exists, (seg, kmp, sem)))
             time.sleep(0.5)  # the guard records what its group maps every 0.1 s here
-            os.kill(starter.pid if victim == "starter" else int(engine), signal.SIGKILL)
+            os.kill({"starter": starter.pid, "engine": int(engine), "front": int(guard)}[victim], signal.SIGKILL)
             assert _settled([guard, engine, kid], [seg, kmp, sem], 20) == [], victim
         finally:
             starter.kill()
@@ -241,3 +242,34 @@ def test_the_reaper_ends_only_the_processes_it_was_given_and_removes_what_they_l
             other.kill()
             other.wait()
             _remove(seg, kmp, sem)
+
+
+def test_an_engine_started_by_a_ray_actor_goes_when_the_actor_is_killed(ray_session):
+    """``ray.kill`` of an actor that started a guarded engine (as a placement shut down for a restart is): Ray
+    SIGKILLs the actor's child processes at once, the guard's front among them; the engine and its own child
+    go all the same. (Before the front, Ray's kill took the guard itself and left the engine running.)"""
+    ray = ray_session
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    @ray.remote(num_cpus=0)
+    class Starter:
+        def start(self) -> tuple[int, list[str]]:
+            sys.path.insert(0, repo)
+            from specforge.children import guarded
+
+            self.p = subprocess.Popen(guarded([sys.executable, "-c", ENGINE], poll_s=0.1), start_new_session=True,
+                                      stdout=subprocess.PIPE, text=True, cwd=repo)
+            return self.p.pid, self.p.stdout.readline().split()
+
+    actor = Starter.remote()
+    front, (engine, kid, seg, kmp, sem) = ray.get(actor.start.remote(), timeout=120)
+    try:
+        assert all(map(os.path.exists, (seg, kmp, sem)))
+        time.sleep(0.5)
+        ray.kill(actor)
+        assert _settled([front, engine, kid], [seg, kmp, sem], 20) == []
+    finally:
+        for pid in (engine, kid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        _remove(seg, kmp, sem)

@@ -367,7 +367,8 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
         cluster = real_spawn(*args, **kw)
         guards = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid)
                           for w in cluster.rollout.actors], timeout=60)
-        pids = [psutil.Process(g).children()[0].pid for g in guards]  # the server: its group is the engine's
+        pids = [next(c.pid for c in psutil.Process(g).children(recursive=True)  # the server: its group is the engine's
+                     if c.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]) for g in guards]
         spawned.append((cluster, pids))
         return cluster
 

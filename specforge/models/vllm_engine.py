@@ -166,10 +166,11 @@ def cpu_binding(cores: Sequence[int], ranks: int) -> str:
 
 
 # The engine runs under a guard (``children.guarded``) in a new session: when the process that started it
-# goes (even by SIGKILL) or close() signals the guard's group, or the server itself dies, the guard kills the
-# engine's whole process group at once (vLLM's server catches SIGTERM and, while it starts, neither exits
-# nor stops its engine core and workers, which an orphaned server leaves running) and removes the shared
-# memory vLLM's processes left in /dev/shm (its message queues; Intel OpenMP's registration files).
+# goes (even by SIGKILL, or Ray's kill of an actor's children), or close() signals the guard's front, or the
+# server itself dies, the guard kills the engine's whole process group at once (vLLM's server catches
+# SIGTERM and, while it starts, neither exits nor stops its engine core and workers, which an orphaned
+# server leaves running) and removes the shared memory vLLM's processes left in /dev/shm (its message
+# queues; Intel OpenMP's registration files).
 
 
 class VllmEngine:
