@@ -441,7 +441,7 @@ def summarize(args, steps, ref_s, total_s, faults, drivers, rows, steps_logged, 
         ["steps logged with a loss or tokens other than the uninterrupted run's (samples not trained exactly "
          "once as planned)", len(mismatched)],
         ["final weights vs the uninterrupted run's", final],
-        ["processes left (any driver's session)", len(left_procs)],
+        ["processes left (any driver's session, any vLLM server)", len(left_procs)],
         ["files left in /dev/shm", len(left_shm)],
         ["TCP ports left listening", len(left_ports)],
     ]
