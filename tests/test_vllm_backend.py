@@ -368,7 +368,7 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
         guards = ray.get([w.__ray_call__.remote(lambda self: self.target.engine.proc.pid)
                           for w in cluster.rollout.actors], timeout=60)
         pids = [next(c.pid for c in psutil.Process(g).children(recursive=True)  # the server: its group is the engine's
-                     if c.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]) for g in guards]
+                     if _is_server(c.cmdline())) for g in guards]
         spawned.append((cluster, pids))
         return cluster
 
@@ -460,6 +460,12 @@ def test_vllm_command_prints_the_engine_with_its_storage_folder(folders, capsys,
     assert "--vllm-command 'host:port'" in _err(capsys)
 
 
+def _is_server(args: list[str]) -> bool:
+    """Whether a command line is a vLLM server's (``VllmEngine``'s command), not its guard's or front's, whose
+    command lines hold the server's too (specforge.children.guarded)."""
+    return args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+
+
 def _group_of(marker: str) -> Optional[int]:
     """The process group of the engine server whose command line holds ``marker`` (None: none runs); not its
     guard's, whose command line holds the server's too (specforge.children.guarded)."""
@@ -467,7 +473,7 @@ def _group_of(marker: str) -> Optional[int]:
         if d.name.isdigit():
             with contextlib.suppress(OSError):
                 args = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
-                if args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and any(marker in a for a in args):
+                if _is_server(args) and any(marker in a for a in args):
                     return os.getpgid(int(d.name))
     return None
 
