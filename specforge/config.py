@@ -112,6 +112,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     adam_eps: float = 1e-8  # AdamW's epsilon: an update is at most lr/adam_eps times its gradient
+    # the draft's row loss against the target's distribution (kernels/losses.py): forward KL (the soft
+    # cross-entropy), total variation, LK's alpha (nla) and lambda (lk_hybrid) forms, reverse KL, Jensen-Shannon
+    loss: Literal["kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd"] = "kl_div"
     max_grad_norm: float = 0.5
     batch_size: int = 1  # sequences per data-parallel rank per micro-step
     grad_accum: int = 1
@@ -548,6 +551,7 @@ def validate(cfg: Config) -> None:
                       "trainer does not do (small gradients would flush to zero); use 'bf16' (fp32's exponent range, "
                       "no scaling needed), or 'fp32' on a GPU without bf16")
     errors += get_algorithm(cfg.draft.algorithm).config_errors(cfg)
+    errors += loss_errors(cfg)
     errors += replay_errors(cfg)
     errors += packing_errors(cfg)
     errors += capture_packing_errors(cfg)
@@ -558,6 +562,16 @@ def validate(cfg: Config) -> None:
                       f"'http://{endpoint.split('://')[-1].lstrip('/') or '127.0.0.1:30000'}/v1'")
     if errors:
         raise ValueError(errors[0])
+
+
+def loss_errors(cfg: Config) -> list[str]:
+    """``train.loss``: a kind other than ``kl_div`` only where the algorithm's loss computes it."""
+    kinds = getattr(get_algorithm(cfg.draft.algorithm), "losses", ("kl_div",))
+    if cfg.train.loss in kinds:
+        return []
+    return [f"config key 'train.loss'={cfg.train.loss!r} is refused for draft.algorithm={cfg.draft.algorithm}: its "
+            "loss trains against the target's tokens, not its distribution (EAGLE-3, EAGLE-3.1 and P-EAGLE take "
+            "every train.loss); use kl_div"]
 
 
 def packing_errors(cfg: Config) -> list[str]:

@@ -48,6 +48,7 @@ class RunFacts:
     sp_ulysses: int = 1  # parallel.sp_ulysses
     sp_ring: int = 1  # parallel.sp_ring
     samples_per_row: int = 1  # samples one train row may hold: batch_size x grad_accum when packed, else 1
+    loss: str = "kl_div"  # train.loss: the row loss against the target's distribution (kernels/losses.py)
 
     @classmethod
     def of(cls, cfg) -> RunFacts:
@@ -56,7 +57,8 @@ class RunFacts:
         tr = cfg.train
         return cls(draft=cfg.draft, seed=tr.seed, aux_layer_ids=None if ids is None else tuple(ids),
                    sp_ulysses=cfg.parallel.sp_ulysses, sp_ring=cfg.parallel.sp_ring,
-                   samples_per_row=1 if tr.pack_tokens is None else tr.batch_size * tr.grad_accum)
+                   samples_per_row=1 if tr.pack_tokens is None else tr.batch_size * tr.grad_accum,
+                   loss=tr.loss)
 
 
 @dataclass

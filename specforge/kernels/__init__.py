@@ -8,4 +8,6 @@ Every kernel has a torch twin with the same signature that the tests compare it 
 * ``soft_ce.py``      the row-wise part of the fused lm_head + soft cross-entropy (EAGLE-3's loss):
                       per row max, argmax, logsumexp, ``sum(p * z)`` and the logit gradient
                       ``softmax(z) - p``, tiled over the vocabulary; ``soft_ce_triton.py`` holds the kernel.
+* ``losses.py``       every row loss of ``train.loss`` (forward KL, TV, LK's two forms, reverse KL, JSD) and
+                      its logit gradient, in torch: the one place the draft's distillation losses are computed.
 """

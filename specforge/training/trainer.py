@@ -92,6 +92,7 @@ def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftV
         **{k: get(k) for k in RESUME_KEYS},
         # train.adam_eps came later: recorded only off its default, so older checkpoints still resume
         **({"train.adam_eps": cfg.train.adam_eps} if cfg.train.adam_eps != TrainConfig.adam_eps else {}),
+        **({"train.loss": cfg.train.loss} if cfg.train.loss != TrainConfig.loss else {}),  # came later, as adam_eps
         **algo.identity(),
     }
 

@@ -35,6 +35,8 @@ from specforge.algorithms.eagle3.model import Eagle3Draft, draft_config_from_tar
 from specforge.algorithms.eagle3.propose import EagleProposer
 from specforge.algorithms.eagle3.published import as_ours, is_speculators, read_published
 from specforge.config import DraftConfig, aux_layer_errors, layer_ids_or_default
+from specforge.kernels.losses import KINDS as LOSS_KINDS
+from specforge.kernels.losses import WORKSET as LOSS_WORKSET
 from specforge.seam import Binds
 from specforge.targets import logit_softcap
 
@@ -87,6 +89,7 @@ class Eagle3(Binds):
     options = Eagle3Options
     architecture = "LlamaForCausalLMEagle3"
     dynamic_drafting = True  # the eval also runs its chain with cost-based early stops
+    losses = LOSS_KINDS  # train.loss: every row loss of kernels/losses.py (its teacher is the target's distribution)
     packs = True  # train.pack_tokens: its loss keeps packed samples apart (doc_ids_BT, position_ids_BT)
     packs_sp = True  # ... with SP too: the Ulysses and ring wrappers gather the rows' sample ids (parallel/sp.py)
     llamacpp_spec_type = "draft-eagle3"
@@ -178,7 +181,7 @@ class Eagle3(Binds):
         total = None if normalizer is None else normalizer.clamp(min=1.0)  # no valid row anywhere: a zero loss
         head = state if isinstance(state, TeacherHead) else TeacherHead(state)  # a bare N x H tensor: no soft-cap
         return ttt_loss(draft, batch, head.weight_NH, steps, self.opt.ttt_decay, num_valid_global=total,
-                        softcap=head.softcap)
+                        softcap=head.softcap, loss_kind=self.run.loss)
 
     def counts_shape(self) -> tuple[int, int]:
         return (self.opt.ttt_length, 4)
@@ -194,7 +197,8 @@ class Eagle3(Binds):
                                         and self.opt.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
         core = "flex" if self.opt.attention == "flex" else "fast"
-        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, self.opt.sliding_window, core)
+        return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, self.opt.sliding_window, core,
+                           LOSS_WORKSET[self.run.loss])
 
     def memory_keys(self) -> list[str]:
         return ["parallel.sp_ulysses / parallel.sp_ring (split T)",

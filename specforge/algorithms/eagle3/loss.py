@@ -11,8 +11,10 @@ Conventions (``shared/DESIGN.md``, "EAGLE-3 facts"); ``x`` = input ids, ``T`` = 
 * Row ``t`` of step ``i`` counts iff ``t+2+i < T`` and ``loss_mask[t+2+i] == 1`` (the predicted
   token is an assistant token -- the *shifted* mask; upstream SpecForge issue #885 applies the
   unshifted one) and ``t2d[target_ids[t+1+i]]`` (the target argmax there is in the draft vocab).
-* ``loss_i`` = soft cross-entropy against ``softmax(last_hidden[t+1+i] @ teacher_weight_NH.T)``
-  (the target distribution renormalized over the draft vocab), summed over counted rows; for a
+* ``loss_i`` = the row loss of ``loss_kind`` (``train.loss``; ``kernels/losses.py``: the soft
+  cross-entropy ``kl_div`` by default, or TV, LK's two forms, reverse KL, JSD) against
+  ``softmax(last_hidden[t+1+i] @ teacher_weight_NH.T)`` (the target distribution renormalized over
+  the draft vocab), summed over counted rows; for a
   family whose logits are soft-capped (Gemma: ``cap * tanh(z / cap)``, ``softcap``) the cap is
   applied before the softmax, as the target's own logits are (``teacher_probs``).
   ``loss = sum_i decay**i * loss_i / num_valid`` where ``num_valid`` = counted rows of step 0
@@ -61,7 +63,9 @@ import torch.nn.functional as F
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import apply_rotary
 from specforge.device import loop_chunk
-from specforge.kernels.soft_ce import soft_ce_rows, soft_ce_rows_reference
+from specforge.kernels.losses import DEFAULT as DEFAULT_LOSS
+from specforge.kernels.losses import log_teacher, loss_reference, loss_rows
+from specforge.kernels.soft_ce import soft_ce_rows
 from specforge.models.layers import cast_once
 
 __all__ = [
@@ -123,14 +127,15 @@ class TeacherHead:
 
 @torch.no_grad()
 def teacher_probs(last_hidden_NH: torch.Tensor, teacher_weight_NH: torch.Tensor,
-                  softcap: Optional[float] = None) -> torch.Tensor:
+                  softcap: Optional[float] = None, log: bool = False) -> torch.Tensor:
     """The target distribution over the draft vocab (``M x N``, fp32 at least): the target's logits
-    on the draft vocab rows, soft-capped as the target caps them, softmax over those rows."""
+    on the draft vocab rows, soft-capped as the target caps them, softmax over those rows (``log``:
+    its log, the teacher every loss but ``kl_div`` reads: ``kernels.losses.log_teacher``)."""
     z = F.linear(last_hidden_NH, teacher_weight_NH.detach())
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
-    return torch.softmax(z, dim=-1)
+    return torch.log_softmax(z, dim=-1) if log else torch.softmax(z, dim=-1)
 
 
 def valid_rows(loss_mask_BT: torch.Tensor, target_ids_BT: torch.Tensor, t2d_V: torch.Tensor, ttt_length: int,
@@ -191,19 +196,19 @@ class _SoftCE(torch.autograd.Function):
 
 
 class _LinearSoftCE(torch.autograd.Function):
-    """Fused ``lm_head`` + soft cross-entropy over row chunks (the logits never exist whole).
+    """Fused ``lm_head`` + loss over row chunks (the logits never exist whole).
 
     Forward, per chunk of rows: ``z = h @ W.T`` (matmul dtype = h's), fp32 statistics, the row
-    losses, argmax and the teacher probability of the argmax (metrics), and the logit gradient
-    ``softmax(z) - p`` (stored in h's dtype). Backward: two GEMMs scaled by the incoming scalar.
-    Returns ``(loss_sum, per-row loss, argmax, teacher prob of argmax)``; only the first is
-    differentiable. ``teacher[tidx]`` are the rows' target distributions. The row-wise part runs as
-    torch ops (``kernels.soft_ce.soft_ce_rows_reference``) or, with ``kernel``, as one fused Triton
-    kernel a chunk (``kernels.soft_ce.soft_ce_rows``).
+    losses of ``kind``, argmax and the teacher probability of the argmax (metrics), and the logit
+    gradient (``softmax(z) - p`` for ``kl_div``; stored in h's dtype). Backward: two GEMMs scaled by
+    the incoming scalar. Returns ``(loss_sum, per-row loss, argmax, teacher prob of argmax)``; only
+    the first is differentiable. ``teacher[tidx]`` are the rows' target distributions (log-probs for
+    every kind but ``kl_div``). The row-wise part runs as torch ops (``kernels.losses.loss_rows``) or,
+    with ``kernel`` (``kl_div`` only), as one fused Triton kernel a chunk (``kernels.soft_ce.soft_ce_rows``).
     """
 
     @staticmethod
-    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int, kernel: bool):
+    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int, kernel: bool, kind: str):
         M = h_MH.shape[0]
         f32 = torch.promote_types(h_MH.dtype, torch.float32)
         G = torch.empty(M, W_NH.shape[0], dtype=h_MH.dtype, device=h_MH.device)
@@ -218,8 +223,7 @@ class _LinearSoftCE(torch.autograd.Function):
                 soft_ce_rows(z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], z))
             else:
                 z = torch.matmul(h_MH[c0:c1], Wt)
-                soft_ce_rows_reference(z, teacher_PN, tidx_M[c0:c1],
-                                       out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], G[c0:c1]))
+                loss_rows(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], G[c0:c1]))
         ctx.save_for_backward(h_MH, W_NH, G)
         ctx.mark_non_differentiable(ce, pred, acc_p)
         return ce.sum(), ce, pred, acc_p
@@ -230,7 +234,7 @@ class _LinearSoftCE(torch.autograd.Function):
         g = g.to(G.dtype)
         dh = torch.matmul(G, W) * g if ctx.needs_input_grad[0] else None
         dW = torch.matmul(G.t(), h) * g if ctx.needs_input_grad[1] else None
-        return dh, dW, None, None, None, None
+        return dh, dW, None, None, None, None, None
 
 
 # Rows per chunk of the fused loss. CPU: 64 (cache-sized). GPU: as many rows as keep one chunk's
@@ -252,8 +256,9 @@ SOFT_CE_KERNEL = False
 
 
 def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None,
-                              kernel: Optional[bool] = None):
-    """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``.
+                              kernel: Optional[bool] = None, kind: str = DEFAULT_LOSS):
+    """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``,
+    the row loss of ``kind`` (``kernels.losses``; the teacher rows are log-probs unless ``kl_div``).
 
     Under autocast the matmuls run in the autocast dtype (h and W are cast here unless already in it;
     ``ttt_loss`` hands W in cast once for all its steps: ``models.layers.cast_once``). ``chunk``:
@@ -262,6 +267,8 @@ def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[in
     default ``SOFT_CE_KERNEL``).
     """
     kernel = SOFT_CE_KERNEL if kernel is None else kernel
+    if kernel and kind != "kl_div":
+        raise ValueError(f"the fused soft-CE kernel computes kl_div only, not {kind!r}: run it without the kernel")
     chunk = chunk or loss_chunk(h_MH.device, W_NH.shape[0])
     dev = h_MH.device.type
     if torch.is_autocast_enabled(dev):
@@ -271,7 +278,7 @@ def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[in
         dt = torch.promote_types(h_MH.dtype, W_NH.dtype)
         h_MH, W_NH = h_MH.to(dt), W_NH.to(dt)
     with torch.autocast(dev, enabled=False):
-        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk), bool(kernel))
+        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk), bool(kernel), kind)
 
 
 def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch.Tensor:
@@ -306,14 +313,14 @@ def ttt_logits(draft, batch: Any, ttt_length: int = 7) -> list[torch.Tensor]:
     return draft(ids, aux, pos, [ids.shape[1]] * ttt_length, head=lambda i, h: draft.logits(h))
 
 
-def _teacher(used_idx, last_hidden_BTH, teacher_weight_NH, softcap=None):
-    """The target distributions over the draft vocab, once, at every position p = t+1+i some
-    counted row uses (``used_idx``, flat ``b*T + p``, from ``_step_rows``): ``(teacher_PN, pos_map)``,
-    ``pos_map[b*T + p]`` = its row in ``teacher``."""
+def _teacher(used_idx, last_hidden_BTH, teacher_weight_NH, softcap=None, log: bool = False):
+    """The target distributions over the draft vocab (``log``: their logs), once, at every position
+    p = t+1+i some counted row uses (``used_idx``, flat ``b*T + p``, from ``_step_rows``):
+    ``(teacher_PN, pos_map)``, ``pos_map[b*T + p]`` = its row in ``teacher``."""
     B, T = last_hidden_BTH.shape[:2]
     pos_map = torch.full((B * T,), -1, dtype=torch.long, device=used_idx.device)
     pos_map[used_idx] = torch.arange(used_idx.numel(), device=used_idx.device)
-    return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap), pos_map
+    return teacher_probs(last_hidden_BTH.reshape(B * T, -1)[used_idx], teacher_weight_NH, softcap, log), pos_map
 
 
 def _step_rows(valid_LBR: torch.Tensor, T: int, sp_rows: Optional[int], multiple: int = 1
@@ -355,6 +362,7 @@ def ttt_loss(
     num_rows: Optional[int] = None,
     softcap: Optional[float] = None,
     soft_ce_kernel: Optional[bool] = None,
+    loss_kind: str = DEFAULT_LOSS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The TTT loss of one batch (fast path) and its counters: ``(loss, counts_L4)``, float64
     ``[ttt_length, 4]`` with the columns :data:`COUNTERS`.
@@ -365,6 +373,7 @@ def ttt_loss(
     present): sequence-parallel slice mode, see the module docstring. ``softcap``: the target's
     final logit soft-cap, applied to the teacher's logits (``teacher_probs``). ``soft_ce_kernel``: the
     fused Triton kernel for the loss's row-wise part (``linear_soft_cross_entropy``'s ``kernel``).
+    ``loss_kind``: the row loss (``kernels.losses.KINDS``; ``train.loss``).
     """
     ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
@@ -379,7 +388,7 @@ def ttt_loss(
     row_multiple = getattr(draft, "row_multiple", None)  # the attention core's (flex: whole blocks)
     multiple = 1 if row_multiple is None else row_multiple(ids.device.type)
     t_len, step_rows, used_idx = _step_rows(valid, T, sp_rows, multiple)
-    teacher, pos_map = _teacher(used_idx, last_hidden, teacher_weight_NH, softcap)
+    teacher, pos_map = _teacher(used_idx, last_hidden, teacher_weight_NH, softcap, log_teacher(loss_kind))
     target_flat = target_ids.reshape(-1)
     counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)
     lm_head = []  # cast_once of lm_head.weight, made at the first step: inside the forward (FSDP2 unshards it there)
@@ -395,7 +404,7 @@ def ttt_loss(
         if not lm_head:
             lm_head.append(cast_once(draft.lm_head.weight))
         ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, lm_head[0](), teacher, pos_map[flat_p],
-                                                            kernel=soft_ce_kernel)
+                                                            kernel=soft_ce_kernel, kind=loss_kind)
         with torch.no_grad():
             counts[i, 0] = rows_bt.numel()
             counts[i, 1] = ((pred + draft.d2t[pred]) == target_flat[flat_p]).sum()
@@ -420,13 +429,14 @@ def ttt_loss_reference(
     decay: float = 0.8,
     num_valid_global: Optional[float] = None,
     softcap: Optional[float] = None,
+    loss_kind: str = DEFAULT_LOSS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The straightforward TTT loss (test reference and benchmark baseline).
 
     Plain cat-then-project q/k/v, the eager attention with a materialized full TTT mask over
     concatenated keys, lm_head + log_softmax on ALL ``B x T`` rows every step, the teacher for
-    all positions, masks applied by multiplication. Same conventions and result as
-    :func:`ttt_loss`.
+    all positions, masks applied by multiplication, the row loss as ``kernels.losses.loss_reference``
+    writes it. Same conventions and result as :func:`ttt_loss`.
     """
     ids, loss_mask, aux, last_hidden, target_ids, pos = _unpack(batch)
     B, T = ids.shape
@@ -434,7 +444,7 @@ def ttt_loss_reference(
     L = int(ttt_length)
     doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT).float()
-    teacher_all = teacher_probs(last_hidden, teacher_weight_NH, softcap)  # B,T,N
+    teacher_all = teacher_probs(last_hidden, teacher_weight_NH, softcap, log=True)  # B,T,N: log-probs
     layer = draft.midlayer
     attn_mod = layer.self_attn
     hidden = draft.project_aux(aux)
@@ -455,17 +465,16 @@ def ttt_loss_reference(
         attn = ttt_attention_eager(q, keys, values, doc_ids_BT=doc_ids_BT)
         hidden = draft.layer_finish(attn, hidden)
         z = draft.logits(hidden)
-        logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)  # B,T,N
-        teacher_i = F.pad(teacher_all[:, 1 + i :], (0, 0, 0, min(1 + i, T)))[:, :T]
-        ce = -(teacher_i * logp).sum(-1)  # B,T
+        teacher_i = F.pad(teacher_all[:, 1 + i :], (0, 0, 0, min(1 + i, T)))[:, :T]  # log-probs
+        ce = loss_reference(loss_kind, z, teacher_i)  # B,T
         m = valid[i]
         total = total + (decay**i) * (ce * m).sum()
         with torch.no_grad():
-            pred = logp.argmax(-1)
+            pred = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1).argmax(-1)
             tgt = F.pad(target_ids[:, 1 + i :], (0, min(1 + i, T)))[:, :T]
             stats[i, 0] = m.sum()
             stats[i, 1] = (((pred + draft.d2t[pred]) == tgt).float() * m).sum()
             stats[i, 2] = (ce * m).sum()
-            stats[i, 3] = (teacher_i.gather(-1, pred.unsqueeze(-1)).squeeze(-1) * m).sum()
+            stats[i, 3] = (teacher_i.gather(-1, pred.unsqueeze(-1)).squeeze(-1).exp() * m).sum()
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
     return total / max(normalizer, 1.0), stats

@@ -80,7 +80,8 @@ def _core_heads(d: Eagle3Dims, u: int) -> tuple[int, int]:
 
 
 def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
-                loss_rows: int = 64, window: Optional[int] = None, core: str = "fast") -> dict[str, list[Term]]:
+                loss_rows: int = 64, window: Optional[int] = None, core: str = "fast",
+                loss_workset: int = 2) -> dict[str, list[Term]]:
     """One EAGLE-3 micro-batch (the TTT unroll of ``algorithms/eagle3/loss.py`` through ``Eagle3Draft.forward``):
     ``{"forward": ..., "backward": ...}``, the transient terms at the forward's end (everything autograd
     saved for the L steps, the teacher distribution, what only the forward still holds) and at the
@@ -90,7 +91,8 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     draft's sliding window (its chunks keep and compute only the keys their band reaches); ``core``:
     ``"fast"`` (the chunked core, or SDPA for step 0 with ``p.step0_fused``) or ``"flex"``
     (``ttt_attention_flex``: every step keeps ``cat(keys)``, ``cat(values)``, out and the fp32 row
-    log-sum-exp and max; its compiled backward's working set is the key gradients)."""
+    log-sum-exp and max; its compiled backward's working set is the key gradients). ``loss_workset``: the fp32
+    [rows x N] tensors a loss chunk holds (``kernels.losses.WORKSET`` of ``train.loss``)."""
     c, B, L = p.compute, s.B, s.ttt
     hq, hkv = _core_heads(d, s.ulysses)
     sp = s.sp > 1
@@ -138,12 +140,12 @@ def eagle3_step(d: Eagle3Dims, s: SeqShape, p: StepPrecision, chunk: int = 128,
     weights = _weight_copies(d, p, L)
     P = B * ((s.R + L - 1) if sp else (s.T - 1))  # positions whose teacher a counted row reads
     acts = [Term(f"activations: {k}", v) for k, v in saved.items() if v]
-    loss_chunk = 2 * 4 * loss_rows * d.N  # the fused loss's fp32 logits and teacher rows of one chunk
+    loss_chunk = loss_workset * 4 * loss_rows * d.N  # the fused loss's fp32 working set of one chunk
     forward = acts + weights + [
         Term("teacher distribution (fp32, positions x N)", 4 * P * d.N),
         Term("forward-only: embedding half of q/k/v, later steps' q/k/v, fused weight",
              fwd_only + d.Fqkv * c * B * s.window + (4 * d.Fqkv * 2 * d.H if p.cast else 0)),
-        Term("loss head chunk (fp32 logits, teacher rows)", loss_chunk)]
+        Term("loss head chunk (fp32 logits, teacher rows, the loss's temporaries)", loss_chunk)]
     # the backward's peak: inside the last step's attention backward (its MLP and loss head are freed)
     n, Fq, Fk = last["n"], hq * d.D, hkv * d.D
     keys = n if window is None else min(n, B * (window + chunk))  # keys one chunk of rows scores

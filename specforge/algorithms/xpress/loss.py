@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
 from specforge.algorithms.dflash.loss import decay_weights
+from specforge.kernels.losses import forward_kl, loss_reference
 
 from .model import jacobi_prev
 
@@ -70,9 +71,9 @@ class LossMix:
         if self.ce:
             d = d + self.ce * -logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         if self.tv:
-            d = d + self.tv * (1.0 - torch.minimum(logq.exp(), logp.exp()).sum(-1))
+            d = d + self.tv * loss_reference("tv", z, logp)
         if self.kl:
-            d = d + self.kl * F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)
+            d = d + self.kl * forward_kl(z, logp)
         return d
 
 

@@ -1,0 +1,151 @@
+"""The draft's distillation losses, row by row: one place computes every kind, with its logit gradient.
+
+Legend: ``M`` rows, ``N`` the (draft) vocabulary, ``P`` teacher rows. ``q = softmax(z)`` is the draft's
+distribution over the draft vocabulary, ``p`` the target's (renormalized over the same vocabulary), and
+``alpha = sum_v min(p_v, q_v)`` their overlap: the acceptance rate of speculative sampling.
+
+=============  =====================================================  ===========================================
+kind           per-row loss                                           logit gradient
+=============  =====================================================  ===========================================
+``kl_div``     forward KL, computed as the soft cross-entropy         ``q - p``
+               ``-sum p log q`` (KL plus the teacher's entropy, a
+               constant of the data: the same gradient; the
+               default and the only kind the Triton kernel runs)
+``tv``         total variation ``1 - alpha``                          ``q * (sum_{q<p} q - [q < p])``
+``nla``        LK's alpha form, negative log-acceptance               ``tv``'s over ``alpha`` (0 where
+               ``-log(max(alpha, 1e-5))``                              ``alpha <= 1e-5``, as the clamp has)
+``lk_hybrid``  LK's lambda form ``lam KL + (1 - lam) TV``,             ``lam (q - p) + (1 - lam) tv's``
+               ``lam = exp(-3 sg(alpha))`` (sg: no gradient)
+``rkl``        reverse KL ``sum q (log q - log p)``                    ``q * (log q - log p - loss)``
+``jsd``        Jensen-Shannon ``(KL(p||m) + KL(q||m)) / 2``,           ``q * (g - sum q g)``,
+               ``m = (p + q) / 2``                                     ``g = log(q / m) / 2``
+=============  =====================================================  ===========================================
+
+The names, the clamp of ``nla`` (1e-5) and ``lk_hybrid``'s eta (3, the LK paper's best hybrid, arXiv
+2602.23881) are speculators' (``speculators.losses``), so a recipe moves between the two trainers as it is.
+Every gradient is the chain rule through the softmax, ``dz_k = q_k (g_k - sum_j q_j g_j)`` for
+``g = dloss/dq``; ``kl_div``'s is that rule simplified. TV's ``[q < p]`` is its subgradient (a tie, a set
+of measure zero, takes none).
+
+:func:`loss_rows` (fp32 statistics, in place over chunks of the fused ``lm_head`` + loss of
+``algorithms/eagle3/loss.py``) writes ``(loss, pred, acc_p, G)`` as ``soft_ce.soft_ce_rows_reference``
+does (``kl_div`` is that function). The teacher rows are probabilities for ``kl_div`` (what the Triton
+kernel reads) and log-probabilities for every other kind (:func:`log_teacher`: a log of an underflowed
+probability would be -inf). :func:`loss_reference` is the plain, differentiable torch form of each
+kind (the tests run it in fp64 under autograd; the reference TTT loss runs it in the step's dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from specforge.kernels.soft_ce import Outputs, empty_outputs, soft_ce_rows_reference
+
+__all__ = ["KINDS", "DEFAULT", "WORKSET", "NLA_EPS", "LK_ETA", "log_teacher", "loss_rows", "loss_reference",
+           "forward_kl"]
+
+KINDS = ("kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
+DEFAULT = "kl_div"
+NLA_EPS = 1e-5  # nla's floor on alpha (speculators' _NLA_EPS)
+LK_ETA = 3.0  # lk_hybrid's lam = exp(-LK_ETA * alpha)
+_TV_FAMILY = ("tv", "nla", "lk_hybrid")
+# fp32 [rows x N] tensors one chunk of ``loss_rows`` holds at its peak, read off the code below (z or its
+# fp32 copy, the teacher rows, log q, q, p, and each kind's temporaries; bool masks as a quarter): what the
+# memory model counts for the fused loss's chunk. kl_div: the logits and the teacher rows.
+WORKSET = {"kl_div": 2, "tv": 7, "nla": 7, "lk_hybrid": 8, "rkl": 6, "jsd": 7}
+
+
+def _unknown(kind: object) -> str:
+    return f"{kind!r} is not a loss: use one of {', '.join(KINDS)} (train.loss)"
+
+
+def log_teacher(kind: str) -> bool:
+    """Are the teacher rows of ``kind`` log-probabilities (True for all but ``kl_div``)?"""
+    return kind != "kl_div"
+
+
+def loss_rows(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor,
+              out: Optional[Outputs] = None, g_dtype: Optional[torch.dtype] = None) -> Outputs:
+    """``(loss, pred, acc_p, G)`` of each row of ``z_MN`` against ``teacher_PN[tidx_M]``: the row's loss
+    (fp32 at least), the draft's argmax, the teacher's probability of it and the logit gradient ``G`` (in
+    ``g_dtype``, default z's). ``z_MN`` is scratch, as in ``soft_ce_rows_reference``."""
+    if kind == "kl_div":
+        return soft_ce_rows_reference(z_MN, teacher_PN, tidx_M, out=out, g_dtype=g_dtype)
+    if kind not in KINDS:
+        raise ValueError(_unknown(kind))
+    loss, pred, acc_p, G = empty_outputs(z_MN, g_dtype) if out is None else out
+    f32 = torch.promote_types(z_MN.dtype, torch.float32)
+    z = z_MN.to(f32)
+    logp = teacher_PN.index_select(0, tidx_M).to(f32)
+    pred.copy_(z.argmax(dim=-1))
+    logq = torch.log_softmax(z, dim=-1)
+    del z
+    q, p = logq.exp(), logp.exp()
+    acc_p.copy_(p.gather(1, pred.unsqueeze(1)).squeeze(1))
+    if kind in _TV_FAMILY:
+        below = q < p  # where min(p, q) is q: alpha's gradient w.r.t. q is [q < p]
+        q_below = torch.where(below, q, 0.0)
+        alpha = torch.where(below, 0.0, p).sum(-1) + q_below.sum(-1)
+        g_tv = q * q_below.sum(-1, keepdim=True) - q_below  # d(1 - alpha)/dz
+        if kind == "tv":
+            loss.copy_(1.0 - alpha)
+            grad = g_tv
+        elif kind == "nla":
+            a = alpha.clamp_min(NLA_EPS)
+            loss.copy_(-torch.log(a))
+            grad = g_tv * torch.where(alpha > NLA_EPS, 1.0 / a, 0.0).unsqueeze(-1)
+        else:
+            lam = torch.exp(-LK_ETA * alpha)
+            kl = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
+            loss.copy_(lam * kl + (1.0 - lam) * (1.0 - alpha))
+            grad = (q - p).mul_(lam.unsqueeze(-1)).add_(g_tv.mul_((1.0 - lam).unsqueeze(-1)))
+    elif kind == "rkl":
+        d = logq - logp
+        row = (q * d).sum(-1)
+        loss.copy_(row)
+        grad = d.sub_(row.unsqueeze(-1)).mul_(q)
+    else:  # jsd
+        logm = torch.logaddexp(logq, logp) - math.log(2.0)
+        kl_pm = torch.where(p > 0, p * (logp - logm), 0.0).sum(-1)
+        g = (logq - logm).mul_(0.5)
+        loss.copy_(0.5 * kl_pm + (q * g).sum(-1))
+        grad = g.sub_((q * g).sum(-1, keepdim=True)).mul_(q)
+    G.copy_(grad)
+    return loss, pred, acc_p, G
+
+
+def _logs(z_MN: torch.Tensor, logp_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    f = torch.promote_types(z_MN.dtype, torch.float32)
+    return torch.log_softmax(z_MN.to(f), dim=-1), logp_MN.to(f)
+
+
+def forward_kl(z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torch.Tensor:
+    """Each row's ``KL(p || q)`` itself (differentiable): ``kl_div``'s loss less the teacher's entropy."""
+    logq, logp = _logs(z_MN, logp_MN)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torch.Tensor:
+    """Each row's loss of ``kind`` as plain torch ops (differentiable, in the wider of z's dtype and
+    fp32): the definitions of the module docstring, written as they read, nothing fused."""
+    logq, logp = _logs(z_MN, logp_MN)
+    q, p = logq.exp(), logp.exp()
+    alpha = torch.minimum(p, q).sum(-1)
+    if kind == "kl_div":
+        return -(p * logq).sum(-1)  # the soft cross-entropy: KL + H(p)
+    if kind == "tv":
+        return 1.0 - alpha
+    if kind == "nla":
+        return -torch.log(alpha.clamp_min(NLA_EPS))
+    if kind == "lk_hybrid":
+        lam = torch.exp(-LK_ETA * alpha.detach())
+        return lam * forward_kl(z_MN, logp_MN) + (1.0 - lam) * (1.0 - alpha)
+    if kind == "rkl":
+        return (q * (logq - logp)).sum(-1)
+    if kind == "jsd":
+        m = (p + q) / 2
+        return 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    raise ValueError(_unknown(kind))

@@ -1,0 +1,224 @@
+"""The draft's row losses (``specforge/kernels/losses.py``, ``train.loss``): each kind's loss and logit
+gradient against its plain fp64 torch form under autograd and against speculators 0.9.0's eager loss
+of the same name; the TTT loss with each kind against the straightforward TTT reference; the config key.
+
+Tolerances: the fast path computes in fp32 what the reference computes in fp64, so the two differ by
+fp32 rounding of sums over the vocabulary (``tests/helpers/tolerance.py``: N terms a row, scaled by
+the compared values). Each equality has a control: another kind's loss, or a gradient with one
+term left out, fails the same comparison.
+"""
+
+import pytest
+import torch
+
+from specforge.config import TrainConfig, load_config
+from specforge.kernels.losses import DEFAULT, KINDS, forward_kl, log_teacher, loss_reference, loss_rows
+from specforge.registry import get_algorithm
+from tests.helpers.tolerance import close_tol
+
+M, N = 24, 96
+
+
+def _inputs(seed: int = 0, spread: float = 4.0, dtype=torch.float32):
+    """Draft logits and the teacher's log-probs of M rows; half the rows near the teacher (high
+    overlap), half far from it (low), so TV's both branches and LK's lambda range are reached."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(M, N, generator=g, dtype=torch.float64) * spread
+    z = torch.randn(M, N, generator=g, dtype=torch.float64) * spread
+    z[: M // 2] = t[: M // 2] + 0.3 * z[: M // 2]
+    return z.to(dtype), torch.log_softmax(t, dim=-1).to(dtype)
+
+
+def _fast(kind, z, logp):
+    """``loss_rows`` on a copy of z, handed the teacher as ``kind`` takes it: (loss, pred, acc_p, G)."""
+    teacher = logp if log_teacher(kind) else logp.exp()
+    return loss_rows(kind, z.clone(), teacher, torch.arange(z.shape[0]))
+
+
+def _reference(kind, z, logp):
+    """fp64 loss and logit gradient by autograd of the plain form."""
+    z64 = z.double().requires_grad_()
+    loss = loss_reference(kind, z64, logp.double())
+    (g,) = torch.autograd.grad(loss.sum(), z64)
+    return loss.detach(), g
+
+
+def _assert_close(got, want, what):
+    tol = close_tol(torch.float32, N, want.abs().max().item())
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol, f"{what}: {err:.3g} > {tol:.3g}"
+
+
+def _fails(got, want) -> bool:
+    return (got.double() - want).abs().max().item() > close_tol(torch.float32, N, want.abs().max().item())
+
+
+def test_the_names_are_the_config_keys_values():
+    """``train.loss`` offers exactly the kinds the module computes, and defaults to its default."""
+    import typing
+
+    assert typing.get_args(typing.get_type_hints(TrainConfig)["loss"]) == KINDS
+    assert TrainConfig.loss == DEFAULT == "kl_div"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_loss_and_its_gradient_equal_the_fp64_reference(kind):
+    """fp32 loss, argmax, teacher probability of the argmax and logit gradient of ``loss_rows`` equal
+    the fp64 reference's; the control: every other kind's loss or gradient fails the comparison."""
+    z, logp = _inputs()
+    loss, pred, acc_p, G = _fast(kind, z, logp)
+    want_loss, want_g = _reference(kind, z, logp)
+    _assert_close(loss, want_loss, f"{kind} loss")
+    _assert_close(G, want_g, f"{kind} gradient")
+    assert torch.equal(pred, z.argmax(-1))
+    torch.testing.assert_close(acc_p, logp.exp().gather(1, pred[:, None])[:, 0])
+    for other in KINDS:
+        if other != kind:
+            o_loss, _, _, o_G = _fast(other, z, logp)
+            assert _fails(o_loss, want_loss) or _fails(o_G, want_g), (kind, other)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp64_rows_equal_autograd(kind):
+    """In fp64 the hand-written gradient is autograd's of the plain form to fp64 rounding."""
+    z, logp = _inputs(1, dtype=torch.float64)
+    loss, _, _, G = _fast(kind, z, logp)
+    want_loss, want_g = _reference(kind, z, logp)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(G, want_g, rtol=1e-10, atol=1e-13)
+
+
+SPECULATORS = {"kl_div": "kl_div_loss", "tv": "tv_loss", "nla": "neg_log_acceptance_loss",
+               "lk_hybrid": "lk_hybrid_loss", "rkl": "reverse_kl_div_loss", "jsd": "js_div_loss"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_loss_equals_speculators(kind):
+    """speculators 0.9.0's eager loss of the same name (targets as logits: our log-probs are ones),
+    its value and its autograd gradient, in fp32 as it computes. ``kl_div``: ours is the soft
+    cross-entropy, theirs the KL itself: they differ by the teacher's entropy alone (same gradient).
+    Control: the kind next in the list fails against it."""
+    eager = pytest.importorskip("speculators.losses.eager")
+
+    def theirs(name, z, logp):
+        zz = z.clone()[None].requires_grad_()
+        loss = getattr(eager, SPECULATORS[name])(zz, logp[None])[0]
+        (g,) = torch.autograd.grad(loss.sum(), zz)
+        return loss.detach().double(), g[0].double()
+
+    z, logp = _inputs(2)
+    loss, _, _, G = _fast(kind, z, logp)
+    if kind == "kl_div":
+        loss = loss - (-(logp.exp() * logp).sum(-1))
+    want_loss, want_g = theirs(kind, z, logp)
+    _assert_close(loss, want_loss, f"{kind} loss")
+    _assert_close(G, want_g, f"{kind} gradient")
+    other = KINDS[(KINDS.index(kind) + 1) % len(KINDS)]
+    o_loss, o_g = theirs(other, z, logp)
+    assert _fails(loss, o_loss) or _fails(G, o_g)
+
+
+def test_forward_kl_is_the_soft_ce_less_the_teachers_entropy():
+    """``forward_kl`` (XPress's KL term, LK's lambda form) is ``kl_div``'s row loss less H(p)."""
+    z, logp = _inputs(3, dtype=torch.float64)
+    ce = loss_reference("kl_div", z, logp)
+    torch.testing.assert_close(forward_kl(z, logp), ce + (logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12)
+    assert (forward_kl(z, logp) >= 0).all() and forward_kl(logp, logp).abs().max() < 1e-12
+
+
+def test_nla_has_no_gradient_below_its_floor():
+    """Rows whose overlap is below 1e-5 (disjoint supports) get the clamp's zero gradient, as
+    speculators' ``clamp_min`` gives; the loss there is -log(1e-5)."""
+    z = torch.full((2, 4), -60.0, dtype=torch.float64)
+    z[:, 0] = 60.0
+    logp = torch.log_softmax(torch.tensor([[-60.0, 60, 60, -60]] * 2, dtype=torch.float64), -1)
+    loss, _, _, G = _fast("nla", z, logp)
+    torch.testing.assert_close(loss, torch.full((2,), 11.512925464970229, dtype=torch.float64))
+    assert G.abs().max() == 0
+
+
+def test_the_kernel_refuses_a_loss_it_does_not_compute():
+    from specforge.algorithms.eagle3.loss import linear_soft_cross_entropy
+
+    h, W = torch.randn(4, 8), torch.randn(6, 8)
+    teacher = torch.log_softmax(torch.randn(4, 6), -1)
+    with pytest.raises(ValueError, match="kl_div only, not 'tv'"):
+        linear_soft_cross_entropy(h, W, teacher, torch.arange(4), kernel=True, kind="tv")
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "kl_div"])
+def test_ttt_loss_with_each_kind_equals_the_reference(kind):
+    """The whole TTT loss (fast path: chunked fused head, gathered rows) with ``loss_kind`` equals the
+    straightforward TTT reference with the same kind in fp64: loss, every gradient, every counter.
+    Control: the default kind's loss differs from it."""
+    from specforge.algorithms.eagle3.loss import ttt_loss, ttt_loss_reference
+    from tests.helpers.ttt import HT, tiny_draft, ttt_batch
+    from tests.helpers.ttt import N as DRAFT_N
+
+    torch.manual_seed(3)
+    d = tiny_draft(torch.float64)
+    b = ttt_batch(dtype=torch.float64, draft=d)
+    W = torch.randn(DRAFT_N, HT, dtype=torch.float64)
+    params = [p for p in d.parameters() if p.requires_grad]
+    l1, c1 = ttt_loss(d, b, W, ttt_length=4, loss_kind=kind)
+    g1 = torch.autograd.grad(l1, params)
+    l2, c2 = ttt_loss_reference(d, b, W, ttt_length=4, loss_kind=kind)
+    g2 = torch.autograd.grad(l2, params)
+    torch.testing.assert_close(l1, l2, rtol=1e-10, atol=1e-12)
+    for a, c in zip(g1, g2):
+        torch.testing.assert_close(a, c, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(c1, c2, rtol=1e-9, atol=1e-12)
+    l0, _ = ttt_loss(d, b, W, ttt_length=4)
+    assert abs(l0.item() - l1.item()) > 1e-3
+
+
+def test_train_loss_config():
+    """An unknown kind names the key and the kinds; a kind an algorithm's loss does not compute names
+    the key and the algorithm; the TTT family takes every kind; the resume identity records a kind
+    off the default only (older checkpoints resume)."""
+    with pytest.raises(ValueError, match=r"'train\.loss': got 'kl'.*'kl_div', 'tv', 'nla', 'lk_hybrid', 'rkl'"):
+        load_config(None, ["train.loss=kl"])
+    for algo in ("dflash", "dspark", "mtp", "xpress"):
+        with pytest.raises(ValueError, match=rf"'train\.loss'='tv' is refused for draft\.algorithm={algo}"):
+            load_config(None, ["train.loss=tv", f"draft.algorithm={algo}"])
+    for algo in ("eagle3", "eagle31", "peagle"):
+        for kind in KINDS:
+            cfg = load_config(None, [f"train.loss={kind}", f"draft.algorithm={algo}"])
+            assert get_algorithm(algo).bind(cfg).run.loss == kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_trainer_trains_with_each_kind(kind):
+    """``train.loss`` reaches the trainer's step: on a peaked tiny target, 10 steps with each kind raise
+    step 0's acceptance (the overlap every kind drives up) and lower that kind's own logged loss; the
+    first step's logged loss is the kind's (a TV loss lies in [0, 1], a soft CE well above it here)."""
+    from tests.helpers.trainer import feature_batch, setup_trainer
+
+    target, rows, trainer = setup_trainer(loss=kind)
+    assert trainer.algorithm.run.loss == kind
+    batch = feature_batch(target, rows)
+    first = trainer.step([batch])
+    for _ in range(9):
+        last = trainer.step([batch])
+    assert last["accept_rate_0"] > first["accept_rate_0"] + 0.1, (first, last)
+    assert last["loss_0"] < first["loss_0"]
+    if kind == "tv":
+        assert 0 <= last["loss_0"] < first["loss_0"] <= 1
+
+
+def test_the_memory_model_counts_each_kinds_chunk():
+    """The dry run's loss-chunk term grows by the kind's extra fp32 [rows x N] tensors (``WORKSET``)."""
+    from pathlib import Path
+
+    from specforge.dryrun import memory_plan
+    from specforge.kernels.losses import WORKSET
+
+    config = Path(__file__).parent.parent / "configs" / "smollm2-135m-cpu.yaml"
+
+    def chunk(kind):
+        plan = memory_plan(load_config(config, ["data.max_length=512", f"train.loss={kind}"]))[0]
+        return max(t.nbytes for ts in plan.phases.values() for t in ts if t.name.startswith("loss head chunk"))
+
+    base = chunk("kl_div")
+    for kind in ("tv", "lk_hybrid"):
+        assert chunk(kind) == base * WORKSET[kind] // WORKSET["kl_div"] > base
