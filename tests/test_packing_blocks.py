@@ -47,8 +47,9 @@ GRAD_TERMS = {"block": 2 * 21 + 2 * 17 + 4 * 3 * 4 + 2 * (2 + 2) * (3 * 32 + 32 
 ALGOS = ["dflash", "dflash_window", "dspark", "dflash2", "xpress", "peagle"]
 
 
-def _cfg(name, **train):
-    """The algorithm, its config (few anchors: a sample's anchors are a random subset of its candidates)."""
+def _cfg(name, opts=None, **train):
+    """The algorithm, its config (few anchors: a sample's anchors are a random subset of its candidates);
+    ``opts``: more ``draft.*`` options."""
     if name == "dflash2":
         d = DFlash2Options(algorithm="dflash2", block_size=4, num_anchors=3, num_layers=2, selector_rank=8,
                            selector_top_k=8, ce_weight=0.5)
@@ -62,6 +63,7 @@ def _cfg(name, **train):
         d = DSparkOptions(algorithm="dspark", block_size=4, num_anchors=3, num_layers=2, markov_rank=8, ce_weight=0.5)
     else:
         d = PEagleOptions(algorithm="peagle", parallel_tokens=3)
+    d = dataclasses.replace(d, **(opts or {}))
     # adam_eps = lr: a step moves a weight at most twice its gradient's gap (tolerance.adamw_tol)
     cfg = Config(draft=d, train=TrainConfig(precision="fp32", lr=LR, warmup_steps=0, max_grad_norm=10.0, adam_eps=LR,
                                             **train))
@@ -251,6 +253,87 @@ def test_a_packed_row_without_its_doc_ids_gives_another_loss(name):
         object.__setattr__(b, "position_ids_BT", p.position_ids_BT)
     l1 = _loss_counts_grads(algo, cfg, draft, state, no_doc)[0]
     assert not torch.allclose(l1, l0, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- D-PACE (draft.loss_weighting=dpace)
+
+
+def test_dpace_weights_equal_speculators():
+    """``dpace_weights`` equals speculators 0.9.0's ``dpace_loss_decay`` (blocks flattened, its CE as
+    exp(-CE) confidences) on random confidences and masks, gaps included, for two smoothings.
+    Control: a mask shifted by one row gives other weights."""
+    utils = pytest.importorskip("speculators.losses.utils")
+    from specforge.algorithms.dflash.loss import dpace_weights
+
+    g = torch.Generator().manual_seed(0)
+    N, K = 6, 5
+    ce = torch.rand(N, K, generator=g, dtype=torch.float64) * 3
+    mask = torch.rand(N, K, generator=g) < 0.75
+    for alpha in (0.5, 0.2):
+        want = utils.dpace_loss_decay(None, loss_mask=mask.reshape(1, -1), block_size=K, dpace_alpha=alpha,
+                                      elementwise_loss=(ce * mask).reshape(1, -1)).reshape(N, K)
+        got = dpace_weights(torch.exp(-ce), mask, alpha)
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(dpace_weights(torch.exp(-ce), mask.roll(1, -1), alpha).double(), want.double())
+
+
+def test_dflash_dpace_loss_is_the_weighted_ce_over_counted_rows():
+    """DFlash's block loss under D-PACE: sum of w * CE over the counted rows' number, the weights from the
+    draft's own detached CE (no gradient through them): loss and gradient against that written out."""
+    import torch.nn.functional as F
+
+    from specforge.algorithms.dflash.loss import block_loss, dpace_weights
+
+    g = torch.Generator().manual_seed(1)
+    B, N, K, H, V = 2, 3, 4, 8, 11
+    hidden = torch.randn(B, N, K, H, generator=g, dtype=torch.float64)
+    W = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, N, K), generator=g)
+    valid = torch.ones(B, N, K, dtype=torch.bool)
+    valid[..., 0] = False
+    valid[0, 1, 2:] = False
+    loss, counts = block_loss(lambda h: h @ W.t(), hidden, labels, valid, 7.0, dpace_alpha=0.5)
+    logits = (hidden @ W.t()).float()  # as the block loss computes its CE: in fp32
+    ce = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view_as(labels) * valid
+    want = (dpace_weights(torch.exp(-ce.detach()), valid, 0.5) * ce).sum() / valid.sum()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(loss, W)[0], torch.autograd.grad(want, W)[0], rtol=1e-5, atol=1e-6)
+    decayed, _ = block_loss(lambda h: h @ W.t(), hidden, labels, valid, 7.0)
+    assert not torch.allclose(decayed, loss)  # control: the decay weighs the rows otherwise
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "xpress"])
+def test_dpace_packed_loss_equals_unpacked(name):
+    """Each block draft under D-PACE: packed rows give the unpacked loss, counters and gradients (fp64), the
+    denominator the counted rows of every micro-batch (the trainer's global normalizer); the control: the
+    decay's loss differs."""
+    algo, cfg = _cfg(name, {"loss_weighting": "dpace", "dpace_alpha": 0.4})
+    assert algo.dpace_alpha == 0.4 and algo.decay_gamma is None
+    draft, state = _draft(name, torch.float64)
+    mbs, packed = _micro_batches(name, torch.float64, draft)
+    total = sum(algo.normalizer(draft, b, STEP, training=True) for b in mbs)
+    counts = sum(algo.loss(draft, b, state, STEP, total, training=True)[1] for b in mbs)
+    assert total == counts[:, 1].sum() > 0  # the counted rows, as the counters count them
+    l0, c0, g0 = _loss_counts_grads(algo, cfg, draft, state, mbs)
+    l1, c1, g1 = _loss_counts_grads(algo, cfg, draft, state, packed)
+    torch.testing.assert_close(l1, l0, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(c1, c0, rtol=1e-11, atol=1e-11)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
+    decay_algo, _ = _cfg(name)
+    assert not torch.allclose(_loss_counts_grads(decay_algo, cfg, draft, state, mbs)[0], l0, rtol=1e-3)
+
+
+def test_dpace_config():
+    """``draft.loss_weighting`` and ``draft.dpace_alpha`` are the block drafts' keys, checked before anything loads."""
+    for algo in ("dflash", "dspark", "dflash2", "xpress"):
+        assert load_config(None, [f"draft.algorithm={algo}", "draft.loss_weighting=dpace"]).draft.dpace_alpha == 0.5
+        with pytest.raises(ValueError, match=r"'draft\.dpace_alpha'=0\.0 must be in \(0, 1\]"):
+            load_config(None, [f"draft.algorithm={algo}", "draft.dpace_alpha=0"])
+    with pytest.raises(ValueError, match=r"'draft\.loss_weighting': got 'pace'.*'decay', 'dpace'"):
+        load_config(None, ["draft.algorithm=dflash", "draft.loss_weighting=pace"])
+    with pytest.raises(ValueError, match=r"draft\.loss_weighting"):
+        load_config(None, ["draft.loss_weighting=dpace"])  # EAGLE-3 has no such key
 
 
 # ---------------------------------------------------------------- the trainer's step

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -59,7 +59,8 @@ def anchor_seed(seed: int, step: int) -> int:
 @dataclass
 class DFlashOptions(DraftConfig):
     """``draft.*`` keys of a DFlash draft: decoder layers, block = anchor + block_size - 1 drafted
-    tokens, anchors per sequence and step, the block loss's position decay exp(-(k-1)/loss_gamma),
+    tokens, anchors per sequence and step, the block loss's position weights (``loss_weighting``: the
+    decay exp(-(k-1)/loss_gamma), or D-PACE's expected accepted drafts smoothed by ``dpace_alpha``),
     the mask token (None = the highest target id the training data never use as an assistant token)
     and the sliding window (None = full attention over the context)."""
 
@@ -67,6 +68,8 @@ class DFlashOptions(DraftConfig):
     block_size: int = field(default=16, metadata={"at_least": 2})
     num_anchors: int = field(default=64, metadata={"at_least": 1})
     loss_gamma: float = field(default=7.0, metadata={"positive": True})
+    loss_weighting: Literal["decay", "dpace"] = "decay"  # the block rows' loss weights (loss.dpace_weights)
+    dpace_alpha: float = field(default=0.5, metadata={"unit": "(0, 1]"})  # D-PACE's confidence smoothing
     mask_token_id: Optional[int] = field(default=None, metadata={"at_least": 0})
     # tokens back from a block row's own position it sees of the context (model.py); None = all of it
     sliding_window: Optional[int] = field(default=None, metadata={"at_least": 1})
@@ -201,6 +204,23 @@ class DFlash(Binds):
 
     def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         valid = self._blocks(draft, batch, step, training)[3]
+        return self.weight_sum(valid)
+
+    @property
+    def dpace_alpha(self) -> Optional[float]:
+        """D-PACE's smoothing where ``draft.loss_weighting=dpace``, else None (the decay)."""
+        return self.opt.dpace_alpha if self.opt.loss_weighting == "dpace" else None
+
+    @property
+    def decay_gamma(self) -> Optional[float]:
+        """The decay's gamma for the loss and its logged ``loss`` (None under D-PACE: rows weigh alike there)."""
+        return None if self.dpace_alpha is not None else self.opt.loss_gamma
+
+    def weight_sum(self, valid: torch.Tensor) -> torch.Tensor:
+        """The loss's denominator of a micro-batch's counted rows: their decay weights, or (D-PACE, whose
+        weights the forward gives) their number."""
+        if self.dpace_alpha is not None:  # row 0 (anchor, or unpredicted) never counts
+            return valid[..., 1:].float().sum()
         return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
 
     @staticmethod
@@ -219,7 +239,8 @@ class DFlash(Binds):
         else:
             hidden = draft(batch.aux_hidden_BTKH, block_ids, anchors, keep, batch.position_ids_BT, ring=ring)
         norm = self.loss_normalizer(normalizer, hidden.device)
-        return block_loss(draft.logits, hidden, labels, valid, self.opt.loss_gamma, norm, CHUNK_BLOCKS)
+        return block_loss(draft.logits, hidden, labels, valid, self.opt.loss_gamma, norm, CHUNK_BLOCKS,
+                          dpace_alpha=self.dpace_alpha)
 
     def counts_shape(self) -> tuple[int, int]:
         return (self.opt.block_size, 4)
@@ -227,7 +248,7 @@ class DFlash(Binds):
     def metrics(self, counts: torch.Tensor) -> dict[str, float]:
         # block row k drafts the k-th token after the anchor: logged as position k-1, as EAGLE-3's
         # acc_0 is its first drafted token, so dashboards and the end-of-run line read both alike
-        return drafted_metrics(counts, self.opt.loss_gamma)
+        return drafted_metrics(counts, self.decay_gamma)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         # ring SP: a rank holds R = T / ring context rows, and in the worst case every block of the

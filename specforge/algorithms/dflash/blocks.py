@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .loss import block_targets, build_block_ids, chunked, decay_weights, metrics_from_counts, next_token_labels
+from .loss import block_targets, build_block_ids, chunked, metrics_from_counts, next_token_labels
 
 __all__ = ["ShiftedLayout", "shifted_targets", "rows_at", "chunked", "accepted_run", "token_rows",
            "drafted_metrics", "DrawnOnce", "ShiftedBlocks"]
@@ -134,7 +134,7 @@ class ShiftedBlocks:
 
     def normalizer(self, draft, batch, step: int, *, training: bool) -> torch.Tensor:
         valid = self._targets(draft, batch, step, training)[3]
-        return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
+        return self.weight_sum(valid)  # DFlash.weight_sum
 
     def _forward_with(self, draft, batch, anchors, keep, normalizer: Optional[torch.Tensor], head_loss: Callable):
         """The draft's forward over the micro-batch's blocks with ``head_loss(module, hidden, normalizer)``

@@ -20,7 +20,10 @@ What the public implementations do, and what we do:
   any assistant token in the window, also past a gap (a user turn in between); a draft never has
   to cross a turn boundary, so we stop at the first gap.
 * Weights: ``exp(-(k - 1) / gamma)`` for k >= 1, 0 for the anchor (reference gamma: 7 for K=16,
-  5 for K=10, 4 for K=8); loss = weighted sum / sum of weights of the counted rows.
+  5 for K=10, 4 for K=8); loss = weighted sum / sum of weights of the counted rows. Or D-PACE
+  (``draft.loss_weighting=dpace``, :func:`dpace_weights`): row k weighs the expected accepted drafts
+  it leads to, from the draft's own (smoothed, detached) probability of each row's label; loss =
+  weighted sum / counted rows (speculators' normalization; the weights are known only after the forward).
 * Metrics travel as raw sums ``counts[K, 4]`` (columns :data:`COUNTERS`), reduced once, turned into
   rates by :func:`metrics_from_counts`: per-position accuracy, and the simulated acceptance
   length of a block (1 + leading run of correct drafts, the run stopping at the first wrong or
@@ -37,7 +40,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["COUNTERS", "anchor_keys", "positions_in_sample", "sample_anchors", "local_anchors", "build_block_ids",
-           "next_token_labels", "block_targets", "decay_weights", "block_loss", "dflash_loss", "metrics_from_counts"]
+           "next_token_labels", "block_targets", "decay_weights", "dpace_weights", "loss_weights", "block_loss",
+           "dflash_loss", "metrics_from_counts"]
 
 COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
 
@@ -173,6 +177,35 @@ def decay_weights(block_size: int, gamma: Optional[float], device: torch.device)
     return w * (k > 0)
 
 
+def dpace_weights(conf_BNK: torch.Tensor, valid_BNK: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's position weights ``[B, N, K]`` (no gradient), as speculators' ``dpace_loss_decay``: the
+    smoothed confidence ``s_k = (1 - alpha) conf_k + alpha`` of each counted row (1 elsewhere), its prefix
+    product ``P_j = prod_{i <= j} s_i`` (the chance the drafts up to j are all accepted), and row k's
+    weight ``sum_{j >= k} P_j`` over counted rows j: the accepted drafts that row k's being right leads to.
+    ``conf_BNK``: the draft's probability of each row's label (``exp(-CE)``); ``alpha`` in (0, 1]
+    (1: every weight the count of counted rows from k on)."""
+    with torch.no_grad():
+        v = valid_BNK.bool()
+        conf = conf_BNK.to(torch.promote_types(conf_BNK.dtype, torch.float32))
+        smooth = torch.where(v, (1.0 - alpha) * conf + alpha, 1.0)
+        reach = smooth.cumprod(-1) * v
+        return reach.flip(-1).cumsum(-1).flip(-1) * v
+
+
+def loss_weights(valid_BNK: torch.Tensor, gamma: Optional[float], normalizer: Optional[torch.Tensor],
+                 dpace_alpha: Optional[float] = None, label_p_BNK: Optional[torch.Tensor] = None,
+                 first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, normalizer)`` of a block loss's rows (``[..., K]``, block rows ``first_row ..``): the decay
+    (``decay_weights``) and the sum of the counted rows' weights, or with ``dpace_alpha`` D-PACE's
+    weights from ``label_p_BNK`` (the draft's probability of each row's label) and the counted rows'
+    number. A given ``normalizer`` (the global one) is kept."""
+    if dpace_alpha is None:
+        w = decay_weights(valid_BNK.shape[-1] + first_row, gamma, valid_BNK.device)[first_row:]
+        return w, (valid_BNK * w).sum() if normalizer is None else normalizer
+    w = dpace_weights(label_p_BNK, valid_BNK, dpace_alpha)
+    return w, valid_BNK.float().sum() if normalizer is None else normalizer
+
+
 def _chunk_terms(logits_fn, hidden, labels, valid):
     logits = logits_fn(hidden).float()
     ce = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
@@ -197,19 +230,16 @@ def chunked(terms: Callable, head, args: tuple, *extra, chunk_blocks: int = 0) -
 
 def block_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden_BNKH: torch.Tensor,
                labels_BNK: torch.Tensor, valid_BNK: torch.Tensor, gamma: Optional[float],
-               normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
-    """Decayed block cross-entropy -> ``(loss, counts[K, 4])``.
+               normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0, dpace_alpha: Optional[float] = None):
+    """Decayed (or, with ``dpace_alpha``, D-PACE-weighted) block cross-entropy -> ``(loss, counts[K, 4])``.
 
-    ``normalizer``: the global sum of weights over every micro-batch and rank (so gradients add up);
-    default this call's own. ``chunk_blocks > 0`` computes the logits that many blocks at a time and
-    recomputes them in backward (never holds ``N*K x V`` logits at once).
+    ``normalizer``: the global sum of weights (D-PACE: of counted rows) over every micro-batch and rank
+    (so gradients add up); default this call's own. ``chunk_blocks > 0`` computes the logits that many
+    blocks at a time and recomputes them in backward (never holds ``N*K x V`` logits at once).
     """
     K = labels_BNK.shape[-1]
-    w = decay_weights(K, gamma, hidden_BNKH.device)
     ce, correct = chunked(_chunk_terms, logits_fn, (hidden_BNKH, labels_BNK, valid_BNK), chunk_blocks=chunk_blocks)
-    weight = valid_BNK * w
-    if normalizer is None:
-        normalizer = weight.sum()
+    w, normalizer = loss_weights(valid_BNK, gamma, normalizer, dpace_alpha, torch.exp(-ce.detach()))
     loss = (ce * w).sum() / normalizer.clamp_min(1e-12)
     with torch.no_grad():
         run = correct.clone()

@@ -113,7 +113,7 @@ class DFlash2(ShiftedBlocks, DFlash):
         def head_loss(module, hidden, norm):
             return dflash2_block_loss(module, hidden, batch, labels, valid, prev_pos, gamma=d.loss_gamma,
                                       kl_weight=d.kl_weight, ce_weight=d.ce_weight, selector_weight=d.selector_weight,
-                                      normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
+                                      normalizer=norm, chunk_blocks=CHUNK_BLOCKS, dpace_alpha=self.dpace_alpha)
 
         return self._forward_with(draft, batch, anchors, keep, normalizer, head_loss)
 
@@ -121,7 +121,7 @@ class DFlash2(ShiftedBlocks, DFlash):
         return (self.opt.block_size + int(self.opt.sample_from_anchor), 8)
 
     def metrics(self, counts: torch.Tensor) -> dict[str, float]:
-        return dflash2_metrics(counts, self.opt.loss_gamma, self.opt.selector_top_k)
+        return dflash2_metrics(counts, self.decay_gamma, self.opt.selector_top_k)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         return dflash2_step(draft.config, shape.B, shape.T,

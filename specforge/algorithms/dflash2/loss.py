@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
-from specforge.algorithms.dflash.loss import decay_weights
+from specforge.algorithms.dflash.loss import decay_weights, loss_weights
+from specforge.kernels.losses import forward_kl
 
 __all__ = ["COUNTERS", "training_candidates", "dflash2_block_loss", "dflash2_metrics"]
 
@@ -54,7 +55,8 @@ def training_candidates(top_ids: torch.Tensor, labels: torch.Tensor):
 
 
 def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, ce_weight: float):
-    """Per predicted row: (main, sel, selector correct, unary correct, recall), zero where not counted."""
+    """Per predicted row: (main, sel, selector correct, unary correct, recall, the unary head's probability of
+    the label: D-PACE's confidence), zero where not counted."""
     unary = draft.logits(hidden)
     logq = F.log_softmax(unary.float(), dim=-1)
     v = valid.float()
@@ -64,7 +66,7 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, 
     if kl_weight:
         with torch.no_grad():
             logp = F.log_softmax(draft.logits(teacher).float(), dim=-1)
-        main = main + kl_weight * F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)
+        main = main + kl_weight * forward_kl(unary, logp)
     sel_mod = draft.candidate_selector
     cand, slot, contains = training_candidates(unary.detach().topk(sel_mod.top_k, dim=-1).indices, labels)
     scores = sel_mod.scores(unary, hidden, prev, cand).float()
@@ -73,26 +75,27 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, 
         picked = cand.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         correct = (picked == labels) & contains & valid  # a label injected for training is never drafted
         unary_correct = (logq.argmax(-1) == labels) & valid
-    return main * v, sel * v, correct, unary_correct, contains & valid
+        label_p = logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1).exp()
+    return main * v, sel * v, correct, unary_correct, contains & valid, label_p * v
 
 
 def dflash2_block_loss(draft, hidden_BNKH: torch.Tensor, batch, labels_BNR, valid_BNR, prev_pos_BNJ, *,
                        gamma: Optional[float], kl_weight: float, ce_weight: float, selector_weight: float,
-                       normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
+                       normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0,
+                       dpace_alpha: Optional[float] = None):
     """``(loss, counts[R, 8])`` of one micro-batch (the module docstring). ``batch``: its
     ``input_ids_BT`` and, with a KL term, ``last_hidden_BTH``. ``chunk_blocks > 0``: that many blocks'
-    full-vocab logits at a time, recomputed in backward."""
+    full-vocab logits at a time, recomputed in backward. ``dpace_alpha``: D-PACE's weights
+    (``dflash.loss.dpace_weights``, from the unary head's probability of the label) instead of the decay."""
     R = valid_BNR.shape[-1]
     shift = R - draft.config.block_size
     hidden = hidden_BNKH[:, :, 1 - shift:]  # the draft rows that predict token rows 1 .. R-1
     labels, valid = labels_BNR[..., 1:], valid_BNR[..., 1:]
     prev = rows_at(batch.input_ids_BT, prev_pos_BNJ)
     teacher = rows_at(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden.dtype) if kl_weight else None
-    main, sel, correct, unary_correct, recall = chunked(_chunk_terms, draft, (hidden, prev, teacher, labels, valid),
-                                                        kl_weight, ce_weight, chunk_blocks=chunk_blocks)
-    w = decay_weights(R, gamma, hidden.device)[1:]
-    if normalizer is None:
-        normalizer = (valid * w).sum()
+    main, sel, correct, unary_correct, recall, label_p = chunked(
+        _chunk_terms, draft, (hidden, prev, teacher, labels, valid), kl_weight, ce_weight, chunk_blocks=chunk_blocks)
+    w, normalizer = loss_weights(valid, gamma, normalizer, dpace_alpha, label_p, first_row=1)
     total = main + selector_weight * sel
     loss = (total * w).sum() / normalizer.clamp_min(1e-12)
     with torch.no_grad():

@@ -93,7 +93,8 @@ class DSpark(ShiftedBlocks, DFlash):
         def head_loss(module, hidden, norm):
             return dspark_block_loss(module, hidden, batch, anchors, labels, valid, prev_pos, gamma=d.loss_gamma,
                                      kl_weight=d.kl_weight, ce_weight=d.ce_weight,
-                                     confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS)
+                                     confidence_weight=d.confidence_weight, normalizer=norm, chunk_blocks=CHUNK_BLOCKS,
+                                     dpace_alpha=self.dpace_alpha)
 
         return self._forward_with(draft, batch, anchors, keep, normalizer, head_loss)
 
@@ -102,7 +103,7 @@ class DSpark(ShiftedBlocks, DFlash):
 
     def metrics(self, counts: torch.Tensor) -> dict[str, float]:
         d = self.opt
-        return dspark_metrics(counts, d.loss_gamma, d.confidence_weight, d.confidence_head,
+        return dspark_metrics(counts, self.decay_gamma, d.confidence_weight, d.confidence_head,
                               teacher=bool(d.kl_weight) or d.confidence_head)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
-from specforge.algorithms.dflash.loss import decay_weights
+from specforge.algorithms.dflash.loss import decay_weights, loss_weights
+from specforge.kernels.losses import forward_kl
 
 __all__ = ["COUNTERS", "dspark_block_loss", "dspark_metrics"]
 
@@ -51,7 +52,8 @@ COUNTERS = ("loss_sum", "valid", "correct", "accepted", "conf_bce_sum", "conf_ab
 
 
 def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, ce_weight: float):
-    """Per predicted row: (main loss, bce, greedy correct, c*, |sigmoid(conf) - c*|), zero where not counted."""
+    """Per predicted row: (main loss, bce, greedy correct, c*, |sigmoid(conf) - c*|, the draft's probability
+    of the label: D-PACE's confidence), zero where not counted."""
     logits, conf = draft.head(hidden, prev)
     logq = F.log_softmax(logits.float(), dim=-1)
     v = valid.float()
@@ -63,7 +65,7 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, 
         with torch.no_grad():
             logp = F.log_softmax(draft.logits(teacher).float(), dim=-1)
         if kl_weight:
-            main = main + kl_weight * F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)
+            main = main + kl_weight * forward_kl(logits, logp)
         with torch.no_grad():
             accept = torch.minimum(logq.exp(), logp.exp()).sum(-1)
         if conf is not None:
@@ -71,14 +73,18 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, 
             with torch.no_grad():
                 err = (torch.sigmoid(conf.float()) - accept).abs()
     correct = (logq.argmax(-1) == labels) & valid
-    return main * v, bce * v, correct, accept * v, err * v
+    with torch.no_grad():
+        label_p = logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1).exp()
+    return main * v, bce * v, correct, accept * v, err * v, label_p * v
 
 
 def dspark_block_loss(draft, hidden_BNKH: torch.Tensor, batch, anchors_BN, labels_BNR, valid_BNR, prev_pos_BNJ,
                       *, gamma: Optional[float], kl_weight: float, ce_weight: float, confidence_weight: float,
-                      normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
+                      normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0,
+                      dpace_alpha: Optional[float] = None):
     """``(loss, counts[R, 7])`` of one micro-batch (see the module docstring). ``hidden_BNKH``: the
     backbone's rows; ``batch``: its ``input_ids_BT`` and ``last_hidden_BTH`` (the teacher).
+    ``dpace_alpha``: D-PACE's weights (``dflash.loss.dpace_weights``) instead of the decay.
     ``chunk_blocks > 0``: that many blocks' full-vocab logits at a time, recomputed in backward."""
     c = draft.config
     R = valid_BNR.shape[-1]
@@ -88,11 +94,9 @@ def dspark_block_loss(draft, hidden_BNKH: torch.Tensor, batch, anchors_BN, label
     prev = rows_at(batch.input_ids_BT, prev_pos_BNJ)
     need_teacher = bool(kl_weight) or draft.confidence_head is not None
     teacher = rows_at(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden.dtype) if need_teacher else None
-    main, bce, correct, accept, err = chunked(_chunk_terms, draft, (hidden, prev, teacher, labels, valid), kl_weight,
-                                              ce_weight, chunk_blocks=chunk_blocks)
-    w = decay_weights(R, gamma, hidden.device)[1:]
-    if normalizer is None:
-        normalizer = (valid * w).sum()
+    main, bce, correct, accept, err, label_p = chunked(_chunk_terms, draft, (hidden, prev, teacher, labels, valid),
+                                                       kl_weight, ce_weight, chunk_blocks=chunk_blocks)
+    w, normalizer = loss_weights(valid, gamma, normalizer, dpace_alpha, label_p, first_row=1)
     alpha = confidence_weight if draft.confidence_head is not None else 0.0
     loss = ((main + alpha * bce) * w).sum() / normalizer.clamp_min(1e-12)
     with torch.no_grad():

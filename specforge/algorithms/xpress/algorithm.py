@@ -124,7 +124,7 @@ class XPress(ShiftedBlocks, DFlash):
         def head_loss(module, hidden, norm):
             return xpress_block_loss(module, hidden, batch, labels, valid, prev_pos, prev, gamma=d.loss_gamma,
                                      mix=LossMix.of(d), ce_labels_BNR=ce_labels, normalizer=norm,
-                                     chunk_blocks=CHUNK_BLOCKS)
+                                     chunk_blocks=CHUNK_BLOCKS, dpace_alpha=self.dpace_alpha)
 
         return self._forward_with(draft, batch, anchors, keep, normalizer, head_loss)
 
@@ -132,7 +132,7 @@ class XPress(ShiftedBlocks, DFlash):
         return (self.opt.block_size + int(self.opt.sample_from_anchor), 8)
 
     def metrics(self, counts: torch.Tensor) -> dict[str, float]:
-        return xpress_metrics(counts, self.opt.loss_gamma)
+        return xpress_metrics(counts, self.decay_gamma)
 
     def memory_step(self, draft, shape, precision, gpu: bool) -> dict:
         d = self.opt

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
-from specforge.algorithms.dflash.loss import decay_weights
+from specforge.algorithms.dflash.loss import decay_weights, loss_weights
 from specforge.kernels.losses import forward_kl, loss_reference
 
 from .model import jacobi_prev
@@ -95,7 +95,8 @@ def teacher_prev(input_ids_BT: torch.Tensor, anchors_BN: torch.Tensor, block_siz
 
 
 def _chunk_terms(draft, hidden, prev, teacher, labels, ce_labels, valid, mix: LossMix):
-    """Per predicted row: (d_tf, mean_j d_j, d_base, refined correct, base correct), zero where not counted."""
+    """Per predicted row: (d_tf, mean_j d_j, d_base, refined correct, base correct, the teacher-forced refined
+    head's probability of the label: D-PACE's confidence), zero where not counted."""
     shift = draft.config.shift
     head = draft.refiner_head
     base = draft.logits(hidden)  # [B, n, K, V]
@@ -129,27 +130,28 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, ce_labels, valid, mix: Lo
     with torch.no_grad():
         correct = (refined[..., rows, :].argmax(-1) == labels) & valid
         base_correct = (base[..., rows, :].argmax(-1) == labels) & valid
-    return d_tf * v, d_cons * v, d_base * v, correct, base_correct
+        label_p = F.log_softmax(refined[..., rows, :].float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1).exp()
+    return d_tf * v, d_cons * v, d_base * v, correct, base_correct, label_p * v
 
 
 def xpress_block_loss(draft, hidden_BNKH: torch.Tensor, batch, labels_BNR, valid_BNR, prev_pos_BNJ, prev_BNK, *,
                       gamma: Optional[float], mix: LossMix, ce_labels_BNR=None,
-                      normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0):
+                      normalizer: Optional[torch.Tensor] = None, chunk_blocks: int = 0,
+                      dpace_alpha: Optional[float] = None):
     """``(loss, counts[R, 8])`` of one micro-batch (the module docstring). ``batch``: its
     ``last_hidden_BTH`` (with a TV or KL term); ``prev_pos_BNJ`` the teacher's rows (``shifted_targets``);
     ``prev_BNK`` the teacher-forced
     previous tokens (:func:`teacher_prev`); ``ce_labels_BNR`` the CE's labels where they are not
     ``labels``. ``chunk_blocks > 0``: that many blocks' full-vocab logits at a time, recomputed in
-    backward (the refiner is per block, so chunks over blocks are exact)."""
-    R = valid_BNR.shape[-1]
+    backward (the refiner is per block, so chunks over blocks are exact). ``dpace_alpha``: D-PACE's weights
+    (``dflash.loss.dpace_weights``, from the teacher-forced refined head) instead of the decay."""
     labels, valid = labels_BNR[..., 1:], valid_BNR[..., 1:]
     ce_labels = labels if ce_labels_BNR is None else ce_labels_BNR[..., 1:]
     teacher = rows_at(batch.last_hidden_BTH, prev_pos_BNJ).to(hidden_BNKH.dtype) if mix.tv or mix.kl else None
-    w = decay_weights(R, gamma, hidden_BNKH.device)[1:]
     args = (hidden_BNKH, prev_BNK, teacher, labels, ce_labels, valid)
-    d_tf, d_cons, d_base, correct, base_correct = chunked(_chunk_terms, draft, args, mix, chunk_blocks=chunk_blocks)
-    if normalizer is None:
-        normalizer = (valid * w).sum()
+    d_tf, d_cons, d_base, correct, base_correct, label_p = chunked(_chunk_terms, draft, args, mix,
+                                                                   chunk_blocks=chunk_blocks)
+    w, normalizer = loss_weights(valid, gamma, normalizer, dpace_alpha, label_p, first_row=1)
     w_anchor = valid.float() if mix.anchor_full else w
     total = (d_tf + mix.consistency * d_cons) * w + mix.anchor * d_base * w_anchor
     loss = total.sum() / normalizer.clamp_min(1e-12)
