@@ -115,6 +115,10 @@ class TrainConfig:
     # the draft's row loss against the target's distribution (kernels/losses.py): forward KL (the soft
     # cross-entropy), total variation, LK's alpha (nla) and lambda (lk_hybrid) forms, reverse KL, Jensen-Shannon
     loss: Literal["kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd"] = "kl_div"
+    # adamw, or muon (torch.optim.Muon) for the hidden weight matrices with AdamW for the rest (training/optim.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: Optional[float] = None  # Muon's learning rate (None = train.lr: its update is scaled to AdamW's RMS)
+    muon_weight_decay: float = 0.1  # Muon's decoupled weight decay (torch's and speculators' default)
     max_grad_norm: float = 0.5
     batch_size: int = 1  # sequences per data-parallel rank per micro-step
     grad_accum: int = 1
@@ -488,7 +492,7 @@ _AT_LEAST = {
     "model.argmax_chunk_tokens": 1, "model.num_gpus": 1, "data.max_length": 8, "data.max_samples": 1,
     "data.num_eval": 0, "data.num_proc": 1, "draft.intermediate_size": 1,
     "draft.num_attention_heads": 1, "draft.num_key_value_heads": 1, "draft.head_dim": 1,
-    "train.warmup_steps": 0, "train.weight_decay": 0, "train.batch_size": 1,
+    "train.warmup_steps": 0, "train.weight_decay": 0, "train.muon_weight_decay": 0, "train.batch_size": 1,
     "train.grad_accum": 1,
     "train.max_steps": 1, "train.num_threads": 1, "train.num_workers": 1, "train.max_restarts": 0, "train.log_every": 1,
     "train.eval_every": 0, "rollout.num_workers": 1, "rollout.max_restarts": 0, "parallel.sp_ulysses": 1,
@@ -497,9 +501,9 @@ _AT_LEAST = {
     "regenerate.temperature": 0, "regenerate.batch_size": 1, "regenerate.num_workers": 1,
     "regenerate.max_samples": 1, "regenerate.max_turns": 1,
 }
-_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.adam_eps", "train.max_grad_norm",
-             "train.max_minutes", "train.epochs", "parallel.timeout_s", "parallel.setup_timeout_s",
-             "placement.max_inflight_mb", "store.shard_mb", "regenerate.timeout_s")
+_POSITIVE = ("draft.rope_theta", "draft.rms_norm_eps", "train.lr", "train.adam_eps", "train.muon_lr",
+             "train.max_grad_norm", "train.max_minutes", "train.epochs", "parallel.timeout_s",
+             "parallel.setup_timeout_s", "placement.max_inflight_mb", "store.shard_mb", "regenerate.timeout_s")
 _UNIT = {"train.min_lr_ratio": "[0, 1]", "regenerate.top_p": "(0, 1]"}
 
 

@@ -46,12 +46,14 @@ from specforge.runtime.loop import check
 from specforge.runtime.loop import single_process as one_rank
 from specforge.runtime.plan import wire_dtype
 from specforge.targets import check_target, family_of, text_config
+from specforge.training.optim import muon_params
 
 # Bits per converted weight of a quantized checkpoint as shipped (mxfp4: 4-bit values + an 8-bit scale
 # per 32; fp8: one byte, its per-block scales negligible). Embeddings, the lm_head, biases, norms and
 # the checkpoint's modules_to_not_convert stay in model.dtype.
 SHIPPED_BITS = {"mxfp4": 4.25, "fp8": 8.0, "fbgemm_fp8": 8.0}
 OPTIMIZER_BYTES = 12  # per trainable parameter: fp32 gradient + AdamW's two fp32 moments
+MUON_SAVING = 4  # per parameter Muon takes (train.optimizer=muon): one fp32 momentum, not AdamW's two
 MASTER_BYTES = 4  # per draft parameter: fp32 weights
 H100_80GB = memory.H100_80GB  # the verdict without a GPU or key
 
@@ -185,7 +187,11 @@ def dry_run(cfg: Config, target_config: Optional[str] = None, single_process: bo
     shards = cfg.train.num_workers  # FSDP2 shards the trainable draft over every dp x sp train rank
     frozen_bytes = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
     # the frozen params (the target's embedding) are FSDP2's ignored_params: a full replica on every rank
-    draft_per_rank = -(-((MASTER_BYTES + OPTIMIZER_BYTES) * d_train) // shards) + frozen_bytes + s_bytes
+    d_muon = 0
+    if cfg.train.optimizer == "muon":
+        d_muon = sum(p.numel() for p in muon_params(draft.named_parameters())[0])
+    draft_per_rank = (-(-((MASTER_BYTES + OPTIMIZER_BYTES) * d_train - MUON_SAVING * d_muon) // shards)
+                      + frozen_bytes + s_bytes)
 
     mode = cfg.placement.mode  # single process: colocated or offline (runtime.loop.single_process)
     split = _target_split(cfg, hf_config, dtype, target)

@@ -237,7 +237,9 @@ def forward_terms(t: TargetDims, B: int, T: int, aux_layers: int, chunk_tokens: 
 @dataclass(frozen=True)
 class DraftParams:
     """The draft's parameters as FSDP2 places them: ``trainable`` numel (sharded), ``frozen`` bytes
-    (whole on every rank), buffers' bytes, the largest trainable tensor's numel (a save gathers it)."""
+    (whole on every rank), buffers' bytes, the largest trainable tensor's numel (a save gathers it);
+    with ``train.optimizer=muon`` the numel Muon takes (one fp32 momentum each, not AdamW's two), its
+    largest matrix's numel and its largest Gram matrix's (``min(A, B)**2``)."""
 
     trainable: int
     frozen_bytes: int
@@ -245,11 +247,20 @@ class DraftParams:
     largest: int
 
     tables16: bool = False  # the frozen tables held in 16 bits (models.layers.hold_frozen_tables)
+    muon: int = 0
+    muon_largest: int = 0
+    muon_gram: int = 0
 
     @classmethod
-    def of(cls, draft, tables16: bool = False) -> "DraftParams":
+    def of(cls, draft, tables16: bool = False, optimizer: str = "adamw") -> "DraftParams":
         """``tables16``: the run computes under a bf16 autocast from a bf16 target, so the trainer holds
-        the frozen fp32 tables (``models.layers.frozen_tables``) in bf16: 2 bytes an element."""
+        the frozen fp32 tables (``models.layers.frozen_tables``) in bf16: 2 bytes an element.
+        ``optimizer``: ``train.optimizer``."""
+        muon = []
+        if optimizer == "muon":
+            from specforge.training.optim import muon_params  # lazy: keeps specforge.memory torch-free
+
+            muon = muon_params(draft.named_parameters())[0]
         train = [p for p in draft.parameters() if p.requires_grad]
         frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
         if tables16:
@@ -258,7 +269,8 @@ class DraftParams:
             frozen -= sum(m.weight.numel() * (m.weight.element_size() - 2) for m in frozen_tables(draft)
                           if m.weight.element_size() == 4)
         return cls(sum(p.numel() for p in train), frozen, sum(b.numel() * b.element_size() for b in draft.buffers()),
-                   max((p.numel() for p in train), default=0), tables16)
+                   max((p.numel() for p in train), default=0), tables16, sum(p.numel() for p in muon),
+                   max((p.numel() for p in muon), default=0), max((min(p.shape) ** 2 for p in muon), default=0))
 
 
 def train_phases(params: DraftParams, p: StepPrecision, step: dict[str, list[Term]], features: int,
@@ -286,7 +298,12 @@ def train_phases(params: DraftParams, p: StepPrecision, step: dict[str, list[Ter
     if late:
         phases["backward (decoder layers)"] = unsharded + late + grads + feats
     sharded_grads = Term("grads (fp32, sharded)" if W > 1 else "grads (fp32)", 4 * shard)
-    phases["optimizer step"] = [sharded_grads, Term("AdamW foreach temporaries (fp32)", 4 * shard)] + feats
+    phases["optimizer step"] = [sharded_grads, Term("AdamW foreach temporaries (fp32)",
+                                                    4 * -(-(P - params.muon) // W))] + feats
+    if params.muon:  # training/optim.py: each matrix orthogonalized whole, one at a time
+        m, g = params.muon_largest, params.muon_gram
+        phases["optimizer step"].append(Term("Muon: the largest matrix orthogonalized whole (fp32 update, bf16 "
+                                             "iterates, Gram matrices)", 4 * m + 3 * 2 * m + 2 * 2 * g))
     phases["checkpoint save"] = [sharded_grads, Term("the largest tensor gathered whole on the writer (fp32)",
                                                      4 * params.largest * (2 if W > 1 else 1))]
     return phases
@@ -294,11 +311,15 @@ def train_phases(params: DraftParams, p: StepPrecision, step: dict[str, list[Ter
 
 def draft_held(params: DraftParams, p: StepPrecision, state_bytes: int) -> list[Term]:
     shard = -(-params.trainable // p.world)
+    muon = -(-params.muon // p.world)
     where = f"sharded over {p.world}" if p.world > 1 else "one rank"
+    moments = [Term(f"AdamW m, v (fp32, {where})", 8 * (shard - muon))]
+    if params.muon:
+        moments.append(Term(f"Muon momentum (fp32, {where})", 4 * muon))
     return [Term(f"draft params (fp32, {where})", 4 * shard),
             Term("frozen draft params (full replica on every rank, fp32" + ("; the tables bf16)" if params.tables16
                                                                              else ")"), params.frozen_bytes),
-            Term(f"AdamW m, v (fp32, {where})", 8 * shard),
+            *moments,
             Term("buffers (d2t, t2d, RoPE) + train state (teacher rows, fp32)", params.buffer_bytes + state_bytes)]
 
 
@@ -394,7 +415,7 @@ def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares:
                       recompute_mlp=tr.recompute_mlp)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo() - 1, 0))
-    params = DraftParams.of(draft, tables16=p.tables16)
+    params = DraftParams.of(draft, tables16=p.tables16, optimizer=tr.optimizer)
     # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
     # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
     # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)

@@ -1,4 +1,20 @@
-"""AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
+"""The optimizer (``train.optimizer``: AdamW, or Muon for the hidden matrices with AdamW for the rest) with
+linear warmup then cosine decay to ``min_lr_ratio`` of each group's learning rate.
+
+Muon (``torch.optim.Muon``, Keller Jordan's; speculators' default optimizer) orthogonalizes each hidden
+weight matrix's momentum by Newton-Schulz iterations; embeddings, vocabulary heads and factors, norms and
+biases stay with AdamW (:func:`muon_params`, speculators' split plus XPress's ``readout``). Its constants
+are speculators': momentum 0.95 (Nesterov), 5 iterations, the update scaled to AdamW's RMS
+(``match_rms_adamw``: 0.2 sqrt(max(A, B))), so ``train.muon_lr`` defaults to ``train.lr``.
+
+Under FSDP2 a matrix is a DTensor sharded on its rows: Muon's iterations run as DTensor ops, whose
+sharding rules gather what each product needs (the Gram matrix ``X X^T`` of a row-sharded X is a
+contraction over the unsharded dim, reduced across ranks), so every rank orthogonalizes the whole
+matrix, not its shard (``tests/test_muon.py`` checks two gloo ranks against one process).
+
+Both run as ONE ``torch.optim.Optimizer`` (:class:`MuonAdamW`): one state dict for checkpoints and DCP,
+one schedule over both groups' learning rates.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +32,73 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, cfg: TrainConfig,
+MUON_MOMENTUM, MUON_NS_STEPS, MUON_ADJUST_LR = 0.95, 5, "match_rms_adamw"
+# 2-D parameters that stay with AdamW by name: token tables and vocabulary-sized heads and factors
+ADAMW_NAMES = ("embed", "lm_head", "markov", "codebook", "readout")
+
+
+def muon_params(named) -> tuple[list, list]:
+    """``(muon, adamw)``: the trainable parameters of ``named`` (name, parameter) split for Muon: a 2-D
+    matrix (both dims > 1) whose name has none of ``ADAMW_NAMES`` goes to Muon, the rest to AdamW."""
+    muon, adamw = [], []
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        hidden = p.ndim == 2 and min(p.shape) > 1 and not any(h in name for h in ADAMW_NAMES)
+        (muon if hidden else adamw).append(p)
+    return muon, adamw
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` over ``muon`` and ``torch.optim.AdamW`` over ``adamw``, as one optimizer: its
+    ``param_groups`` are theirs (Muon's first) and its ``state`` is theirs too (one dict, shared), so a
+    state dict, DCP's full optimizer state and a scheduler see every parameter once."""
+
+    def __init__(self, muon: list, adamw: list, muon_kw: dict, adamw_kw: dict):
+        self.parts = [opt(ps, **kw) for opt, ps, kw in ((torch.optim.Muon, muon, muon_kw),
+                                                         (torch.optim.AdamW, adamw, adamw_kw)) if ps]
+        if not self.parts:
+            raise ValueError("no trainable parameter to optimize")
+        super().__init__([g for part in self.parts for g in part.param_groups], {})
+        self._link()
+
+    def _link(self) -> None:
+        """Point each part at its slice of this optimizer's groups and at its one state dict (again after
+        a load, which replaces both)."""
+        i = 0
+        for part in self.parts:
+            n = len(part.param_groups)
+            part.param_groups, part.state = self.param_groups[i:i + n], self.state
+            i += n
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts:
+            part.step()
+        return loss
+
+
+def build_optimizer(named_params, cfg: TrainConfig,
                     total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable ``params``; the schedule spans ``total_steps``."""
-    params = [p for p in params if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
+    """``train.optimizer`` over the trainable parameters of ``named_params`` ((name, parameter) pairs, or
+    bare parameters for AdamW alone); the schedule spans ``total_steps``."""
+    named = [np if isinstance(np, tuple) else ("", np) for np in named_params]
+    adamw_kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "muon":
+        muon, adamw = muon_params(named)
+        muon_kw = dict(lr=cfg.lr if cfg.muon_lr is None else cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
+                       momentum=MUON_MOMENTUM, nesterov=True, ns_steps=MUON_NS_STEPS, adjust_lr_fn=MUON_ADJUST_LR)
+        opt = MuonAdamW(muon, adamw, muon_kw, adamw_kw)
+    else:
+        opt = torch.optim.AdamW([p for _, p in named if p.requires_grad], **adamw_kw)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     )

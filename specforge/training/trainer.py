@@ -71,6 +71,9 @@ def build_vocab(algo: Training, cfg: Config, train_rows, target_vocab_size: int,
 # resumes only into a run with the same values (a restored scheduler would silently keep the old LR).
 RESUME_KEYS = ("train.seed", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
                "train.weight_decay", "train.betas", "train.max_grad_norm", "train.precision")
+# keys that change the math, added after checkpoints were written: recorded only off their defaults, so
+# those checkpoints still resume
+LATER_KEYS = ("train.adam_eps", "train.loss", "train.optimizer", "train.muon_lr", "train.muon_weight_decay")
 
 
 def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftVocab, facts: dict,
@@ -90,9 +93,7 @@ def run_identity(algo: Training, cfg: Config, target: TargetModel, vocab: DraftV
         **facts,
         "total_steps": total_steps,
         **{k: get(k) for k in RESUME_KEYS},
-        # train.adam_eps came later: recorded only off its default, so older checkpoints still resume
-        **({"train.adam_eps": cfg.train.adam_eps} if cfg.train.adam_eps != TrainConfig.adam_eps else {}),
-        **({"train.loss": cfg.train.loss} if cfg.train.loss != TrainConfig.loss else {}),  # came later, as adam_eps
+        **{k: get(k) for k in LATER_KEYS if get(k) != getattr(TrainConfig, k.split(".")[1])},
         **algo.identity(),
     }
 
@@ -128,7 +129,7 @@ class DraftTrainer:
         # the target's tables the draft copied (frozen) held in the autocast dtype when it holds them exactly
         hold_frozen_tables(draft, self.amp_dtype)
         set_mlp_recompute(draft, cfg.train.recompute_mlp)
-        self.optimizer, self.scheduler = build_optimizer(draft.parameters(), cfg.train,
+        self.optimizer, self.scheduler = build_optimizer(draft.named_parameters(), cfg.train,
                                                          total_steps or cfg.train.max_steps)
         self.step_count = 0
 
