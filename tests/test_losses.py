@@ -8,6 +8,9 @@ the compared values). Each equality has a control: another kind's loss, or a gra
 term left out, fails the same comparison.
 """
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 
@@ -137,13 +140,79 @@ def test_nla_has_no_gradient_below_its_floor():
     assert G.abs().max() == 0
 
 
-def test_the_kernel_refuses_a_loss_it_does_not_compute():
+# ---------------------------------------------------------------- the fused kernel (Triton's interpreter)
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed: the loss kernels run in Triton's interpreter")
+
+
+@pytest.fixture(scope="module")
+def interpret():
+    """``TRITON_INTERPRET=1`` with both kernel modules imported under it (``triton.jit`` reads it when it
+    decorates), forgotten after; as tests/test_soft_ce_kernel.py does."""
+    names = ("specforge.kernels.losses_triton", "specforge.kernels.soft_ce_triton")
+    for name in names:
+        if name in sys.modules and not sys.modules[name].INTERPRETED:
+            pytest.skip("a kernel module was compiled for a GPU earlier in this process")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+    for name in names:
+        sys.modules.pop(name, None)
+        vars(sys.modules["specforge.kernels"]).pop(name.rsplit(".", 1)[1], None)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fused_kernel_equals_loss_rows(kind, interpret):
+    """One kernel a call (a vocabulary of 150: two full 64-column tiles and a ragged one; logits at
+    ordinary and at 3e4 scale, where exp overflows without the max): loss, argmax, acceptance and the
+    logit gradient in fp32 equal ``loss_rows``'s to fp32 rounding of the vocabulary's sums, in bf16 G
+    within a bf16 ulp; the teacher read through ``tidx`` in place. Control: another kind's kernel fails."""
+    from specforge.kernels.losses import loss_rows_fused
+
+    g = torch.Generator().manual_seed(5)
+    for scale in (3.0, 3e4):
+        z = torch.randn(7, 150, generator=g) * scale
+        logp = torch.log_softmax(torch.randn(9, 150, generator=g) * 3, -1)
+        teacher = logp if log_teacher(kind) else logp.exp()
+        tidx = torch.randint(0, 9, (7,), generator=g)
+        want = loss_rows(kind, z.clone(), teacher, tidx)
+        got = loss_rows_fused(kind, z.clone(), teacher, tidx)
+        tol = close_tol(torch.float32, 150, 1.0)
+        torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol * max(1.0, want[0].abs().max().item()))
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[3], want[3], rtol=tol, atol=tol)
+        bf = loss_rows_fused(kind, z.clone(), teacher, tidx, g_dtype=torch.bfloat16)[3]
+        torch.testing.assert_close(bf, want[3].to(torch.bfloat16), rtol=2**-8, atol=1e-6)
+    other = KINDS[(KINDS.index(kind) + 1) % len(KINDS)]
+    o = loss_rows_fused(other, z.clone(), logp if log_teacher(other) else logp.exp(), tidx)
+    assert not (torch.allclose(o[0], want[0]) and torch.allclose(o[3], want[3]))
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["tv", "jsd"])
+def test_the_fused_head_with_the_kernel_equals_it_without(kind, interpret):
+    """``linear_soft_cross_entropy`` (the TTT loss's fused lm_head + loss) with the kernel: loss, row losses,
+    argmax, acceptance and both gradients as without it."""
     from specforge.algorithms.eagle3.loss import linear_soft_cross_entropy
 
-    h, W = torch.randn(4, 8), torch.randn(6, 8)
-    teacher = torch.log_softmax(torch.randn(4, 6), -1)
-    with pytest.raises(ValueError, match="kl_div only, not 'tv'"):
-        linear_soft_cross_entropy(h, W, teacher, torch.arange(4), kernel=True, kind="tv")
+    g = torch.Generator().manual_seed(6)
+    h, W = torch.randn(12, 16, generator=g), torch.randn(150, 16, generator=g) * 0.5
+    teacher = torch.log_softmax(torch.randn(5, 150, generator=g) * 3, -1)
+    tidx = torch.randint(0, 5, (12,), generator=g)
+    outs, grads = [], []
+    for kernel in (False, True):
+        h1, W1 = h.clone().requires_grad_(), W.clone().requires_grad_()
+        loss, *rest = linear_soft_cross_entropy(h1, W1, teacher, tidx, chunk=5, kernel=kernel, kind=kind)
+        loss.backward()
+        outs.append((loss.detach(), *rest))
+        grads.append((h1.grad, W1.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "kl_div"])

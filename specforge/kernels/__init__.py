@@ -9,5 +9,6 @@ Every kernel has a torch twin with the same signature that the tests compare it 
                       per row max, argmax, logsumexp, ``sum(p * z)`` and the logit gradient
                       ``softmax(z) - p``, tiled over the vocabulary; ``soft_ce_triton.py`` holds the kernel.
 * ``losses.py``       every row loss of ``train.loss`` (forward KL, TV, LK's two forms, reverse KL, JSD) and
-                      its logit gradient, in torch: the one place the draft's distillation losses are computed.
+                      its logit gradient, in torch: the one place the draft's distillation losses are computed;
+                      ``loss_rows_fused`` runs them as one kernel (``losses_triton.py``; ``kl_div``: soft_ce's).
 """

@@ -33,6 +33,10 @@ does (``kl_div`` is that function). The teacher rows are probabilities for ``kl_
 kernel reads) and log-probabilities for every other kind (:func:`log_teacher`: a log of an underflowed
 probability would be -inf). :func:`loss_reference` is the plain, differentiable torch form of each
 kind (the tests run it in fp64 under autograd; the reference TTT loss runs it in the step's dtype).
+:func:`loss_rows_fused` is the same as one Triton kernel a call for every kind (``kl_div``: the soft-CE
+kernel, ``soft_ce_triton.py``; the others: ``losses_triton.py``), three passes over the vocabulary per
+row with an online max: no fp32 ``[rows x N]`` tensor besides ``G``. It runs where ``soft_ce.available``
+says (CUDA with triton, or ``TRITON_INTERPRET=1`` on any device); off by default until a GPU measures it.
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ from typing import Optional
 
 import torch
 
+from specforge.kernels import soft_ce
 from specforge.kernels.soft_ce import Outputs, empty_outputs, soft_ce_rows_reference
 
-__all__ = ["KINDS", "DEFAULT", "WORKSET", "NLA_EPS", "LK_ETA", "log_teacher", "loss_rows", "loss_reference",
-           "forward_kl"]
+__all__ = ["KINDS", "DEFAULT", "WORKSET", "NLA_EPS", "LK_ETA", "log_teacher", "loss_rows", "loss_rows_fused",
+           "loss_reference", "forward_kl"]
 
 KINDS = ("kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
 DEFAULT = "kl_div"
@@ -126,6 +131,27 @@ def forward_kl(z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torch.Tensor:
     """Each row's ``KL(p || q)`` itself (differentiable): ``kl_div``'s loss less the teacher's entropy."""
     logq, logp = _logs(z_MN, logp_MN)
     return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def loss_rows_fused(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor,
+                    out: Optional[Outputs] = None, g_dtype: Optional[torch.dtype] = None) -> Outputs:
+    """:func:`loss_rows` as one Triton kernel (fp32 maths; z, the teacher and G in fp32, bf16 or fp16)."""
+    if kind == "kl_div":
+        return soft_ce.soft_ce_rows(z_MN, teacher_PN, tidx_M, out=out, g_dtype=g_dtype)
+    if kind not in KINDS:
+        raise ValueError(_unknown(kind))
+    if not soft_ce.available(z_MN.device):
+        raise ValueError(f"the {kind} loss kernel cannot run on {z_MN.device}: it needs triton and a CUDA device "
+                         "(or TRITON_INTERPRET=1); use loss_rows")
+    outs = empty_outputs(z_MN, g_dtype) if out is None else out
+    soft_ce.check_launch(z_MN, teacher_PN, tidx_M, outs)
+    if z_MN.shape[0]:
+        try:
+            from specforge.kernels import losses_triton  # lazy: optional (ImportError handled)
+        except ImportError as e:
+            raise ValueError(f"the {kind} loss kernel needs triton ({e}): pip install triton") from e
+        losses_triton.launch(kind, z_MN, teacher_PN, tidx_M.contiguous(), *outs, NLA_EPS, LK_ETA)
+    return outs
 
 
 def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torch.Tensor:

@@ -82,13 +82,15 @@ def soft_ce_rows(z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Ten
         raise ValueError(f"the soft-CE kernel cannot run on {z_MN.device}: it needs triton and a CUDA device "
                          "(or TRITON_INTERPRET=1); use soft_ce_rows_reference")
     outs = empty_outputs(z_MN, g_dtype) if out is None else out
-    _check(z_MN, teacher_PN, tidx_M, outs)
+    check_launch(z_MN, teacher_PN, tidx_M, outs)
     if z_MN.shape[0]:
         _kernel_module().launch(z_MN, teacher_PN, tidx_M.contiguous(), *outs)
     return outs
 
 
-def _check(z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor, outs: Outputs) -> None:
+def check_launch(z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor, outs: Outputs) -> None:
+    """What a row-wise loss kernel reads and writes (this one and ``losses_triton``'s): dtypes, unit strides
+    along the vocabulary, matching shapes; a ValueError naming the first that does not hold."""
     ce, pred, acc_p, G = outs
     for name, t in (("z_MN", z_MN), ("teacher_PN", teacher_PN), ("G", G)):
         if t.dtype not in KERNEL_DTYPES:

@@ -64,8 +64,7 @@ from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import apply_rotary
 from specforge.device import loop_chunk
 from specforge.kernels.losses import DEFAULT as DEFAULT_LOSS
-from specforge.kernels.losses import log_teacher, loss_reference, loss_rows
-from specforge.kernels.soft_ce import soft_ce_rows
+from specforge.kernels.losses import log_teacher, loss_reference, loss_rows, loss_rows_fused
 from specforge.models.layers import cast_once
 
 __all__ = [
@@ -204,7 +203,7 @@ class _LinearSoftCE(torch.autograd.Function):
     the incoming scalar. Returns ``(loss_sum, per-row loss, argmax, teacher prob of argmax)``; only
     the first is differentiable. ``teacher[tidx]`` are the rows' target distributions (log-probs for
     every kind but ``kl_div``). The row-wise part runs as torch ops (``kernels.losses.loss_rows``) or,
-    with ``kernel`` (``kl_div`` only), as one fused Triton kernel a chunk (``kernels.soft_ce.soft_ce_rows``).
+    with ``kernel``, as one fused Triton kernel a chunk (``kernels.losses.loss_rows_fused``).
     """
 
     @staticmethod
@@ -220,7 +219,7 @@ class _LinearSoftCE(torch.autograd.Function):
             c1 = min(M, c0 + chunk)
             if kernel:  # the logits land in G's rows and the kernel writes the gradient over them
                 z = torch.matmul(h_MH[c0:c1], Wt, out=G[c0:c1])
-                soft_ce_rows(z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], z))
+                loss_rows_fused(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], z))
             else:
                 z = torch.matmul(h_MH[c0:c1], Wt)
                 loss_rows(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], G[c0:c1]))
@@ -267,8 +266,6 @@ def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[in
     default ``SOFT_CE_KERNEL``).
     """
     kernel = SOFT_CE_KERNEL if kernel is None else kernel
-    if kernel and kind != "kl_div":
-        raise ValueError(f"the fused soft-CE kernel computes kl_div only, not {kind!r}: run it without the kernel")
     chunk = chunk or loss_chunk(h_MH.device, W_NH.shape[0])
     dev = h_MH.device.type
     if torch.is_autocast_enabled(dev):
