@@ -47,10 +47,16 @@ LEVERS = {  # name -> (config overrides, loss on every token instead of the answ
     "init-warmup150-ttt3": (["draft.init_midlayer_from_target=true", "draft.ttt_warmup_steps=150",
                              "draft.ttt_length=3"], False),
 }
+# the default recipe (init-warmup150-ttt3) with each train.loss and with Muon (issue 58's losses and optimizer)
+RECIPE = LEVERS["init-warmup150-ttt3"][0]
+LEVERS |= {f"recipe-{k}": (RECIPE + [f"train.loss={k}"], False) for k in ("kl_div", "tv", "nla", "lk_hybrid", "rkl",
+                                                                            "jsd")}
+LEVERS["recipe-muon"] = (RECIPE + ["train.optimizer=muon"], False)
+LEVERS["recipe-muon-lk_hybrid"] = (RECIPE + ["train.optimizer=muon", "train.loss=lk_hybrid"], False)
 
 
 def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: int,
-              fraction: float = 1.0, epochs: float = 0.0) -> list[dict]:
+              fraction: float = 1.0, epochs: float = 0.0, seed: int = 0) -> list[dict]:
     """Train lever ``name`` on the first ``fraction`` of the train samples; measure the held-out
     rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given."""
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
@@ -60,7 +66,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     from specforge.training.trainer import DraftTrainer
 
     overrides, all_tokens = LEVERS[name]
-    base = ["train.precision=fp32", f"train.batch_size={batch_size}"]
+    base = ["train.precision=fp32", f"train.batch_size={batch_size}", f"train.seed={seed}"]
     cfg = load_config(CONFIG, base + overrides)
     cfg7 = load_config(CONFIG, base + overrides + ["draft.ttt_length=7", "draft.ttt_warmup_steps=0"])
     ids = list(store.ids)
@@ -78,7 +84,7 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     stop_step = round(epochs * len(train) / batch_size) if epochs else None
     out, step, epoch, train_s = [], 0, 0, 0.0
     while marks:
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch)).tolist()
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch + 1000 * seed)).tolist()
         epoch += 1
         for s in range(len(train) // batch_size):
             b = store.batch([train[i] for i in order[s * batch_size : (s + 1) * batch_size]], 0)
@@ -91,7 +97,8 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
             if (stop_step is None and train_s >= marks[0]) or step == stop_step:
                 marks = marks[1:] if stop_step is None else []
                 ev = judge.evaluate(held)
-                out.append({"lever": name, "samples": len(train), "train_min": round(train_s / 60, 2), "steps": step,
+                out.append({"lever": name, "seed": seed, "samples": len(train), "train_min": round(train_s / 60, 2),
+                            "steps": step,
                             "epochs": round(step * batch_size / len(train), 2),
                             **{k: round(ev[k], 3) for k in ("acc_0", "acc_1", "acc_2", "tau")}})
                 print(json.dumps(out[-1]), flush=True)
@@ -140,6 +147,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--fractions", default="1", help="data scaling: train on these fractions of the samples")
     ap.add_argument("--epochs", type=float, default=0.0, help="with --fractions: stop after this many epochs")
+    ap.add_argument("--seed", type=int, default=0, help="train.seed (the draft's init) and the data order's")
+    ap.add_argument("--section", default=None, help="the benchmarks/README.md section to write (default: the "
+                    "levers' or the data-scaling one)")
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw bench_data_scaling.png from bench_data_scaling.json")
     args = ap.parse_args()
@@ -154,7 +164,8 @@ def main() -> int:
     target = load_target(cfg.model)
     store = FeatureStore(args.store)
     points = [p for name in args.levers.split(",") for f in args.fractions.split(",")
-              for p in run_lever(name, store, target, args.minutes, args.evals, args.batch_size, float(f), args.epochs)]
+              for p in run_lever(name, store, target, args.minutes, args.evals, args.batch_size, float(f), args.epochs,
+                                 args.seed)]
     if args.epochs:  # the data-scaling points, kept and plotted
         SCALING.write_text(json.dumps(points, indent=1) + "\n")
         plot_scaling(points, png)
@@ -165,13 +176,14 @@ def main() -> int:
                             "acc_2", "tau (sim., chain 7)"], rows)
     n = len(store.ids)
     how = f"--epochs {args.epochs:g} --fractions {args.fractions}" if args.epochs else f"--minutes {args.minutes:g}"
+    how += f" --seed {args.seed}" if args.seed else ""
     body = (f"`python benchmarks/bench_levers.py --store {args.store} --levers {args.levers} {how}` -- "
             f"{header_markdown()}\n\n{n - 16} stored samples train, 16 held out; batch {args.batch_size} rows, "
             "fp32.\n\n"
             + table)
     print(body)
-    title = "Data scaling: held-out acceptance vs distinct samples" if args.epochs else \
-        "Training levers: held-out acceptance per training minute"
+    title = args.section or ("Data scaling: held-out acceptance vs distinct samples" if args.epochs else
+                             "Training levers: held-out acceptance per training minute")
     append_section(title, body)
     return 0
 
