@@ -250,12 +250,13 @@ class DraftParams:
     muon: int = 0
     muon_largest: int = 0
     muon_gram: int = 0
+    muon_ns_bytes: int = 2  # the iterations' dtype (training/optim.ns_dtype): bf16 on a GPU, fp32 on a CPU
 
     @classmethod
-    def of(cls, draft, tables16: bool = False, optimizer: str = "adamw") -> "DraftParams":
+    def of(cls, draft, tables16: bool = False, optimizer: str = "adamw", gpu: bool = True) -> "DraftParams":
         """``tables16``: the run computes under a bf16 autocast from a bf16 target, so the trainer holds
         the frozen fp32 tables (``models.layers.frozen_tables``) in bf16: 2 bytes an element.
-        ``optimizer``: ``train.optimizer``."""
+        ``optimizer``: ``train.optimizer``; ``gpu``: where Muon's iterations run (bf16 there, else fp32)."""
         muon = []
         if optimizer == "muon":
             from specforge.training.optim import muon_params  # lazy: keeps specforge.memory torch-free
@@ -270,7 +271,8 @@ class DraftParams:
                           if m.weight.element_size() == 4)
         return cls(sum(p.numel() for p in train), frozen, sum(b.numel() * b.element_size() for b in draft.buffers()),
                    max((p.numel() for p in train), default=0), tables16, sum(p.numel() for p in muon),
-                   max((p.numel() for p in muon), default=0), max((min(p.shape) ** 2 for p in muon), default=0))
+                   max((p.numel() for p in muon), default=0), max((min(p.shape) ** 2 for p in muon), default=0),
+                   2 if gpu else 4)
 
 
 def train_phases(params: DraftParams, p: StepPrecision, step: dict[str, list[Term]], features: int,
@@ -301,9 +303,10 @@ def train_phases(params: DraftParams, p: StepPrecision, step: dict[str, list[Ter
     phases["optimizer step"] = [sharded_grads, Term("AdamW foreach temporaries (fp32)",
                                                     4 * -(-(P - params.muon) // W))] + feats
     if params.muon:  # training/optim.py: each matrix orthogonalized whole, one at a time
-        m, g = params.muon_largest, params.muon_gram
-        phases["optimizer step"].append(Term("Muon: the largest matrix orthogonalized whole (fp32 update, bf16 "
-                                             "iterates, Gram matrices)", 4 * m + 3 * 2 * m + 2 * 2 * g))
+        m, g, b = params.muon_largest, params.muon_gram, params.muon_ns_bytes
+        phases["optimizer step"].append(Term(f"Muon: the largest matrix orthogonalized whole (fp32 update; iterates "
+                                             f"and Gram matrices in {'bf16' if b == 2 else 'fp32'})",
+                                             4 * m + 3 * b * m + 2 * b * g))
     phases["checkpoint save"] = [sharded_grads, Term("the largest tensor gathered whole on the writer (fp32)",
                                                      4 * params.largest * (2 if W > 1 else 1))]
     return phases
@@ -415,7 +418,7 @@ def plan(cfg, algo: MemoryTerms, target, draft, state_bytes: int, target_shares:
                       recompute_mlp=tr.recompute_mlp)
     s = SeqShape(tr.batch_size, cfg.data.max_length, cfg.parallel.sp_ulysses, cfg.parallel.sp_ring,
                  max(algo.sp_halo() - 1, 0))
-    params = DraftParams.of(draft, tables16=p.tables16, optimizer=tr.optimizer)
+    params = DraftParams.of(draft, tables16=p.tables16, optimizer=tr.optimizer, gpu=gpu)
     # train.pack_tokens: a step's micro-batch is one packed row of up to pack_tokens tokens (B = 1). Every
     # placement's plans carry packed rows (runtime/plan.plan_step); the capture source (single process, colocated)
     # lays its padded capture out in them, a second copy: counted for every placement (an upper bound by one copy)

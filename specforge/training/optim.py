@@ -7,10 +7,10 @@ with AdamW (:func:`muon_params`, speculators' split plus XPress's ``readout``). 
 speculators': momentum 0.95 (Nesterov), 5 iterations, the update scaled to AdamW's RMS
 (``match_rms_adamw``: 0.2 sqrt(max(A, B))), so ``train.muon_lr`` defaults to ``train.lr``.
 
-:class:`Muon` is ``torch.optim.Muon`` (its groups, state and step, bit for bit on CUDA) with one change:
-torch runs the iterations in bf16, which a CPU without bf16 instructions computes ~45x slower than fp32
-(a 576 x 1728 matrix: 4.6 s against 0.1 s here, 26 s a step for SmolLM2's draft), so on a CPU they run in
-fp32 (:func:`orthogonalize`).
+:class:`Muon` is ``torch.optim.Muon`` (its groups, state and step: bit for bit with its iterations in bf16,
+tests/test_muon.py) with one change: torch runs the iterations in bf16, which a CPU without bf16
+instructions computes ~45x slower than fp32 (a 576 x 1728 matrix: 4.6 s against 0.1 s here, 26 s a step
+for SmolLM2's draft), so on a CPU they run in fp32 (:func:`orthogonalize`).
 
 Under FSDP2 a matrix is a DTensor sharded on its rows: Muon's iterations run as DTensor ops, whose
 sharding rules gather what each product needs (the Gram matrix ``X X^T`` of a row-sharded X is a
