@@ -54,15 +54,17 @@ class LossMix:
     """The per-row divergence mix and the term weights (the module docstring)."""
 
     def __init__(self, ce_weight: float, tv_weight: float, kl_weight: float, consistency_weight: float,
-                 consistency_passes: int, anchor_weight: float, anchor_full_weight: bool = False):
+                 consistency_passes: int, anchor_weight: float, anchor_full_weight: bool = False,
+                 dpace: bool = False):
         self.ce, self.tv, self.kl = ce_weight, tv_weight, kl_weight
         self.consistency, self.passes = consistency_weight, consistency_passes
         self.anchor, self.anchor_full = anchor_weight, anchor_full_weight
+        self.dpace = dpace  # D-PACE's confidences wanted (draft.loss_weighting=dpace): one more softmax a chunk
 
     @classmethod
     def of(cls, opt) -> "LossMix":
         return cls(opt.ce_weight, opt.tv_weight, opt.kl_weight, opt.consistency_weight, opt.consistency_passes,
-                   opt.anchor_weight, opt.anchor_full_weight)
+                   opt.anchor_weight, opt.anchor_full_weight, opt.loss_weighting == "dpace")
 
     def divergence(self, z: torch.Tensor, labels: torch.Tensor, logp: Optional[torch.Tensor]) -> torch.Tensor:
         """``d(z)`` per row: ``z [..., V]``, ``labels [...]``, ``logp`` the teacher's log-softmax (fp32)."""
@@ -130,7 +132,10 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, ce_labels, valid, mix: Lo
     with torch.no_grad():
         correct = (refined[..., rows, :].argmax(-1) == labels) & valid
         base_correct = (base[..., rows, :].argmax(-1) == labels) & valid
-        label_p = F.log_softmax(refined[..., rows, :].float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1).exp()
+        label_p = torch.zeros_like(v)
+        if mix.dpace:
+            logq = F.log_softmax(refined[..., rows, :].float(), -1)
+            label_p = logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1).exp()
     return d_tf * v, d_cons * v, d_base * v, correct, base_correct, label_p * v
 
 
