@@ -158,10 +158,11 @@ def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torc
     """Each row's loss of ``kind`` as plain torch ops (differentiable, in the wider of z's dtype and
     fp32): the definitions of the module docstring, written as they read, nothing fused."""
     logq, logp = _logs(z_MN, logp_MN)
-    q, p = logq.exp(), logp.exp()
-    alpha = torch.minimum(p, q).sum(-1)
-    if kind == "kl_div":
+    p = logp.exp()
+    if kind == "kl_div":  # what the reference TTT loss (bench_ttt.py's baseline) computed before the kinds
         return -(p * logq).sum(-1)  # the soft cross-entropy: KL + H(p)
+    q = logq.exp()
+    alpha = torch.minimum(p, q).sum(-1) if kind in _TV_FAMILY else None
     if kind == "tv":
         return 1.0 - alpha
     if kind == "nla":
