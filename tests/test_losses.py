@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specforge.config import TrainConfig, load_config
-from specforge.kernels.losses import DEFAULT, KINDS, forward_kl, log_teacher, loss_reference, loss_rows
+from specforge.kernels.losses import DEFAULT, KINDS, kl_of_logs, log_teacher, loss_reference, loss_rows, tv_of_logs
 from specforge.registry import get_algorithm
 from tests.helpers.tolerance import close_tol
 
@@ -121,12 +121,15 @@ def test_each_loss_equals_speculators(kind):
     assert _fails(loss, o_loss) or _fails(G, o_g)
 
 
-def test_forward_kl_is_the_soft_ce_less_the_teachers_entropy():
-    """``forward_kl`` (XPress's KL term, LK's lambda form) is ``kl_div``'s row loss less H(p)."""
+def test_the_terms_from_logs_are_the_kinds_own():
+    """``kl_of_logs`` (XPress's, DSpark's and DFlash2's KL term; LK's lambda form) is ``kl_div``'s row loss
+    less H(p); ``tv_of_logs`` (XPress's TV term) is ``tv``'s."""
     z, logp = _inputs(3, dtype=torch.float64)
     ce = loss_reference("kl_div", z, logp)
-    torch.testing.assert_close(forward_kl(z, logp), ce + (logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12)
-    assert (forward_kl(z, logp) >= 0).all() and forward_kl(logp, logp).abs().max() < 1e-12
+    logq = torch.log_softmax(z, -1)
+    torch.testing.assert_close(kl_of_logs(logq, logp), ce + (logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12)
+    assert (kl_of_logs(logq, logp) >= 0).all() and kl_of_logs(logp, logp).abs().max() < 1e-12
+    torch.testing.assert_close(tv_of_logs(logq, logp), loss_reference("tv", z, logp), rtol=1e-12, atol=1e-12)
 
 
 def test_nla_has_no_gradient_below_its_floor():

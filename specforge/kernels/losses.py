@@ -50,7 +50,7 @@ from specforge.kernels import soft_ce
 from specforge.kernels.soft_ce import Outputs, empty_outputs, soft_ce_rows_reference
 
 __all__ = ["KINDS", "DEFAULT", "WORKSET", "NLA_EPS", "LK_ETA", "log_teacher", "loss_rows", "loss_rows_fused",
-           "loss_reference", "forward_kl"]
+           "loss_reference", "kl_of_logs", "tv_of_logs"]
 
 KINDS = ("kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
 DEFAULT = "kl_div"
@@ -127,10 +127,15 @@ def _logs(z_MN: torch.Tensor, logp_MN: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.log_softmax(z_MN.to(f), dim=-1), logp_MN.to(f)
 
 
-def forward_kl(z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torch.Tensor:
-    """Each row's ``KL(p || q)`` itself (differentiable): ``kl_div``'s loss less the teacher's entropy."""
-    logq, logp = _logs(z_MN, logp_MN)
+def kl_of_logs(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Each row's ``KL(p || q)`` itself from both log-distributions (differentiable): ``kl_div``'s loss less
+    the teacher's entropy. For a caller that holds ``log q`` already (no second log-softmax)."""
     return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def tv_of_logs(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Each row's total variation ``1 - sum min(p, q)`` from both log-distributions (differentiable)."""
+    return 1.0 - torch.minimum(logq.exp(), logp.exp()).sum(-1)
 
 
 def loss_rows_fused(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor,
@@ -169,7 +174,7 @@ def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torc
         return -torch.log(alpha.clamp_min(NLA_EPS))
     if kind == "lk_hybrid":
         lam = torch.exp(-LK_ETA * alpha.detach())
-        return lam * forward_kl(z_MN, logp_MN) + (1.0 - lam) * (1.0 - alpha)
+        return lam * kl_of_logs(logq, logp) + (1.0 - lam) * (1.0 - alpha)
     if kind == "rkl":
         return (q * (logq - logp)).sum(-1)
     if kind == "jsd":

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
 from specforge.algorithms.dflash.loss import decay_weights, loss_weights
-from specforge.kernels.losses import forward_kl
+from specforge.kernels.losses import kl_of_logs
 
 __all__ = ["COUNTERS", "training_candidates", "dflash2_block_loss", "dflash2_metrics"]
 
@@ -66,7 +66,7 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, 
     if kl_weight:
         with torch.no_grad():
             logp = F.log_softmax(draft.logits(teacher).float(), dim=-1)
-        main = main + kl_weight * forward_kl(unary, logp)
+        main = main + kl_weight * kl_of_logs(logq, logp)
     sel_mod = draft.candidate_selector
     cand, slot, contains = training_candidates(unary.detach().topk(sel_mod.top_k, dim=-1).indices, labels)
     scores = sel_mod.scores(unary, hidden, prev, cand).float()

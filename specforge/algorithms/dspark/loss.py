@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
 from specforge.algorithms.dflash.loss import decay_weights, loss_weights
-from specforge.kernels.losses import forward_kl
+from specforge.kernels.losses import kl_of_logs
 
 __all__ = ["COUNTERS", "dspark_block_loss", "dspark_metrics"]
 
@@ -65,7 +65,7 @@ def _chunk_terms(draft, hidden, prev, teacher, labels, valid, kl_weight: float, 
         with torch.no_grad():
             logp = F.log_softmax(draft.logits(teacher).float(), dim=-1)
         if kl_weight:
-            main = main + kl_weight * forward_kl(logits, logp)
+            main = main + kl_weight * kl_of_logs(logq, logp)
         with torch.no_grad():
             accept = torch.minimum(logq.exp(), logp.exp()).sum(-1)
         if conf is not None:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from specforge.algorithms.dflash.blocks import accepted_run, chunked, drafted_metrics, rows_at, token_rows
 from specforge.algorithms.dflash.loss import decay_weights, loss_weights
-from specforge.kernels.losses import forward_kl, loss_reference
+from specforge.kernels.losses import kl_of_logs, tv_of_logs
 
 from .model import jacobi_prev
 
@@ -73,9 +73,9 @@ class LossMix:
         if self.ce:
             d = d + self.ce * -logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         if self.tv:
-            d = d + self.tv * loss_reference("tv", z, logp)
+            d = d + self.tv * tv_of_logs(logq, logp)
         if self.kl:
-            d = d + self.kl * forward_kl(z, logp)
+            d = d + self.kl * kl_of_logs(logq, logp)
         return d
 
 
