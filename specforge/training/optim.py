@@ -76,16 +76,21 @@ def ns_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def _closure_loss(closure):
+    """An optimizer step's ``closure()`` under grad mode (None without one), as torch's optimizers call it."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` whose iterations run in ``ns_dtype`` of each parameter's device (the same step
     otherwise: momentum, Nesterov, decoupled weight decay, the adjusted learning rate; the same state)."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
@@ -136,10 +141,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for part in self.parts:
             part.step()
         return loss

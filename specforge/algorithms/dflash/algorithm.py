@@ -32,7 +32,7 @@ from specforge.algorithms.dflash.loss import (
     block_loss,
     block_targets,
     build_block_ids,
-    decay_weights,
+    counted_weight,
     local_anchors,
     next_token_labels,
     sample_anchors,
@@ -217,11 +217,10 @@ class DFlash(Binds):
         return None if self.dpace_alpha is not None else self.opt.loss_gamma
 
     def weight_sum(self, valid: torch.Tensor) -> torch.Tensor:
-        """The loss's denominator of a micro-batch's counted rows: their decay weights, or (D-PACE, whose
-        weights the forward gives) their number."""
-        if self.dpace_alpha is not None:  # row 0 (anchor, or unpredicted) never counts
-            return valid[..., 1:].float().sum()
-        return (valid * decay_weights(valid.shape[-1], self.opt.loss_gamma, valid.device)).sum()
+        """The loss's denominator of a micro-batch's counted rows (``loss.counted_weight``). Under D-PACE block
+        row 0 (the anchor, or the shifted layouts' unpredicted row) is left out; the decay weighs it 0."""
+        dpace = self.dpace_alpha is not None
+        return counted_weight(valid[..., 1:] if dpace else valid, self.opt.loss_gamma, dpace)
 
     @staticmethod
     def loss_normalizer(normalizer: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:

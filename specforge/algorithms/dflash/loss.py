@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["COUNTERS", "anchor_keys", "positions_in_sample", "sample_anchors", "local_anchors", "build_block_ids",
-           "next_token_labels", "block_targets", "decay_weights", "dpace_weights", "loss_weights", "block_loss",
-           "dflash_loss", "metrics_from_counts"]
+           "next_token_labels", "block_targets", "decay_weights", "dpace_weights", "loss_weights", "counted_weight",
+           "block_loss", "dflash_loss", "metrics_from_counts"]
 
 COUNTERS = ("loss_sum", "valid", "correct", "accepted")  # per block position k
 
@@ -199,11 +199,20 @@ def loss_weights(valid_BNK: torch.Tensor, gamma: Optional[float], normalizer: Op
     (``decay_weights``) and the sum of the counted rows' weights, or with ``dpace_alpha`` D-PACE's
     weights from ``label_p_BNK`` (the draft's probability of each row's label) and the counted rows'
     number. A given ``normalizer`` (the global one) is kept."""
+    if normalizer is None:
+        normalizer = counted_weight(valid_BNK, gamma, dpace_alpha is not None, first_row)
     if dpace_alpha is None:
-        w = decay_weights(valid_BNK.shape[-1] + first_row, gamma, valid_BNK.device)[first_row:]
-        return w, (valid_BNK * w).sum() if normalizer is None else normalizer
-    w = dpace_weights(label_p_BNK, valid_BNK, dpace_alpha)
-    return w, valid_BNK.float().sum() if normalizer is None else normalizer
+        return decay_weights(valid_BNK.shape[-1] + first_row, gamma, valid_BNK.device)[first_row:], normalizer
+    return dpace_weights(label_p_BNK, valid_BNK, dpace_alpha), normalizer
+
+
+def counted_weight(valid_BNK: torch.Tensor, gamma: Optional[float], dpace: bool, first_row: int = 0) -> torch.Tensor:
+    """A block loss's denominator over its counted rows ``valid_BNK`` (block rows ``first_row ..``): the sum
+    of their decay weights, or under D-PACE (whose weights only the forward gives) their number. The
+    algorithms' ``normalizer`` hook sums it over a step's micro-batches before any forward."""
+    if dpace:
+        return valid_BNK.float().sum()
+    return (valid_BNK * decay_weights(valid_BNK.shape[-1] + first_row, gamma, valid_BNK.device)[first_row:]).sum()
 
 
 def _chunk_terms(logits_fn, hidden, labels, valid):
