@@ -113,8 +113,10 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     adam_eps: float = 1e-8  # AdamW's epsilon: an update is at most lr/adam_eps times its gradient
     # the draft's row loss against the target's distribution (kernels/losses.py): forward KL (the soft
-    # cross-entropy), total variation, LK's alpha (nla) and lambda (lk_hybrid) forms, reverse KL, Jensen-Shannon
-    loss: Literal["kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd"] = "kl_div"
+    # cross-entropy), total variation, LK's alpha (nla) and lambda (lk_hybrid) forms, reverse KL, Jensen-Shannon,
+    # Draft-OPD (opd: forward KL where the target accepts the draft's token, reverse KL where it rejects it,
+    # on the states the draft's own accepted drafts reach)
+    loss: Literal["kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd", "opd"] = "kl_div"
     # adamw, or muon (torch.optim.Muon) for the hidden weight matrices with AdamW for the rest (training/optim.py)
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: Optional[float] = None  # Muon's learning rate (None = train.lr: its update is scaled to AdamW's RMS)

@@ -95,12 +95,13 @@ SPECULATORS = {"kl_div": "kl_div_loss", "tv": "tv_loss", "nla": "neg_log_accepta
                "lk_hybrid": "lk_hybrid_loss", "rkl": "reverse_kl_div_loss", "jsd": "js_div_loss"}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(SPECULATORS))
 def test_each_loss_equals_speculators(kind):
     """speculators 0.9.0's eager loss of the same name (targets as logits: our log-probs are ones),
     its value and its autograd gradient, in fp32 as it computes. ``kl_div``: ours is the soft
     cross-entropy, theirs the KL itself: they differ by the teacher's entropy alone (same gradient).
-    Control: the kind next in the list fails against it."""
+    Control: the kind next in the list fails against it. (``opd``, Draft-OPD, is not in speculators 0.9.0:
+    its parts are ``kl_div``'s KL and ``rkl``, checked here, and its fp64 reference above.)"""
     eager = pytest.importorskip("speculators.losses.eager")
 
     def theirs(name, z, logp):
@@ -116,8 +117,8 @@ def test_each_loss_equals_speculators(kind):
     want_loss, want_g = theirs(kind, z, logp)
     _assert_close(loss, want_loss, f"{kind} loss")
     _assert_close(G, want_g, f"{kind} gradient")
-    other = KINDS[(KINDS.index(kind) + 1) % len(KINDS)]
-    o_loss, o_g = theirs(other, z, logp)
+    names = list(SPECULATORS)
+    o_loss, o_g = theirs(names[(names.index(kind) + 1) % len(names)], z, logp)
     assert _fails(loss, o_loss) or _fails(G, o_g)
 
 
@@ -130,6 +131,29 @@ def test_the_terms_from_logs_are_the_kinds_own():
     torch.testing.assert_close(kl_of_logs(logq, logp), ce + (logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12)
     assert (kl_of_logs(logq, logp) >= 0).all() and kl_of_logs(logp, logp).abs().max() < 1e-12
     torch.testing.assert_close(tv_of_logs(logq, logp), loss_reference("tv", z, logp), rtol=1e-12, atol=1e-12)
+
+
+def test_opd_rows_take_forward_kl_where_accepted_and_reverse_kl_where_rejected():
+    """Draft-OPD's row: where the draft's argmax is the verification token, ``kl_div``'s KL (its gradient
+    q - p); elsewhere ``rkl``'s loss and gradient, bit for bit. ``verify`` -1 (no token accepted) gives
+    ``rkl`` on every row; the default verification is the teacher's argmax. Control: both kinds occur."""
+    z, logp = _inputs(4)
+    idx = torch.arange(M)
+    pred = z.argmax(-1)
+    verify = torch.where(idx % 3 == 0, pred, (pred + 1) % N)  # a third accepted
+    loss, _, _, G = loss_rows("opd", z.clone(), logp, idx, verify_M=verify)
+    r_loss, _, _, r_G = loss_rows("rkl", z.clone(), logp, idx)
+    kl = kl_of_logs(torch.log_softmax(z, -1), logp)
+    ok = pred == verify
+    assert 0 < ok.sum() < M
+    torch.testing.assert_close(loss[ok], kl[ok], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(G[ok], (torch.softmax(z, -1) - logp.exp())[ok], rtol=1e-5, atol=1e-7)
+    assert torch.equal(loss[~ok], r_loss[~ok]) and torch.equal(G[~ok], r_G[~ok])
+    none = loss_rows("opd", z.clone(), logp, idx, verify_M=torch.full((M,), -1))
+    assert torch.equal(none[0], r_loss) and torch.equal(none[3], r_G)
+    default = loss_rows("opd", z.clone(), logp, idx)
+    by_teacher = loss_rows("opd", z.clone(), logp, idx, verify_M=logp.argmax(-1))
+    assert torch.equal(default[0], by_teacher[0]) and torch.equal(default[3], by_teacher[3])
 
 
 def test_nla_has_no_gradient_below_its_floor():
@@ -242,6 +266,82 @@ def test_ttt_loss_with_each_kind_equals_the_reference(kind):
     torch.testing.assert_close(c1, c2, rtol=1e-9, atol=1e-12)
     l0, _ = ttt_loss(d, b, W, ttt_length=4)
     assert abs(l0.item() - l1.item()) > 1e-3
+
+
+def _greedy_batch(d, L):
+    """A TTT batch whose data follow the target (target_ids[p] = ids[p + 1]) and whose tokens at the
+    even positions are the draft's own greedy drafts (step 0 accepted there), random elsewhere: so
+    Draft-OPD's chains end at different steps."""
+    from specforge.algorithms.eagle3.loss import ttt_logits
+    from tests.helpers.ttt import ttt_batch
+
+    b = ttt_batch(dtype=torch.float64, draft=d)
+    ids = b["input_ids_BT"]
+    T = ids.shape[1]
+    with torch.no_grad():
+        for t in range(0, T - 2, 2):  # ids[t + 2] := step 0's argmax at row t (reads ids <= t + 1 only)
+            pred = ttt_logits(d, b, 1)[0][:, t].argmax(-1)
+            ids[:, t + 2] = pred + d.d2t[pred]
+    b["target_ids_BT"] = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    b["loss_mask_BT"][:] = 1
+    return b
+
+
+def test_opd_trains_only_the_chains_the_drafts_reach():
+    """``ttt_loss`` with ``opd`` (fast path: chunked head, gathered rows) equals the TTT reference (fp64:
+    loss, every gradient, every counter) and equals the Draft-OPD loss written out here from the draft's
+    logits: step i of row t weighs 1 only if every step before it drafted the target's token (and the
+    data's next token is it), forward KL where step i's draft is accepted, reverse KL where not. Control:
+    the same rows without the chain rule (every counted row weighing 1) give another loss, and the batch
+    has chains ending at step 0, at step 1 and going on."""
+    from specforge.algorithms.eagle3.loss import teacher_probs, ttt_logits, ttt_loss, ttt_loss_reference
+    from tests.helpers.ttt import HT, tiny_draft
+    from tests.helpers.ttt import N as DRAFT_N
+
+    torch.manual_seed(4)
+    L = 3
+    d = tiny_draft(torch.float64)
+    b = _greedy_batch(d, L)
+    W = torch.randn(DRAFT_N, HT, dtype=torch.float64)
+    params = [p for p in d.parameters() if p.requires_grad]
+    l1, c1 = ttt_loss(d, b, W, ttt_length=L, loss_kind="opd")
+    g1 = torch.autograd.grad(l1, params)
+    l2, c2 = ttt_loss_reference(d, b, W, ttt_length=L, loss_kind="opd")
+    g2 = torch.autograd.grad(l2, params)
+    torch.testing.assert_close(l1, l2, rtol=1e-10, atol=1e-12)
+    for a, c in zip(g1, g2):
+        torch.testing.assert_close(a, c, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(c1, c2, rtol=1e-9, atol=1e-12)
+
+    ids, tgt = b["input_ids_BT"], b["target_ids_BT"]
+    B, T = ids.shape
+    with torch.no_grad():
+        logits = ttt_logits(d, b, L)
+        logp = teacher_probs(b["last_hidden_BTH"].reshape(B * T, -1), W, log=True).view(B, T, -1)
+    to_draft = {int(t): k for k, t in enumerate((torch.arange(DRAFT_N) + d.d2t).tolist())}
+    total, flat, ends = 0.0, 0.0, {}
+    for bb in range(B):
+        for t in range(T):
+            on = True
+            for i in range(L):
+                p = t + 1 + i  # the teacher's position; the drafted token is x_{p+1}
+                if p + 1 >= T or int(tgt[bb, p]) not in to_draft:
+                    break
+                z = logits[i][bb, t]
+                ok = int(z.argmax()) == to_draft[int(tgt[bb, p])]
+                row = loss_reference("kl_div" if ok else "rkl", z[None], logp[bb, p][None])[0]
+                if ok:
+                    row = row + (logp[bb, p].exp() * logp[bb, p]).sum()  # the KL itself, not the soft CE
+                flat += 0.8**i * row.item()
+                if on:
+                    total += 0.8**i * row.item()
+                    on = ok and int(ids[bb, p + 1]) == int(tgt[bb, p])
+                    if not on:
+                        ends[i] = ends.get(i, 0) + 1
+    n0 = c1[0, 0].item()
+    assert abs(l1.item() - total / n0) < 1e-9
+    assert abs(flat - total) / n0 > 1e-3
+    assert ends.get(0, 0) > 0 and ends.get(1, 0) > 0, ends
 
 
 def test_train_loss_config():

@@ -19,8 +19,16 @@ kind           per-row loss                                           logit grad
 ``rkl``        reverse KL ``sum q (log q - log p)``                    ``q * (log q - log p - loss)``
 ``jsd``        Jensen-Shannon ``(KL(p||m) + KL(q||m)) / 2``,           ``q * (g - sum q g)``,
                ``m = (p + q) / 2``                                     ``g = log(q / m) / 2``
+``opd``        Draft-OPD's acceptance-aware row (arXiv 2605.29343):    ``q - p`` where accepted, ``rkl``'s
+               ``KL(p || q)`` where the target accepts the draft's     where rejected
+               argmax (it equals ``verify``, the target's greedy
+               token in the draft vocabulary; default the teacher's
+               argmax), ``rkl``'s where it rejects it
 =============  =====================================================  ===========================================
 
+``opd`` is a row's part of Draft-OPD; the other part, which rows count (a chain's later rows only while
+every earlier draft was accepted: the states the draft's own policy reaches), is the TTT loss's
+(``algorithms/eagle3/loss.py``, ``reached``), as is the target's verification it reads (``verify``).
 The names, the clamp of ``nla`` (1e-5) and ``lk_hybrid``'s eta (3, the LK paper's best hybrid, arXiv
 2602.23881) are speculators' (``speculators.losses``), so a recipe moves between the two trainers as it is.
 Every gradient is the chain rule through the softmax, ``dz_k = q_k (g_k - sum_j q_j g_j)`` for
@@ -49,10 +57,10 @@ import torch
 from specforge.kernels import soft_ce
 from specforge.kernels.soft_ce import Outputs, empty_outputs, soft_ce_rows_reference
 
-__all__ = ["KINDS", "DEFAULT", "WORKSET", "NLA_EPS", "LK_ETA", "log_teacher", "loss_rows", "loss_rows_fused",
-           "loss_reference", "kl_of_logs", "tv_of_logs"]
+__all__ = ["KINDS", "DEFAULT", "WORKSET", "NLA_EPS", "LK_ETA", "log_teacher", "verified", "loss_rows",
+           "loss_rows_fused", "loss_reference", "kl_of_logs", "tv_of_logs"]
 
-KINDS = ("kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
+KINDS = ("kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd", "opd")
 DEFAULT = "kl_div"
 NLA_EPS = 1e-5  # nla's floor on alpha (speculators' _NLA_EPS)
 LK_ETA = 3.0  # lk_hybrid's lam = exp(-LK_ETA * alpha)
@@ -60,7 +68,7 @@ _TV_FAMILY = ("tv", "nla", "lk_hybrid")
 # fp32 [rows x N] tensors one chunk of ``loss_rows`` holds at its peak, read off the code below (z or its
 # fp32 copy, the teacher rows, log q, q, p, and each kind's temporaries; bool masks as a quarter): what the
 # memory model counts for the fused loss's chunk. kl_div: the logits and the teacher rows.
-WORKSET = {"kl_div": 2, "tv": 7, "nla": 7, "lk_hybrid": 8, "rkl": 6, "jsd": 7}
+WORKSET = {"kl_div": 2, "tv": 7, "nla": 7, "lk_hybrid": 8, "rkl": 6, "jsd": 7, "opd": 8}
 
 
 def _unknown(kind: object) -> str:
@@ -72,11 +80,19 @@ def log_teacher(kind: str) -> bool:
     return kind != "kl_div"
 
 
+def verified(teacher_PN: torch.Tensor, tidx_M: torch.Tensor, verify_M: Optional[torch.Tensor]) -> torch.Tensor:
+    """``opd``'s verification token of each row (a draft-vocabulary index; -1: none accepted): ``verify_M``,
+    or by default the teacher row's argmax (the target's greedy token as the teacher has it)."""
+    return teacher_PN.argmax(dim=-1).index_select(0, tidx_M) if verify_M is None else verify_M
+
+
 def loss_rows(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor,
-              out: Optional[Outputs] = None, g_dtype: Optional[torch.dtype] = None) -> Outputs:
+              out: Optional[Outputs] = None, g_dtype: Optional[torch.dtype] = None,
+              verify_M: Optional[torch.Tensor] = None) -> Outputs:
     """``(loss, pred, acc_p, G)`` of each row of ``z_MN`` against ``teacher_PN[tidx_M]``: the row's loss
     (fp32 at least), the draft's argmax, the teacher's probability of it and the logit gradient ``G`` (in
-    ``g_dtype``, default z's). ``z_MN`` is scratch, as in ``soft_ce_rows_reference``."""
+    ``g_dtype``, default z's). ``z_MN`` is scratch, as in ``soft_ce_rows_reference``. ``verify_M``: ``opd``'s
+    verification tokens (:func:`verified`); the other kinds ignore it."""
     if kind == "kl_div":
         return soft_ce_rows_reference(z_MN, teacher_PN, tidx_M, out=out, g_dtype=g_dtype)
     if kind not in KINDS:
@@ -107,11 +123,16 @@ def loss_rows(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: t
             kl = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
             loss.copy_(lam * kl + (1.0 - lam) * (1.0 - alpha))
             grad = (q - p).mul_(lam.unsqueeze(-1)).add_(g_tv.mul_((1.0 - lam).unsqueeze(-1)))
-    elif kind == "rkl":
+    elif kind in ("rkl", "opd"):
         d = logq - logp
         row = (q * d).sum(-1)
-        loss.copy_(row)
         grad = d.sub_(row.unsqueeze(-1)).mul_(q)
+        if kind == "opd":  # accepted rows: forward KL and its gradient instead
+            ok = (pred == verified(teacher_PN, tidx_M, verify_M)).unsqueeze(-1)
+            kl = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
+            row = torch.where(ok.squeeze(-1), kl, row)
+            grad = torch.where(ok, q - p, grad)
+        loss.copy_(row)
     else:  # jsd
         logm = torch.logaddexp(logq, logp) - math.log(2.0)
         kl_pm = torch.where(p > 0, p * (logp - logm), 0.0).sum(-1)
@@ -139,7 +160,8 @@ def tv_of_logs(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 
 def loss_rows_fused(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tidx_M: torch.Tensor,
-                    out: Optional[Outputs] = None, g_dtype: Optional[torch.dtype] = None) -> Outputs:
+                    out: Optional[Outputs] = None, g_dtype: Optional[torch.dtype] = None,
+                    verify_M: Optional[torch.Tensor] = None) -> Outputs:
     """:func:`loss_rows` as one Triton kernel (fp32 maths; z, the teacher and G in fp32, bf16 or fp16)."""
     if kind == "kl_div":
         return soft_ce.soft_ce_rows(z_MN, teacher_PN, tidx_M, out=out, g_dtype=g_dtype)
@@ -155,13 +177,18 @@ def loss_rows_fused(kind: str, z_MN: torch.Tensor, teacher_PN: torch.Tensor, tid
             from specforge.kernels import losses_triton  # lazy: optional (ImportError handled)
         except ImportError as e:
             raise ValueError(f"the {kind} loss kernel needs triton ({e}): pip install triton") from e
-        losses_triton.launch(kind, z_MN, teacher_PN, tidx_M.contiguous(), *outs, NLA_EPS, LK_ETA)
+        verify = verified(teacher_PN, tidx_M, verify_M) if kind == "opd" else tidx_M  # read only by opd
+        losses_triton.launch(kind, z_MN, teacher_PN, tidx_M.contiguous(), *outs, NLA_EPS, LK_ETA,
+                             verify.to(torch.int64).contiguous())
     return outs
 
 
-def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torch.Tensor:
+def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor,
+                   verify_M: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each row's loss of ``kind`` as plain torch ops (differentiable, in the wider of z's dtype and
-    fp32): the definitions of the module docstring, written as they read, nothing fused."""
+    fp32): the definitions of the module docstring, written as they read, nothing fused. ``verify_M``
+    (``opd`` only): the target's greedy token of each row, in the draft vocabulary (default: the
+    teacher's argmax)."""
     logq, logp = _logs(z_MN, logp_MN)
     p = logp.exp()
     if kind == "kl_div":  # what the reference TTT loss (bench_ttt.py's baseline) computed before the kinds
@@ -177,6 +204,10 @@ def loss_reference(kind: str, z_MN: torch.Tensor, logp_MN: torch.Tensor) -> torc
         return lam * kl_of_logs(logq, logp) + (1.0 - lam) * (1.0 - alpha)
     if kind == "rkl":
         return (q * (logq - logp)).sum(-1)
+    if kind == "opd":
+        verify = logp_MN.argmax(-1) if verify_M is None else verify_M
+        accepted = z_MN.detach().argmax(-1) == verify
+        return torch.where(accepted, kl_of_logs(logq, logp), (q * (logq - logp)).sum(-1))
     if kind == "jsd":
         m = (p + q) / 2
         return 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)

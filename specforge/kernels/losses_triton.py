@@ -8,7 +8,8 @@ made besides ``G`` (no fp32 copy of the logits, no teacher gathered):
    exponentials: ``lse``, so ``log q = z - lse`` in the later passes;
 2. the row sums the kind's loss and gradient need (``losses.py``'s table): the overlap ``alpha`` and
    ``sum_{q<p} q`` (TV's family), ``KL(p || q)`` (LK's lambda form), ``sum q (log q - log p)``
-   (reverse KL), ``KL(p || m)`` and ``sum q g`` (JSD);
+   (reverse KL), ``KL(p || m)`` and ``sum q g`` (JSD); reverse and forward KL both (``opd``: which one
+   a row takes depends on its argmax, known after pass 1, against ``verify[row]``);
 3. ``G``, the logit gradient, from those sums, stored in G's dtype (may be z's own storage: each
    program reads a tile before it writes it, and pass 3 reads z only at the tile it writes).
 
@@ -25,13 +26,14 @@ from specforge.kernels.soft_ce_triton import _round_to_bf16
 
 CONFIGS = [triton.Config({"BLOCK_N": b}, num_warps=w) for b, w in ((1024, 4), (2048, 8), (4096, 8), (8192, 16))]
 INTERPRET_BLOCK = 64
-CODES = {"tv": 1, "nla": 2, "lk_hybrid": 3, "rkl": 4, "jsd": 5}
+CODES = {"tv": 1, "nla": 2, "lk_hybrid": 3, "rkl": 4, "jsd": 5, "opd": 6}
 LN2 = 0.6931471805599453
 
 
 @triton.jit
 def loss_rows_kernel(z_ptr, stride_z, t_ptr, stride_t, tidx_ptr, loss_ptr, pred_ptr, accp_ptr, g_ptr, stride_g,
-                     N, nla_eps, lk_eta, BLOCK_N: tl.constexpr, KIND: tl.constexpr, G_BF16: tl.constexpr):
+                     N, nla_eps, lk_eta, verify_ptr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
+                     G_BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     p_row = t_ptr + tl.load(tidx_ptr + row).to(tl.int64) * stride_t
@@ -49,9 +51,12 @@ def loss_rows_kernel(z_ptr, stride_z, t_ptr, stride_t, tidx_ptr, loss_ptr, pred_
         ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
     lse = m + tl.log(ssum)
-    s1 = 0.0  # TV family: alpha; rkl: sum q (log q - log p); jsd: KL(p || m)
+    s1 = 0.0  # TV family: alpha; rkl, opd: sum q (log q - log p); jsd: KL(p || m)
     s2 = 0.0  # TV family: sum_{q<p} q; jsd: sum q g
-    s3 = 0.0  # lk_hybrid: KL(p || q)
+    s3 = 0.0  # lk_hybrid, opd: KL(p || q)
+    accepted = False
+    if KIND == 6:
+        accepted = best.to(tl.int64) == tl.load(verify_ptr + row)
     for n0 in range(0, N, BLOCK_N):  # 2: the row sums
         offs = n0 + cols
         mask = offs < N
@@ -67,6 +72,9 @@ def loss_rows_kernel(z_ptr, stride_z, t_ptr, stride_t, tidx_ptr, loss_ptr, pred_
                 s3 += tl.sum(tl.where(p > 0, p * (logp - logq), 0.0), 0)
         elif KIND == 4:
             s1 += tl.sum(q * (logq - logp), 0)
+        elif KIND == 6:
+            s1 += tl.sum(q * (logq - logp), 0)
+            s3 += tl.sum(tl.where(p > 0, p * (logp - logq), 0.0), 0)
         else:
             hi = tl.maximum(logq, logp)
             logm = hi + tl.log(1.0 + tl.exp(-tl.abs(logq - logp))) - LN2
@@ -85,6 +93,8 @@ def loss_rows_kernel(z_ptr, stride_z, t_ptr, stride_t, tidx_ptr, loss_ptr, pred_
         loss = lam * s3 + (1.0 - lam) * (1.0 - s1)
     elif KIND == 4:
         loss = s1
+    elif KIND == 6:
+        loss = tl.where(accepted, s3, s1)
     else:
         loss = 0.5 * s1 + s2
     tl.store(loss_ptr + row, loss)
@@ -105,6 +115,8 @@ def loss_rows_kernel(z_ptr, stride_z, t_ptr, stride_t, tidx_ptr, loss_ptr, pred_
                 g = lam * (q - p) + (1.0 - lam) * g
         elif KIND == 4:
             g = q * (logq - logp - s1)
+        elif KIND == 6:
+            g = tl.where(accepted, q - p, q * (logq - logp - s1))
         else:
             hi = tl.maximum(logq, logp)
             logm = hi + tl.log(1.0 + tl.exp(-tl.abs(logq - logp))) - LN2
@@ -120,11 +132,12 @@ _tuned = None if INTERPRETED else triton.autotune(CONFIGS, key=["N", "KIND"], re
 
 
 def launch(kind: str, z_MN, teacher_PN, tidx_M, loss_M, pred_M, acc_p_M, G_MN, nla_eps: float,
-           lk_eta: float) -> None:
-    """One launch over the ``M`` rows (arguments checked by ``losses.loss_rows_fused``)."""
+           lk_eta: float, verify_M) -> None:
+    """One launch over the ``M`` rows (arguments checked by ``losses.loss_rows_fused``; ``verify_M``,
+    int64, read by ``opd`` alone)."""
     M, N = z_MN.shape
     args = (z_MN, z_MN.stride(0), teacher_PN, teacher_PN.stride(0), tidx_M, loss_M, pred_M, acc_p_M,
-            G_MN, G_MN.stride(0), N, float(nla_eps), float(lk_eta))
+            G_MN, G_MN.stride(0), N, float(nla_eps), float(lk_eta), verify_M)
     g_bf16 = G_MN.dtype == torch.bfloat16
     if INTERPRETED:
         loss_rows_kernel[(M,)](*args, BLOCK_N=INTERPRET_BLOCK, KIND=CODES[kind], G_BF16=g_bf16)

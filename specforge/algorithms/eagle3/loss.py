@@ -12,7 +12,7 @@ Conventions (``shared/DESIGN.md``, "EAGLE-3 facts"); ``x`` = input ids, ``T`` = 
   token is an assistant token -- the *shifted* mask; upstream SpecForge issue #885 applies the
   unshifted one) and ``t2d[target_ids[t+1+i]]`` (the target argmax there is in the draft vocab).
 * ``loss_i`` = the row loss of ``loss_kind`` (``train.loss``; ``kernels/losses.py``: the soft
-  cross-entropy ``kl_div`` by default, or TV, LK's two forms, reverse KL, JSD) against
+  cross-entropy ``kl_div`` by default, or TV, LK's two forms, reverse KL, JSD, Draft-OPD's) against
   ``softmax(last_hidden[t+1+i] @ teacher_weight_NH.T)`` (the target distribution renormalized over
   the draft vocab), summed over counted rows; for a
   family whose logits are soft-capped (Gemma: ``cap * tanh(z / cap)``, ``softcap``) the cap is
@@ -21,6 +21,13 @@ Conventions (``shared/DESIGN.md``, "EAGLE-3 facts"); ``x`` = input ids, ``T`` = 
   (this rank's), or ``num_valid_global`` when given (the global step-0 count across data/sequence
   parallel ranks: then each rank's loss is its share of the global mean, and gradients must be
   SUMMED across ranks, not averaged).
+* Draft-OPD (``loss_kind="opd"``, arXiv 2605.29343, on-policy and acceptance-aware): row ``t`` of step
+  ``i`` counts with weight 1 only while its chain is *reached*: at every earlier step the target's
+  greedy verification accepted the draft's argmax and the data's next token is the target's (then
+  the unroll's state is the one the draft's own drafts lead to, :func:`reached_after`); its row loss is
+  forward KL where the target accepts this step's draft, reverse KL where it rejects it. Unreached
+  rows weigh 0 (still computed: the counters and metrics below stay those of every counted row,
+  comparable across kinds); the normalizer stays the counted rows of step 0 (all reached).
 
 Metrics (per step ``i``, over counted rows):
 
@@ -80,6 +87,8 @@ __all__ = [
     "COUNTERS",
     "soft_cross_entropy",
     "linear_soft_cross_entropy",
+    "target_to_draft",
+    "reached_after",
 ]
 
 COUNTERS = ("valid", "correct", "loss_sum", "accept_sum")  # the columns of the counts ttt_loss returns
@@ -207,7 +216,7 @@ class _LinearSoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int, kernel: bool, kind: str):
+    def forward(ctx, h_MH, W_NH, teacher_PN, tidx_M, chunk: int, kernel: bool, kind: str, verify_M, weight_M):
         M = h_MH.shape[0]
         f32 = torch.promote_types(h_MH.dtype, torch.float32)
         G = torch.empty(M, W_NH.shape[0], dtype=h_MH.dtype, device=h_MH.device)
@@ -217,12 +226,19 @@ class _LinearSoftCE(torch.autograd.Function):
         Wt = W_NH.t()
         for c0 in range(0, M, chunk):
             c1 = min(M, c0 + chunk)
+            v = None if verify_M is None else verify_M[c0:c1]
             if kernel:  # the logits land in G's rows and the kernel writes the gradient over them
                 z = torch.matmul(h_MH[c0:c1], Wt, out=G[c0:c1])
-                loss_rows_fused(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], z))
+                loss_rows_fused(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], z),
+                                verify_M=v)
             else:
                 z = torch.matmul(h_MH[c0:c1], Wt)
-                loss_rows(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], G[c0:c1]))
+                loss_rows(kind, z, teacher_PN, tidx_M[c0:c1], out=(ce[c0:c1], pred[c0:c1], acc_p[c0:c1], G[c0:c1]),
+                          verify_M=v)
+            if weight_M is not None:  # each row's weight scales its loss and its logit gradient
+                w = weight_M[c0:c1]
+                ce[c0:c1].mul_(w)
+                G[c0:c1].mul_(w.to(G.dtype).unsqueeze(-1))
         ctx.save_for_backward(h_MH, W_NH, G)
         ctx.mark_non_differentiable(ce, pred, acc_p)
         return ce.sum(), ce, pred, acc_p
@@ -233,7 +249,7 @@ class _LinearSoftCE(torch.autograd.Function):
         g = g.to(G.dtype)
         dh = torch.matmul(G, W) * g if ctx.needs_input_grad[0] else None
         dW = torch.matmul(G.t(), h) * g if ctx.needs_input_grad[1] else None
-        return dh, dW, None, None, None, None, None
+        return dh, dW, None, None, None, None, None, None, None
 
 
 # Rows per chunk of the fused loss. CPU: 64 (cache-sized). GPU: as many rows as keep one chunk's
@@ -255,9 +271,12 @@ SOFT_CE_KERNEL = False
 
 
 def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None,
-                              kernel: Optional[bool] = None, kind: str = DEFAULT_LOSS):
+                              kernel: Optional[bool] = None, kind: str = DEFAULT_LOSS,
+                              verify_M: Optional[torch.Tensor] = None, weight_M: Optional[torch.Tensor] = None):
     """``(loss_sum, row_loss, argmax, teacher_prob_of_argmax)`` of ``h @ W.T`` vs ``teacher[tidx]``,
     the row loss of ``kind`` (``kernels.losses``; the teacher rows are log-probs unless ``kl_div``).
+    ``verify_M``: ``opd``'s verification tokens (``kernels.losses.verified``). ``weight_M``: a weight per row
+    (fp32), applied to the row losses (those returned too) and their gradients.
 
     Under autocast the matmuls run in the autocast dtype (h and W are cast here unless already in it;
     ``ttt_loss`` hands W in cast once for all its steps: ``models.layers.cast_once``). ``chunk``:
@@ -275,7 +294,7 @@ def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[in
         dt = torch.promote_types(h_MH.dtype, W_NH.dtype)
         h_MH, W_NH = h_MH.to(dt), W_NH.to(dt)
     with torch.autocast(dev, enabled=False):
-        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk), bool(kernel), kind)
+        return _LinearSoftCE.apply(h_MH, W_NH, teacher_PN, tidx_M, int(chunk), bool(kernel), kind, verify_M, weight_M)
 
 
 def soft_cross_entropy(logits_MN: torch.Tensor, probs_MN: torch.Tensor) -> torch.Tensor:
@@ -389,6 +408,11 @@ def ttt_loss(
     target_flat = target_ids.reshape(-1)
     counts = torch.zeros(L, 4, dtype=torch.float64, device=ids.device)
     lm_head = []  # cast_once of lm_head.weight, made at the first step: inside the forward (FSDP2 unshards it there)
+    opd = loss_kind == "opd"
+    if opd:  # Draft-OPD: which chains the draft's own drafts keep going (see reached_after)
+        to_draft = target_to_draft(draft.d2t, draft.t2d.numel())
+        reached_BR = torch.ones(B, R, dtype=torch.bool, device=ids.device)
+        ids_flat = ids.reshape(-1)
 
     def head(i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Step i's decayed loss sum over its counted rows; runs inside the draft's forward, and
@@ -400,13 +424,21 @@ def ttt_loss(
         h_rows = draft.norm(hidden.reshape(B * Ti, -1)[rows_bt])
         if not lm_head:
             lm_head.append(cast_once(draft.lm_head.weight))
+        verify = weight = None
+        if opd:
+            verify, weight = to_draft[target_flat[flat_p]], reached_BR[b_idx, t_idx].float()
         ce_sum, ce, pred, accept = linear_soft_cross_entropy(h_rows, lm_head[0](), teacher, pos_map[flat_p],
-                                                            kernel=soft_ce_kernel, kind=loss_kind)
+                                                            kernel=soft_ce_kernel, kind=loss_kind,
+                                                            verify_M=verify, weight_M=weight)
         with torch.no_grad():
+            correct = (pred + draft.d2t[pred]) == target_flat[flat_p]
             counts[i, 0] = rows_bt.numel()
-            counts[i, 1] = ((pred + draft.d2t[pred]) == target_flat[flat_p]).sum()
+            counts[i, 1] = correct.sum()
             counts[i, 2] = ce.sum()
             counts[i, 3] = accept.sum()
+            if opd:
+                reached_BR.copy_(reached_after(reached_BR, b_idx, t_idx, correct,
+                                               ids_flat[flat_p + 1] == target_flat[flat_p]))
         return ce_sum * (decay**i)
 
     # the denominator stays on the device (a float or a 0-dim tensor), rounded to the loss's dtype
@@ -416,6 +448,27 @@ def ttt_loss(
     kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT}
     loss = sum(draft(ids, aux, pos, t_len, head, **kw))
     return loss / normalizer.to(loss.dtype), counts
+
+
+def target_to_draft(d2t_N: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each target token's index in the draft vocabulary (-1 where it has none): ``d2t``'s inverse."""
+    out = torch.full((vocab,), -1, dtype=torch.long, device=d2t_N.device)
+    idx = torch.arange(d2t_N.numel(), device=d2t_N.device)
+    out[idx + d2t_N] = idx
+    return out
+
+
+def reached_after(reached_BR: torch.Tensor, b_idx: torch.Tensor, t_idx: torch.Tensor, accepted_M: torch.Tensor,
+                  fed_ok_M: torch.Tensor) -> torch.Tensor:
+    """Draft-OPD's chains after one unroll step (``loss_kind="opd"``): row ``t``'s chain goes on to step
+    ``i + 1`` iff it was reached at step ``i``, counted there (``b_idx, t_idx``: step i's counted rows;
+    an uncounted row ends its chain), the target accepted the draft's token (greedy verification: the
+    draft's argmax is the target's) and the token the unroll feeds next is that same target token (the
+    data follows the target there), so step ``i + 1``'s state is the one the draft's own drafts lead to
+    in decoding. Rows not reached train with weight 0: a state decoding never shows the draft."""
+    out = torch.zeros_like(reached_BR)
+    out[b_idx, t_idx] = reached_BR[b_idx, t_idx] & accepted_M & fed_ok_M
+    return out
 
 
 def ttt_loss_reference(
@@ -442,6 +495,8 @@ def ttt_loss_reference(
     doc_ids_BT = _get(batch, "doc_ids_BT", None)  # packed rows
     valid = valid_rows(loss_mask, target_ids, draft.t2d, L, doc_ids_BT).float()
     teacher_all = teacher_probs(last_hidden, teacher_weight_NH, softcap, log=True)  # B,T,N: log-probs
+    to_draft = target_to_draft(draft.d2t, draft.t2d.numel())
+    reached = torch.ones(B, T, dtype=torch.bool, device=dev)  # Draft-OPD's chains (reached_after)
     layer = draft.midlayer
     attn_mod = layer.self_attn
     hidden = draft.project_aux(aux)
@@ -463,15 +518,20 @@ def ttt_loss_reference(
         hidden = draft.layer_finish(attn, hidden)
         z = draft.logits(hidden)
         teacher_i = F.pad(teacher_all[:, 1 + i :], (0, 0, 0, min(1 + i, T)))[:, :T]  # log-probs
-        ce = loss_reference(loss_kind, z, teacher_i)  # B,T
+        tgt = F.pad(target_ids[:, 1 + i :], (0, min(1 + i, T)))[:, :T]
+        ce = loss_reference(loss_kind, z, teacher_i, to_draft[tgt])  # B,T
         m = valid[i]
+        if loss_kind == "opd":  # only the rows the draft's own drafts reach count
+            m = m * reached
         total = total + (decay**i) * (ce * m).sum()
         with torch.no_grad():
             pred = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1).argmax(-1)
-            tgt = F.pad(target_ids[:, 1 + i :], (0, min(1 + i, T)))[:, :T]
-            stats[i, 0] = m.sum()
-            stats[i, 1] = (((pred + draft.d2t[pred]) == tgt).float() * m).sum()
+            correct = (pred + draft.d2t[pred]) == tgt
+            stats[i, 0] = valid[i].sum()
+            stats[i, 1] = (correct.float() * valid[i]).sum()
             stats[i, 2] = (ce * m).sum()
-            stats[i, 3] = (teacher_i.gather(-1, pred.unsqueeze(-1)).squeeze(-1).exp() * m).sum()
+            stats[i, 3] = (teacher_i.gather(-1, pred.unsqueeze(-1)).squeeze(-1).exp() * valid[i]).sum()
+            fed = F.pad(ids[:, 2 + i :], (0, min(2 + i, T)))[:, :T] == tgt  # the token step i + 1 reads
+            reached = reached & valid[i].bool() & correct & fed
     normalizer = float(num_valid_global) if num_valid_global is not None else float(valid[0].sum())
     return total / max(normalizer, 1.0), stats
