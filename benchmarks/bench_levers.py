@@ -50,9 +50,15 @@ LEVERS = {  # name -> (config overrides, loss on every token instead of the answ
 # the default recipe (init-warmup150-ttt3) with each train.loss and with Muon (issue 58's losses and optimizer)
 RECIPE = LEVERS["init-warmup150-ttt3"][0]
 LEVERS |= {f"recipe-{k}": (RECIPE + [f"train.loss={k}"], False) for k in ("kl_div", "tv", "nla", "lk_hybrid", "rkl",
-                                                                            "jsd")}
+                                                                            "jsd", "opd")}
 LEVERS["recipe-muon"] = (RECIPE + ["train.optimizer=muon"], False)
 LEVERS["recipe-muon-lk_hybrid"] = (RECIPE + ["train.optimizer=muon", "train.loss=lk_hybrid"], False)
+# Draft-OPD as the paper runs it, after supervised training: the lever's recipe for the first share of the
+# minutes, then a fresh trainer (a new optimizer and schedule, as a run with draft.init_from has) on the same
+# draft with these overrides for the rest. "-then-kl_div" is its control: the same restart, the loss unchanged.
+SWITCH = {"recipe-then-opd": (0.5, ["train.loss=opd", "draft.ttt_warmup_steps=0"]),
+          "recipe-then-kl_div": (0.5, ["draft.ttt_warmup_steps=0"])}
+LEVERS |= {name: LEVERS["recipe-kl_div"] for name in SWITCH}
 
 
 def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: int,
@@ -81,6 +87,8 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
     judge = DraftTrainer(bound_algorithm(cfg7), draft, teacher, cfg7, torch.device("cpu"), total_steps=2000)
     held = [store.batch(hold[i : i + 4], 0) for i in range(0, len(hold), 4)]
     marks = [minutes * 60 * (k + 1) / evals for k in range(evals)]
+    switch_s, then = SWITCH.get(name, (None, []))
+    switch_s = None if switch_s is None else switch_s * minutes * 60
     stop_step = round(epochs * len(train) / batch_size) if epochs else None
     out, step, epoch, train_s = [], 0, 0, 0.0
     while marks:
@@ -90,6 +98,11 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
             b = store.batch([train[i] for i in order[s * batch_size : (s + 1) * batch_size]], 0)
             if all_tokens:
                 b.loss_mask_BT = (b.aux_hidden_BTKH.abs().sum(-1) > 0).long()  # every real (unpadded) token
+            if switch_s is not None and train_s >= switch_s:  # the second phase: a fresh trainer, same draft
+                cfg2 = load_config(CONFIG, base + overrides + then)
+                trainer = DraftTrainer(bound_algorithm(cfg2), draft, teacher, cfg2, torch.device("cpu"),
+                                       total_steps=2000)
+                switch_s = None
             t0 = time.perf_counter()
             trainer.step([b])
             train_s += time.perf_counter() - t0
@@ -170,7 +183,9 @@ def main() -> int:
         SCALING.write_text(json.dumps(points, indent=1) + "\n")
         plot_scaling(points, png)
     rows = [[p["lever"], p["samples"],
-             " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else ""),
+             " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else "")
+             + (f"; after {SWITCH[p['lever']][0]:.0%} of the minutes: " + " ".join(SWITCH[p["lever"]][1])
+                if p["lever"] in SWITCH else ""),
              p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]] for p in points]
     table = markdown_table(["lever", "train samples", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1",
                             "acc_2", "tau (sim., chain 7)"], rows)
