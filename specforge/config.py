@@ -37,6 +37,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     cache_dir: str = "~/.cache/specforge"  # converted embedded model, tokenized data
     argmax_chunk_tokens: int = 1024  # tokens per lm_head chunk when taking the target argmax
+    # a 16-bit target (transformers, not an engine) keeps its residual stream -- each layer's input and
+    # output, the norms' input -- in fp32, its matmuls in its dtype: the teacher's argmax agrees with an
+    # fp32 forward more often, for a few elementwise fp32 ops a layer (models/target.py, keep_residual_fp32)
+    fp32_residual: bool = True
     # GPUs one copy of the target spans (rollout worker, colocated train worker, capture, regenerate,
     # eval): its decoder layers are split over them by a memory-balanced device map, for a target one
     # GPU cannot hold. 1 = the whole target on one device (the only choice on CPU).

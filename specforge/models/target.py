@@ -272,6 +272,8 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
         layers = functools.partial(default_feature_layers, cfg)
     ids = layers(num_layers)
     if engine_for is None:
+        if cfg.fp32_residual:
+            keep_residual_fp32(model)
         return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
     text_tower(model).norm.to(home, dtype)
     model.get_output_embeddings().to(home, dtype)
@@ -279,6 +281,64 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     engine = engine_for(path, num_layers, ids, dtype, home)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=home, engine=engine,
                        digest_dtype=dtype)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def keep_residual_fp32(model: nn.Module) -> bool:
+    """Run a 16-bit transformers model's residual stream in fp32 (``model.fp32_residual``), its weights and
+    matmuls in their own dtype; True where installed (a 16-bit model), False for an fp32 one (nothing to do).
+
+    Hooks, no model code: the first decoder layer's input becomes fp32, so each layer's residual adds
+    (``x + attn(norm(x))``) promote to fp32 and the stream stays fp32 through the last layer and the final
+    norm; every other child of a decoder layer (attention, MLP, a family's extra blocks) gets its floating
+    inputs back in the weights' dtype. The norms read the fp32 stream (every family's RMSNorm computes in
+    fp32; a ``torch.nn`` LayerNorm's few parameters are made fp32 to take it). Without it each layer's
+    output is rounded to bf16 before the next add: 16-bit rounding compounds over the layers, which is
+    what flips the teacher's argmax against an fp32 forward (``benchmarks/bench_teacher.py``).
+    ``forward_aux`` hands the captured states back in the model's dtype."""
+    dtype = model.get_input_embeddings().weight.dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+
+    def stream_to_fp32(_m, args, kwargs):  # the layer's hidden states only (not its cos/sin or mask)
+        if args:
+            return (_cast(args[0], torch.float32), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": _cast(kwargs["hidden_states"], torch.float32)}
+        return None
+
+    def to_model_dtype(_m, args, kwargs):
+        return _cast(args, dtype), _cast(kwargs, dtype)
+
+    layers = _decoder_layers(model)
+    layers[0].register_forward_pre_hook(stream_to_fp32, with_kwargs=True)
+    for layer in layers:
+        for child in layer.children():
+            if not _is_norm(child):
+                child.register_forward_pre_hook(to_model_dtype, with_kwargs=True)
+            elif isinstance(child, (nn.LayerNorm, nn.GroupNorm)):
+                child.float()
+    norm = getattr(text_tower(model), "norm", None)
+    if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)):
+        norm.float()
+    head = model.get_output_embeddings()  # a full forward (transformers' generate) reads the fp32 final norm
+    if head is not None:
+        head.register_forward_pre_hook(to_model_dtype, with_kwargs=True)
+    return True
+
+
+def _cast(x, dtype: torch.dtype):
+    """Every floating tensor in ``x`` (a tuple, dict or tensor; nested one level) as ``dtype``; the rest as is."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, tuple):
+        return tuple(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
 
 
 def capture_attention(family, device: torch.device, packed: bool = False, dtype: Optional[torch.dtype] = None) -> str:
@@ -416,8 +476,9 @@ def forward_aux(
         for h in hooks:
             h.remove()
     home = target.device
-    aux_BTKH = torch.cat([grabbed[i].to(home) for i in target.aux_layer_ids], dim=-1)
-    return aux_BTKH, out.last_hidden_state.to(home), out
+    dtype = model.get_input_embeddings().weight.dtype  # the states of a fp32 residual stream (keep_residual_fp32)
+    aux_BTKH = torch.cat([grabbed[i].to(home, dtype) for i in target.aux_layer_ids], dim=-1)
+    return aux_BTKH, out.last_hidden_state.to(home, dtype), out
 
 
 @torch.no_grad()
