@@ -126,3 +126,18 @@ def test_load_target_keeps_a_16_bit_stream_in_fp32_unless_told(tmp_path):
         assert f.last_hidden_BTH.dtype == torch.bfloat16
         out = target.model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
         assert out.shape == (1, 6)
+
+
+def test_the_argmax_of_a_16_bit_head_is_the_fp32_one():
+    """``argmax_chunked`` (the capture's ``target_ids``) on bf16 rows and head: the argmax of the same
+    numbers' fp32 logits, though bf16 logits (2^-9 of themselves apart) tie or swap near-equal tokens.
+    Control: the plain bf16 logits' argmax differs at some of the rows."""
+    from specforge.models.target import argmax_chunked
+
+    g = torch.Generator().manual_seed(3)
+    W = (torch.randn(2000, 64, generator=g) * 0.5).to(torch.bfloat16)
+    h = (torch.randn(512, 64, generator=g) * 4).to(torch.bfloat16)
+    want = (h.float() @ W.float().T).argmax(-1)
+    assert torch.equal(argmax_chunked(h, W, 100), want)
+    assert int(((h @ W.T).argmax(-1) != want).sum()) > 0
+    assert torch.equal(argmax_chunked(h.float(), W.float(), 100), want)

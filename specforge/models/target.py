@@ -421,12 +421,26 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return text_tower(model).layers
 
 
+ARGMAX_REFINE = 8  # 16-bit logits: candidates (their top-k) whose logits are recomputed in fp32
+
+
 @torch.no_grad()
 def argmax_chunked(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, chunk: int) -> torch.Tensor:
-    """argmax over the vocab of hidden @ lm_head.T, ``chunk`` rows at a time (no full logits)."""
+    """argmax over the vocab of hidden @ lm_head.T, ``chunk`` rows at a time (no full logits), as fp32
+    logits would give it. 16-bit logits are rounded to 2^-9 of themselves (0.06 at a logit of 30), which
+    ties or swaps near-equal tokens: there the top ``ARGMAX_REFINE`` of the 16-bit logits are the
+    candidates and their logits are recomputed in fp32 from the same rows (k dot products a token, no
+    fp32 copy of the head)."""
     out = torch.empty(hidden_NH.shape[0], dtype=torch.long, device=lm_head_VH.device)
     for s in range(0, hidden_NH.shape[0], chunk):  # where the lm_head lives (a split target's own device)
-        out[s : s + chunk] = (hidden_NH[s : s + chunk].to(lm_head_VH.device) @ lm_head_VH.T).argmax(-1)
+        h = hidden_NH[s : s + chunk].to(lm_head_VH.device)
+        z = h @ lm_head_VH.T
+        if z.dtype in (torch.bfloat16, torch.float16) and z.shape[-1] > 1:
+            cand = z.topk(min(ARGMAX_REFINE, z.shape[-1]), dim=-1).indices  # n, k
+            exact = torch.einsum("nh,nkh->nk", h.float(), lm_head_VH[cand].float())
+            out[s : s + chunk] = cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
+        else:
+            out[s : s + chunk] = z.argmax(-1)
     return out.to(hidden_NH.device)
 
 
