@@ -9,11 +9,11 @@
 #
 # Installs into .venv first if it is missing (set SKIP_INSTALL=1 to skip). With no --config it runs
 # the embedded default (SmolLM2-135M-Instruct + ShareGPT, CPU/gloo), whose recipe is offline:
-#   1. data     the target reads 300 ShareGPT conversations once and their features go to the
+#   1. data     the target reads 500 ShareGPT conversations once and their features go to the
 #               feature store (store.fill=capture: python -m specforge.capture); store.fill=regenerate
 #               has the target write the answers instead (python -m specforge.regenerate), keeping
 #               the hidden states it computes while generating
-#   2. train    several epochs over the store (python -m specforge.ray_train, placement.mode=offline)
+#   2. train    two epochs over the store (python -m specforge.ray_train, placement.mode=offline)
 #   3. eval     trained draft vs prompt lookup on held-out prompts: acceptance length, speedup
 # Online configs (placement.mode colocated | disaggregated) skip step 1. Every step resumes where
 # it stopped when rerun. Extra arguments are dotted overrides passed to every step.
