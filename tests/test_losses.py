@@ -268,7 +268,7 @@ def test_ttt_loss_with_each_kind_equals_the_reference(kind):
     assert abs(l0.item() - l1.item()) > 1e-3
 
 
-def _greedy_batch(d, L):
+def _greedy_batch(d):
     """A TTT batch whose data follow the target (target_ids[p] = ids[p + 1]) and whose tokens at the
     even positions are the draft's own greedy drafts (step 0 accepted there), random elsewhere: so
     Draft-OPD's chains end at different steps."""
@@ -301,7 +301,7 @@ def test_opd_trains_only_the_chains_the_drafts_reach():
     torch.manual_seed(4)
     L = 3
     d = tiny_draft(torch.float64)
-    b = _greedy_batch(d, L)
+    b = _greedy_batch(d)
     W = torch.randn(DRAFT_N, HT, dtype=torch.float64)
     params = [p for p in d.parameters() if p.requires_grad]
     l1, c1 = ttt_loss(d, b, W, ttt_length=L, loss_kind="opd")
