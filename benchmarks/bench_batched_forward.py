@@ -22,11 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    append_section,
     default_cpu_run,
-    header_markdown,
     machine_info,
     markdown_table,
+    publish,
 )
 from specforge.models.target import capture  # noqa: E402
 from specforge.training.batch import collate, global_batch_ids, split_for_ranks  # noqa: E402
@@ -119,12 +118,8 @@ def main() -> None:
                             "speedup", f">= {TARGET_SPEEDUP}x"], rows)
     png = Path(__file__).resolve().parent / "bench_batched_forward.png"
     plot(results, png)
-    info = machine_info()
-    body = (f"`python benchmarks/bench_batched_forward.py` -- {header_markdown(info)}\n\n"
-            f"{__doc__.split(chr(10) + chr(10), 2)[2].strip()}\n\n{table}\n\n![batched forward]({png.name})\n")
-    print(body)
-    if not args.no_readme:
-        append_section("Batched target forward", body)
+    publish("Batched target forward", "python benchmarks/bench_batched_forward.py", __doc__, table, machine_info(),
+            tail=f"\n![batched forward]({png.name})\n", write=not args.no_readme)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    append_section,
-    default_cpu_run,
-    header_markdown,
-    machine_info,
-    markdown_table,
-)
+from benchmarks.common import default_cpu_run, machine_info, markdown_table, publish  # noqa: E402
 
 
 def capture_all(cfg, rows, engine: bool = False) -> tuple[list, float, int]:
@@ -130,11 +124,8 @@ def main() -> None:
     info["samples"] = f"{len(rows)} held-out conversations ({results[0][1]['tokens']:,} tokens)"
     info["load"] = f"{' '.join(load_before)} before, {' '.join(load_after)} after"
     cmd = f"python benchmarks/bench_teacher.py --samples {args.samples} --max-tokens {args.max_tokens}"
-    body = (f"`{cmd}{' --vllm' if args.vllm else ''}` -- {header_markdown(info)}\n\n"
-            f"{__doc__.split(chr(10) + chr(10), 2)[2].strip()}\n\n{table}\n")
-    print(body)
-    if not args.no_readme:
-        append_section("How exact the teacher is", body)
+    publish("How exact the teacher is", cmd + (" --vllm" if args.vllm else ""), __doc__, table, info,
+            write=not args.no_readme)
 
 
 if __name__ == "__main__":

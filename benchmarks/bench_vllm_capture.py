@@ -27,13 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    append_section,
-    default_cpu_run,
-    header_markdown,
-    machine_info,
-    markdown_table,
-)
+from benchmarks.common import default_cpu_run, machine_info, markdown_table, publish  # noqa: E402
 from specforge.capture import CAPTURE_TOKENS, iter_features, plan_batches  # noqa: E402
 from specforge.models.target import capture, load_target  # noqa: E402
 from specforge.models.vllm_engine import engine_factory  # noqa: E402
@@ -126,11 +120,8 @@ def main() -> None:
     info = machine_info()
     info["samples"] = f"{args.samples} ({results[0][2]['tokens']:,} tokens)"
     info["load"] = f"{' '.join(load_before)} before, {' '.join(load_after)} after"
-    body = (f"`python benchmarks/bench_vllm_capture.py --samples {args.samples}` -- {header_markdown(info)}\n\n"
-            f"{__doc__.split(chr(10) + chr(10), 2)[2].strip()}\n\n{table}\n")
-    print(body)
-    if not args.no_readme:
-        append_section("Capture through vLLM", body)
+    publish("Capture through vLLM", f"python benchmarks/bench_vllm_capture.py --samples {args.samples}", __doc__,
+            table, info, write=not args.no_readme)
 
 
 if __name__ == "__main__":

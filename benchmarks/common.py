@@ -116,6 +116,18 @@ def append_section(title: str, body: str, path: Path = README) -> None:
         f.write(text)
 
 
+def publish(title: str, command: str, doc: str, table: str, info: Optional[dict[str, str]] = None,
+            tail: str = "", write: bool = True) -> str:
+    """A benchmark's README section: its command, the machine header, the script docstring's body (after
+    its usage block), the table and ``tail``; printed, and written as ``## title`` unless ``write`` is off."""
+    text = doc.split("\n\n", 2)[2].strip()
+    body = f"`{command}` -- {header_markdown(info)}\n\n{text}\n\n{table}\n{tail}"
+    print(body)
+    if write:
+        append_section(title, body)
+    return body
+
+
 def run(cmd: list[str]) -> float:
     """Run a command from the repo root, echoing it; its wall-clock seconds (fails on error)."""
     import subprocess
