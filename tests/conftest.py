@@ -138,6 +138,7 @@ def ray_session(_ray_cluster):
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # as start_ray's clusters (RAY_START_ENV)
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                  _temp_dir="/tmp/sfray", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})

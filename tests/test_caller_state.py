@@ -38,11 +38,57 @@ def test_starting_ray_leaves_the_callers_environment(no_ray, monkeypatch):
     before = dict(os.environ)
     assert start_ray(load_config(None, []), 1)
     try:
+        assert _workers_beside_two_actors() == 0  # no idle worker started ahead (RAY_START_ENV)
         seen = ray.get(ray.remote(lambda: {k: os.environ.get(k) for k in ("RAY_AUTH_MODE",
                                                                           "TOKENIZERS_PARALLELISM")}).remote(),
                        timeout=120)
         assert seen == {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}, seen
         ours = [*RAY_START_ENV, "TOKENIZERS_PARALLELISM"]  # (Ray writes keys of its own, e.g. PYTHONBREAKPOINT)
         assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours} == dict.fromkeys(ours)
+    finally:
+        ray.shutdown()
+
+
+def _workers_beside_two_actors(at_least: int = 0, timeout_s: float = 30) -> int:
+    """Start two actors as a run does, then count the Python workers of the cluster this process started
+    (the raylet's children, less its two agents) that are not theirs, once there are ``at_least`` of them
+    or ``timeout_s`` has passed."""
+    import time
+
+    import psutil
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Actor:
+        def pid(self) -> int:
+            return os.getpid()
+
+    actors = [Actor.remote() for _ in range(2)]
+    theirs = set(ray.get([a.pid.remote() for a in actors], timeout=120))
+
+    def count() -> int:
+        raylets = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+        return sum(c.pid not in theirs and c.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+                   for r in raylets for c in r.children())
+
+    deadline = time.monotonic() + timeout_s
+    while (n := count()) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return n
+
+
+@pytest.mark.ray
+def test_a_caller_that_asks_for_prestarted_ray_workers_gets_them(no_ray, monkeypatch):
+    """The control of the count above: RAY_prestart_worker_first_driver=1 set by the caller (it wins over
+    our default) gives the cluster Ray's idle workers, which the actors do not use, and the count sees them."""
+    import ray
+
+    from specforge.config import load_config
+    from specforge.runtime.actors import start_ray
+
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")
+    assert start_ray(load_config(None, []), 1)
+    try:
+        assert _workers_beside_two_actors(at_least=1) >= 1
     finally:
         ray.shutdown()
