@@ -198,6 +198,15 @@ def num_rollout(cfg: Config) -> int:
     return cfg.rollout.num_workers if cfg.placement.mode == "disaggregated" else 0
 
 
+def placement_layout(cfg: Config, data: RunData, mailbox: Optional[str] = None) -> Layout:
+    """The ranks of the placement ``spawn_cluster`` starts (rollout ranks first): what a plan needs of it,
+    known before any worker starts."""
+    n_roll = num_rollout(cfg)
+    return Layout(mode=cfg.placement.mode, rollout_ranks=tuple(range(n_roll)),
+                  train_ranks=tuple(range(n_roll, n_roll + cfg.train.num_workers)), vocab_path=data.vocab_path,
+                  mailbox=mailbox)
+
+
 def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     """Placement groups, one communicator (rollout ranks first), per-worker setup."""
     timeout, setup_timeout = cfg.parallel.timeout_s, max(cfg.parallel.setup_timeout_s, cfg.parallel.timeout_s)
@@ -215,13 +224,7 @@ def spawn_cluster(cfg: Config, data: RunData, use_gpu: bool) -> Cluster:
     if cfg.placement.transport == "object_store" and n_roll:
         mailbox_name = f"{MAILBOX_NAME}-{os.getpid()}-{next(_GENERATION)}"  # a respawn's is new
         mailbox = spawn_mailbox(mailbox_name)
-    layout = Layout(
-        mode=cfg.placement.mode,
-        rollout_ranks=tuple(range(n_roll)),
-        train_ranks=tuple(range(n_roll, n_roll + cfg.train.num_workers)),
-        vocab_path=data.vocab_path,
-        mailbox=mailbox_name,
-    )
+    layout = placement_layout(cfg, data, mailbox_name)
     cluster = Cluster(layout, rollout, train, mailbox, timeout)
     try:
         actors, labels = rollout.actors + train.actors, rollout.labels + train.labels
@@ -271,10 +274,11 @@ def fit(cfg: Config) -> Optional[str]:
         use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_resources(cfg, use_gpu, *ray_resources(cfg, started))  # before any worker starts
         data = prepare(cfg, use_gpu)
+        Planner(cfg, data, placement_layout(cfg, data))  # refuses an in-flight budget below one step: no worker yet
         cluster = spawn_cluster(cfg, data, use_gpu)
         if cluster.start_step:
             print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
-        plan = Planner(cfg, data, cluster.layout)  # refuses an in-flight budget below one step: before any save
+        plan = Planner(cfg, data, cluster.layout)
         keep_old_checkpoints(cfg)  # every check passed: only now may a fresh start move old checkpoints aside
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
         restore_rows(cfg, cluster, plan, logger, latest_checkpoint(checkpoint_root(cfg)))

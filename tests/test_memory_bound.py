@@ -110,6 +110,9 @@ def _bounded_run(assets, tmp_path) -> tuple[int, int, list[int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_inflight_bytes_stay_within_the_budget_and_the_budget_binds(assets, ray_session, tmp_path):
+    """A disaggregated run with a budget of 2.5 of its largest steps keeps its in-flight peak between the
+    largest step and the budget; the same run with a budget it never reaches (the control) goes over that
+    budget, so the bound is what held it. Over 30 s: two Ray runs of two actors each, 7 TTT steps a step."""
     bounded, budget, per_step = _bounded_run(assets, tmp_path)
     unbounded = _run_peak(make_cfg(assets, tmp_path / "unbounded", *COMMON, "placement.max_inflight_mb=1024"))
     print(f"in-flight peak: bounded {bounded}, unbounded {unbounded}, budget {budget}, largest step {max(per_step)}")
@@ -131,11 +134,14 @@ def test_the_budget_holds_under_nccl_completion_semantics(assets, ray_session, t
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_fit_refuses_a_budget_below_one_step_before_training(assets, ray_session, tmp_path):
-    from specforge.ray_train import fit
+def test_fit_refuses_a_budget_below_one_step_before_any_worker_starts(assets, ray_session, tmp_path, monkeypatch):
+    import specforge.ray_train as rt
 
+    spawned = []
+    monkeypatch.setattr(rt, "spawn_cluster", lambda *a, **k: spawned.append(a))
     cfg = make_cfg(assets, tmp_path, "placement.mode=disaggregated", "rollout.num_workers=1",
                    "placement.max_inflight_mb=0.001")
     with pytest.raises(ValueError, match=r"placement\.max_inflight_mb'=0\.001 is smaller than one step's features"):
-        fit(cfg)
-    assert not list(tmp_path.rglob("step-*"))  # refused before step 0: nothing trained, nothing saved
+        rt.fit(cfg)
+    assert not spawned  # planned from the placement's ranks alone: no worker started, none to stop
+    assert not list(tmp_path.rglob("step-*"))  # nothing trained, nothing saved
