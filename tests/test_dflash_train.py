@@ -77,6 +77,9 @@ def test_training_lowers_the_block_loss(assets, tmp_path):
     ("disaggregated", ("train.num_workers=1", "train.batch_size=2", "train.pack_tokens=128")),
 ], ids=["colocated-dp2", "disaggregated-dp2", "colocated-ring2", "disaggregated-ring2", "disaggregated-packed"])
 def test_two_ranks_equal_the_single_process(assets, single, ray_session, tmp_path, mode, extra):
+    """The block draft over two ranks (DP, ring SP) or one rank of packed rows, colocated and disaggregated,
+    gives the single-process run's losses, eval and weights. Over 30 s beside the other pytest worker: a Ray
+    run of two or three actors, ~5 CPU-s each to start, and the checkpoint gathered from FSDP2."""
     from specforge.ray_train import fit
 
     ref_out, ref_ckpt = single

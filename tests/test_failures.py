@@ -115,7 +115,9 @@ def test_a_train_worker_killed_while_a_lost_rollout_worker_is_replaced_is_surviv
     """Two faults close together: the rollout worker SIGKILLed after step 1, then, while the driver recovers
     (the new placement just spawned, nothing resumed yet), a train worker of it SIGKILLed too. The driver
     sees the second loss, restarts the train group from the last complete checkpoint, and the run ends with
-    the straight run's losses at every step, each step in the final history once."""
+    the straight run's losses at every step, each step in the final history once. Over 30 s: three placements
+    of three Ray actors (the first, the one around the new rollout worker, the restarted one), ~5 CPU-s an
+    actor to start."""
     import ray
 
     import specforge.ray_train as rt
@@ -245,7 +247,8 @@ def test_a_rollout_worker_that_raises_ends_the_run_at_once_keeping_every_step_tr
     """The rollout worker's captures raise once the driver collected step 1 (the worker lives, so no
     death is seen): the driver tells the train ranks at once, the run ends with the worker's own error
     in one line well before parallel.timeout_s (90 s here: what the train ranks sat in their receives
-    before), and the final checkpoint holds every step trained."""
+    before), and the final checkpoint holds every step trained. Over 30 s beside the other pytest worker
+    (31.8 s once at b32880d): a placement of three Ray actors, ~5 CPU-s an actor to start, and the final save."""
     import time
 
     import specforge.ray_train as rt

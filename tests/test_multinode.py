@@ -48,6 +48,9 @@ def _node_id(_actor=None) -> str:
 
 
 def test_rollout_and_train_workers_on_their_nodes_train_the_reference(assets, reference, cluster, tmp_path):
+    """The module docstring's run: each worker lands on its node, and the run trains the reference's losses.
+    Over 30 s: a two-node Ray cluster of its own (two raylets and their agents) and three actors on it, beside
+    the module's single-process reference."""
     import ray
 
     import specforge.ray_train as rt

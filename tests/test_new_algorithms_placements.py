@@ -78,6 +78,9 @@ def assert_same_run(ref_out, out, rel):
 ], ids=["colocated-dp2", "disaggregated-dp2", "disaggregated-packed"])
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_ray_placements_equal_the_single_process(assets, single, ray_session, tmp_path, algorithm, mode, extra):
+    """Each algorithm's Ray placements (colocated and disaggregated over two train ranks, packed rows where it
+    packs) give its single-process run's losses, eval and weights. Over 30 s for some: a Ray run of two or
+    three actors (~5 CPU-s each to start), and an algorithm's first case trains its single-process reference."""
     from specforge.ray_train import fit
     from specforge.training.checkpoint import load_draft_folder
 

@@ -41,7 +41,9 @@ def disaggregated(assets, tmp_path_factory, ray_session):
 
 
 def test_modes_give_the_same_losses(assets, reference, disaggregated, ray_session, tmp_path):
-
+    """Colocated and disaggregated Ray runs give the single-process run's losses, counters, periodic eval
+    and checkpoint. Over 30 s: the module's first test, so its setup trains the single-process reference and
+    the disaggregated run (three Ray actors); the call adds the colocated run (two)."""
     from specforge.ray_train import fit
     from specforge.training.checkpoint import load_draft_folder
 
@@ -117,8 +119,8 @@ def test_main_reports_bad_config(capsys):
 def test_resume_continues_exactly(assets, reference, ray_session, tmp_path):
     """Periodic FSDP2 checkpoint at step 2 (full weights + full optimizer state); drop the final
     one and resume: the redone step 3 matches the uninterrupted single-process run. (Stopping via
-    a smaller max_steps would change the LR schedule, which spans max_steps.) About 30 s beside the other
-    pytest worker (29.8-31.2 s in the fresh-clone runs of 2026-11-29): two Ray fits, the run and its
+    a smaller max_steps would change the LR schedule, which spans max_steps.) Over 30 s beside the other
+    pytest worker (29.8-35.8 s in the suite's runs of 2026-11-29 and 11-30): two Ray fits, the run and its
     resume, each starting its two train workers (~4.5 CPU-s an actor) and saving FSDP2 checkpoints."""
     import shutil
 

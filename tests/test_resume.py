@@ -17,6 +17,7 @@
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,9 +252,18 @@ def _wait_for(p, path: Path, timeout: float = 400) -> None:
     assert p.poll() is None and path.exists(), f"{path} never came:\n" + p.stdout.read()[-3000:]
 
 
+@pytest.fixture
+def short_tmp():
+    """A folder with a short path (Ray's socket paths live under it; pytest's tmp_path is too long), removed
+    after the test with the Ray sessions' logs it holds."""
+    folder = tempfile.mkdtemp(prefix="/tmp/sfk")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_path):
+def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_path, short_tmp):
     """The same command, run again after each fault and then to its end, logs the uninterrupted run's losses
     and held-out evals. The faults, at fixed moments (``specforge.failpoints`` holds a train rank there):
     the driver SIGKILLed mid-step; the driver SIGKILLed while a rank writes step 4's checkpoint (step 2 stays
@@ -262,13 +272,14 @@ def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_pa
     with one error line naming it and the last good checkpoint, status 1). After each: no process of the
     run's session within 30 s, nor a file it held in /dev/shm (control, checked: a cluster started without
     its reaper outlives the driver). The uninterrupted run is ``fit`` in this process, on the session's
-    cluster."""
+    cluster. Over 30 s: five drivers (``python -m specforge.ray_train``), each importing torch and starting
+    its own Ray cluster and two train actors (~30 CPU-s a driver on 2 cores), beside the uninterrupted run."""
     import psutil
 
     from specforge.config import load_config
     from specforge.ray_train import fit
 
-    ray_tmp = tempfile.mkdtemp(prefix="/tmp/sfk")  # short: Ray's socket paths live under it
+    ray_tmp = short_tmp
     marks = tmp_path / "marks"
 
     def run_args(out):
