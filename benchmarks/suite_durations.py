@@ -6,9 +6,9 @@
 Reads pytest's JUnit XML (each test's setup, call and teardown summed: what the test costs the worker that
 runs it, its module fixtures' builds included for the first test that needs them) and writes
 ``benchmarks/test_durations.json``: the machine, commit and how the suite ran, every module's total and
-every test that took at least a second. Two things read it: ``tests/conftest.py`` hands pytest-xdist the
-longest modules first, and ``tests/test_suite_bounds.py`` asks every test that took over 30 s to say why
-in its docstring. Prints the slowest 20 as a table (the one in benchmarks/README.md, "Test suite durations").
+every test that took at least a second. ``tests/test_suite_bounds.py`` reads it: every test that took
+over 30 s says why in its docstring. Prints the slowest 20 as a table (benchmarks/README.md, "Test suite
+durations", keeps one).
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.durations import modules_longest_first
-
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -87,12 +85,16 @@ def pytest_configure(config):
 REHEARSAL_ENV = "SPECFORGE_GPU_REHEARSAL"
 
 
-# The modules that took longest in the recorded run (benchmarks/test_durations.json, written by
-# benchmarks/suite_durations.py), longest first: they are collected first so that pytest-xdist
-# (scripts/test.sh: ``-n 2 --dist loadfile --no-loadscope-reorder``, which hands each worker one module at a
-# time in collection order) never starts one of them last. A module the run did not record keeps its place
-# after them.
-LONGEST_FIRST = tuple(modules_longest_first())
+# The modules that take longest, longest first (benchmarks/README.md, "Test suite durations"): they are
+# collected first so that pytest-xdist (scripts/test.sh: ``-n 2 --dist loadfile --no-loadscope-reorder``,
+# which hands each worker one module at a time in collection order) never starts one of them last. Kept by
+# hand: the recorded run's own order (benchmarks/test_durations.json, Ray-heavy test_failures beside the vLLM
+# module first) took 31.5 min of pytest from a fresh clone at 767b251 against 29.7-30.8 with this one.
+LONGEST_FIRST = (
+    "test_vllm_backend.py", "test_engine_llamacpp.py", "test_eagle31.py", "test_targets_export.py",
+    "test_engine_dflash.py", "test_dspark.py", "test_bad_input.py", "test_ray_train.py", "test_failures.py",
+    "test_adapt.py", "test_new_algorithms_placements.py", "test_resume.py", "test_install.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

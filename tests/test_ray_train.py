@@ -169,7 +169,8 @@ def test_sequence_parallel_colocated_matches_single_process(assets, reference, r
 @pytest.mark.slow
 def test_sequence_parallel_disaggregated_matches_single_process(assets, reference, ray_session, tmp_path):
     """1 rollout worker -> 2 train workers = 1 DP group of ring SP 2, micro-batches of 2 samples:
-    each train rank receives only its slice + halo of each sample; same losses and checkpoint."""
+    each train rank receives only its slice + halo of each sample; same losses and checkpoint. Over 30 s
+    beside the other pytest worker (36.8 s at 767b251): three Ray actors, ~5 CPU-s each to start."""
 
     from specforge.ray_train import fit
     from specforge.training.checkpoint import load_draft_folder

@@ -1,6 +1,6 @@
 """What the suite's recorded test times say (``benchmarks/test_durations.json``, written by
-``benchmarks/suite_durations.py`` from one run of the whole suite): the order pytest-xdist gets the modules
-in, and which slow tests do not say why they are slow."""
+``benchmarks/suite_durations.py`` from one run of the whole suite): which slow tests do not say why they
+are slow."""
 
 from __future__ import annotations
 
@@ -22,12 +22,6 @@ def recorded(path: Path = DURATIONS) -> Optional[dict]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def modules_longest_first(path: Path = DURATIONS) -> list[str]:
-    """The test modules' file names, the longest in the recorded run first."""
-    run = recorded(path)
-    return [Path(m).name for m in run["modules"]] if run else []
 
 
 def _docstrings(source: str) -> dict[str, str]:
