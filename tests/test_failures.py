@@ -274,7 +274,8 @@ def test_nan_features_are_refused_by_every_train_rank_before_any_trains_on_them(
     all-reduce every step makes (``workers.FeaturesRefused``), so neither trains on them: the run ends
     in one line naming the layer, within the same bound, and the checkpoint holds every step trained
     with finite losses and weights. gloo only: the features arrive; how transfers complete is not what
-    this tests."""
+    this tests. Over 30 s beside the other pytest worker: a placement of three Ray actors, ~5 CPU-s an actor
+    to start, and the final save."""
     import time
 
     import specforge.ray_train as rt

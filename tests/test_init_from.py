@@ -358,7 +358,9 @@ def test_eagle31_and_peagle_drafts_start_from_their_speculators_exports(tmp_path
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_colocated_ray_run_from_init_from_matches_the_single_process(assets, reference, ray_session, tmp_path):
-    """The Ray train workers (FSDP2 over 2 ranks) start from the folder as the single process does."""
+    """The Ray train workers (FSDP2 over 2 ranks) start from the folder as the single process does. Over 30 s
+    beside the other pytest worker (30.0-31.2 s): two Ray train actors, ~5 CPU-s each to start, beside the
+    single-process run."""
     from specforge.ray_train import fit
     from specforge.train import run
     from tests.helpers.ray_run import losses

@@ -207,7 +207,8 @@ def test_packed_rows_give_the_unpacked_losses(assets, reference, ray_session, tm
     """train.pack_tokens: a rank's two samples of a step in one packed row (batch 2, rows of up to
     128 tokens, data.max_length 64) train as the reference's two unpacked micro-batches do: the same
     global batch, the same per-step losses, in one process and in both Ray placements; with SP 2 the
-    packed row is sliced over the group's two ranks (Ulysses colocated, ring disaggregated)."""
+    packed row is sliced over the group's two ranks (Ulysses colocated, ring disaggregated). Over 30 s for the
+    Ray cases beside the other pytest worker: a placement of two or three actors, ~5 CPU-s each to start."""
     from specforge.ray_train import fit
     from specforge.train import run
 
