@@ -280,8 +280,9 @@ def check_ray_address(address: Optional[str], timeout_s: float) -> None:
 # and the processes it starts inherit it; specforge/environment.py): no token authentication (Ray 2.5x
 # turns it on for a new local cluster, writing a token file and RAY_AUTH_MODE=token into the process); no
 # workers started ahead (Ray starts idle Python workers when the first driver connects, up to ``num_cpus``
-# of them, two on a 2-core machine, ~0.7 CPU-s each to import Ray: they belong to no job, and our actors and
-# tasks always carry the job's runtime environment, so none is ever used; tests/test_caller_state.py).
+# of them, two on a 2-core machine, ~0.7 CPU-s each to import Ray: they belong to no job, and no actor is ever
+# put in one, so a run, whose workers are all actors, never uses them; tests/test_caller_state.py counts
+# them beside two actors. A task may take one, and a run of ours has none worth it).
 RAY_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_prestart_worker_first_driver": "0"}
 
