@@ -274,11 +274,12 @@ def fit(cfg: Config) -> Optional[str]:
         use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_resources(cfg, use_gpu, *ray_resources(cfg, started))  # before any worker starts
         data = prepare(cfg, use_gpu)
-        Planner(cfg, data, placement_layout(cfg, data))  # refuses an in-flight budget below one step: no worker yet
+        # the plan reads only the placement's ranks: made (and an in-flight budget below one step refused)
+        # before any worker starts; a placement spawned later, or respawned by a recovery, has the same ranks
+        plan = Planner(cfg, data, placement_layout(cfg, data))
         cluster = spawn_cluster(cfg, data, use_gpu)
         if cluster.start_step:
             print(f"resuming at step {cluster.start_step} from {latest_checkpoint(checkpoint_root(cfg))}")
-        plan = Planner(cfg, data, cluster.layout)
         keep_old_checkpoints(cfg)  # every check passed: only now may a fresh start move old checkpoints aside
         logger = MetricsLogger(cfg.tracking, cfg.train.output_dir, cfg.to_dict())
         restore_rows(cfg, cluster, plan, logger, latest_checkpoint(checkpoint_root(cfg)))

@@ -13,7 +13,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent.parent
 DURATIONS = REPO / "benchmarks" / "test_durations.json"
 SLOW_S = 30.0
-SAYS_WHY = re.compile(r"over 30 s", re.IGNORECASE)  # "Over 30 s: <what it does that takes the time>"
+SAYS_WHY = re.compile(rf"over {SLOW_S:g} s", re.IGNORECASE)  # "Over 30 s: <what it does that takes the time>"
 
 
 def recorded(path: Path = DURATIONS) -> Optional[dict]:
