@@ -132,8 +132,37 @@ def _ray_cluster():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def _ray_zygote(request, tmp_path_factory):
+    """The py_executable of the session cluster's workers: forked from a process that imported torch
+    (tests/helpers/ray_zygote.py), one per pytest process; None for the GPU suite (workers spawned)."""
+    import subprocess
+    import tempfile
+
+    from tests.helpers import ray_zygote
+
+    if _gpu_suite(request.config) or os.environ.get(ray_zygote.OFF_ENV) == "1":
+        yield None
+        return
+    sock = tempfile.mktemp(prefix="sfz-", suffix=".sock", dir="/tmp")  # AF_UNIX: a short path
+    server = subprocess.Popen([sys.executable, ray_zygote.__file__, "serve", sock], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        line = ray_zygote.wait_ready(server, timeout_s=120)
+        assert line == ray_zygote.READY, f"the Ray worker zygote did not start: {line!r}"
+        yield f"{sys.executable} {ray_zygote.__file__} run {sock}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        if os.path.exists(sock):
+            os.unlink(sock)
+
+
 @pytest.fixture(scope="module")
-def ray_session(_ray_cluster):
+def ray_session(_ray_cluster, _ray_zygote):
     """The session's Ray cluster, (re)started if a test before shut it down (tests of what starts and
     stops Ray do). ``address="local"``: always this process' own cluster, never another pytest
     worker's (``-n``) nor one that ``ray start`` / ``ray.cluster_utils`` left its address for."""
@@ -142,8 +171,11 @@ def ray_session(_ray_cluster):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # as start_ray's clusters (RAY_START_ENV)
     if not ray.is_initialized():
+        runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+        if _ray_zygote:
+            runtime_env["py_executable"] = _ray_zygote
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 _temp_dir="/tmp/sfray", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                 _temp_dir="/tmp/sfray", runtime_env=runtime_env)
     return ray
 
 

@@ -1,0 +1,193 @@
+"""Where the suite's Ray cluster starts its worker processes: forked from a process that imported torch once.
+
+A Ray actor of ours spends most of its CPU before its first line of work: a fresh interpreter importing
+torch, ``torch.distributed.tensor`` (sympy) and ``torch._dynamo`` (transformers' loading and masking code
+reach both). The suite starts some 150 actors. Ray starts every worker as
+``<py_executable> default_worker.py <its arguments>``; the suite's cluster (``ray_session`` in
+tests/conftest.py) names this file's ``run`` as that executable, and ``run`` asks the zygote (``serve``,
+one per pytest process) to fork the worker from its imports.
+
+* ``serve SOCKET``: import ``PRELOAD`` (nothing else: no thread, no OpenMP pool, no CUDA), then for each
+  connection fork a child that takes the caller's stdin/stdout/stderr (passed over the socket), its
+  environment, folder and arguments, and runs ``default_worker.py`` as ``python default_worker.py ...`` would.
+  The zygote reaps it and sends the caller its exit status.
+* ``run SOCKET SCRIPT ARGS...``: the process Ray started (what Ray kills and waits for). It stays until
+  the forked worker exits and exits as it did; a SIGTERM or SIGINT it gets goes to the worker, and a worker
+  whose caller is gone (SIGKILLed by Ray) exits at once.
+
+Only the preloaded modules differ from a spawned worker: what they read from the environment at import
+(torch's OpenMP thread count, which ``_start_child`` sets again from the worker's environment) is the
+pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Ray itself, ours and
+transformers are imported by the worker as usual. Runs of ours that start their own Ray cluster (the CLI
+tests, the chaos test) start their workers the usual way, so that path stays tested.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "transformers",
+           "transformers.modeling_utils")
+READY = "ready"
+OFF_ENV = "SPECFORGE_TEST_SPAWN_RAY_WORKERS"  # =1: the suite's cluster spawns its workers as Ray does
+STATUS = struct.Struct("!i")
+
+
+def _send(conn: socket.socket, data: bytes, fds=()) -> None:
+    head = STATUS.pack(len(data))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    conn.sendmsg([head + data], anc)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def wait_ready(server, timeout_s: float) -> str:
+    """The zygote's first line (``READY`` once its imports are done), or what it said instead; bounded."""
+    ready, _, _ = select.select([server.stdout], [], [], timeout_s)
+    return server.stdout.readline().strip() if ready else f"nothing within {timeout_s:.0f} s"
+
+
+def run(sock_path: str, argv: list[str]) -> int:
+    """The caller: hand this process' stdio, environment, folder and arguments to the zygote, pass on
+    the signals Ray sends, and exit as the forked worker did."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(sock_path)
+    msg = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "caller": os.getpid()}).encode()
+    _send(conn, msg, fds=[0, 1, 2])
+    (child,) = STATUS.unpack(_recv_exact(conn, STATUS.size))
+
+    def forward(signum, _frame):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        (status,) = STATUS.unpack(_recv_exact(conn, STATUS.size))
+    except EOFError:
+        return 1
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _die_with(pid: int) -> None:
+    """In the worker: exit at once when the process Ray started (``run``) is gone, as a spawned worker
+    would have gone with it."""
+    import threading
+
+    fd = os.pidfd_open(pid)
+
+    def watch():
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zygote-caller-watch", daemon=True).start()
+
+
+def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
+    """In the forked child: become the worker ``req`` describes; returns its argv."""
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    conn.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    if "OMP_NUM_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    _die_with(req["caller"])
+    return req["argv"]
+
+
+def serve(sock_path: str) -> list[str]:
+    """The zygote's loop; returns (in a forked child only) the argv the child is to run."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if os.path.exists(sock_path):
+        os.unlink(sock_path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen(64)
+    parent = os.getppid()
+    print(READY, flush=True)
+    callers = {}  # forked worker pid -> the caller's connection, told the exit status
+    while True:
+        ready, _, _ = select.select([server], [], [], 0.2)
+        while callers:  # reap without a thread or a SIGCHLD handler: the zygote forks single-threaded
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = callers.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(STATUS.pack(status))
+                except OSError:
+                    pass
+                conn.close()
+        if os.getppid() != parent:  # the pytest process is gone
+            return []
+        if not ready:
+            continue
+        conn, _ = server.accept()
+        data, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * array.array("i").itemsize))
+        size = STATUS.unpack(data[: STATUS.size])[0]
+        data = data[STATUS.size:]
+        if len(data) < size:
+            data += _recv_exact(conn, size - len(data))
+        fds = []
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        req = json.loads(data)
+        pid = os.fork()
+        if pid == 0:
+            server.close()
+            for other in callers.values():
+                other.close()
+            return _start_child(conn, req, fds)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(STATUS.pack(pid))
+        callers[pid] = conn
+
+
+def main() -> None:
+    mode, sock_path, *rest = sys.argv[1:]
+    if mode == "run":
+        sys.exit(run(sock_path, rest))
+    argv = serve(sock_path)
+    if not argv:
+        sys.exit(0)
+    import runpy
+
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

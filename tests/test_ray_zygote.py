@@ -1,0 +1,111 @@
+"""tests/helpers/ray_zygote.py, where the suite's Ray cluster forks its workers from: a worker forked there
+is the process Ray asked for (its arguments, environment, folder, stdio, exit status, signals and death),
+and the session cluster's actors are forked there with their own environment and thread count."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ray_zygote
+
+SCRIPT = """import json, os, signal, sys, time
+preloaded = "torch" in sys.modules
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "set": os.environ.get("SPECFORGE_TEST_ZYGOTE"),
+                  "preloaded": preloaded, "pid": os.getpid(), "ppid": os.getppid()}), flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(120)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def zygote(_ray_zygote):
+    if not _ray_zygote:
+        pytest.skip(f"the suite's Ray workers are spawned here ({ray_zygote.OFF_ENV}=1 or the GPU suite)")
+    return _ray_zygote.split()
+
+
+def _start(command, script, tmp_path, *args):
+    env = {**os.environ, "SPECFORGE_TEST_ZYGOTE": "yes"}
+    return subprocess.Popen([*command, str(script), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _first_line(proc, timeout_s=60):
+    import json
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, f"nothing from the worker within {timeout_s} s"
+    return json.loads(proc.stdout.readline())
+
+
+def _gone(pid, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_forked_worker_runs_as_the_spawned_one_with_torch_already_imported(zygote, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    forked = _start(zygote, script, tmp_path, "exit", "3")
+    spawned = _start([sys.executable], script, tmp_path, "exit", "3")  # the control: as Ray spawns
+    got, want = _first_line(forked), _first_line(spawned)
+    assert forked.wait(timeout=60) == spawned.wait(timeout=60) == 3
+    for key in ("argv", "cwd", "set"):
+        assert got[key] == want[key], key
+    assert want["set"] == "yes" and want["argv"] == ["exit", "3"]
+    assert got["preloaded"] and not want["preloaded"]  # what the zygote is for
+    assert got["pid"] != forked.pid and got["ppid"] != forked.pid  # forked by the zygote, not its caller
+
+
+def test_a_signal_to_the_caller_reaches_the_worker_and_a_killed_caller_takes_it(zygote, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    caller = _start(zygote, script, tmp_path, "wait", "0")
+    worker = _first_line(caller)["pid"]
+    caller.send_signal(signal.SIGTERM)  # as Ray stops a worker
+    assert caller.wait(timeout=60) == 7  # the worker's handler ran and its status came back
+    assert _gone(worker)
+
+    caller = _start(zygote, script, tmp_path, "wait", "0")
+    worker = _first_line(caller)["pid"]
+    os.kill(worker, 0)  # alive
+    caller.kill()  # SIGKILL, as Ray kills a worker it gave up on: nothing can be forwarded
+    caller.wait(timeout=60)
+    assert _gone(worker), "a worker outlived the process Ray started for it"
+
+
+@pytest.mark.ray
+def test_the_session_clusters_actors_are_forked_with_their_own_environment(ray_session, zygote):
+    """An actor of the session cluster is a child of the zygote, sees the environment Ray gave it (the
+    actor's own runtime environment included) and computes on the threads that environment asks for."""
+    import psutil
+    import ray
+    import torch
+
+    @ray.remote(num_cpus=1)
+    class Probe:
+        def seen(self):
+            return {"ppid": os.getppid(), "set": os.environ.get("SPECFORGE_TEST_ZYGOTE"),
+                    "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads()}
+
+    probe = Probe.options(runtime_env={"env_vars": {"SPECFORGE_TEST_ZYGOTE": "actor", "OMP_NUM_THREADS": "3"}})
+    actor = probe.remote()
+    try:
+        seen = ray.get(actor.seen.remote(), timeout=120)
+    finally:
+        ray.kill(actor)
+    assert "serve" in psutil.Process(seen["ppid"]).cmdline()
+    assert seen["set"] == "actor" and seen["omp"] == "3" and seen["threads"] == 3, seen
