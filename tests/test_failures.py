@@ -62,7 +62,7 @@ def test_killed_rollout_worker_is_replaced_and_nothing_is_lost(assets, ray_sessi
                                                               monkeypatch):
     """The rollout worker SIGKILLed after step 1: the driver replaces it, and the run ends with the straight
     run's losses, each step once. Over 30 s beside the other pytest worker: two placements of three Ray
-    actors each start (the first, then one around the new rollout worker), ~4.5 s of CPU an actor."""
+    actors each start (the first, then one around the new rollout worker), ~2.6 CPU-s an actor."""
     import specforge.ray_train as rt
     from specforge.ray_train import fit
 
@@ -90,7 +90,7 @@ def test_killed_train_worker_is_restarted_in_the_run(assets, ray_session, straig
     """A train worker SIGKILLed after step 3: the driver says so in one line naming the worker and the
     checkpoint, restarts every actor from the last complete checkpoint, and the run ends with the straight run's
     losses at every step (steps past the checkpoint trained again from it). Over 30 s beside the other
-    pytest worker: two placements of three Ray actors each, ~4.5 s of CPU an actor to start."""
+    pytest worker: two placements of three Ray actors each, ~2.6 CPU-s an actor to start."""
     from specforge.ray_train import fit
 
     out = tmp_path / f"train-restarted-{semantics}"
@@ -116,7 +116,7 @@ def test_a_train_worker_killed_while_a_lost_rollout_worker_is_replaced_is_surviv
     (the new placement just spawned, nothing resumed yet), a train worker of it SIGKILLed too. The driver
     sees the second loss, restarts the train group from the last complete checkpoint, and the run ends with
     the straight run's losses at every step, each step in the final history once. Over 30 s: three placements
-    of three Ray actors (the first, the one around the new rollout worker, the restarted one), ~5 CPU-s an
+    of three Ray actors (the first, the one around the new rollout worker, the restarted one), ~2.6 CPU-s an
     actor to start."""
     import ray
 
@@ -152,7 +152,7 @@ def test_killed_train_worker_with_no_restart_left_ends_the_run_naming_it_and_res
                                                                                          straight, tmp_path):
     """``train.max_restarts=0``: a train worker SIGKILLed after step 1 ends the run naming it and the
     checkpoint; the same command resumes to the straight run's losses. Over 30 s beside the other pytest
-    worker: two runs (the killed and the resumed) of three Ray actors each, ~4.5 s of CPU an actor to start."""
+    worker: two runs (the killed and the resumed) of three Ray actors each, ~2.6 CPU-s an actor to start."""
     from specforge.ray_train import TrainWorkerLost, fit
 
     out = tmp_path / "train-killed"
@@ -248,7 +248,7 @@ def test_a_rollout_worker_that_raises_ends_the_run_at_once_keeping_every_step_tr
     death is seen): the driver tells the train ranks at once, the run ends with the worker's own error
     in one line well before parallel.timeout_s (90 s here: what the train ranks sat in their receives
     before), and the final checkpoint holds every step trained. Over 30 s beside the other pytest worker
-    (31.8 s once at b32880d): a placement of three Ray actors, ~5 CPU-s an actor to start, and the final save."""
+    (31.8 s once at b32880d): a placement of three Ray actors, ~2.6 CPU-s an actor to start, and the final save."""
     import time
 
     import specforge.ray_train as rt
@@ -274,7 +274,7 @@ def test_nan_features_are_refused_by_every_train_rank_before_any_trains_on_them(
     all-reduce every step makes (``workers.FeaturesRefused``), so neither trains on them: the run ends
     in one line naming the layer, within the same bound, and the checkpoint holds every step trained
     with finite losses and weights. gloo only: the features arrive; how transfers complete is not what
-    this tests. Over 30 s beside the other pytest worker: a placement of three Ray actors, ~5 CPU-s an actor
+    this tests. Over 30 s beside the other pytest worker: a placement of three Ray actors, ~2.6 CPU-s an actor
     to start, and the final save."""
     import time
 

@@ -73,7 +73,7 @@ def test_store_with_ring_sequence_parallelism_equals_one_process(assets, store, 
     """Offline x ring SP 2 (2 train ranks = 1 DP group, micro-batches of 2 samples): each rank reads
     whole samples from the store and keeps its slice + halo, the step-0 K/V pass around the ring;
     same losses as the single process over the same store. Over 30 s: two Ray runs of two train actors each
-    (unpacked, then packed rows), ~5 CPU-s an actor to start, beside the single-process reference."""
+    (unpacked, then packed rows), ~2.6 CPU-s an actor to start, beside the single-process reference."""
     from specforge.ray_train import fit
     from specforge.train import run
     from tests.helpers.ray_run import assert_same_losses

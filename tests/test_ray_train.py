@@ -121,7 +121,7 @@ def test_resume_continues_exactly(assets, reference, ray_session, tmp_path):
     one and resume: the redone step 3 matches the uninterrupted single-process run. (Stopping via
     a smaller max_steps would change the LR schedule, which spans max_steps.) Over 30 s beside the other
     pytest worker (29.8-35.8 s in the suite's runs of 2026-11-29 and 11-30): two Ray fits, the run and its
-    resume, each starting its two train workers (~4.5 CPU-s an actor) and saving FSDP2 checkpoints."""
+    resume, each starting its two train workers (~2.6 CPU-s an actor) and saving FSDP2 checkpoints."""
     import shutil
 
     from specforge.ray_train import fit
