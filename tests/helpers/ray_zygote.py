@@ -88,15 +88,32 @@ def run(sock_path: str, argv: list[str]) -> int:
     return os.WEXITSTATUS(status)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _die_with(pid: int) -> None:
     """In the worker: exit at once when the process Ray started (``run``) is gone, as a spawned worker
     would have gone with it."""
     import threading
 
-    fd = os.pidfd_open(pid)
+    try:
+        fd = os.pidfd_open(pid)  # Linux 5.3+: readable once the caller has exited
+    except (AttributeError, OSError):
+        fd = None
 
     def watch():
-        select.select([fd], [], [])
+        if fd is not None:
+            select.select([fd], [], [])
+        else:  # no pidfd: look every half second
+            while _alive(pid):
+                select.select([], [], [], 0.5)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="zygote-caller-watch", daemon=True).start()
