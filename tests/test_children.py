@@ -10,6 +10,7 @@ import time
 import types
 
 from specforge.children import PRELUDE, tied
+from tests.helpers.processes import gone
 
 STARTER = """
 import subprocess, sys
@@ -19,23 +20,6 @@ child = subprocess.Popen(tied(cmd) if sys.argv[1] == "tied" else cmd, start_new_
 print(child.pid, flush=True)
 sys.stdin.read()  # until killed
 """
-
-
-def _gone(pid: int, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # reaped by init once orphaned; a zombie still answers kill(0)
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _start(how: str) -> tuple[subprocess.Popen, int]:
@@ -52,12 +36,12 @@ def test_a_tied_child_dies_with_its_starter_killed_by_sigkill_and_an_untied_one_
         time.sleep(0.02)
     starter.kill()
     starter.wait()
-    assert _gone(child, 10), "the tied child outlived its starter"
+    assert gone(child, 10), "the tied child outlived its starter"
     starter, child = _start("plain")  # the control: nothing sends it a signal
     try:
         starter.kill()
         starter.wait()
-        assert not _gone(child, 1.0)
+        assert not gone(child, 1.0)
     finally:
         os.kill(child, signal.SIGKILL)
 
@@ -188,7 +172,7 @@ def _remove(*files) -> None:
 
 
 def _left(pids, files) -> list:
-    return [p for p in pids if not _gone(int(p), 0.01)] + [f for f in files if os.path.exists(f)]
+    return [p for p in pids if not gone(int(p), 0.01)] + [f for f in files if os.path.exists(f)]
 
 
 def _settled(pids, files, within_s: float) -> list:
@@ -237,7 +221,7 @@ def test_the_reaper_ends_only_the_processes_it_was_given_and_removes_what_they_l
             starter.kill()
             starter.wait()
             assert _settled([engine, kid], [seg, kmp, sem], 20) == [], how
-            assert _gone(other.pid, 3) == (how == "same"), how
+            assert gone(other.pid, 3) == (how == "same"), how
         finally:
             other.kill()
             other.wait()

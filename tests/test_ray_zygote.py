@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.helpers import ray_zygote
+from tests.helpers.processes import gone
 
 SCRIPT = """import json, os, signal, sys, time
 preloaded = "torch" in sys.modules
@@ -45,17 +45,6 @@ def _first_line(proc, timeout_s=60):
     return json.loads(proc.stdout.readline())
 
 
-def _gone(pid, timeout_s=10):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_forked_worker_runs_as_the_spawned_one_with_torch_already_imported(zygote, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
@@ -77,14 +66,14 @@ def test_a_signal_to_the_caller_reaches_the_worker_and_a_killed_caller_takes_it(
     worker = _first_line(caller)["pid"]
     caller.send_signal(signal.SIGTERM)  # as Ray stops a worker
     assert caller.wait(timeout=60) == 7  # the worker's handler ran and its status came back
-    assert _gone(worker)
+    assert gone(worker, 10)
 
     caller = _start(zygote, script, tmp_path, "wait", "0")
     worker = _first_line(caller)["pid"]
     os.kill(worker, 0)  # alive
     caller.kill()  # SIGKILL, as Ray kills a worker it gave up on: nothing can be forwarded
     caller.wait(timeout=60)
-    assert _gone(worker), "a worker outlived the process Ray started for it"
+    assert gone(worker, 10), "a worker outlived the process Ray started for it"
 
 
 @pytest.mark.ray
