@@ -76,6 +76,21 @@ def test_a_signal_to_the_caller_reaches_the_worker_and_a_killed_caller_takes_it(
     assert gone(worker, 10), "a worker outlived the process Ray started for it"
 
 
+def test_a_caller_that_sends_garbage_or_goes_does_not_end_the_zygote(zygote, tmp_path):
+    import socket
+
+    sock_path = zygote[-1]
+    for garbage in (b"", b"\x00\x00", b"\x00\x00\x00\x05{oops"):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock_path)
+        conn.sendall(garbage)
+        conn.close()  # gone before a whole request
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    after = _start(zygote, script, tmp_path, "exit", "0")
+    assert _first_line(after)["preloaded"] and after.wait(timeout=60) == 0  # still forking
+
+
 @pytest.mark.ray
 def test_the_session_clusters_actors_are_forked_with_their_own_environment(ray_session, zygote):
     """An actor of the session cluster is a child of the zygote, sees the environment Ray gave it (the

@@ -138,6 +138,30 @@ def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
     return req["argv"]
 
 
+def _request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A caller's request (its JSON) and the stdio descriptors that came with its first bytes."""
+    conn.settimeout(30.0)  # a caller sends at once; a stuck one must not stop the zygote
+    data, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * array.array("i").itemsize))
+    fds = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+    try:
+        if len(data) < STATUS.size:
+            data += _recv_exact(conn, STATUS.size - len(data))
+        size = STATUS.unpack(data[: STATUS.size])[0]
+        data = data[STATUS.size:]
+        if len(data) < size:
+            data += _recv_exact(conn, size - len(data))
+        req = json.loads(data)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    conn.settimeout(None)
+    return req, fds
+
+
 def serve(sock_path: str) -> list[str]:
     """The zygote's loop; returns (in a forked child only) the argv the child is to run."""
     import importlib
@@ -170,16 +194,12 @@ def serve(sock_path: str) -> list[str]:
         if not ready:
             continue
         conn, _ = server.accept()
-        data, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * array.array("i").itemsize))
-        size = STATUS.unpack(data[: STATUS.size])[0]
-        data = data[STATUS.size:]
-        if len(data) < size:
-            data += _recv_exact(conn, size - len(data))
-        fds = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
-        req = json.loads(data)
+        try:
+            req, fds = _request(conn)
+        except (OSError, EOFError, ValueError) as err:  # a caller that went or sent garbage: not the zygote's end
+            print(f"ray_zygote: a request failed: {err!r}", file=sys.stderr, flush=True)
+            conn.close()
+            continue
         pid = os.fork()
         if pid == 0:
             server.close()
