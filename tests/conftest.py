@@ -133,9 +133,10 @@ def _ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def _ray_zygote(request, tmp_path_factory):
+def _ray_zygote(request):
     """The py_executable of the session cluster's workers: forked from a process that imported torch
     (tests/helpers/ray_zygote.py), one per pytest process; None for the GPU suite (workers spawned)."""
+    import shlex
     import subprocess
     import tempfile
 
@@ -150,7 +151,7 @@ def _ray_zygote(request, tmp_path_factory):
     try:
         line = ray_zygote.wait_ready(server, timeout_s=120)
         assert line == ray_zygote.READY, f"the Ray worker zygote did not start: {line!r}"
-        yield f"{sys.executable} {ray_zygote.__file__} run {sock}"
+        yield shlex.join([sys.executable, ray_zygote.__file__, "run", sock])  # Ray runs it through bash
     finally:
         server.terminate()
         try:

@@ -3,6 +3,7 @@ is the process Ray asked for (its arguments, environment, folder, stdio, exit st
 and the session cluster's actors are forked there with their own environment and thread count."""
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ sys.exit(int(sys.argv[2]))
 def zygote(_ray_zygote):
     if not _ray_zygote:
         pytest.skip(f"the suite's Ray workers are spawned here ({ray_zygote.OFF_ENV}=1 or the GPU suite)")
-    return _ray_zygote.split()
+    return shlex.split(_ray_zygote)
 
 
 def _start(command, script, tmp_path, *args):
