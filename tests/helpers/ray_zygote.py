@@ -12,13 +12,13 @@ one per pytest process) to fork the worker from its imports.
   environment, folder and arguments, and runs ``default_worker.py`` as ``python default_worker.py ...`` would.
   The zygote reaps it and sends the caller its exit status.
 * ``run SOCKET SCRIPT ARGS...``: the process Ray started (what Ray kills and waits for). It stays until
-  the forked worker exits and exits as it did; a SIGTERM or SIGINT it gets goes to the worker, and a worker
-  whose caller is gone (SIGKILLed by Ray) exits at once.
+  the forked worker exits and exits as it did; a SIGTERM, SIGINT or SIGHUP it gets goes to the worker, and a
+  worker whose caller is gone (SIGKILLed by Ray) exits at once.
 
 Only the preloaded modules differ from a spawned worker: what they read from the environment at import
 (torch's OpenMP thread count, which ``_start_child`` sets again from the worker's environment) is the
-pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Ray itself, ours and
-transformers are imported by the worker as usual. Runs of ours that start their own Ray cluster (the CLI
+pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Ray itself and our
+modules are imported by the worker as usual. Runs of ours that start their own Ray cluster (the CLI
 tests, the chaos test) start their workers the usual way, so that path stays tested.
 """
 
@@ -127,8 +127,9 @@ def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.environ.clear()
-    os.environ.update(req["env"])
+    from specforge.forkserver import adopt_env  # stdlib only: nothing of ours read at import
+
+    adopt_env(req["env"])
     os.chdir(req["cwd"])
     if "OMP_NUM_THREADS" in os.environ:
         import torch
