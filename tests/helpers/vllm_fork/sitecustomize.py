@@ -1,0 +1,45 @@
+"""The suite's vLLM engines fork their engine core and workers instead of spawning them (tests only).
+
+vLLM's CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` whatever the environment says, so an
+engine start imports vLLM three times: the API server, then its engine core, then the core's worker,
+each a fresh interpreter (~15 CPU-s an import on 2 cores; an engine was ready in 42 s with 50 CPU-s,
+forked in 16 s with 22 CPU-s). With ``FLAG=1`` in its environment and this folder first on its
+``PYTHONPATH``, a process that has imported vLLM gets a fork context when it asks multiprocessing for a
+spawn one: the core and the worker are forked from the server, in its process group as before (what
+the engine's guard kills and sweeps). Any process that has not imported vLLM (ours, pytest's) is left
+alone. ``tests/test_vllm_backend.py`` sets it for the engines whose claim is their features; the tests
+of an engine's processes (killed, or its starter killed while it starts) run vLLM's own spawn.
+
+Python imports one ``sitecustomize``: the one this shadows, if any, is run after it."""
+
+import os
+import sys
+
+FLAG = "SPECFORGE_TEST_VLLM_FORK"
+
+if os.environ.get(FLAG) == "1":
+    import multiprocessing
+
+    _get_context = multiprocessing.get_context
+
+    def _forking_context(method=None):
+        if method == "spawn" and "vllm" in sys.modules:
+            method = "fork"
+        return _get_context(method)
+
+    multiprocessing.get_context = _forking_context
+
+
+def _run_the_shadowed_one() -> None:
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_run_the_shadowed_one()
