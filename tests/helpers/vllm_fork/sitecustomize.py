@@ -6,9 +6,10 @@ each a fresh interpreter (~15 CPU-s an import on 2 cores; an engine was ready in
 forked in 16 s with 22 CPU-s). With ``FLAG=1`` in its environment and this folder first on its
 ``PYTHONPATH``, a process that has imported vLLM gets a fork context when it asks multiprocessing for a
 spawn one: the core and the worker are forked from the server, in its process group as before (what
-the engine's guard kills and sweeps). Any process that has not imported vLLM (ours, pytest's) is left
-alone. ``tests/test_vllm_backend.py`` sets it for the engines whose claim is their features; the tests
-of an engine's processes (killed, or its starter killed while it starts) run vLLM's own spawn.
+the engine's guard kills and sweeps). A process that has not imported vLLM (ours, pytest's), or that
+has initialized CUDA (vLLM's own reason to spawn), is left alone. ``tests/test_vllm_backend.py`` sets
+it for the engines whose claim is their features; the tests of an engine's processes (killed, or its
+starter killed while it starts) run vLLM's own spawn.
 
 Python imports one ``sitecustomize``: the one this shadows, if any, is run after it."""
 
@@ -23,7 +24,9 @@ if os.environ.get(FLAG) == "1":
     _get_context = multiprocessing.get_context
 
     def _forking_context(method=None):
-        if method == "spawn" and "vllm" in sys.modules:
+        torch = sys.modules.get("torch")
+        cuda_up = torch is not None and torch.cuda.is_initialized()
+        if method == "spawn" and "vllm" in sys.modules and not cuda_up:
             method = "fork"
         return _get_context(method)
 
