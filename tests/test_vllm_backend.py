@@ -190,19 +190,23 @@ def _same_features_and_a_shifted_layer_differs(cfg, eng, name) -> None:
 
 def test_the_fork_switch_acts_only_in_a_vllm_process_and_only_when_set(tmp_path):
     """tests/helpers/vllm_fork turns a spawn context into a fork one in a process that has imported vLLM
-    and not initialized CUDA, with its flag set, and in no other; a sitecustomize it shadows still runs.
-    Controls: the flag at 0; the same process before it imports vLLM, and after CUDA is up."""
+    and not initialized CUDA, with its flag set when it asks, and in no other; a sitecustomize it shadows still
+    runs. Controls: the flag at 0, or unset after start-up; the same process before it imports vLLM, and after
+    CUDA is up."""
     shadowed = tmp_path / "shadowed"
     shadowed.mkdir()
     (shadowed / "sitecustomize.py").write_text("print('shadowed ran')\n")
-    code = ("import multiprocessing, sys, types\n"
+    code = ("import multiprocessing, os, sys, types\n"
             "method = lambda: multiprocessing.get_context('spawn').get_start_method()\n"
             "before = method()\n"
             "sys.modules['vllm'] = types.ModuleType('vllm')  # as if vLLM were imported\n"
             "vllm = method()\n"
+            f"flag = os.environ.pop({FORK_FLAG!r})  # read when asked: a forked child with the flag unset\n"
+            "unset = method()\n"
+            f"os.environ[{FORK_FLAG!r}] = flag\n"
             "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n"
-            "print(before, vllm, method())  # the last: CUDA initialized, as vLLM's own rule spawns\n")
-    for flag, want in (("1", "spawn fork spawn"), ("0", "spawn spawn spawn")):
+            "print(before, vllm, unset, method())  # the last: CUDA initialized, as vLLM's own rule spawns\n")
+    for flag, want in (("1", "spawn fork spawn spawn"), ("0", "spawn spawn spawn spawn")):
         env = {**os.environ, FORK_FLAG: flag, "PYTHONPATH": os.pathsep.join([str(FORK_DIR), str(shadowed)])}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr[-2000:]

@@ -18,19 +18,22 @@ import sys
 
 FLAG = "SPECFORGE_TEST_VLLM_FORK"
 
-if os.environ.get(FLAG) == "1":
+
+def _install() -> None:
     import multiprocessing
 
-    _get_context = multiprocessing.get_context
+    get_context = multiprocessing.get_context
 
-    def _forking_context(method=None):
-        torch = sys.modules.get("torch")
-        cuda_up = torch is not None and torch.cuda.is_initialized()
-        if method == "spawn" and "vllm" in sys.modules and not cuda_up:
-            method = "fork"
-        return _get_context(method)
+    def forking_context(method=None):
+        # read when asked, not at start-up: a process forked from one that started with the flag (the
+        # suite's Ray zygote, if the session cluster started within the vLLM module) decides by its own
+        if method == "spawn" and os.environ.get(FLAG) == "1" and "vllm" in sys.modules:
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_initialized():
+                method = "fork"
+        return get_context(method)
 
-    multiprocessing.get_context = _forking_context
+    multiprocessing.get_context = forking_context
 
 
 def _run_the_shadowed_one() -> None:
@@ -45,4 +48,5 @@ def _run_the_shadowed_one() -> None:
         spec.loader.exec_module(module)
 
 
+_install()
 _run_the_shadowed_one()
