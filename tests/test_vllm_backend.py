@@ -3,8 +3,8 @@
 
 Each engine start costs ~15-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
 the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests.
-Those whose claim is the features fork vLLM's engine core and worker (``_engines_fork``: 16 s a start
-instead of 42); the tests of an engine's processes start it as vLLM does.
+The engines fork vLLM's engine core and worker from the server (``_engines_fork``: 16 s a start instead
+of 42), but the one whose starter is killed while it starts, which starts as vLLM does.
 The reference is our transformers capture of the same tiny random target in
 fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own negative control).
 """
@@ -135,9 +135,9 @@ def monkeypatch_module():
 @pytest.fixture(scope="module", autouse=True)
 def _engines_fork(monkeypatch_module):
     """The engines this module starts fork their core and workers from the server instead of spawning
-    them (tests/helpers/vllm_fork: ~28 CPU-s and ~27 s less a start on 2 cores). The tests of an engine's
-    processes unset it (their starter's environment) or run it in a Ray actor (the session cluster's
-    actors have it off: tests/conftest.py), so vLLM's own spawn stays tested."""
+    them (tests/helpers/vllm_fork: ~28 CPU-s and ~27 s less a start on 2 cores). The session cluster's
+    actors have it off (tests/conftest.py); the killed-engine test gives it to its rollout workers. The test
+    of a starter killed while its engine starts unsets it, so vLLM's own spawn stays tested there."""
     monkeypatch_module.setenv(FORK_FLAG, "1")
     path = [str(FORK_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
     monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join(path))
@@ -379,8 +379,8 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
     train ranks resume at a consistent step: every step trains once, losses as with transformers. What
     the killed engine held in /dev/shm (vLLM's message queues, OpenMP's registrations) is gone once its
     guard ends (specforge.children.guarded).
-    Over 30 s: two vLLM engine starts (the first and its replacement, ~30 s each on 2 cores) and a Ray run
-    (the reference runs in this process)."""
+    Over 30 s: two vLLM engine starts (the first and its replacement, ~15 s each on 2 cores, their engine
+    cores and workers forked) and a Ray run (the reference runs in this process)."""
 
     import psutil
     import ray
@@ -427,6 +427,14 @@ def test_an_engine_killed_mid_run_takes_its_rollout_worker_which_is_replaced(fol
 
     monkeypatch.setattr(rt, "spawn_cluster", spawn)
     monkeypatch.setattr(rt.Cluster, "collect", collect)
+    # the rollout workers' engines fork their core and worker too (``_engines_fork``; the session cluster's
+    # actors have it off): the claim is what the kill does to the server's process group, which holds them
+    # either way; the test of a starter killed while its engine starts keeps vLLM's own spawn
+    from specforge import failpoints
+
+    real_env = failpoints.worker_env
+    monkeypatch.setattr(failpoints, "worker_env", lambda: {**real_env(), FORK_FLAG: "1",
+                                                           "PYTHONPATH": os.environ["PYTHONPATH"]})
     monkeypatch.setattr(rt, "recover", lambda cfg, data, use_gpu, err, cluster: (
         causes.append(str(err)), real_recover(cfg, data, use_gpu, err, cluster)))
     out = tmp_path / "killed"
