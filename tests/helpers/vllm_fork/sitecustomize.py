@@ -8,8 +8,8 @@ forked in 16 s with 22 CPU-s). With ``FLAG=1`` in its environment and this folde
 spawn one: the core and the worker are forked from the server, in its process group as before (what
 the engine's guard kills and sweeps). A process that has not imported vLLM (ours, pytest's), or that
 has initialized CUDA (vLLM's own reason to spawn), is left alone. ``tests/test_vllm_backend.py`` sets
-it for the engines whose claim is their features; the tests of an engine's processes (killed, or its
-starter killed while it starts) run vLLM's own spawn.
+it for its engines, the session Ray cluster's actors have it off unless a test gives it to them (the
+killed-engine test does), and the test of a starter killed while its engine starts runs vLLM's own spawn.
 
 Python imports one ``sitecustomize``: the one this shadows, if any, is run after it."""
 
