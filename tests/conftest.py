@@ -172,8 +172,10 @@ def ray_session(_ray_cluster, _ray_zygote):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # as start_ray's clusters (RAY_START_ENV)
     if not ray.is_initialized():
+        from tests.helpers.vllm_fork.sitecustomize import FLAG as VLLM_FORK
+
         # the engines its actors start are started as vLLM starts them (tests/helpers/vllm_fork: off)
-        runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "SPECFORGE_TEST_VLLM_FORK": "0"}}
+        runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", VLLM_FORK: "0"}}
         if _ray_zygote:
             runtime_env["py_executable"] = _ray_zygote
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,

@@ -44,6 +44,8 @@ from specforge.models.vllm_engine import (
 from specforge.targets import text_config
 from specforge.training.batch import collate
 from tests.helpers.targets import AUX, overrides, target_folder
+from tests.helpers.vllm_fork import sitecustomize as vllm_fork
+from tests.helpers.vllm_fork.sitecustomize import FLAG as FORK_FLAG
 
 EAGER = "rollout.vllm_args=[--enforce-eager]"
 VLLM = ["rollout.backend=vllm", EAGER, "rollout.vllm_startup_timeout_s=400"]
@@ -51,8 +53,7 @@ FAMILIES = ["llama", "mistral", "qwen3", "qwen3_moe"]  # llama3 RoPE; sliding wi
 TP2_FAMILY = "mistral"  # its features are checked at tp_size 2 only (one engine start fewer)
 LENGTHS = [7, 12, 3, 30]
 TOL = 1e-4
-FORK_DIR = Path(__file__).resolve().parent / "helpers" / "vllm_fork"  # its sitecustomize.py
-FORK_FLAG = "SPECFORGE_TEST_VLLM_FORK"
+FORK_DIR = Path(vllm_fork.__file__).parent  # on an engine's PYTHONPATH: its sitecustomize runs there
 
 
 def test_vllm_is_installed():

@@ -48,5 +48,6 @@ def _run_the_shadowed_one() -> None:
         spec.loader.exec_module(module)
 
 
-_install()
-_run_the_shadowed_one()
+if __name__ == "sitecustomize":  # as Python's start-up runs it; imported by the tests for FLAG, it does nothing
+    _install()
+    _run_the_shadowed_one()
