@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 46's one prepared call on a lent GPU (one H100/H200, no network), under 8 minutes in all: the
 # project's one-GPU suite, its step at the 8B draft shapes with each core and packed rows, the fused
-# soft-CE kernel, and the yardstick's step against SpecForge v0.2.0. Every part has its own timeout,
+# loss kernels (every train.loss kind, issue 58), and the yardstick's step against SpecForge v0.2.0. Every part has its own timeout,
 # so a hang in one still leaves the others' figures. Output: $OUT/gpu_check/<part>.log and summary.txt.
 #
 # Before the call, on the CPU machine (../shared/gpu-bench/README.md says which wheels; add pytest's if
@@ -47,12 +47,12 @@ fi
 # 1. the one-GPU suite: every entry point and algorithm, the memory model against max_memory_allocated
 part gpu_suite 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_gpu_entry.py
 # 2. the step at 8B draft shapes: sdpa (auto) and flex cores, T 2k/4k/8k, and packed rows of 4096 tokens
-part gpu_step 130 python3 benchmarks/bench_gpu_step.py --attention auto,flex --pack 4096 --no-readme
-# 3. the fused soft-CE Triton kernel against the torch rows, autotuned
-part soft_ce 45 python3 benchmarks/bench_soft_ce.py --no-readme
+part gpu_step 120 python3 benchmarks/bench_gpu_step.py --attention auto,flex --pack 4096 --no-readme
+# 3. the fused loss kernels (soft CE and every other loss kind) against the torch rows, autotuned; speed and peak
+part losses 80 python3 benchmarks/bench_soft_ce.py --reps 10 --no-readme
 # 4. the yardstick: the project's step against SpecForge v0.2.0's flex path, same weights and features
 if [ -d .gpu-bench ] || [ "${DRY:-0}" = 1 ]; then
-  part vs_v020 150 python3 .gpu-bench/ttt_vs_upstream.py --device cuda --shapes gpu --project . \
-    --out "$OUT/gpu_check/ttt_vs_upstream" --time-budget-s 120 --fp32-check-T 0
+  part vs_v020 130 python3 .gpu-bench/ttt_vs_upstream.py --device cuda --shapes gpu --project . \
+    --out "$OUT/gpu_check/ttt_vs_upstream" --time-budget-s 105 --fp32-check-T 0
 fi
 [ "${DRY:-0}" = 1 ] || echo "done in $(($(date +%s) - T0))s" | tee -a "$R/summary.txt"

@@ -90,12 +90,12 @@ def test_the_prepared_gpu_call_names_parts_that_exist(tmp_path):
     run = subprocess.run(["bash", str(root / "scripts/gpu_check.sh")], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     parts = [line.split(" (")[0] for line in run.stdout.splitlines()]
-    assert parts == ["gpu_suite", "gpu_step", "soft_ce", "vs_v020"], run.stdout
+    assert parts == ["gpu_suite", "gpu_step", "losses", "vs_v020"], run.stdout
     assert sum(int(s) for s in re.findall(r"\((\d+)s\)", run.stdout)) <= 8 * 60  # the 8 minutes
     for script in re.findall(r"(benchmarks/\w+\.py|tests/\w+\.py)", run.stdout):
         assert (root / script).is_file(), script
     for script, flags in (("bench_gpu_step.py", ["--attention", "--pack", "--no-readme"]),
-                          ("bench_soft_ce.py", ["--no-readme"])):
+                          ("bench_soft_ce.py", ["--kinds", "--reps", "--no-readme"])):
         text = (root / "benchmarks" / script).read_text()
         assert all(f'"{f}"' in text for f in flags), (script, flags)
     bench = root.parent / "shared" / "gpu-bench" / "ttt_vs_upstream.py"
