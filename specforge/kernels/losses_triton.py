@@ -27,7 +27,7 @@ from specforge.kernels.soft_ce_triton import _round_to_bf16
 CONFIGS = [triton.Config({"BLOCK_N": b}, num_warps=w) for b, w in ((1024, 4), (2048, 8), (4096, 8), (8192, 16))]
 INTERPRET_BLOCK = 64
 CODES = {"tv": 1, "nla": 2, "lk_hybrid": 3, "rkl": 4, "jsd": 5, "opd": 6}
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # a global a jit function reads must be a constexpr
 
 
 @triton.jit
