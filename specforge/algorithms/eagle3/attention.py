@@ -42,11 +42,12 @@ Implementations (all exact up to rounding, all differentiable on CPU):
 * :func:`ttt_attention_flex` -- ``torch.nn.attention.flex_attention`` over the concatenated keys
   ``cat(keys)`` with a block mask whose ``mask_mod`` is :func:`build_ttt_mask`'s rule (causal +
   window on the ``T0`` step-0 keys, then one diagonal per later step), ``enable_gqa``. On CUDA it
-  runs ``torch.compile(flex_attention, dynamic=False)`` (one fused kernel forward, one backward;
+  runs ``torch.compile(flex_attention, dynamic=None)`` (one fused kernel forward, one backward;
   autograd keeps q, the concatenated K/V, out and the row log-sum-exp/max, no probabilities: O(T)
-  per head). Unmeasured on a GPU; ``auto`` stays the measured path. Every new shape compiles anew
-  (``dynamic=False``), and the TTT steps' row counts vary per batch: the GPU check must watch
-  recompiles. Elsewhere eager: torch 2.13 runs its forward on the CPU as a dense reference (full
+  per head). ``auto`` stays the default until the GPU figures pick. Shapes are dynamic after the
+  first (each TTT step's keys are longer, and row counts vary per batch): a static compile per shape
+  passed dynamo's recompile limit at the second T and fell back to the unfused form. Elsewhere
+  eager: torch 2.13 runs its forward on the CPU as a dense reference (full
   scores materialized) and refuses its backward there (``NotImplementedError`` from
   ``flex_attention._validate_device``, re-raised here as a ValueError naming ``draft.attention``);
   the dense reference backward under that guard is exact, so the tests lift the guard to check the
@@ -388,8 +389,13 @@ def _block_mask(T: int, T0: int, n: int, q_offset: int, window: Optional[int], d
 
 @functools.lru_cache(maxsize=None)
 def _flex_fn(device_type: str) -> Callable:
-    """``flex_attention`` compiled once per process on CUDA (fused kernels), eager elsewhere."""
-    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+    """``flex_attention`` compiled once per process on CUDA (fused kernels), eager elsewhere. ``dynamic=None``
+    (dynamo's automatic dynamic shapes): the first shape compiles static, the next marks the sizes that
+    changed dynamic and compiles once more for all later shapes. With ``dynamic=False`` each TTT step's key
+    length (``T0 + n T``) compiled anew, so the second sequence length passed dynamo's recompile limit (8) and
+    flex_attention fell back, silently, to its unfused eager form: the full score matrix materialized
+    (H200, 2026-11-30: T 4096 at 0.15x the fused speed, T 8192 out of memory)."""
+    return torch.compile(flex_attention, dynamic=None) if device_type == "cuda" else flex_attention
 
 
 def ttt_attention_flex(
