@@ -32,6 +32,7 @@ nothing behind.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -161,6 +162,9 @@ def export_engine(args: argparse.Namespace, draft: Path, tmp: Path) -> str:
     algo = algorithm_of(draft_config, repr(str(draft)))
     if args.engine not in algo.engines:
         raise ValueError(f"--engine {args.engine}: {refusal_line(algo, args.engine)}")
+    if args.engine == "vllm" and importlib.util.find_spec("speculators") is None:  # before any target loads
+        raise ValueError("--engine vllm: the vLLM format is written by speculators' converter, which is not "
+                         "installed: pip install speculators==0.9.0 (bash scripts/install.sh installs it)")
     algo.check_checkpoint(draft)
     if args.engine == "sglang" and args.target is None:  # SGLang reads the folder alone: no target needed
         return algo.export(args.engine, draft, tmp, ExportRequest(Path(args.out), None))

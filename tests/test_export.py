@@ -258,6 +258,22 @@ def _config(path):
 # ---------------------------------------------------------------- bad input: one error line, exit 1
 
 
+def test_vllm_export_without_speculators_is_one_error_line(tmp_path, target_dir, capsys, monkeypatch):
+    """The vLLM format is speculators' converter's: without it, one line says what to install, before the
+    target loads (the lent H200 had no speculators, and the export died in a ModuleNotFoundError).
+    Control: with speculators importable the same command exports."""
+    ckpt = make_checkpoint(tmp_path / "ckpts", target_dir, [1, 3, 4])
+    argv = ["--draft", ckpt, "--engine", "vllm", "--target", target_dir]
+    monkeypatch.setitem(sys.modules, "speculators", None)  # as if not installed: find_spec gives None
+    monkeypatch.setattr(export, "resolve_target", lambda *a: pytest.fail("the target was resolved"))
+    capsys.readouterr()  # the setup's progress bars
+    code, out, err = run([*argv, "--out", tmp_path / "o1"], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --engine vllm: ") and "pip install speculators==0.9.0" in err, err
+    monkeypatch.undo()
+    assert run([*argv, "--out", tmp_path / "o2"], capsys)[0] == 0
+
+
 def test_bad_input_is_one_error_line(tmp_path, target_dir, capsys):
     ckpt = make_checkpoint(tmp_path / "ckpts", target_dir, [1, 3, 4])
     (tmp_path / "empty").mkdir()
