@@ -24,8 +24,9 @@ def test_the_config_accepts_exactly_the_cores_and_auto():
         assert load_config(None, [f"draft.attention={value}"]).draft.attention == value
 
 
-def test_auto_picks_fast_on_a_cpu_and_sdpa_on_a_gpu_and_a_name_picks_itself():
-    assert pick_impl("auto", "cpu") == "fast" and pick_impl("auto", "cuda") == "sdpa"
+def test_auto_picks_fast_on_a_cpu_flex_on_cuda_and_a_name_picks_itself():
+    assert pick_impl("auto", "cpu") == "fast" and pick_impl("auto", "cuda") == "flex"  # measured on an H200
+    assert pick_impl("auto", "cuda", packed=True) == "sdpa" and pick_impl("auto", "xpu") == "sdpa"
     for name in IMPLS:
         assert pick_impl(name, "cpu") == name and pick_impl(name, "cuda") == name
 

@@ -14,7 +14,8 @@ from typing import Literal, Optional
 
 import torch
 
-from specforge.algorithms.eagle3.attention import CHOICES
+from specforge.algorithms.eagle3 import loss as loss_module
+from specforge.algorithms.eagle3.attention import CHOICES, pick_impl
 from specforge.algorithms.eagle3.export import (
     DEFAULT_SPECULATIVE_TOKENS,
     check_checkpoint,
@@ -193,12 +194,16 @@ class Eagle3(Binds):
         d = Eagle3Dims.of(draft.config)
         # a GPU's SDPA (fused) computes step 0's causal attention without keeping its probabilities;
         # flex (every step fused, no probabilities) is counted by its own terms
-        precision = dataclasses.replace(precision, step0_fused=gpu and self.opt.attention in ("auto", "sdpa")
+        core = pick_impl(self.opt.attention, "cuda" if gpu else "cpu")  # auto on a GPU: flex (unpacked rows)
+        precision = dataclasses.replace(precision, step0_fused=core == "sdpa"
                                         and self.opt.sliding_window is None)  # a window: the fast core
         rows = int(loss_chunk(torch.device("cuda" if gpu else "cpu"), d.N))  # the fused loss's rows per chunk
-        core = "flex" if self.opt.attention == "flex" else "fast"
+        core = "flex" if core == "flex" else "fast"
+        # on a GPU every kind's chunk runs the fused kernel (loss.kernel_default), which holds no more than
+        # kl_div's torch rows (H200: 1.0 GiB at 8,192 rows for every kind, kl_div's torch rows 1.4)
+        kernel = gpu and loss_module.SOFT_CE_KERNEL is not False
         return eagle3_step(d, shape, precision, attention_chunk(gpu), rows, self.opt.sliding_window, core,
-                           LOSS_WORKSET[self.run.loss])
+                           LOSS_WORKSET["kl_div" if kernel else self.run.loss])
 
     def memory_keys(self) -> list[str]:
         return ["parallel.sp_ulysses / parallel.sp_ring (split T)",

@@ -44,7 +44,7 @@ Implementations (all exact up to rounding, all differentiable on CPU):
   window on the ``T0`` step-0 keys, then one diagonal per later step), ``enable_gqa``. On CUDA it
   runs ``torch.compile(flex_attention, dynamic=None)`` (one fused kernel forward, one backward;
   autograd keeps q, the concatenated K/V, out and the row log-sum-exp/max, no probabilities: O(T)
-  per head). ``auto`` stays the default until the GPU figures pick. Shapes are dynamic after the
+  per head). ``auto`` picks it on CUDA for unpacked rows (``pick_impl``). Shapes are dynamic after the
   first (each TTT step's keys are longer, and row counts vary per batch): a static compile per shape
   passed dynamo's recompile limit at the second T and fell back to the unfused form. Elsewhere
   eager: torch 2.13 runs its forward on the CPU as a dense reference (full
@@ -442,10 +442,17 @@ CHOICES = ("auto", *IMPLS)
 FLEX_BLOCK = 128
 
 
-def pick_impl(impl: str, device_type: str) -> str:
-    """The core ``impl`` runs on ``device_type``: ``auto`` = ``fast`` on a CPU, ``sdpa`` elsewhere."""
+def pick_impl(impl: str, device_type: str, packed: bool = False) -> str:
+    """The core ``impl`` runs on ``device_type``: ``auto`` = ``fast`` on a CPU; on CUDA ``flex``, or ``sdpa``
+    for packed rows (``packed``: the flex core builds their block mask every call); ``sdpa`` elsewhere.
+    Measured on an H200 (2026-11-30, be72d44, 8B draft shapes, benchmarks/README.md "GPU runs"): flex
+    21,337 / 25,914 / 27,229 tok/s at T 2k / 4k / 8k against sdpa's 17,034 / 18,639 / 15,411, peaks 11.2 /
+    14.6 / 20.9 GiB against 11.5 / 17.5 / 33.0, 1,692-2,072 launches a step against 3,123-7,079; packed
+    rows of 4096 6,431 (useful tok/s) against 14,707."""
     if impl == "auto":
-        return "fast" if device_type == "cpu" else "sdpa"
+        if device_type == "cpu":
+            return "fast"
+        return "flex" if device_type == "cuda" and not packed else "sdpa"
     return impl
 
 
@@ -453,8 +460,8 @@ class TTTAttentionCore(nn.Module):
     """``midlayer.self_attn.core``: no parameters; ``impl`` one of ``CHOICES``.
 
     ``auto`` = ``fast`` on CPU (measured faster than the fused CPU SDPA kernel even for plain
-    causal attention, see benchmarks/README.md) and ``sdpa`` on GPUs (fused kernel for step 0).
-    ``flex`` (compiled flex_attention for every step) is opt-in until a GPU run measures it faster.
+    causal attention, see benchmarks/README.md); on CUDA ``flex`` (compiled flex_attention for every
+    step: measured faster and leaner than ``sdpa`` on an H200, ``pick_impl``), ``sdpa`` for packed rows.
     Sequence parallel wrappers replace this module or call it from outside; it holds no state.
     ``window``: sliding-window attention (module docstring); the ring wrapper reads it from here.
     """
@@ -480,10 +487,10 @@ class TTTAttentionCore(nn.Module):
         """Rows a TTT step's query span is rounded up to (at most the sequence): ``FLEX_BLOCK`` for
         ``flex``, so a step's shapes recur from batch to batch (its block mask is cached per shape and
         a compiled flex_attention compiles once per shape); 1 (no rounding) for the other cores."""
-        return FLEX_BLOCK if pick_impl(self._impl, device_type) == "flex" else 1
+        return FLEX_BLOCK if pick_impl(self._impl, device_type) == "flex" else 1  # packed rows: harmless
 
     def forward(self, q_BHTD, keys, values, q_offset: int = 0, doc_ids_BT: Optional[torch.Tensor] = None):
-        fn = IMPLS[pick_impl(self._impl, q_BHTD.device.type)]
+        fn = IMPLS[pick_impl(self._impl, q_BHTD.device.type, packed=doc_ids_BT is not None)]
         kw = {} if doc_ids_BT is None else {"doc_ids_BT": doc_ids_BT}  # packed rows (module docstring)
         return fn(q_BHTD, keys, values, q_offset=q_offset, scale=self.scale, window=self.window, **kw)
 

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from specforge.algorithms.eagle3.attention import ttt_attention_eager
 from specforge.algorithms.eagle3.model import apply_rotary
 from specforge.device import loop_chunk
+from specforge.kernels import soft_ce
 from specforge.kernels.losses import DEFAULT as DEFAULT_LOSS
 from specforge.kernels.losses import log_teacher, loss_reference, loss_rows, loss_rows_fused
 from specforge.models.layers import cast_once
@@ -263,11 +264,21 @@ def loss_chunk(device: torch.device, vocab: int) -> int:
     return loop_chunk(device, LOSS_CHUNK_CPU, max(LOSS_CHUNK_CPU, LOSS_CHUNK_BYTES // (4 * max(vocab, 1))))
 
 
-# The row-wise part of each loss chunk: the torch ops (the default, the measured path) or the fused
-# Triton kernel (``kernels/soft_ce.py``: one launch a chunk instead of about a dozen; not yet measured
-# on a GPU). ``kernel=`` of ``linear_soft_cross_entropy`` / ``soft_ce_kernel=`` of ``ttt_loss`` choose per
-# call; None reads this switch.
-SOFT_CE_KERNEL = False
+# The row-wise part of each loss chunk: the torch ops or the fused Triton kernel of every loss kind
+# (``kernels/losses.py``: one launch a chunk instead of 16-40). None (the default): the kernel on a CUDA
+# device where triton imports, the torch ops elsewhere (the CPU's interpreter is for tests). Measured on an
+# H200 (2026-11-30, be72d44, bf16, H 4096, N 32000, benchmarks/README.md "GPU runs"): the whole loss
+# forward + backward 1.5-2.4x faster for every kind, its peak 1.4-2.8 GiB -> 1.0 GiB at 8,192 rows, losses
+# equal to 2e-7 relative. ``kernel=`` of ``linear_soft_cross_entropy`` / ``soft_ce_kernel=`` of ``ttt_loss``
+# choose per call; None reads this switch (True / False force it).
+SOFT_CE_KERNEL: Optional[bool] = None
+
+
+def kernel_default(device: torch.device) -> bool:
+    """Does a loss on ``device`` run the fused kernel when the caller does not say (``SOFT_CE_KERNEL``)?"""
+    if SOFT_CE_KERNEL is not None:
+        return SOFT_CE_KERNEL
+    return device.type == "cuda" and soft_ce.available(device)
 
 
 def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[int] = None,
@@ -282,9 +293,9 @@ def linear_soft_cross_entropy(h_MH, W_NH, teacher_PN, tidx_M, chunk: Optional[in
     ``ttt_loss`` hands W in cast once for all its steps: ``models.layers.cast_once``). ``chunk``:
     rows per iteration, by default ``loss_chunk`` (device-aware). ``kernel``: the fused Triton kernel
     for the row-wise part (``kernels.soft_ce.available(device)`` must hold; fp32/bf16/fp16 only;
-    default ``SOFT_CE_KERNEL``).
+    default ``kernel_default``: on a CUDA device with triton).
     """
-    kernel = SOFT_CE_KERNEL if kernel is None else kernel
+    kernel = kernel_default(h_MH.device) if kernel is None else kernel
     chunk = chunk or loss_chunk(h_MH.device, W_NH.shape[0])
     dev = h_MH.device.type
     if torch.is_autocast_enabled(dev):
