@@ -1,7 +1,7 @@
 """The project's EAGLE-3 train step on a GPU at Llama-3.1-8B draft shapes: tokens/s, peak memory
 against the memory model, kernel launches, per attention core (and packed rows).
 
-    python benchmarks/bench_gpu_step.py [--T 2048,4096,8192] [--attention auto,flex] [--reps 5] [--no-readme]
+    python benchmarks/bench_gpu_step.py [--T 2048,4096,8192] [--attention sdpa,flex] [--reps 5] [--no-readme]
     python benchmarks/bench_gpu_step.py --device cpu --shapes small --no-readme   # the harness itself, on a CPU
 
 One step = zero_grad + ``ttt_loss`` (7 TTT steps, bf16 autocast, fp32 weights) + backward + fused AdamW,
@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="gpu")
     ap.add_argument("--T", default="2048,4096,8192")
-    ap.add_argument("--attention", default="auto,flex")
+    ap.add_argument("--attention", default="sdpa,flex")  # auto: flex on CUDA, sdpa packed
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pack", type=int, default=0, help="also time packed rows of this many tokens (0: skip)")
     ap.add_argument("--pack-lengths", default="700,350,900,420,610,300,800,500")
