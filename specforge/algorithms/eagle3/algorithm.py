@@ -55,8 +55,8 @@ class Eagle3Options(DraftConfig):
     ttt_decay: float = field(default=0.8, metadata={"unit": "(0, 1]"})
     # the first N steps train TTT step 0 only (5x cheaper), then draft.ttt_length
     ttt_warmup_steps: int = field(default=0, metadata={"at_least": 0})
-    # TTT attention core, one of attention.CHOICES: auto (fast on a CPU, sdpa on a GPU) or a core by name;
-    # flex: compiled flex_attention on CUDA, opt-in until measured
+    # TTT attention core, one of attention.CHOICES: auto (fast on a CPU; on CUDA flex, sdpa for packed rows:
+    # attention.pick_impl, measured on an H200) or a core by name; flex: compiled flex_attention on CUDA
     attention: Literal[CHOICES] = "auto"
     # sliding-window attention (tokens; None = full): a draft query at position p sees the keys at
     # positions > p - sliding_window, in training and drafting (attention.py); served by vLLM
