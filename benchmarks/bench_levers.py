@@ -62,9 +62,10 @@ LEVERS |= {name: LEVERS["recipe-kl_div"] for name in SWITCH}
 
 
 def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: int,
-              fraction: float = 1.0, epochs: float = 0.0, seed: int = 0) -> list[dict]:
+              fraction: float = 1.0, epochs: float = 0.0, seed: int = 0, save: Path | None = None) -> list[dict]:
     """Train lever ``name`` on the first ``fraction`` of the train samples; measure the held-out
-    rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given."""
+    rows ``evals`` times over ``minutes`` of training, or once after ``epochs`` passes if given.
+    ``save``: the trained draft is saved there as a checkpoint (``<save>/step-N``) for ``specforge.eval``."""
     from specforge.algorithms.eagle3 import ALGORITHM as EAGLE3
     from specforge.config import load_config
     from specforge.data.vocab import build_draft_vocab
@@ -117,7 +118,31 @@ def run_lever(name: str, store, target, minutes: float, evals: int, batch_size: 
                 print(json.dumps(out[-1]), flush=True)
                 if not marks:
                     break
+    if save is not None:
+        from specforge.training.checkpoint import save_checkpoint
+
+        out[-1]["checkpoint"] = str(save_checkpoint(save, step, EAGLE3.bind(cfg).hf_config(draft),
+                                                    draft.export_state_dict(), train_state={"step": step}))
     return out
+
+
+def eval_drafts(cfg, target, checkpoints: dict[str, str], prompts: int, max_new: int) -> dict[str, float]:
+    """``specforge.eval``'s chain-7 acceptance length of each draft on ``prompts`` held-out prompts of the
+    default config (rows no store sample shares: ``data.heldout``; first turns of at most 384 tokens), all
+    drafts against ONE greedy reference per prompt (``evaluate_settings``: each output is checked against it
+    token for token), the fixed chain only (the CLI adds dynamic drafting), the draft in fp32 as trained."""
+    from specforge.data import heldout
+    from specforge.eval import Setting, evaluate_settings
+    from specforge.registry import algorithm_of, load_draft, read_draft_config
+
+    rows = heldout.eval_prompts(heldout.heldout_rows(cfg, target.tokenizer), prompts, 384, 2)
+    settings = []
+    for name, ckpt in checkpoints.items():
+        algo = algorithm_of(read_draft_config(ckpt), repr(ckpt))
+        settings.append(Setting(name, algo.proposer(load_draft(ckpt, target).to(target.device), torch.float32, False)))
+    reports = evaluate_settings(target, settings, rows, max_new, 7)
+    print(f"eval: {len(rows)} held-out prompts x {max_new} new tokens, {len(settings)} drafts", flush=True)
+    return {s.draft: r.acceptance_length for s, r in zip(settings, reports)} | {"prompts": len(rows)}
 
 
 SCALING = Path(__file__).resolve().parent / "bench_data_scaling.json"
@@ -163,6 +188,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="train.seed (the draft's init) and the data order's")
     ap.add_argument("--section", default=None, help="the benchmarks/README.md section to write (default: the "
                     "levers' or the data-scaling one)")
+    ap.add_argument("--eval-prompts", type=int, default=0,
+                    help="also run specforge.eval (chain 7) on this many held-out prompts with each lever's draft")
+    ap.add_argument("--eval-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="runs/bench-levers", help="where --eval-prompts keeps the drafts")
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw bench_data_scaling.png from bench_data_scaling.json")
     args = ap.parse_args()
@@ -176,9 +205,21 @@ def main() -> int:
     cfg = load_config(CONFIG)
     target = load_target(cfg.model)
     store = FeatureStore(args.store)
-    points = [p for name in args.levers.split(",") for f in args.fractions.split(",")
-              for p in run_lever(name, store, target, args.minutes, args.evals, args.batch_size, float(f), args.epochs,
-                                 args.seed)]
+    out = REPO / args.out
+    points = []
+    for name in args.levers.split(","):
+        for f in args.fractions.split(","):
+            save = out / f"{name}-seed{args.seed}" if args.eval_prompts else None
+            points += run_lever(name, store, target, args.minutes, args.evals, args.batch_size, float(f), args.epochs,
+                                args.seed, save)
+    if args.eval_prompts:  # each lever's last point: its trained draft through the eval, all in one pass
+        last = {p["lever"]: p for p in points if "checkpoint" in p}
+        got = eval_drafts(cfg, target, {k: p["checkpoint"] for k, p in last.items()}, args.eval_prompts,
+                          args.eval_new_tokens)
+        args.eval_prompts = got["prompts"]  # what the held-out rows gave (at most the asked count)
+        for k, p in last.items():
+            p["eval"] = round(got[k], 3)
+            print(json.dumps(p), flush=True)
     if args.epochs:  # the data-scaling points, kept and plotted
         SCALING.write_text(json.dumps(points, indent=1) + "\n")
         plot_scaling(points, png)
@@ -186,12 +227,16 @@ def main() -> int:
              " ".join(LEVERS[p["lever"]][0]) + (" + loss on all tokens" if LEVERS[p["lever"]][1] else "")
              + (f"; after {SWITCH[p['lever']][0]:.0%} of the minutes: " + " ".join(SWITCH[p["lever"]][1])
                 if p["lever"] in SWITCH else ""),
-             p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]] for p in points]
+             p["train_min"], p["steps"], p["epochs"], p["acc_0"], p["acc_1"], p["acc_2"], p["tau"]]
+            + ([p.get("eval", "-")] if args.eval_prompts else []) for p in points]
     table = markdown_table(["lever", "train samples", "overrides", "train min", "steps", "epochs", "acc_0", "acc_1",
-                            "acc_2", "tau (sim., chain 7)"], rows)
+                            "acc_2", "tau (sim., chain 7)"]
+                           + ([f"eval acceptance ({args.eval_prompts} held-out prompts, chain 7)"]
+                              if args.eval_prompts else []), rows)
     n = len(store.ids)
     how = f"--epochs {args.epochs:g} --fractions {args.fractions}" if args.epochs else f"--minutes {args.minutes:g}"
     how += f" --seed {args.seed}" if args.seed else ""
+    how += f" --eval-prompts {args.eval_prompts} --eval-new-tokens {args.eval_new_tokens}" if args.eval_prompts else ""
     body = (f"`python benchmarks/bench_levers.py --store {args.store} --levers {args.levers} {how}` -- "
             f"{header_markdown()}\n\n{n - 16} stored samples train, 16 held out; batch {args.batch_size} rows, "
             "fp32.\n\n"
