@@ -7,8 +7,11 @@ stand-in (the engine's own memory is its process's, not ours), each case in a fr
 
 * "converted" (before 2026-11-29): the host copy loaded in the run's dtype, which materializes every
   weight of a checkpoint stored in another dtype;
-* "checkpoint dtype" (now): the host copy in the checkpoint's own dtype, memory-mapped, only the
-  final norm and the embeddings converted.
+* "checkpoint dtype" (2026-11-29): the host copy in the checkpoint's own dtype, memory-mapped, only
+  the final norm and the embeddings converted (what the capture CLI, which fingerprints every weight,
+  and a colocated train worker, which reads a decoder layer and digests the weights, still load);
+* "head only" (now, a rollout worker): the module tree on the meta device, only the final norm, the
+  output embedding and the input embeddings read from the safetensors.
 
 Targets: the embedded default (SmolLM2-135M-Instruct, stored in fp32) in bf16 (``model.dtype=auto`` on
 a CPU with bf16 instructions, and what a GPU run picks) and in fp32; the largest tiny target the tests
@@ -64,7 +67,8 @@ if sys.argv[4] == "converted":  # the load before: the host copy in the run's dt
             return Converted
 
     t.family_of = lambda config: Family(real_family_of(config))
-target = t.load_target(cfg.model, torch.device("cpu"), engine_for=lambda *a: "stand-in")
+target = t.load_target(cfg.model, torch.device("cpu"), engine_for=lambda *a: "stand-in",
+                       head_only=sys.argv[4] == "head only")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 params = sum(p.numel() for p in target.model.parameters())
 print(json.dumps({"mib": (resident_kib() - base) / 1024, "peak_mib": (max(peak, base_peak) - base) / 1024,
@@ -91,6 +95,9 @@ def largest_tiny(root: Path) -> tuple[str, Path]:
     return name, root
 
 
+MODES = ("converted", "checkpoint dtype", "head only")
+
+
 def run_case(config: str, overrides: list[str], mode: str) -> dict:
     repo = str(Path(__file__).resolve().parent.parent)
     out = subprocess.run([sys.executable, "-c", CASE, repo, config, json.dumps(overrides), mode],
@@ -114,12 +121,11 @@ def main() -> None:
                  ("SmolLM2-135M (fp32 file)", default, ["model.dtype=float32", "model.device=cpu"], "fp32"),
                  (f"tiny {name} (fp32 file)", "", [*tiny_overrides(root), "model.dtype=bfloat16"], "bf16")]
         for label, config, over, run_dtype in cases:
-            got = {mode: run_case(config, over, mode) for mode in ("converted", "checkpoint dtype")}
-            b, n = got["converted"], got["checkpoint dtype"]
-            rows.append([label, run_dtype, f"{b['params']:,}", f"{b['mib']:.1f}", f"{n['mib']:.1f}",
-                         f"{b['peak_mib']:.1f}", f"{n['peak_mib']:.1f}"])
-    table = markdown_table(["target", "run dtype", "parameters", "resident MiB before", "resident MiB now",
-                            "peak MiB before", "peak MiB now"], rows)
+            got = [run_case(config, over, mode) for mode in MODES]
+            rows.append([label, run_dtype, f"{got[0]['params']:,}", *(f"{g['mib']:.1f}" for g in got),
+                         *(f"{g['peak_mib']:.1f}" for g in got)])
+    table = markdown_table(["target", "run dtype", "parameters", *(f"resident MiB, {m}" for m in MODES),
+                            *(f"peak MiB, {m}" for m in MODES)], rows)
     print(table)
     if not args.no_readme:
         body = (f"`python benchmarks/bench_engine_host.py`: {__doc__.split(chr(10) + chr(10), 1)[1].strip()}\n\n"

