@@ -27,7 +27,9 @@ from specforge.data.store import (
     StoreMeta,
     bytes_per_token,
     check_disk,
+    head_only_capture,
     human_bytes,
+    recorded_fingerprint,
     store_meta,
     store_root,
 )
@@ -147,8 +149,11 @@ def capture_store(cfg, progress: bool = True, target=None, source: Optional[str]
                            chat_template=cfg.model.chat_template, cache_dir=cfg.model.cache_dir, progress=progress)
     check_room(cfg, root, _lengths(data.train))  # from the target's config.json: before it (or its engine) loads
     own = target is None
+    # with an engine, only the head is read from the checkpoint, unless the store being resumed records its
+    # target in the kind only the whole model gives (``target_fingerprint``)
     target = target or load_target(cfg.model, layers=lambda n: feature_layers(cfg, n),
-                                   packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg))
+                                   packed=cfg.rollout.pack_tokens is not None, engine_for=engine_factory(cfg),
+                                   head_only=head_only_capture(root))
     try:
         return _capture(cfg, target, data, progress, source)
     finally:
@@ -166,7 +171,7 @@ def check_room(cfg, root: Path, lengths: Sequence[int]) -> None:
 
 
 def _capture(cfg, target, data, progress: bool, source: Optional[str]) -> Path:
-    meta = store_meta(cfg, target, source=source or data.cache_key)
+    meta = store_meta(cfg, target, source=source or data.cache_key, like=recorded_fingerprint(store_root(cfg)))
     return write_store(target, data.train, store_root(cfg), meta, cfg.store.dtype, cfg.store.shard_mb,
                        cfg.train.batch_size, cfg.model.argmax_chunk_tokens, progress,
                        max_tokens=max(CAPTURE_TOKENS, cfg.rollout.pack_tokens or 0),

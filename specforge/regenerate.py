@@ -557,7 +557,7 @@ def _estimate_bytes(jobs: list[Job], max_length: int, per_token: float) -> int:
 
 
 def _open_store(cfg: Config, target, root: Path, settings: dict, template: str, jobs: list[Job]):
-    meta = fs.store_meta(cfg, target, source_tag(cfg, settings, template))
+    meta = fs.store_meta(cfg, target, source_tag(cfg, settings, template), like=fs.recorded_fingerprint(root))
     writer = fs.FeatureStoreWriter(root, meta, dtype=cfg.store.dtype, shard_mb=cfg.store.shard_mb)
     todo = [j for j in jobs if j.source_row not in writer.done()]
     fs.check_disk(root, _estimate_bytes(todo, cfg.data.max_length,
@@ -572,7 +572,9 @@ def run_shard(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Pa
     local = r.backend == "local"
     own = local and target is None
     if own:
-        target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n), engine_for=engine_factory(cfg))
+        # with an engine only the head is read from the checkpoint (as a capture's: ``head_only_capture``)
+        target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n), engine_for=engine_factory(cfg),
+                             head_only=store_dir is None or fs.head_only_capture(store_dir))
     try:
         return _run_shard(cfg, jobs, output, store_dir, target, tokenizer, desc)
     finally:

@@ -44,6 +44,8 @@ def test_a_capture_process_reads_only_the_head_and_gets_the_same_tensors(family,
 class _Engine:
     """An engine's answers: each row's captured layers and its last layer, [T, K + 1, H]."""
 
+    computes_apart = False  # on this process' cores (as a CPU engine): one batch at a time
+
     def __init__(self, K: int, H: int):
         self.K, self.H = K, H
 
@@ -134,3 +136,102 @@ def test_a_checkpoint_it_cannot_match_loads_whole(tmp_path, capsys):
     hf = load_target_config(cfg.model)
     assert head_only_model(str(tmp_path / "target"), hf, family_of(hf), False) is None
     assert "model.norm.weight is not one key" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a store an engine's capture writes
+
+
+def _engine_capture(root, head_only: bool, store: str = "features"):
+    """The store a capture through an engine (the stand-in above) writes, this process holding the head
+    alone or the whole model."""
+    from specforge.capture import capture_store
+
+    cfg = load_config(None, [*overrides(root), "model.dtype=bfloat16", f"store.dir={root / store}"])
+    target = _load(root, head_only)
+    target.engine = _Engine(len(target.aux_layer_ids), target.config.hidden_size)
+    return capture_store(cfg, progress=False, target=target)
+
+
+def _other_checkpoint(root, other):
+    """``root``'s target folder copied to ``other`` with one decoder weight changed (the head as it was)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(root / "target", other / "target")
+    shutil.copy(root / "data.jsonl", other / "data.jsonl")
+    f = other / "target" / "model.safetensors"
+    sd = load_file(str(f))
+    sd["model.layers.1.mlp.down_proj.weight"] += 0.05
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def _trainer_target(root):
+    cfg = load_config(None, overrides(root))  # a trainer's: the whole model, fp32, no engine
+    return cfg, load_target(cfg.model, torch.device("cpu"))
+
+
+def test_a_capture_holding_only_the_head_writes_a_store_the_trainer_accepts(tmp_path):
+    """An engine's capture that reads only the head records its target from the checkpoint's files: the
+    same meta as the capture holding the whole model, and an offline trainer's target (fp32, whole, no
+    engine) opens the store. Control: a trainer whose checkpoint differs in one decoder weight only (which
+    the head-only process never read) is refused, naming the target."""
+    from specforge.data.store import FeatureStore
+    from specforge.runtime.sources import open_store
+
+    target_folder("llama", tmp_path)
+    head = FeatureStore(_engine_capture(tmp_path, True))
+    whole = FeatureStore(_engine_capture(tmp_path, False, store="whole"))
+    assert head.meta.target.startswith("files:") and head.meta == whole.meta
+    cfg, trainer = _trainer_target(tmp_path)
+    assert open_store(cfg, trainer).meta == head.meta
+    _other_checkpoint(tmp_path, tmp_path / "other")
+    other_cfg, other = _trainer_target(tmp_path / "other")
+    other_cfg.store.dir = cfg.store.dir
+    with pytest.raises(ValueError, match=r"captured for a different setup: target \(store: 'files:"):
+        open_store(other_cfg, other)
+
+
+def test_a_store_fingerprinted_from_the_whole_model_stays_usable(tmp_path):
+    """A store written before (its target fingerprinted from the model in memory) is still checked in that
+    kind: the right target opens it, another is refused (control), and a capture resuming it loads the whole
+    model (``head_only_capture``), since the head alone cannot give that kind. A replayed store of the other
+    kind is held against the run's target itself, not against the run's store."""
+    import json
+
+    from specforge.data.store import FeatureStore, head_only_capture, meta_differences, target_fingerprint
+    from specforge.runtime.sources import open_store
+
+    target_folder("llama", tmp_path)
+    root = _engine_capture(tmp_path, True)
+    files_meta = FeatureStore(root).meta
+    cfg, trainer = _trainer_target(tmp_path)
+    _other_checkpoint(tmp_path, tmp_path / "other")
+    other_cfg, other = _trainer_target(tmp_path / "other")
+
+    def recorded(target, where):
+        idx = json.loads((where / "index.json").read_text())
+        idx["meta"]["target"] = target_fingerprint(target, like="0" * 24)  # the older kind
+        (where / "index.json").write_text(json.dumps(idx))
+
+    recorded(trainer, root)
+    assert not FeatureStore(root).meta.target.startswith("files:")
+    assert open_store(cfg, trainer).meta.target == target_fingerprint(trainer, like="0" * 24)
+    assert not head_only_capture(root) and head_only_capture(tmp_path / "none")
+    with pytest.raises(ValueError, match="holds only the target's head"):
+        _engine_capture(tmp_path, True)  # resuming it with the head alone: refused, not miscompared
+    _engine_capture(tmp_path, False)  # with the whole model: resumed (nothing left to capture)
+    recorded(other, root)
+    with pytest.raises(ValueError, match=r"captured for a different setup: target"):
+        open_store(cfg, trainer)  # the control
+    # kinds apart, the meta of two stores is compared on every other field only
+    legacy = FeatureStore(root).meta
+    assert meta_differences(files_meta, legacy, "a", "b") == []
+    assert meta_differences(files_meta, FeatureStore(_engine_capture(tmp_path / "other", True)).meta, "a", "b")
+    # the legacy store replayed beside a files-kind store of the right target: held against the target
+    _engine_capture(tmp_path, True, store="own")
+    cfg.store.dir, cfg.store.replay_dir = str(tmp_path / "own"), str(root)
+    with pytest.raises(ValueError, match="'store.replay_dir'=.* holds features of another target"):
+        open_store(cfg, trainer)
+    recorded(trainer, root)
+    open_store(cfg, trainer)

@@ -244,12 +244,14 @@ def test_tensor_parallel_2_on_the_cpu_gives_the_same_features(folders):
 
 def test_capture_cli_through_vllm_writes_the_transformers_store(folders, llama_engine):
     """``python -m specforge.capture`` with each backend: same samples, ids and argmax; features equal
-    up to the store's bf16 rounding."""
+    up to the store's bf16 rounding; the same meta, the target's fingerprint included (read from the
+    checkpoint's files: the vLLM capture holds only the target's head)."""
     root = folders["llama"]
     base = overrides(root) + ["data.max_samples=8"]
     assert capture_main(["--no-progress", *base, f"store.dir={root / 'hf'}"]) == 0
     assert capture_main(["--no-progress", *base, *llama_engine, f"store.dir={root / 'vllm'}"]) == 0
     a, b = FeatureStore(root / "hf"), FeatureStore(root / "vllm")
+    assert a.meta == b.meta and a.meta.target.startswith("files:")
     assert len(a) == len(b) > 0 and a.lengths == b.lengths
     for sid in range(len(a)):
         x, y = a.read(sid), b.read(sid)

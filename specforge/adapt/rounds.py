@@ -50,6 +50,7 @@ from specforge.data.store import (
     INDEX,
     FeatureStore,
     check_replay_meta,
+    head_only_capture,
     meta_differences,
     restore_index,
     store_meta,
@@ -251,7 +252,7 @@ def _check_reference(cfg: Config, root: Path):
                          "(python -m specforge.capture with this config) or set adapt.replay_share=0")
     store = FeatureStore(ref)
     target = load_target(cfg.model, layers=lambda n: feature_layers(cfg, n))
-    want = store_meta(cfg, target, source="")
+    want = store_meta(cfg, target, source="", like=store.meta.target)
     diffs = meta_differences(store.meta, want, "the store", "this config", ignore=("source",))
     if diffs:
         raise ValueError(f"adapt.reference_store={str(ref)!r} holds features of another setup than this config: "
@@ -558,7 +559,7 @@ class Adapter:
             return
         set_threads(self.cfg.train.num_threads)
         engine = load_target(self.cfg.model, layers=lambda n: feature_layers(self.cfg, n),
-                             engine_for=engine_factory(self.cfg))
+                             engine_for=engine_factory(self.cfg), head_only=head_only_capture(self.root / "store"))
         try:
             capture_store(cfg, progress=False, target=engine, source=STORE_SOURCE)
         finally:

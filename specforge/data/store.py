@@ -53,6 +53,7 @@ from specforge import failpoints
 from specforge.data.prepare import tokenizer_fingerprint
 from specforge.files import human_bytes, open_safetensors
 from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
+from specforge.models.target import FINGERPRINT_FILES, checkpoint_fingerprint
 
 FORMAT = "specforge-feature-store-v1"
 INDEX = "index.json"
@@ -95,14 +96,28 @@ class StoreMeta:
 # ---------------------------------------------------------------- identity
 
 
-def target_fingerprint(target) -> str:
-    """Hash of the target's config, weight names and shapes, and a strided sample of every weight.
+def target_fingerprint(target, like: Optional[str] = None) -> str:
+    """What a store records of the target it holds features of (``meta.target``), in the kind ``like`` (a
+    fingerprint a store recorded) is of; None: the kind a new store gets.
 
-    The sampled values are rounded to bf16 before hashing, so a float32 and a bfloat16 copy of the
-    same checkpoint agree (features differ by rounding only), while a different checkpoint of the
-    same architecture does not. Costs a few thousand elements per tensor, not a pass over weights.
+    The kind a new store gets is ``checkpoint_fingerprint``'s (``files:...``): read from the checkpoint's
+    safetensors, so a process that holds only the target's head (an engine's capture,
+    ``load_target(head_only=True)``) and one that holds the whole model compute the same. A target
+    without such files (a model built in memory) and stores written before it have the model's kind:
+    a hash of its config, weight names and shapes, and a strided sample of every weight in memory.
+    Either way the sampled values are rounded to bf16 first, so a float32 and a bfloat16 copy of the same
+    checkpoint agree (features differ by rounding only), while a different checkpoint of the same
+    architecture does not.
     """
+    if like is None or like.startswith(FINGERPRINT_FILES):
+        found = checkpoint_fingerprint(getattr(target, "path", None))
+        if found is not None or like is not None:
+            return found or "no checkpoint files to fingerprint"
     model = getattr(target, "model", target)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"the store's target fingerprint ({like!r}) is of the kind read from the whole model, and "
+                         "this process holds only the target's head; load the whole target (rollout.backend=hf) "
+                         "or capture into a new store.dir")
     config = {k: v for k, v in model.config.to_dict().items()
               if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version", "use_cache")}
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
@@ -114,11 +129,17 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()[:24]
 
 
-def store_meta(cfg, target, source: str) -> StoreMeta:
-    """The meta of features of ``target`` on the samples ``source`` names, cut to data.max_length."""
+def fingerprint_kind(fingerprint: str) -> str:
+    """``files`` or ``model``: which of ``target_fingerprint``'s kinds a recorded fingerprint is."""
+    return "files" if fingerprint.startswith(FINGERPRINT_FILES) else "model"
+
+
+def store_meta(cfg, target, source: str, like: Optional[str] = None) -> StoreMeta:
+    """The meta of features of ``target`` on the samples ``source`` names, cut to data.max_length; its
+    target fingerprint of ``like``'s kind (a store's recorded one: what to compare with), else a new store's."""
     tok = target.tokenizer
     return StoreMeta(
-        target=target_fingerprint(target),
+        target=target_fingerprint(target, like),
         tokenizer=tokenizer_fingerprint(tok) if tok is not None else "none",
         vocab_size=int(target.config.vocab_size),
         aux_layer_ids=target.aux_layer_ids,
@@ -128,13 +149,30 @@ def store_meta(cfg, target, source: str) -> StoreMeta:
     )
 
 
+def recorded_fingerprint(root) -> Optional[str]:
+    """The target fingerprint a store at ``root`` records (complete or not), None where there is none yet."""
+    root = Path(root).expanduser()
+    return _load_index(root)["meta"].target if (root / INDEX).is_file() else None
+
+
+def head_only_capture(root) -> bool:
+    """May a capture into the store at ``root`` hold only the target's head beside its engine? Yes, but for a
+    store (being resumed) whose target fingerprint is of the kind read from the whole model."""
+    found = recorded_fingerprint(root)
+    return found is None or fingerprint_kind(found) == "files"
+
+
 def store_root(cfg) -> Path:
     """``store.dir``, or ``<train.output_dir>/features``."""
     return Path(cfg.store.dir or Path(cfg.train.output_dir) / "features").expanduser()
 
 
 def meta_differences(a: StoreMeta, b: StoreMeta, a_name: str, b_name: str, ignore: tuple[str, ...] = ()) -> list[str]:
-    """``field (a_name: value, b_name: value)`` for every meta field (but ``ignore``) where ``a`` and ``b`` differ."""
+    """``field (a_name: value, b_name: value)`` for every meta field (but ``ignore``) where ``a`` and ``b`` differ.
+    Two target fingerprints of different kinds (``fingerprint_kind``) are not compared here: each store is
+    held against the run's target in its own kind where a run has one (``check_store_target``)."""
+    if fingerprint_kind(a.target) != fingerprint_kind(b.target):
+        ignore = (*ignore, "target")
     return [f"{f.name} ({a_name}: {getattr(a, f.name)!r}, {b_name}: {getattr(b, f.name)!r})"
             for f in fields(StoreMeta) if f.name not in ignore and getattr(a, f.name) != getattr(b, f.name)]
 
@@ -147,6 +185,16 @@ def check_meta(found: StoreMeta, expected: StoreMeta, root) -> None:
             f"feature store {root} was captured for a different setup: {'; '.join(diffs)}; "
             f"point store.dir elsewhere or recapture with python -m specforge.capture"
         )
+
+
+def check_store_target(store, target, key: str) -> None:
+    """ValueError naming config ``key`` where ``store`` records another target than ``target`` (in the
+    fingerprint kind the store recorded)."""
+    want = target_fingerprint(target, like=store.meta.target)
+    if store.meta.target != want:
+        raise ValueError(f"config key {key!r}={str(store.root)!r} holds features of another target (fingerprint "
+                         f"{store.meta.target}, this run's target: {want}); name a store captured with this "
+                         "model.target_path")
 
 
 def check_replay_meta(own, ref) -> None:

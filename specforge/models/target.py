@@ -50,6 +50,8 @@ class TargetModel:
     # the dtype the weights' digest is taken in (run_identity), where the host copy keeps the checkpoint's
     # own dtype (with an engine): the digest a target loaded in the run's dtype has
     digest_dtype: Optional[torch.dtype] = None
+    # the checkpoint it was loaded from (a local folder or a hub id): what ``checkpoint_fingerprint`` reads
+    path: Optional[str] = None
 
     @property
     def config(self):
@@ -247,9 +249,10 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     checkpoint's own dtype (nothing converted, so only pages read are resident) and only the final norm
     and the lm_head (what ``capture`` applies to the engine's last layer) go to ``device``, in the run's
     dtype, as do the input embeddings (on the host). ``head_only`` (with an engine, for a process that
-    never reads the decoder layers nor samples the weights, as a store's fingerprint and a run's digest do:
-    a rollout worker): only those three tensors are read from the checkpoint's files (``head_only_model``);
-    the rest stays on the meta device, so nothing of the layers is mapped or downloaded."""
+    never reads the decoder layers nor samples the weights in memory, as a run's digest does: a rollout
+    worker, an engine's capture into a store, whose fingerprint ``checkpoint_fingerprint`` reads from the
+    files): only those three tensors are read from the checkpoint's files (``head_only_model``); the rest
+    stays on the meta device, so nothing of the layers is mapped or downloaded."""
     devices = [device] if device is not None else target_devices(cfg.device, cfg.num_gpus)
     dtype = pick_dtype(cfg.dtype, devices[0])
     path = resolve_target_path(cfg)
@@ -282,13 +285,14 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None,
     if engine_for is None:
         if cfg.fp32_residual:
             keep_residual_fp32(model)
-        return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0])
+        return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=devices[0],
+                           path=path)
     text_tower(model).norm.to(home, dtype)
     model.get_output_embeddings().to(home, dtype)
     model.get_input_embeddings().to(dtype)  # the draft's copy and the features' dtype read it (host)
     engine = engine_for(path, num_layers, ids, dtype, home)
     return TargetModel(model=model, tokenizer=load_tokenizer(cfg), aux_layer_ids=ids, device=home, engine=engine,
-                       digest_dtype=dtype)
+                       digest_dtype=dtype, path=path)
 
 
 def head_only_model(path: str, hf_config, family: Family, trust_remote_code: bool) -> Optional[nn.Module]:
@@ -372,6 +376,63 @@ def _weight_files(path: str) -> Optional[dict[str, str]]:
         return None
     with open_safetensors(single, "target weight file", WEIGHTS_FIX) as st:
         return dict.fromkeys(st.keys(), "model.safetensors")
+
+
+FINGERPRINT_FILES = "files:"  # checkpoint_fingerprint's prefix: the kind a store's meta.target is of
+_SAMPLE_ROWS, _SAMPLE_RUN = 4, 64  # per tensor: 4 runs of 64 values, at 0, 1/4, 1/2 and 3/4 of its first dim
+
+
+def _weight_file(path: str, name: str) -> Path:
+    """A file of the checkpoint: a local folder's, or a hub repository's (fetched into the hub cache)."""
+    local = Path(path).expanduser()
+    return local / name if local.is_dir() else Path(hf_hub_download(path, name))
+
+
+def checkpoint_fingerprint(path: Optional[str]) -> Optional[str]:
+    """``files:`` + a hash of the checkpoint's config.json and of every safetensors tensor's key, dtype-free
+    shape and sampled values (bf16-rounded, so a float32 and a bfloat16 copy of one checkpoint agree), read
+    from the files alone: what a store records of the target it was captured from, computed alike by a
+    process that holds only the head (an engine's capture) and by one that holds the whole model (a
+    trainer). A few runs of contiguous values per tensor (a page or so each), so a 640 GiB checkpoint costs
+    a read per tensor, not a pass. None where the weights are not safetensors (or cannot be reached)."""
+    if path is None:
+        return None
+    files = _weight_files(path)
+    if files is None:
+        return None
+    try:
+        config = json.loads(_weight_file(path, "config.json").read_text())
+    except Exception:  # noqa: BLE001 - no config.json to read: no fingerprint of this kind
+        return None
+    config = {k: v for k, v in config.items()
+              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version", "use_cache")}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    by_file: dict[str, list[str]] = {}
+    for key, name in files.items():
+        by_file.setdefault(name, []).append(key)
+    digests = {}
+    for name, keys in by_file.items():
+        with open_safetensors(_weight_file(path, name), "target weight file", WEIGHTS_FIX) as st:
+            for key in keys:
+                digests[key] = _sample_digest(key, st.get_slice(key))
+    for key in sorted(digests):
+        h.update(digests[key])
+    return FINGERPRINT_FILES + h.hexdigest()[:24]
+
+
+def _sample_digest(key: str, sl) -> bytes:
+    """A tensor's key, shape and sampled values (bf16 bytes), from its safetensors slice."""
+    shape = tuple(int(d) for d in sl.get_shape())
+    parts = [f"{key}:{shape}:".encode()]
+    if shape and all(shape):
+        rows = sorted({shape[0] * i // _SAMPLE_ROWS for i in range(_SAMPLE_ROWS)})
+        for r in rows:
+            index = (slice(r, r + 1), *[slice(0, 1)] * (len(shape) - 2), slice(0, _SAMPLE_RUN)) if len(shape) > 1 \
+                else (slice(r, r + _SAMPLE_RUN),)
+            parts.append(sl[index].reshape(-1).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    elif not shape:
+        parts.append(sl[...].reshape(-1).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 def _read_tensor(path: str, files: dict[str, str], key: str, hf_config) -> torch.Tensor:

@@ -28,13 +28,13 @@ import torch.distributed as dist
 from specforge.config import Config
 from specforge.contracts import Layout, StepPlan
 from specforge.data.prepare import prepare_dataset
-from specforge.data.store import FeatureStore, store_meta, store_root
+from specforge.data.store import FeatureStore, check_store_target, store_meta, store_root
 from specforge.models.features import TrainBatch
 from specforge.models.target import load_tokenizer
 from specforge.registry import bound_algorithm
 from specforge.runtime.completion import Completion
 from specforge.runtime.dataplane import ObjectStoreTransport, P2PTransport, Prefetcher
-from specforge.runtime.plan import open_offline_store, store_split
+from specforge.runtime.plan import ReplayStores, open_offline_store, store_split
 from specforge.training.batch import collate, pad_id
 from specforge.training.slicing import WholeSample, batch_from_samples, sp_slice_batch
 from specforge.training.trainer import local_batches
@@ -72,9 +72,13 @@ def build_source(cfg: Config, layout: Layout, groups, target, rank: int):
 
 def open_store(cfg: Config, target):
     """The feature store (with ``store.replay_dir``'s beside it), refused (naming the field) if it
-    was made by another target, tokenizer, aux layers or max_length than this run's."""
-    source = FeatureStore(store_root(cfg)).meta.source
-    return open_offline_store(cfg, expect=store_meta(cfg, target, source=source))
+    was made by another target, tokenizer, aux layers or max_length than this run's. Each store's target
+    fingerprint is compared in the kind it recorded (``target_fingerprint``)."""
+    found = FeatureStore(store_root(cfg)).meta
+    store = open_offline_store(cfg, expect=store_meta(cfg, target, source=found.source, like=found.target))
+    if isinstance(store, ReplayStores):
+        check_store_target(store.ref, target, "store.replay_dir")
+    return store
 
 
 class StoreSource:
