@@ -112,7 +112,7 @@ def target_fingerprint(target, like: Optional[str] = None) -> str:
     if like is None or like.startswith(FINGERPRINT_FILES):
         found = checkpoint_fingerprint(getattr(target, "path", None))
         if found is not None or like is not None:
-            return found or "no checkpoint files to fingerprint"
+            return found or FINGERPRINT_FILES + "none (no safetensors files to read)"  # of the kind: compared
     model = getattr(target, "model", target)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(f"the store's target fingerprint ({like!r}) is of the kind read from the whole model, and "
@@ -168,11 +168,7 @@ def store_root(cfg) -> Path:
 
 
 def meta_differences(a: StoreMeta, b: StoreMeta, a_name: str, b_name: str, ignore: tuple[str, ...] = ()) -> list[str]:
-    """``field (a_name: value, b_name: value)`` for every meta field (but ``ignore``) where ``a`` and ``b`` differ.
-    Two target fingerprints of different kinds (``fingerprint_kind``) are not compared here: each store is
-    held against the run's target in its own kind where a run has one (``check_store_target``)."""
-    if fingerprint_kind(a.target) != fingerprint_kind(b.target):
-        ignore = (*ignore, "target")
+    """``field (a_name: value, b_name: value)`` for every meta field (but ``ignore``) where ``a`` and ``b`` differ."""
     return [f"{f.name} ({a_name}: {getattr(a, f.name)!r}, {b_name}: {getattr(b, f.name)!r})"
             for f in fields(StoreMeta) if f.name not in ignore and getattr(a, f.name) != getattr(b, f.name)]
 
@@ -199,8 +195,13 @@ def check_store_target(store, target, key: str) -> None:
 
 def check_replay_meta(own, ref) -> None:
     """A reference store replayed beside a run's own store must hold features of the same kind:
-    every meta field but ``source`` (what the samples are) equal, else a ValueError naming each."""
-    diffs = meta_differences(own.meta, ref.meta, str(own.root), str(ref.root), ignore=("source",))
+    every meta field but ``source`` (what the samples are) equal, else a ValueError naming each. Two target
+    fingerprints of different kinds (``fingerprint_kind``: a store written before the files kind beside one
+    written after) are not compared here: where a run has a target, it holds each store against it in the
+    store's own kind (``check_store_target``)."""
+    apart = fingerprint_kind(own.meta.target) != fingerprint_kind(ref.meta.target)
+    diffs = meta_differences(own.meta, ref.meta, str(own.root), str(ref.root),
+                             ignore=("source", "target") if apart else ("source",))
     if diffs:
         raise ValueError(f"config key 'store.replay_dir'={str(ref.root)!r} holds features of another setup than the "
                          f"run's store: {'; '.join(diffs)}; replay a store captured with the same target, tokenizer, "
