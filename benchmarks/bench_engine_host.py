@@ -8,10 +8,11 @@ stand-in (the engine's own memory is its process's, not ours), each case in a fr
 * "converted" (before 2026-11-29): the host copy loaded in the run's dtype, which materializes every
   weight of a checkpoint stored in another dtype;
 * "checkpoint dtype" (2026-11-29): the host copy in the checkpoint's own dtype, memory-mapped, only
-  the final norm and the embeddings converted (what the capture CLI, which fingerprints every weight,
-  and a colocated train worker, which reads a decoder layer and digests the weights, still load);
-* "head only" (now, a rollout worker): the module tree on the meta device, only the final norm, the
-  output embedding and the input embeddings read from the safetensors.
+  the final norm and the embeddings converted (what a colocated train worker, which reads a decoder layer
+  and digests the weights, still loads; the capture CLI did until 275a467);
+* "head only" (now: a rollout worker, and since 275a467 an engine's capture into a store, whose
+  fingerprint is read from the checkpoint's files): the module tree on the meta device, only the final
+  norm, the output embedding and the input embeddings read from the safetensors.
 
 Targets: the embedded default (SmolLM2-135M-Instruct, stored in fp32) in bf16 (``model.dtype=auto`` on
 a CPU with bf16 instructions, and what a GPU run picks) and in fp32; the largest tiny target the tests
