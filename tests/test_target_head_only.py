@@ -237,3 +237,33 @@ def test_a_store_fingerprinted_from_the_whole_model_stays_usable(tmp_path):
         open_store(cfg, trainer)
     recorded(trainer, root)
     open_store(cfg, trainer)
+
+
+def test_a_tensor_torch_cannot_read_counts_by_its_key_shape_and_dtype():
+    """The store fingerprint's per-tensor digest (``_sample_digest``): values where torch reads them; a dtype
+    it has no type for (a packed 4-bit format) by key, shape and dtype name, not a crash. Control: other
+    values of a readable tensor change the digest."""
+    from safetensors import SafetensorError
+
+    from specforge.models.target import _sample_digest
+
+    class Slice:
+        def __init__(self, values=None, dtype="F4"):
+            self.values, self.dtype = values, dtype
+
+        def get_shape(self):
+            return [8, 4] if self.values is None else list(self.values.shape)
+
+        def get_dtype(self):
+            return self.dtype
+
+        def __getitem__(self, index):
+            if self.values is None:
+                raise SafetensorError(f"{self.dtype} has no torch type")
+            return self.values[index]
+
+    assert _sample_digest("w", Slice()) == _sample_digest("w", Slice())
+    assert _sample_digest("w", Slice()) != _sample_digest("w", Slice(dtype="F6"))
+    x = torch.randn(8, 4)
+    assert _sample_digest("w", Slice(x)) == _sample_digest("w", Slice(x.clone()))
+    assert _sample_digest("w", Slice(x)) != _sample_digest("w", Slice(x + 1))  # the control

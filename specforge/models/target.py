@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError
+from safetensors import SafetensorError
 from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig, default_feature_layers
@@ -421,17 +422,21 @@ def checkpoint_fingerprint(path: Optional[str]) -> Optional[str]:
 
 
 def _sample_digest(key: str, sl) -> bytes:
-    """A tensor's key, shape and sampled values (bf16 bytes), from its safetensors slice."""
+    """A tensor's key, shape and sampled values (bf16 bytes), from its safetensors slice; a tensor of a dtype
+    torch cannot read (a packed 4-bit format) counts by its key, shape and dtype name alone."""
     shape = tuple(int(d) for d in sl.get_shape())
     parts = [f"{key}:{shape}:".encode()]
-    if shape and all(shape):
-        rows = sorted({shape[0] * i // _SAMPLE_ROWS for i in range(_SAMPLE_ROWS)})
-        for r in rows:
-            index = (slice(r, r + 1), *[slice(0, 1)] * (len(shape) - 2), slice(0, _SAMPLE_RUN)) if len(shape) > 1 \
-                else (slice(r, r + _SAMPLE_RUN),)
+    if shape and not all(shape):
+        return hashlib.sha256(parts[0]).digest()
+    indices = [(...,)] if not shape else [
+        (slice(r, r + 1), *[slice(0, 1)] * (len(shape) - 2), slice(0, _SAMPLE_RUN)) if len(shape) > 1
+        else (slice(r, r + _SAMPLE_RUN),)
+        for r in sorted({shape[0] * i // _SAMPLE_ROWS for i in range(_SAMPLE_ROWS)})]
+    try:
+        for index in indices:
             parts.append(sl[index].reshape(-1).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    elif not shape:
-        parts.append(sl[...].reshape(-1).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    except (TypeError, ValueError, RuntimeError, SafetensorError):  # a dtype torch has no type for
+        parts[1:] = [str(sl.get_dtype()).encode()]
     return hashlib.sha256(b"".join(parts)).digest()
 
 
