@@ -10,6 +10,10 @@
 # transformers, datasets, dill, multiprocess at the versions .venv has; the vLLM export needs speculators
 # 0.9.0 and pydantic's wheels, its second list). Ray is not carried (too large): its stand-in is used.
 #     echo "/.gpu-bench/" >> .git/info/exclude; cp -r ../shared/gpu-bench .gpu-bench   # + .gpu-bench/whl
+# vLLM (issue 55's GPU part: the connector's CUDA path in test_the_target_in_vllm_on_the_device, two engines on
+# two GPU sets in test_two_engines_each_on_its_own_gpus where two GPUs are lent; both skip without vLLM): its CUDA
+# wheel for the device's torch and the dependencies the image lacks, into .gpu-bench/whl, the wheels over 60 MiB
+# split into parts carried over successive calls (the loop below joins them). Not yet done on a lent GPU.
 # then the device call, from the project root, carrying .gpu-bench:
 #     COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh        (the device tool sets $OUT)
 # COMMIT is passed in: the device copy of the tree has no .git. Then record GPU, torch and commit in
@@ -36,6 +40,13 @@ part() {  # part NAME SECONDS COMMAND...: one part under its own timeout; its lo
 
 if [ "${DRY:-0}" != 1 ]; then
   mkdir -p "$R"
+  # a wheel over one call's carry (vLLM's CUDA wheel, 321 MiB) comes in parts, one or two per call while the
+  # machine stays warm (split -b 60M NAME.whl .gpu-bench/whl/NAME.whl.part-), put back together here
+  for first in .gpu-bench/whl/*.whl.part-aa; do
+    [ -e "$first" ] || continue
+    whole=${first%.part-aa}
+    cat "$whole".part-* > "$whole" && rm -f "$whole".part-*
+  done
   if ls .gpu-bench/whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .gpu-bench/whl/*.whl 2>&1 | tail -3

@@ -218,6 +218,58 @@ def test_the_target_in_vllm_on_the_device(tmp_path):
     assert sorted(got_losses) == [1, 2, 3] and all(v == v for v in got_losses.values())
 
 
+def test_two_engines_each_on_its_own_gpus(tmp_path, monkeypatch):
+    """Where two or more GPUs are lent and vLLM is installed: two engines started as two launcher ranks start
+    them (``LOCAL_RANK`` 0 and 1, tensor parallel 1, every GPU visible to both, as under torchrun or Ray's
+    NOSET) land each on its rank's GPU: while both run, each of GPU 0 and GPU 1 has lost at least the memory
+    one engine takes, and each engine's features equal our transformers forward on its own GPU. Engines that
+    inherited this process' environment as it is (before ``started_spec`` named their GPUs) would both take
+    GPU 0, and GPU 1 would lose nothing: the memory check fails then (``tests/test_vllm_start.py`` checks the
+    environments themselves on the CPU, with that control). Unverified until a machine with two GPUs and vLLM
+    runs it: the GPUs lent so far (one H100 or H200) skip it."""
+    from specforge.config import load_config
+    from specforge.models.target import capture, load_target
+    from specforge.models.vllm_engine import engine_factory, engine_python
+    from specforge.training.batch import collate
+
+    need_device()
+    if DEVICE != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    try:
+        engine_python(None)
+    except ValueError as err:
+        pytest.skip(str(err))
+    write_tiny_assets(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    cfg = load_config(None, overrides(tmp_path, tmp_path / "two", "eagle3", "rollout.backend=vllm",
+                                      "rollout.vllm_args=[--enforce-eager]", "rollout.vllm_gpu_memory_utilization=0.2"))
+    layers = [1, 2, 4]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    free_before = [torch.cuda.mem_get_info(i)[0] for i in (0, 1)]
+    engines = []
+    try:
+        for rank in (0, 1):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            engines.append(load_target(cfg.model, torch.device("cuda", rank), layers=lambda n: layers,
+                                       engine_for=engine_factory(cfg)))
+        taken = [free_before[i] - torch.cuda.mem_get_info(i)[0] for i in (0, 1)]
+        one = 0.2 * torch.cuda.get_device_properties(0).total_memory * 0.5  # half an engine's share, at least
+        assert all(t > one for t in taken), [f"{t / 2**30:.1f} GiB" for t in taken]
+        g = torch.Generator().manual_seed(0)
+        rows = [{"input_ids": torch.randint(3, 60, (n,), generator=g).tolist(), "loss_mask": [1] * n} for n in (40, 17)]
+        ids, _, attn = collate(rows, 0)
+        for rank, eng in enumerate(engines):
+            dev = torch.device("cuda", rank)
+            hf = load_target(cfg.model, dev, layers=lambda n: layers)
+            want, got = capture(hf, ids.to(dev), attn.to(dev)), capture(eng, ids.to(dev), attn.to(dev))
+            keep = attn.bool()
+            a, b = got.last_hidden_BTH.float().cpu()[keep], want.last_hidden_BTH.float().cpu()[keep]
+            assert ((a - b).abs().amax(1) / b.abs().amax(1)).max() < 0.05, rank
+            del hf
+    finally:
+        for eng in engines:
+            eng.engine.close()
+
+
 # ----------------------------------------------------------------------- the memory model
 
 H, V, N, T = 1024, 32000, 8000, 2048  # a draft of a 1B-class target; the features of one 2k-token sample
