@@ -53,7 +53,7 @@ from specforge import failpoints
 from specforge.data.prepare import tokenizer_fingerprint
 from specforge.files import human_bytes, open_safetensors
 from specforge.models.features import TrainBatch, feature_flags, refuse_bad_features
-from specforge.models.target import FINGERPRINT_FILES, checkpoint_fingerprint
+from specforge.models.target import FINGERPRINT_FILES, checkpoint_fingerprint, config_hash
 
 FORMAT = "specforge-feature-store-v1"
 INDEX = "index.json"
@@ -109,7 +109,7 @@ def target_fingerprint(target, like: Optional[str] = None) -> str:
     checkpoint agree (features differ by rounding only), while a different checkpoint of the same
     architecture does not.
     """
-    if like is None or like.startswith(FINGERPRINT_FILES):
+    if like is None or fingerprint_kind(like) == "files":
         found = checkpoint_fingerprint(getattr(target, "path", None))
         if found is not None or like is not None:
             return found or FINGERPRINT_FILES + "none (no safetensors files to read)"  # of the kind: compared
@@ -118,9 +118,7 @@ def target_fingerprint(target, like: Optional[str] = None) -> str:
         raise ValueError(f"the store's target fingerprint ({like!r}) is of the kind read from the whole model, and "
                          "this process holds only the target's head; load the whole target (rollout.backend=hf) "
                          "or capture into a new store.dir")
-    config = {k: v for k, v in model.config.to_dict().items()
-              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version", "use_cache")}
-    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    h = config_hash(model.config.to_dict())
     for name, w in sorted(model.state_dict().items()):
         flat = w.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16).cpu()

@@ -405,9 +405,7 @@ def checkpoint_fingerprint(path: Optional[str]) -> Optional[str]:
         config = json.loads(_weight_file(path, "config.json").read_text())
     except Exception:  # noqa: BLE001 - no config.json to read: no fingerprint of this kind
         return None
-    config = {k: v for k, v in config.items()
-              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version", "use_cache")}
-    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    h = config_hash(config)
     by_file: dict[str, list[str]] = {}
     for key, name in files.items():
         by_file.setdefault(name, []).append(key)
@@ -419,6 +417,14 @@ def checkpoint_fingerprint(path: Optional[str]) -> Optional[str]:
     for key in sorted(digests):
         h.update(digests[key])
     return FINGERPRINT_FILES + h.hexdigest()[:24]
+
+
+def config_hash(config: dict):
+    """A sha256 started with a target config's fields that say what the weights compute: not its private
+    ones, nor the dtype or the library version it was saved with. Both fingerprint kinds start from it."""
+    kept = {k: v for k, v in config.items()
+            if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version", "use_cache")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode())
 
 
 def _sample_digest(key: str, sl) -> bytes:
@@ -444,12 +450,7 @@ def _read_tensor(path: str, files: dict[str, str], key: str, hf_config) -> torch
     """One checkpoint tensor, read alone (FP8 with its ``_scale_inv`` dequantized to bf16)."""
 
     def read(k: str) -> torch.Tensor:
-        local = Path(path).expanduser()
-        if local.is_dir():
-            f = local / files[k]
-        else:
-            f = Path(hf_hub_download(path, files[k]))
-        with open_safetensors(f, "target weight file", WEIGHTS_FIX) as st:
+        with open_safetensors(_weight_file(path, files[k]), "target weight file", WEIGHTS_FIX) as st:
             return st.get_tensor(k)
 
     t = read(key)
