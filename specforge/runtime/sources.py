@@ -28,7 +28,7 @@ import torch.distributed as dist
 from specforge.config import Config
 from specforge.contracts import Layout, StepPlan
 from specforge.data.prepare import prepare_dataset
-from specforge.data.store import FeatureStore, check_store_target, store_meta, store_root
+from specforge.data.store import FeatureStore, check_store_target, fingerprint_kind, store_meta, store_root
 from specforge.models.features import TrainBatch
 from specforge.models.target import load_tokenizer
 from specforge.registry import bound_algorithm
@@ -76,7 +76,9 @@ def open_store(cfg: Config, target):
     fingerprint is compared in the kind it recorded (``target_fingerprint``)."""
     found = FeatureStore(store_root(cfg)).meta
     store = open_offline_store(cfg, expect=store_meta(cfg, target, source=found.source, like=found.target))
-    if isinstance(store, ReplayStores):
+    # a reference store of the run's store's kind was compared with it (check_replay_meta), so with this
+    # target too; one of the other kind is held against the target itself
+    if isinstance(store, ReplayStores) and fingerprint_kind(store.ref.meta.target) != fingerprint_kind(found.target):
         check_store_target(store.ref, target, "store.replay_dir")
     return store
 
