@@ -9,8 +9,8 @@ stand-in (the engine's own memory is its process's, not ours), each case in a fr
   weight of a checkpoint stored in another dtype;
 * "checkpoint dtype" (2026-11-29): the host copy in the checkpoint's own dtype, memory-mapped, only
   the final norm and the embeddings converted (what a colocated train worker, which reads a decoder layer
-  and digests the weights, still loads; the capture CLI did until 275a467);
-* "head only" (now: a rollout worker, and since 275a467 an engine's capture into a store, whose
+  and digests the weights, still loads; the capture CLI did until fd80a21);
+* "head only" (now: a rollout worker, and since fd80a21 an engine's capture into a store, whose
   fingerprint is read from the checkpoint's files): the module tree on the meta device, only the final
   norm, the output embedding and the input embeddings read from the safetensors.
 
