@@ -425,8 +425,8 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path, smol
     acceptance equals our eval's on the same prompts (the tolerance of tests/test_engine_llamacpp.py).
     Over 30 s: 40 train steps, the first 30 TTT step 0 alone (``draft.ttt_warmup_steps``, ~5x cheaper; the
     last 10 train the fed-back positions the chain of 3 drafts), then each prompt decoded twice (ours, the
-    server's) with a 135M target in fp32. Measured on one thread: training 29 CPU-s (56 with all 40 steps
-    unrolled), acceptance 1.1515 both, 6/6 outputs equal."""
+    server's) with a 135M target in fp32, 32 new tokens a prompt. Measured on one thread: training 29 CPU-s (56
+    with all 40 steps unrolled), acceptance 1.1553 both (1.1515 at 48 new tokens), 6/6 outputs equal."""
     from specforge.config import load_config
     from specforge.data.heldout import eval_prompts, heldout_rows
     from specforge.engines import llamacpp
@@ -454,7 +454,7 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path, smol
     assert flag == {"eagle3.norm_before_fc": True, "eagle3.norm_before_residual": True}, flag
     assert by_gguf("eagle3", {t.name for t in reader.tensors}) is ALGO
 
-    proposer, eos, chain, max_new = ALGO.proposer(load_draft(ckpt, target), torch.float32), _eos_ids(target), 3, 48
+    proposer, eos, chain, max_new = ALGO.proposer(load_draft(ckpt, target), torch.float32), _eos_ids(target), 3, 32
     with llamacpp.LlamaServer(gguf, draft_gguf, n_max=chain, threads=1) as srv:
         runs = [srv.complete(p, max_new) for p in prompts]
     tokens = forwards = same = 0
@@ -466,5 +466,5 @@ def test_llamacpp_serves_a_norm_before_fc_draft_as_we_evaluate_it(tmp_path, smol
     served = sum(r.predicted_n - 1 for r in runs) / sum(r.predicted_n - 1 - r.draft_n_accepted for r in runs)
     print(f"acceptance: ours {ours:.4f}, llama-server {served:.4f} per forward")
     assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} llama.cpp outputs equal our decoding"
-    assert abs(served - ours) <= 0.02, (served, ours)
+    assert abs(served - ours) <= 2 * chain / forwards, (served, ours, forwards)  # two flipped drafts at most
     assert served > 1.05  # the trained draft is not a no-op, else parity would prove little
