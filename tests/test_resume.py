@@ -265,8 +265,7 @@ def short_tmp():
 @pytest.mark.timeout(900)
 def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_path, short_tmp):
     """The same command, run again after each fault and then to its end, logs the uninterrupted run's losses
-    and held-out evals. The faults, at fixed moments (``specforge.failpoints`` holds a train rank there, the
-    other rank waiting on it):
+    and held-out evals. The faults, at fixed moments (``specforge.failpoints`` holds a train rank there):
     the driver SIGKILLed while a rank writes step 4's checkpoint, after step 2's save (step 2 stays latest;
     the next run removes the partial save and says so); the driver SIGKILLed during the held-out eval
     after step 4; the Ray head (the GCS of the driver's own cluster) killed mid-step (the driver ends at once
