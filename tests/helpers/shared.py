@@ -34,3 +34,10 @@ SMOLLM2_AUX = [3, 12, 22]  # layer outputs (SGLang numbering); the default is [1
 # what tests/conftest.py's smollm2_store captures, and what a run reading it must say the same way
 SMOLLM2_STORE = ["model.dtype=float32", "model.device=cpu", f"model.aux_layer_ids=[{','.join(map(str, SMOLLM2_AUX))}]",
                  "data.max_samples=48", "data.num_eval=12", "data.max_length=256", "placement.mode=offline"]
+
+
+def flip_bound(chain: int, forwards: int) -> float:
+    """How far an engine's tokens-per-forward may sit from our eval's on the same fp32 weights: two drafted
+    tokens flipped at a near-tie (ggml and torch round differently), each moving its round by at most
+    ``chain`` tokens, over ``forwards`` target forwards. The llama.cpp parity tests hold their figures to it."""
+    return 2 * chain / forwards
