@@ -96,7 +96,7 @@ def iter_features(target, rows, batches: Sequence[Sequence[int]], chunk_tokens: 
 
 
 def _lengths(rows) -> list[int]:
-    if hasattr(rows, "column_names") and "length" in rows.column_names:  # a tokenized datasets.Dataset
+    if hasattr(rows, "column_names") and "length" in rows.column_names:  # a tokenized split (TokenRows)
         return [int(n) for n in rows["length"]]
     return [len(r["input_ids"]) for r in rows]
 

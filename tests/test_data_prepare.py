@@ -150,3 +150,54 @@ def test_cli_prepare_with_vocab(tmp_path, data_file, monkeypatch, capsys):
     v = load_draft_vocab(vocab_out)
     assert v.draft_vocab_size == 50 and v.target_vocab_size == len(make_tokenizer())
     assert main(["prepare", "data.bogus=1"]) == 2
+
+
+def test_a_cached_split_reads_as_datasets_reads_it(tok, data_file, tmp_path):
+    """The cache is ``datasets``' own layout; we read it with pyarrow (``TokenRows``): every way a
+    split is read gives what ``datasets.load_from_disk`` gives for the same files, and an empty
+    split (saved with no data file) reads as empty."""
+    import datasets
+
+    out = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=3), tok,
+                          cache_dir=tmp_path / "cache", progress=False)
+    theirs = datasets.load_from_disk(out.stats.cache_path + "/train")
+    ours = out.train
+    assert len(ours) == len(theirs) == 7 and ours.column_names == theirs.column_names
+    assert list(ours) == list(theirs)
+    for key in (0, 6, -1, -7, [4, 0, 4], slice(2, 5), slice(None, 3), slice(5, None), slice(9, 12), "length",
+                "input_ids"):
+        got, want = ours[key], theirs[key]
+        assert got == (list(want) if isinstance(key, str) else want), key
+    for bad in (7, -8):
+        with pytest.raises(IndexError):
+            ours[bad]
+    empty = prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=0), tok,
+                            cache_dir=tmp_path / "cache", progress=False).eval
+    assert len(empty) == 0 and list(empty) == [] and empty["length"] == [] and empty[0:2] == {
+        "input_ids": [], "loss_mask": [], "length": []}
+
+
+def test_a_cache_hit_does_not_import_datasets(tok, data_file, tmp_path):
+    """A worker opening the cache pays no ``datasets`` import (~0.7 CPU-s a process); building the
+    cache (a miss, the control) does use it."""
+    import subprocess
+    import sys
+
+    tok.save_pretrained(tmp_path / "tok")
+    code = f"""
+import sys
+from transformers import AutoTokenizer
+from specforge.config import DataConfig
+from specforge.data.prepare import prepare_dataset
+tok = AutoTokenizer.from_pretrained({str(tmp_path / 'tok')!r})
+cfg = DataConfig(path={str(data_file)!r}, max_length=64, num_eval=3)
+hit = prepare_dataset(cfg, tok, cache_dir={str(tmp_path / 'cache')!r}, progress=False)
+print(hit.stats.cache_hit, 'datasets' in sys.modules, len(hit.train))
+miss = prepare_dataset(cfg, tok, cache_dir={str(tmp_path / 'other')!r}, progress=False)
+print(miss.stats.cache_hit, 'datasets' in sys.modules, len(miss.train))
+"""
+    prepare_dataset(DataConfig(path=str(data_file), max_length=64, num_eval=3), tok, cache_dir=tmp_path / "cache",
+                    progress=False)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["True False 7", "False True 7"], out.stdout

@@ -3,7 +3,10 @@
 ``prepare_dataset`` reads the conversations (:mod:`specforge.data.sharegpt`), tokenizes them
 with the exact assistant loss mask (:mod:`specforge.data.template`), and stores the result as
 an Arrow dataset (``datasets.Dataset.save_to_disk``), memory-mapped when loaded back, so every
-worker reads the same tokenized rows without holding a copy.
+worker reads the same tokenized rows without holding a copy. A split comes back as
+:class:`TokenRows`: the saved Arrow files read with pyarrow (what ``datasets`` reads them with),
+not through ``datasets``, whose import alone costs a process ~0.7 CPU-s (every train and rollout
+worker, driver and CLI opens the cache); it reads as ``datasets.Dataset`` does.
 
 Columns: ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 1 = assistant token),
 ``length`` (int32).
@@ -115,10 +118,55 @@ class DataStats:
         return "\n".join(lines)
 
 
+class TokenRows:
+    """A tokenized split (an Arrow table: ``input_ids``, ``loss_mask``, ``length``) read as
+    ``datasets.Dataset`` reads it: ``rows[i]`` a row as a dict of lists, ``rows[[i, j]]`` and
+    ``rows[a:b]`` a dict of columns, ``rows["length"]`` a column as a list; ``.data`` the table
+    (memory-mapped from the cache)."""
+
+    def __init__(self, table):
+        self.data = table
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.data.column_names)
+
+    def __len__(self) -> int:
+        return self.data.num_rows
+
+    def _rows(self, table) -> dict:
+        return {name: table.column(name).to_pylist() for name in table.column_names}
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.data.column(key).to_pylist()
+        if isinstance(key, slice):
+            return self._rows(self.data.slice(*_span(key, len(self))))
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (len(self) if key < 0 else 0)
+            if not 0 <= i < len(self):
+                raise IndexError(f"row {key} of a split of {len(self)} rows")
+            return {name: col[0] for name, col in self._rows(self.data.slice(i, 1)).items()}
+        return self._rows(self.data.take([int(i) for i in key]))
+
+    def __iter__(self):
+        for batch in self.data.to_batches(max_chunksize=256):
+            cols = {name: batch.column(name).to_pylist() for name in batch.schema.names}
+            for i in range(batch.num_rows):
+                yield {name: col[i] for name, col in cols.items()}
+
+
+def _span(s: slice, n: int) -> tuple[int, int]:
+    start, stop, step = s.indices(n)
+    if step != 1:
+        raise ValueError(f"a split is sliced in steps of 1, not {step}")
+    return start, max(0, stop - start)
+
+
 @dataclass
 class PreparedData:
-    train: Any  # datasets.Dataset
-    eval: Any  # datasets.Dataset
+    train: TokenRows
+    eval: TokenRows
     stats: DataStats
     cache_key: str
 
@@ -188,19 +236,27 @@ def _tokenize(tokenizer, conv: Conversation, max_length: int, chat_template: str
     return conv, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), truncated, None, ""
 
 
-def _load_split(path: Path):
-    """A saved split, memory-mapped; an empty one (data.num_eval=0) as an empty dataset: ``datasets``
-    saves it with no data file and cannot load it back."""
-    import datasets  # lazy: heavy (datasets)
+def _load_split(path: Path) -> TokenRows:
+    """A split ``datasets`` saved (``save_to_disk``: its ``state.json`` names Arrow stream files),
+    memory-mapped; an empty one (data.num_eval=0), which ``datasets`` saves with no data file, as
+    an empty split."""
+    import pyarrow as pa  # lazy: heavy (pyarrow)
 
-    state = path / "state.json"
-    if state.is_file() and not json.loads(state.read_text()).get("_data_files"):
+    files = [f["filename"] for f in json.loads((path / "state.json").read_text()).get("_data_files") or []]
+    if not files:
         return _to_dataset([], [])
-    return datasets.load_from_disk(str(path))
+    tables = [pa.ipc.open_stream(pa.memory_map(str(path / f))).read_all() for f in files]
+    return TokenRows(tables[0] if len(tables) == 1 else pa.concat_tables(tables))
 
 
-def _to_dataset(ids_list: list, mask_list: list):
+def _save_split(rows: TokenRows, path: Path) -> None:
+    """``datasets``' own layout (``load_from_disk`` reads it; so does :func:`_load_split`)."""
     import datasets  # lazy: heavy (datasets)
+
+    datasets.Dataset(rows.data).save_to_disk(str(path))
+
+
+def _to_dataset(ids_list: list, mask_list: list) -> TokenRows:
     import pyarrow as pa  # lazy: heavy (pyarrow)
 
     lengths = np.array([len(x) for x in ids_list], dtype=np.int32)
@@ -213,7 +269,7 @@ def _to_dataset(ids_list: list, mask_list: list):
         "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask, type=pa.int8())),
         "length": pa.array(lengths, type=pa.int32()),
     })
-    return datasets.Dataset(table)
+    return TokenRows(table)
 
 
 def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, chat_template: str, num_proc: int,
@@ -230,7 +286,8 @@ def _iter_tokenized(convs: Iterable[Conversation], tokenizer, max_length: int, c
         yield from pool.imap(_tokenize_one, convs, chunksize=32)
 
 
-def _build(data_cfg: DataConfig, tokenizer, chat_template: str, progress: bool) -> tuple[Any, Any, DataStats]:
+def _build(data_cfg: DataConfig, tokenizer, chat_template: str,
+           progress: bool) -> tuple[TokenRows, TokenRows, DataStats]:
     stats = DataStats()
     t0 = time.perf_counter()
     ids_list, mask_list = [], []
@@ -316,8 +373,8 @@ def prepare_dataset(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-"))
     try:
-        train.save_to_disk(str(tmp / "train"))
-        eval_.save_to_disk(str(tmp / "eval"))
+        _save_split(train, tmp / "train")
+        _save_split(eval_, tmp / "eval")
         (tmp / "meta.json").write_text(json.dumps({
             "pipeline_version": PIPELINE_VERSION, "data_path": str(data_cfg.path), "max_length": data_cfg.max_length,
             "max_samples": data_cfg.max_samples, "num_eval": data_cfg.num_eval, "chat_template": template,

@@ -67,11 +67,11 @@ def _content_hash(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
 def count_loss_tokens(rows: Iterable, target_vocab_size: int) -> np.ndarray:
     """int64[V] counts of the tokens at loss-masked positions.
 
-    ``rows``: a ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns, or an iterable
+    ``rows``: a ``datasets.Dataset`` or a ``TokenRows`` with ``input_ids``/``loss_mask`` columns, or an iterable
     of mappings with those keys.
     """
     counts = np.zeros(target_vocab_size, dtype=np.int64)
-    table = getattr(rows, "data", None)  # datasets.Dataset: read the Arrow columns directly
+    table = getattr(rows, "data", None)  # datasets.Dataset, TokenRows: read the Arrow columns directly
     if table is not None and hasattr(rows, "column_names"):
         if getattr(rows, "_indices", None) is not None:
             rows = rows.flatten_indices()
