@@ -1,14 +1,15 @@
 """Each test's time in one run of the suite, kept where the suite reads it.
 
     bash scripts/test.sh --junitxml=/tmp/suite.xml
-    python benchmarks/suite_durations.py /tmp/suite.xml --how "fresh clone, -n 2" [--no-write]
+    python benchmarks/suite_durations.py /tmp/suite.xml --how "fresh clone, -n 2" [--yardstick] [--no-write]
 
 Reads pytest's JUnit XML (each test's setup, call and teardown summed: what the test costs the worker that
 runs it, its module fixtures' builds included for the first test that needs them) and writes
 ``benchmarks/test_durations.json``: the machine, commit and how the suite ran, every module's total and
 every test that took at least a second. ``tests/test_suite_bounds.py`` reads it: every test that took
 over 30 s says why in its docstring. Prints the slowest 20 as a table (benchmarks/README.md, "Test suite
-durations", keeps one).
+durations", keeps one). ``--yardstick`` measures the machine's speed (benchmarks/machine_speed.py, ~20 s)
+right after the run and records it beside the times: the same tree's suite time moves with it.
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ def main() -> None:
     ap.add_argument("junit", type=Path)
     ap.add_argument("--how", default="", help="how the suite ran (fresh clone or not, workers, vector path)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/test_durations.json")
+    ap.add_argument("--yardstick", action="store_true", help="record the machine's speed now (machine_speed.py)")
     args = ap.parse_args()
     times = read_junit(args.junit)
     modules: dict[str, float] = collections.Counter()
     for node, s in times.items():
         modules[node.split("::")[0]] += s
     info = {**machine_info(), "how": args.how, "tests": str(len(times)), "seconds": f"{sum(times.values()):.0f}"}
+    if args.yardstick:
+        from benchmarks.machine_speed import measure
+
+        info["machine_speed"] = measure()
+        print("machine speed now:", info["machine_speed"])
     slowest = sorted(times.items(), key=lambda kv: -kv[1])
     doc = {"info": info,
            "modules": {m: round(s, 1) for m, s in sorted(modules.items(), key=lambda kv: -kv[1])},
