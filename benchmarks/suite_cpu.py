@@ -26,6 +26,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,6 +222,7 @@ def run(folder: Path, test_args: list[str]) -> int:
     finally:
         sampler.send_signal(signal.SIGTERM)
         sampler.wait(timeout=120)
+        shutil.rmtree(shim, ignore_errors=True)
     print(report(folder))
     return rc
 
