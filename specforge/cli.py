@@ -38,3 +38,20 @@ def run_cli(main: Callable[[], Optional[int]], errors: Sequence[type[BaseExcepti
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+
+
+# The --dry-run flags of the training entry points, here (stdlib only) so that an entry point parses and
+# checks its arguments and config before it imports torch: a mistake there is one line at once.
+def with_dry_run_flags(ap) -> None:
+    """The ``--dry-run`` flags of the training entry points (``specforge.dryrun`` runs them)."""
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build the target and the draft on the meta device, print parameters, bytes per device "
+                         "and the plan, and exit (no weights, no data, no Ray)")
+    ap.add_argument("--target-config", default=None,
+                    help="with --dry-run: the target's config.json to plan with (default: the target's own, or "
+                         "the published copy in configs/targets/ for a hub id)")
+
+
+def check_flags(args) -> None:
+    if args.target_config and not args.dry_run:
+        raise ValueError("--target-config is only read with --dry-run (a run reads the target's own config.json)")

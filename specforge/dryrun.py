@@ -339,18 +339,3 @@ def _print_memory(cfg: Config, r: DryRun) -> None:
         if others:
             print(f"    other phases (peak GiB): {', '.join(others)}")
     print("not counted: the KV cache of generation (regenerate/eval, other commands); allowances as stated above")
-
-
-def with_dry_run_flags(ap) -> None:
-    """The ``--dry-run`` flags of the training entry points."""
-    ap.add_argument("--dry-run", action="store_true",
-                    help="build the target and the draft on the meta device, print parameters, bytes per device "
-                         "and the plan, and exit (no weights, no data, no Ray)")
-    ap.add_argument("--target-config", default=None,
-                    help="with --dry-run: the target's config.json to plan with (default: the target's own, or "
-                         "the published copy in configs/targets/ for a hub id)")
-
-
-def check_flags(args) -> None:
-    if args.target_config and not args.dry_run:
-        raise ValueError("--target-config is only read with --dry-run (a run reads the target's own config.json)")

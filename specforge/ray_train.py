@@ -51,10 +51,10 @@ from typing import Optional, Sequence
 import ray
 
 from specforge import device
-from specforge.cli import run_cli
+from specforge.cli import check_flags, run_cli, with_dry_run_flags
 from specforge.config import Config, load_config
 from specforge.contracts import Layout, StepPlan, StepReport, assert_no_tensors
-from specforge.dryrun import check_flags, dry_run, with_dry_run_flags
+from specforge.dryrun import dry_run
 from specforge.preflight import check_placement, check_resources, gpus_per_worker, ray_resources
 from specforge.runtime.actors import (
     ActorDied,

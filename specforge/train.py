@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from specforge.cli import check_flags, run_cli, with_dry_run_flags
 from specforge.config import Config, load_config
 from specforge.tracking import MetricsLogger
 
@@ -62,16 +63,16 @@ def _run(cfg: Config) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from specforge.dryrun import check_flags, dry_run, with_dry_run_flags  # lazy: keeps specforge.train torch-free
-
     ap = argparse.ArgumentParser(prog="python -m specforge.train", description="Single-process draft training.")
     ap.add_argument("--config", default=None)
     ap.add_argument("overrides", nargs="*")
     with_dry_run_flags(ap)
     args = ap.parse_args(argv)
     check_flags(args)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # a bad key or value: one line, before torch is imported
     if args.dry_run:
+        from specforge.dryrun import dry_run  # lazy: keeps specforge.train torch-free
+
         dry_run(cfg, args.target_config, single_process=True)
         return 0
     run(cfg)
@@ -79,6 +80,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from specforge.cli import run_cli
-
     sys.exit(run_cli(main))
