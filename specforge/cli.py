@@ -40,8 +40,9 @@ def run_cli(main: Callable[[], Optional[int]], errors: Sequence[type[BaseExcepti
         return 130
 
 
-# The --dry-run flags of the training entry points, here (stdlib only) so that an entry point parses and
-# checks its arguments and config before it imports torch: a mistake there is one line at once.
+# The --dry-run flags of the training entry points, here (stdlib only) so that an entry point can parse its
+# arguments and read its config before it imports torch: an unknown key is one line at once (a value's check
+# imports the draft algorithm's module, and with it torch).
 def with_dry_run_flags(ap) -> None:
     """The ``--dry-run`` flags of the training entry points (``specforge.dryrun`` runs them)."""
     ap.add_argument("--dry-run", action="store_true",

@@ -69,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with_dry_run_flags(ap)
     args = ap.parse_args(argv)
     check_flags(args)
-    cfg = load_config(args.config, args.overrides)  # a bad key or value: one line, before torch is imported
+    cfg = load_config(args.config, args.overrides)  # an unknown key: one line before torch is imported
     if args.dry_run:
         from specforge.dryrun import dry_run  # lazy: keeps specforge.train torch-free
 
