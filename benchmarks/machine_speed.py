@@ -29,7 +29,8 @@ from benchmarks.common import machine_info, markdown_table  # noqa: E402
 
 
 def _best(fn, repeats: int, seconds: float) -> float:
-    """The highest rate ``fn`` (it returns (work, elapsed)) gives over ``repeats`` windows of ``seconds``."""
+    """The highest rate (work a second) over ``repeats`` windows of ``seconds``; each call of ``fn`` does its
+    work and returns how much it did."""
     best = 0.0
     for _ in range(repeats):
         work, t0 = 0.0, time.perf_counter()

@@ -157,7 +157,9 @@ def attribute(processes: dict, workers: dict) -> tuple[dict, dict, float]:
     kinds: dict[str, dict] = collections.defaultdict(collections.Counter)
     none = 0.0
     for key, p in processes.items():
-        w = owner(int(key.split(":")[0]))
+        pid = int(key.split(":")[0])
+        # the first hop from this process' own record: a pid reused by a later process has another parent
+        w = pid if pid in workers else owner(p["ppid"])
         kind, before = kind_of(p["cmd"]), 0.0
         for t, cpu in p["series"]:
             spent, before = cpu - before, cpu
@@ -172,7 +174,7 @@ def attribute(processes: dict, workers: dict) -> tuple[dict, dict, float]:
                 none += spent
             else:
                 per_test[test] += spent
-                kinds[test]["pytest worker" if int(key.split(":")[0]) == w else kind] += spent
+                kinds[test]["pytest worker" if pid == w else kind] += spent
     return per_test, kinds, none
 
 

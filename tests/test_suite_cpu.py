@@ -13,11 +13,13 @@ def test_cpu_goes_to_the_test_running_on_the_owning_worker():
         "300:9": {"cmd": "llama-server -m x.gguf", "ppid": 200, "series": [[19.0, 1.0], [25.0, 1.5]]},  # b, none
         "400:2": {"cmd": "python -m specforge.train", "ppid": 999, "series": [[3.0, 6.0]]},  # no known parent
         "600:3": {"cmd": "python -m specforge.capture x", "ppid": 500, "series": [[3.0, 2.0]]},  # the other worker
+        # pid 200 again, a later process under the other worker: its own parent, not the first 200's
+        "200:88": {"cmd": "python -m specforge.capture y", "ppid": 500, "series": [[25.0, 3.0]]},
     }
     per_test, kinds, none = attribute(processes, workers)
-    assert per_test == {"tests/t.py::a": 2.0, "tests/t.py::b": 8.0, "tests/u.py::c": 2.0}
+    assert per_test == {"tests/t.py::a": 2.0, "tests/t.py::b": 8.0, "tests/u.py::c": 5.0}
     assert kinds["tests/t.py::b"] == {"pytest worker": 3.0, "ray actor TrainWorker": 4.0, "llama-server": 1.0}
-    assert kinds["tests/u.py::c"] == {"cli specforge.capture": 2.0}
+    assert kinds["tests/u.py::c"] == {"cli specforge.capture": 5.0}
     assert none == 6.5
 
 
