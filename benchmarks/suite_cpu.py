@@ -179,6 +179,9 @@ def attribute(processes: dict, workers: dict) -> tuple[dict, dict, float]:
 
 
 def report(folder: Path) -> str:
+    if not (folder / "processes.json").is_file():
+        raise SystemExit(f"error: {folder} holds no processes.json: give the --out folder of a finished "
+                         "`suite_cpu.py run`")
     processes = json.loads((folder / "processes.json").read_text())
     workers = {}
     for f in sorted(folder.glob("windows-*.json")):
