@@ -35,4 +35,9 @@ QUIET_PINS=(--no-warn-conflicts)
 echo "note: speculators 0.9.0 and dflash 0.1.0 (test references only) are installed without their own pins" \
   "(transformers<=5.19, datasets<=5.1, torchvision/torchaudio; dflash's datasets/tqdm/requests): the tests" \
   "load them with this stack's versions on purpose"
+# Our own modules compiled once, as pip compiles a regular install's (an editable one it leaves as source):
+# where PYTHONDONTWRITEBYTECODE=1 is set (containers often do), every process would compile each module it
+# imports again: ~0.2 CPU-s for a Ray worker's imports, ~50 CPU-s over the test suite's ~250 such processes.
+# A module edited later is compiled again on import, as usual (the .pyc records its source's mtime).
+"$VENV/bin/python" -m compileall -q -j 0 specforge >/dev/null
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"

@@ -28,7 +28,13 @@ SERVER="$DIR/bin/llama-server"
 # (which transformers uses to read the embedded GGUF) is left alone.
 "$VENV/bin/python" -c 'import sentencepiece' 2>/dev/null || "${PIP[@]}" sentencepiece
 
+# The converter's modules (conversion/, gguf-py/: ~40k lines) compiled once, as pip compiles a package: each
+# conversion is a new process that would otherwise compile them again (~0.5 CPU-s) where
+# PYTHONDONTWRITEBYTECODE=1 is set. A cache another user owns may be read-only: then they stay source.
+precompile() { "$VENV/bin/python" -m compileall -q -j 0 "$DIR/src/conversion" "$DIR/src/gguf-py" >/dev/null 2>&1 || true; }
+
 if [ -x "$SERVER" ] && [ -f "$DIR/src/convert_hf_to_gguf.py" ]; then
+  precompile
   echo "llama-server: $SERVER (cached; SPECFORGE_LLAMACPP_DIR=$DIR)"
   exit 0
 fi
@@ -69,4 +75,5 @@ cp "$LOG" "$STAGE/build.log"
 echo "$VERSION" >"$STAGE/VERSION"
 rm -rf "$DIR"
 mv "$STAGE" "$DIR"
+precompile
 echo "llama-server: $SERVER (SPECFORGE_LLAMACPP_DIR=$DIR)"

@@ -32,8 +32,14 @@ def _fresh_install(tmp_path) -> tuple[str, str, str]:
 def test_a_fresh_install_prints_no_error(tmp_path):
     """scripts/install.sh into an empty venv, as a new user runs it. When scripts/test.sh has just done
     exactly that (its venv was new), its output is the one read; otherwise this installs into a new venv,
-    which takes over 30 s: every wheel is installed (from pip's cache after the first time)."""
+    which takes over 30 s: every wheel is installed (from pip's cache after the first time). It leaves our
+    modules compiled, as pip leaves a regular install's (an editable one it does not compile)."""
     stdout, stderr, venv = _fresh_install(tmp_path)
+    _check_output(stdout, stderr, venv)
+    assert not uncompiled(REPO / "specforge"), "scripts/install.sh left these modules uncompiled"
+
+
+def _check_output(stdout: str, stderr: str, venv: str) -> None:
     lines = (stdout + stderr).splitlines()
     assert not [line for line in lines if line.startswith("ERROR")], "\n".join(lines)
     assert not [line for line in lines if "BuildBackendWarning" in line], "\n".join(lines)
@@ -41,6 +47,45 @@ def test_a_fresh_install_prints_no_error(tmp_path):
     assert len(notes) == 1 and "speculators" in notes[0] and "on purpose" in notes[0], notes
     assert stdout.splitlines()[-1].startswith(f"installed into {venv}: torch "), stdout.splitlines()[-3:]
     assert (REPO / venv / "bin" / "python").is_file()  # a relative VENV is the repository's
+
+
+def uncompiled(package: Path) -> list[str]:
+    """The modules under ``package`` without a .pyc that Python would use for the source as it is now (the
+    cache file, its header's source mtime and size): each process importing one compiles it again where
+    PYTHONDONTWRITEBYTECODE=1 is set."""
+    import importlib.util
+    import struct
+
+    missing = []
+    for src in sorted(package.rglob("*.py")):
+        pyc = Path(importlib.util.cache_from_source(str(src)))
+        st = src.stat()
+        try:
+            head = pyc.read_bytes()[:16]
+        except OSError:
+            head = b""
+        ok = len(head) == 16 and head[:4] == importlib.util.MAGIC_NUMBER and \
+            struct.unpack("<III", head[4:]) == (0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
+        if not ok:
+            missing.append(str(src.relative_to(package)))
+    return missing
+
+
+def test_the_compiled_module_check_finds_a_missing_or_stale_one(tmp_path):
+    """``uncompiled``'s controls: a compiled module passes; one whose source changed after, and one never
+    compiled, are named."""
+    import py_compile
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "b.py").write_text("y = 2\n")
+    for name in ("a.py", "b.py"):
+        py_compile.compile(str(pkg / name), doraise=True)
+    assert uncompiled(pkg) == []
+    (pkg / "a.py").write_text("x = 11\n")  # a size Python's check sees (the mtime may tick within a second)
+    (pkg / "c.py").write_text("z = 3\n")
+    assert uncompiled(pkg) == ["a.py", "c.py"]
 
 
 def test_the_kept_install_output_is_the_one_read(tmp_path, monkeypatch):
@@ -56,10 +101,10 @@ def test_the_kept_install_output_is_the_one_read(tmp_path, monkeypatch):
     (kept / "stdout").write_text(f"{note}\ninstalled into {venv}: torch 2.13.0+cpu\n")
     (kept / "stderr").write_text("")
     monkeypatch.setenv(FRESH_ENV, str(kept))
-    test_a_fresh_install_prints_no_error(tmp_path)
+    _check_output(*_fresh_install(tmp_path))
     (kept / "stderr").write_text("ERROR: pip's dependency resolver does not currently take into account ...\n")
     with pytest.raises(AssertionError):
-        test_a_fresh_install_prints_no_error(tmp_path)
+        _check_output(*_fresh_install(tmp_path))
     script = (REPO / "scripts" / "test.sh").read_text()
     assert all(f in script for f in ('"$FRESH/stdout"', '"$FRESH/stderr"', '"$FRESH/venv"', f"export {FRESH_ENV}="))
 
