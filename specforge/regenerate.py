@@ -78,7 +78,7 @@ from specforge.models.target import load_target, load_tokenizer
 from specforge.models.vllm_engine import check_storage, engine_factory
 from specforge.preflight import before_local_ray, check_workers, ray_resources
 from specforge.registry import feature_layers
-from specforge.runtime.actors import exit_on_head_lost, shutdown_ray, start_ray
+from specforge.runtime.actors import exit_on_head_lost, not_inherited, shutdown_ray, start_ray
 from specforge.training.batch import collate, pad_id
 
 HELD_OUT = "held out for eval"
@@ -670,7 +670,7 @@ def run_ray(cfg: Config, jobs: list[Job], output: Path, store_dir: Optional[Path
         use_gpu = device.wants_gpu(cfg.model.device, ray.cluster_resources().get("GPU", 0))
         check_workers("regenerate.num_workers", W, use_gpu, *ray_resources(cfg, started), gpus=cfg.model.num_gpus)
         threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // W)
-        env = {"runtime_env": {"env_vars": switches}} if (switches := device.worker_env()) else {}
+        env = {"runtime_env": {"env_vars": switches}} if (switches := not_inherited(device.worker_env())) else {}
         task = ray.remote(_worker).options(num_cpus=1, num_gpus=cfg.model.num_gpus if use_gpu else 0, max_retries=0,
                                            **env)
         refs = [task.remote(cfg, jobs[k::W], str(part_path(output, k, W)),

@@ -1,5 +1,7 @@
+import contextlib
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -134,9 +136,12 @@ def _ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def _ray_zygote(request):
-    """The py_executable of the session cluster's workers: forked from a process that imported torch
-    (tests/helpers/ray_zygote.py), one per pytest process; None for the GPU suite (workers spawned)."""
+def _ray_zygote(request, tmp_path_factory):
+    """``.python``: what the session cluster's raylet starts its workers with, a script that hands a worker
+    (``... default_worker.py ARGS``, ``... setup_worker.py ...``) to the zygote's ``.run`` command, which
+    forks it from a process that imported torch (tests/helpers/ray_zygote.py, one per pytest
+    process), and runs Ray's other Python processes as the venv's Python would; None for the GPU suite
+    (workers spawned)."""
     import shlex
     import subprocess
     import tempfile
@@ -152,7 +157,12 @@ def _ray_zygote(request):
     try:
         line = ray_zygote.wait_ready(server, timeout_s=120)
         assert line == ray_zygote.READY, f"the Ray worker zygote did not start: {line!r}"
-        yield shlex.join([sys.executable, ray_zygote.__file__, "run", sock])  # Ray runs it through bash
+        python = tmp_path_factory.mktemp("ray-python") / "python"
+        py, run = shlex.quote(sys.executable), shlex.join([sys.executable, ray_zygote.__file__, "run", sock])
+        python.write_text(f'#!/bin/sh\ncase "$1" in\n  */default_worker.py|*/setup_worker.py) exec {run} "$@" ;;\n'
+                          f'esac\nexec {py} "$@"\n')
+        python.chmod(0o755)
+        yield types.SimpleNamespace(python=str(python), run=run)
     finally:
         server.terminate()
         try:
@@ -163,24 +173,51 @@ def _ray_zygote(request):
             os.unlink(sock)
 
 
+@contextlib.contextmanager
+def _environ(set_: dict, unset: tuple = ()):
+    """``os.environ`` with ``set_`` set and ``unset`` removed for the block; each key as it was after."""
+    old = {k: os.environ.get(k) for k in (*set_, *unset)}
+    os.environ.update(set_)
+    for k in unset:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def ray_session(_ray_cluster, _ray_zygote):
     """The session's Ray cluster, (re)started if a test before shut it down (tests of what starts and
     stops Ray do). ``address="local"``: always this process' own cluster, never another pytest
-    worker's (``-n``) nor one that ``ray start`` / ``ray.cluster_utils`` left its address for."""
+    worker's (``-n``) nor one that ``ray start`` / ``ray.cluster_utils`` left its address for. Its
+    processes inherit the workers' environment from this one at its start, as ``start_ray``'s clusters
+    do, and no runtime environment (with one, Ray starts every worker through its setup_worker.py, a
+    process importing Ray: ~0.3 CPU-s a worker)."""
+    from unittest import mock
+
     ray = pytest.importorskip("ray", minversion="2.40")  # pyproject's floor; a stand-in (no version) skips
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # as start_ray's clusters (RAY_START_ENV)
     if not ray.is_initialized():
+        from specforge import failpoints
+        from specforge.device import EMULATE_NCCL_ENV
+        from specforge.runtime.actors import note_inherited
         from tests.helpers.vllm_fork.sitecustomize import FLAG as VLLM_FORK
 
-        # the engines its actors start are started as vLLM starts them (tests/helpers/vllm_fork: off)
-        runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", VLLM_FORK: "0"}}
-        if _ray_zygote:
-            runtime_env["py_executable"] = _ray_zygote
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 _temp_dir="/tmp/sfray", runtime_env=runtime_env)
+        # the engines its actors start are started as vLLM starts them (tests/helpers/vllm_fork: off); a
+        # test's switches reach its workers through spawn_actors, not through the cluster's start
+        workers = {"TOKENIZERS_PARALLELISM": "false", VLLM_FORK: "0"}
+        python = mock.patch.object(sys, "executable", _ray_zygote.python) if _ray_zygote else contextlib.nullcontext()
+        with _environ(workers, unset=(EMULATE_NCCL_ENV, failpoints.ENV, failpoints.DIR_ENV)), python:
+            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                     _temp_dir="/tmp/sfray")
+            note_inherited(dict(os.environ))
     return ray
 
 

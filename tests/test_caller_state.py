@@ -50,9 +50,10 @@ def test_starting_ray_leaves_the_callers_environment(no_ray, monkeypatch):
 
 
 def _workers_beside_two_actors(at_least: int = 0, timeout_s: float = 30) -> int:
-    """Start two actors as a run does, then count the Python workers of the cluster this process started
-    (the raylet's children, less its two agents) that are not theirs, once there are ``at_least`` of them
-    or ``timeout_s`` has passed."""
+    """Start two actors, then count the Python workers of the cluster this process started (the raylet's
+    children, less its two agents) that are not theirs, once there are ``at_least`` of them or ``timeout_s``
+    has passed. The actors have a runtime environment of their own, which no worker started ahead has: such
+    a worker stays idle and is counted (a plain actor could take one, and hide it)."""
     import time
 
     import psutil
@@ -63,7 +64,7 @@ def _workers_beside_two_actors(at_least: int = 0, timeout_s: float = 30) -> int:
         def pid(self) -> int:
             return os.getpid()
 
-    actors = [Actor.remote() for _ in range(2)]
+    actors = [Actor.options(runtime_env={"env_vars": {"SPECFORGE_TEST_OWN_ENV": "1"}}).remote() for _ in range(2)]
     theirs = set(ray.get([a.pid.remote() for a in actors], timeout=120))
 
     def count() -> int:
@@ -92,3 +93,38 @@ def test_a_caller_that_asks_for_prestarted_ray_workers_gets_them(no_ray, monkeyp
         assert _workers_beside_two_actors(at_least=1) >= 1
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+def test_our_clusters_workers_inherit_our_switches_and_a_changed_one_reaches_them_through_ray(no_ray, monkeypatch):
+    """A cluster ``start_ray`` started inherits ``WORKER_ENV`` and our switches from this process at its start:
+    an actor spawned there gets no runtime environment for them (with one, Ray starts each worker through its
+    setup_worker.py, a process importing Ray). A switch set after the start (the control) still reaches the
+    next actor, through its runtime environment."""
+    import ray
+
+    from specforge import device
+    from specforge.config import load_config
+    from specforge.runtime.actors import shutdown_ray, spawn_actors, start_ray
+
+    keys = ("TOKENIZERS_PARALLELISM", device.FORCE_ENV, device.EMULATE_NCCL_ENV)
+    monkeypatch.setenv(device.FORCE_ENV, "cpu")
+    monkeypatch.delenv(device.EMULATE_NCCL_ENV, raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+
+    class Probe:
+        def seen(self):
+            return {k: os.environ.get(k) for k in keys}, dict(ray.get_runtime_context().runtime_env)
+
+    assert start_ray(load_config(None, []), 2)
+    try:
+        group = spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120)
+        env, runtime_env = ray.get(group.actors[0].seen.remote(), timeout=120)
+        assert env == {"TOKENIZERS_PARALLELISM": "false", device.FORCE_ENV: "cpu", device.EMULATE_NCCL_ENV: None}
+        assert "env_vars" not in runtime_env, runtime_env
+        monkeypatch.setenv(device.EMULATE_NCCL_ENV, "1")
+        group = spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120)
+        env, runtime_env = ray.get(group.actors[0].seen.remote(), timeout=120)
+        assert env[device.EMULATE_NCCL_ENV] == "1" and runtime_env["env_vars"] == {device.EMULATE_NCCL_ENV: "1"}
+    finally:
+        shutdown_ray()

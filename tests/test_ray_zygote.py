@@ -28,7 +28,7 @@ sys.exit(int(sys.argv[2]))
 def zygote(_ray_zygote):
     if not _ray_zygote:
         pytest.skip(f"the suite's Ray workers are spawned here ({ray_zygote.OFF_ENV}=1 or the GPU suite)")
-    return shlex.split(_ray_zygote)
+    return shlex.split(_ray_zygote.run)
 
 
 def _start(command, script, tmp_path, *args):

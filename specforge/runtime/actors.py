@@ -222,7 +222,9 @@ def spawn_actors(
         remote_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
     else:
         remote_cls = ray.remote(actor_cls)
-    if env := {**device.worker_env(), **failpoints.worker_env()}:  # our switches reach the workers
+    # our switches reach the workers: through a runtime environment where the cluster's processes did not
+    # inherit them from us (a runtime environment costs each worker Ray's setup_worker.py, ~0.3 CPU-s)
+    if env := not_inherited({**device.worker_env(), **failpoints.worker_env()}):
         runtime_env = {**(runtime_env or {}), "env_vars": {**(runtime_env or {}).get("env_vars", {}), **env}}
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"runtime_env": runtime_env} if runtime_env else {})}
     actors = [
@@ -279,37 +281,65 @@ def check_ray_address(address: Optional[str], timeout_s: float) -> None:
 # What Ray starts with where the caller's environment says nothing (for ray.init alone: Ray reads it there
 # and the processes it starts inherit it; specforge/environment.py): no token authentication (Ray 2.5x
 # turns it on for a new local cluster, writing a token file and RAY_AUTH_MODE=token into the process); no
-# workers started ahead (Ray starts idle Python workers when the first driver connects, up to ``num_cpus``
-# of them, two on a 2-core machine, ~0.7 CPU-s each to import Ray: they belong to no job, and no actor is ever
-# put in one, so a run, whose workers are all actors, never uses them; tests/test_caller_state.py counts
-# them beside two actors. A task may take one, and a run of ours has none worth it).
+# workers started ahead (Ray starts idle Python workers when the first driver connects, one a core here, ~0.7
+# CPU-s each to import Ray: an actor without a runtime environment of its own may take one, one with it never
+# does, and on a machine with more cores than the run has actors the rest stay idle for the whole run;
+# tests/test_caller_state.py counts them beside two actors. Starting one when it is asked for costs the same).
 RAY_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_prestart_worker_first_driver": "0"}
+# What the workers get where the caller's environment says nothing: one tokenizer thread each (the actors
+# of a machine share its cores). Our own cluster inherits it from this process at its start, a joined one
+# through the job's runtime environment.
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+# The environment the processes of the cluster this driver started inherited from it, with the cluster's
+# GCS address: (address, environment), or None. A worker spawned there gets no runtime environment for what
+# it already has: with one, Ray starts each worker through its setup_worker.py (a Python process importing
+# Ray, ~0.3 CPU-s and ~0.3 s more a worker) instead of starting it directly.
+_INHERITED: Optional[tuple[str, dict[str, str]]] = None
+
+
+def note_inherited(env: Optional[dict[str, str]]) -> None:
+    """Record that the cluster this driver is connected to now started here with ``env`` (None: forget).
+    ``start_ray`` calls it; so does a test suite that starts its own cluster with ``ray.init``."""
+    global _INHERITED
+    _INHERITED = None if env is None else (ray.get_runtime_context().gcs_address, dict(env))
+
+
+def not_inherited(env: dict[str, str]) -> dict[str, str]:
+    """The part of ``env`` the connected cluster's workers do not already have from this process."""
+    if _INHERITED is None or not ray.is_initialized() or ray.get_runtime_context().gcs_address != _INHERITED[0]:
+        return dict(env)
+    return {k: v for k, v in env.items() if _INHERITED[1].get(k) != v}
 
 
 def start_ray(cfg: Config, num_actors: int, on_head_lost: Optional[Callable[[str], None]] = None) -> bool:
     """Join or start Ray; True if we started it (and so must shut it down). The workers' environment
-    goes through Ray's runtime environment, not this process' ``os.environ``. ``on_head_lost(what)`` is
+    (``WORKER_ENV``, our switches) goes through Ray: a joined cluster's through the job's runtime
+    environment, our own cluster's set for ``ray.init`` alone (its processes inherit it), never left in
+    this process' ``os.environ``. ``on_head_lost(what)`` is
     called (from a watcher thread) if the cluster's head goes while it runs (``HeadWatch``), until
     ``shutdown_ray``."""
     if ray.is_initialized():
         return False
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-    with env_defaults(RAY_START_ENV):
-        if cfg.ray.address:
+    if cfg.ray.address:
+        with env_defaults(RAY_START_ENV):
             check_ray_address(cfg.ray.address, cfg.parallel.timeout_s)
-            ray.init(address=cfg.ray.address, runtime_env=env)
-        else:  # our own cluster ("local": never one another job started here), one CPU per actor bundle,
-            # oversubscribed if the machine has fewer cores
-            num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
+            ray.init(address=cfg.ray.address, runtime_env={"env_vars": WORKER_ENV})
+        note_inherited(None)
+    else:  # our own cluster ("local": never one another job started here), one CPU per actor bundle,
+        # oversubscribed if the machine has fewer cores; its processes inherit WORKER_ENV from here
+        num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, num_actors + 1)
+        with env_defaults({**RAY_START_ENV, **WORKER_ENV}):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                      _temp_dir=cfg.ray.temp_dir or f"/tmp/sfray-{os.getuid()}")
-            global _REAPER
-            # its processes (GCS, raylet, their agents; the raylet's workers go with it) are this process'
-            # children: they end with it even if it is SIGKILLed (children.reaper). The signal follows the
-            # starting thread: only from the main thread, which outlives the cluster.
-            if threading.current_thread() is threading.main_thread():
-                _REAPER = reaper(ray_processes())
+            note_inherited(dict(os.environ))
+        global _REAPER
+        # its processes (GCS, raylet, their agents; the raylet's workers go with it) are this process'
+        # children: they end with it even if it is SIGKILLed (children.reaper). The signal follows the
+        # starting thread: only from the main thread, which outlives the cluster.
+        if threading.current_thread() is threading.main_thread():
+            _REAPER = reaper(ray_processes())
     if on_head_lost is not None:
         global _WATCH
         _WATCH = HeadWatch(on_head_lost, own=not cfg.ray.address)
@@ -335,6 +365,7 @@ def shutdown_ray() -> None:
         _WATCH.stop()
         _WATCH = None
     ray.shutdown()
+    note_inherited(None)
     if _REAPER is not None:
         stop(_REAPER)
         _REAPER = None

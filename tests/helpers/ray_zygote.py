@@ -2,10 +2,11 @@
 
 A Ray actor of ours spends most of its CPU before its first line of work: a fresh interpreter importing
 torch, ``torch.distributed.tensor`` (sympy) and ``torch._dynamo`` (transformers' loading and masking code
-reach both). The suite starts some 150 actors. Ray starts every worker as
-``<py_executable> default_worker.py <its arguments>``; the suite's cluster (``ray_session`` in
-tests/conftest.py) names this file's ``run`` as that executable, and ``run`` asks the zygote (``serve``,
-one per pytest process) to fork the worker from its imports.
+reach both). The suite starts some 150 actors. Ray's raylet starts a worker as
+``<python> default_worker.py <its arguments>``, or, for a worker with a runtime environment, as
+``<python> setup_worker.py ... default_worker.py ...``; the suite's cluster (``ray_session`` in
+tests/conftest.py) starts with ``<python>`` a script that hands both to this file's ``run``, which asks the
+zygote (``serve``, one per pytest process) to fork the worker from its imports.
 
 * ``serve SOCKET``: import ``PRELOAD`` (nothing else: no thread, no OpenMP pool, no CUDA), then for each
   connection fork a child that takes the caller's stdin/stdout/stderr (passed over the socket), its
@@ -17,9 +18,11 @@ one per pytest process) to fork the worker from its imports.
 
 Only the preloaded modules differ from a spawned worker: what they read from the environment at import
 (torch's OpenMP thread count, which ``_start_child`` sets again from the worker's environment) is the
-pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Ray itself and our
-modules are imported by the worker as usual. Runs of ours that start their own Ray cluster (the CLI
-tests, the chaos test) start their workers the usual way, so that path stays tested.
+pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Our modules are
+imported by the worker as usual. A runtime environment that only sets variables is applied in the forked
+worker (``_as_worker``) instead of by setup_worker.py, a process importing Ray that then execs the worker.
+Runs of ours that start their own Ray cluster (the CLI tests, the chaos test) start their workers the usual
+way, so that path stays tested.
 """
 
 from __future__ import annotations
@@ -131,12 +134,43 @@ def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
 
     adopt_env(req["env"])
     os.chdir(req["cwd"])
+    argv = _as_worker(req["argv"])
     if "OMP_NUM_THREADS" in os.environ:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     _die_with(req["caller"])
-    return req["argv"]
+    return argv
+
+
+def _as_worker(argv: list[str]) -> list[str]:
+    """What to run for Ray's ``argv``. A worker with a runtime environment comes as ``setup_worker.py ...
+    default_worker.py ...``: Ray's setup_worker.py sets the environment's variables and then execs the
+    worker with the environment's Python. Where that is all it would do (variables only, none that an
+    interpreter reads as it starts, this Python),
+    they are set here and the worker runs in this forked process (an exec would lose the preloaded
+    imports and this caller's watch); for anything more, setup_worker.py itself runs."""
+    if not argv or os.path.basename(argv[0]) != "setup_worker.py":
+        return argv
+    import argparse
+    import re
+
+    parser = argparse.ArgumentParser(add_help=False)  # the two options setup_worker.py takes, as it parses them
+    parser.add_argument("--serialized-runtime-env-context", type=str)
+    parser.add_argument("--language", type=str)
+    args, rest = parser.parse_known_args(argv[1:])
+    # RuntimeEnvContext's fields, read without importing Ray here: Ray's extension reads the worker's
+    # environment when it loads, so it must load in the worker after every variable is set
+    ctx = json.loads(args.serialized_runtime_env_context or "{}")
+    env_vars = ctx.get("env_vars") or {}
+    if (args.language != "PYTHON" or ctx.get("command_prefix") or ctx.get("override_worker_entrypoint")
+            or ctx.get("py_executable") not in (None, sys.executable)
+            or not rest or os.path.basename(rest[0]) != "default_worker.py"
+            or any(k.startswith("PYTHON") for k in env_vars)):  # read by an interpreter as it starts
+        return argv
+    for key, value in env_vars.items():  # as ray._private.utils.update_envs sets them
+        os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
+    return rest
 
 
 def _request(conn: socket.socket) -> tuple[dict, list[int]]:
