@@ -25,28 +25,44 @@ def test_a_single_process_run_gives_the_thread_count_back(assets, tmp_path, monk
 @pytest.mark.ray
 def test_starting_ray_leaves_the_callers_environment(no_ray, monkeypatch):
     """Ray starts without token authentication where the caller said nothing (Ray's processes get
-    RAY_AUTH_MODE=disabled, the workers TOKENIZERS_PARALLELISM through the runtime environment), and the
-    caller's os.environ has none of them afterwards."""
+    RAY_AUTH_MODE=disabled, the workers TOKENIZERS_PARALLELISM), and the caller's os.environ has none of them
+    afterwards. The cluster inherits those and our switches at its start: an actor spawned there gets no
+    runtime environment for them (with one, Ray starts each worker through its setup_worker.py, a process
+    importing Ray); a switch set after the start (the control) reaches the next actor through one."""
     import ray
 
+    from specforge import device
     from specforge.config import load_config
-    from specforge.runtime.actors import RAY_START_ENV, start_ray
+    from specforge.runtime.actors import RAY_START_ENV, shutdown_ray, spawn_actors, start_ray
 
     for k in RAY_START_ENV:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.setenv(device.FORCE_ENV, "cpu")
+    monkeypatch.delenv(device.EMULATE_NCCL_ENV, raising=False)
     before = dict(os.environ)
+    keys = ("RAY_AUTH_MODE", "TOKENIZERS_PARALLELISM", device.FORCE_ENV, device.EMULATE_NCCL_ENV)
+
+    class Probe:
+        def seen(self):
+            return {k: os.environ.get(k) for k in keys}, dict(ray.get_runtime_context().runtime_env)
+
     assert start_ray(load_config(None, []), 1)
     try:
         assert _workers_beside_two_actors() == 0  # no idle worker started ahead (RAY_START_ENV)
-        seen = ray.get(ray.remote(lambda: {k: os.environ.get(k) for k in ("RAY_AUTH_MODE",
-                                                                          "TOKENIZERS_PARALLELISM")}).remote(),
-                       timeout=120)
-        assert seen == {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}, seen
         ours = [*RAY_START_ENV, "TOKENIZERS_PARALLELISM"]  # (Ray writes keys of its own, e.g. PYTHONBREAKPOINT)
         assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours} == dict.fromkeys(ours)
+        env, runtime_env = ray.get(spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120).actors[0].seen.remote(),
+                                   timeout=120)
+        assert env == {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", device.FORCE_ENV: "cpu",
+                       device.EMULATE_NCCL_ENV: None}, env
+        assert "env_vars" not in runtime_env, runtime_env
+        monkeypatch.setenv(device.EMULATE_NCCL_ENV, "1")
+        env, runtime_env = ray.get(spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120).actors[0].seen.remote(),
+                                   timeout=120)
+        assert env[device.EMULATE_NCCL_ENV] == "1" and runtime_env["env_vars"] == {device.EMULATE_NCCL_ENV: "1"}
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
 
 def _workers_beside_two_actors(at_least: int = 0, timeout_s: float = 30) -> int:
@@ -94,37 +110,3 @@ def test_a_caller_that_asks_for_prestarted_ray_workers_gets_them(no_ray, monkeyp
     finally:
         ray.shutdown()
 
-
-@pytest.mark.ray
-def test_our_clusters_workers_inherit_our_switches_and_a_changed_one_reaches_them_through_ray(no_ray, monkeypatch):
-    """A cluster ``start_ray`` started inherits ``WORKER_ENV`` and our switches from this process at its start:
-    an actor spawned there gets no runtime environment for them (with one, Ray starts each worker through its
-    setup_worker.py, a process importing Ray). A switch set after the start (the control) still reaches the
-    next actor, through its runtime environment."""
-    import ray
-
-    from specforge import device
-    from specforge.config import load_config
-    from specforge.runtime.actors import shutdown_ray, spawn_actors, start_ray
-
-    keys = ("TOKENIZERS_PARALLELISM", device.FORCE_ENV, device.EMULATE_NCCL_ENV)
-    monkeypatch.setenv(device.FORCE_ENV, "cpu")
-    monkeypatch.delenv(device.EMULATE_NCCL_ENV, raising=False)
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-
-    class Probe:
-        def seen(self):
-            return {k: os.environ.get(k) for k in keys}, dict(ray.get_runtime_context().runtime_env)
-
-    assert start_ray(load_config(None, []), 2)
-    try:
-        group = spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120)
-        env, runtime_env = ray.get(group.actors[0].seen.remote(), timeout=120)
-        assert env == {"TOKENIZERS_PARALLELISM": "false", device.FORCE_ENV: "cpu", device.EMULATE_NCCL_ENV: None}
-        assert "env_vars" not in runtime_env, runtime_env
-        monkeypatch.setenv(device.EMULATE_NCCL_ENV, "1")
-        group = spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120)
-        env, runtime_env = ray.get(group.actors[0].seen.remote(), timeout=120)
-        assert env[device.EMULATE_NCCL_ENV] == "1" and runtime_env["env_vars"] == {device.EMULATE_NCCL_ENV: "1"}
-    finally:
-        shutdown_ray()
