@@ -39,5 +39,5 @@ echo "note: speculators 0.9.0 and dflash 0.1.0 (test references only) are instal
 # where PYTHONDONTWRITEBYTECODE=1 is set (containers often do), every process would compile each module it
 # imports again: ~0.2 CPU-s for a Ray worker's imports, ~50 CPU-s over the test suite's ~250 such processes.
 # A module edited later is compiled again on import, as usual (the .pyc records its source's mtime).
-"$VENV/bin/python" -m compileall -q -j 0 specforge >/dev/null
+"$VENV/bin/python" -m compileall -q specforge >/dev/null
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"

@@ -31,7 +31,7 @@ SERVER="$DIR/bin/llama-server"
 # The converter's modules (conversion/, gguf-py/: ~40k lines) compiled once, as pip compiles a package: each
 # conversion is a new process that would otherwise compile them again (~0.5 CPU-s) where
 # PYTHONDONTWRITEBYTECODE=1 is set. A cache another user owns may be read-only: then they stay source.
-precompile() { "$VENV/bin/python" -m compileall -q -j 0 "$DIR/src/conversion" "$DIR/src/gguf-py" >/dev/null 2>&1 || true; }
+precompile() { "$VENV/bin/python" -m compileall -q "$DIR/src/conversion" "$DIR/src/gguf-py" >/dev/null 2>&1 || true; }
 
 if [ -x "$SERVER" ] && [ -f "$DIR/src/convert_hf_to_gguf.py" ]; then
   precompile

@@ -54,7 +54,7 @@ cat "$VLLM_LOG"
 rm -f "$VLLM_LOG"
 # the tests' own modules compiled once (scripts/install.sh compiles specforge's): the helpers the suite's
 # subprocesses import (Ray workers, CLIs) are otherwise compiled again in each where PYTHONDONTWRITEBYTECODE=1
-"$VENV/bin/python" -m compileall -q -j 0 tests >/dev/null
+"$VENV/bin/python" -m compileall -q tests >/dev/null
 # lint first (seconds): the ruff configuration in pyproject.toml, clean on the whole tree
 "$VENV/bin/ruff" check --no-cache . || { echo "ruff found the problems above: fix them (ruff check --fix fixes most)" >&2; exit 1; }
 # Two pytest-xdist workers (SPECFORGE_TEST_WORKERS=0: none): much of the suite waits on other processes
