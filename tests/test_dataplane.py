@@ -5,7 +5,6 @@ they sent / received (small records), never tensors.
 """
 
 import hashlib
-import os
 import sys
 
 import pytest
@@ -78,21 +77,17 @@ class Peer(DistributedWorker):
 
 
 @pytest.fixture(scope="module")
-def peers():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def peers(ray_session):
+    """Three actors joined in one communicator on the session's cluster (tests/conftest.py)."""
+    ray = ray_session
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    if ray.is_initialized():  # the session's cluster (tests/conftest.py): this module needs its own
-        ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/sfray")
     group = spawn_actors(Peer, 3, num_cpus=1, label="peer", timeout_s=300)
     group.labels = ["rollout[0]", "train[0]", "train[1]"]
     init_communicator(group.actors, group.labels, timeout_s=300)  # actor start-up is slow on a loaded box
     group.mailbox = spawn_mailbox()  # the driver owns it for the session
     yield group
     group.shutdown()
-    ray.shutdown()
+    ray.kill(group.mailbox)  # its name is free again for a later run on the session's cluster
 
 
 def _run(group, plans, kind, pack=True):
