@@ -29,7 +29,7 @@ SERVER="$DIR/bin/llama-server"
 "$VENV/bin/python" -c 'import sentencepiece' 2>/dev/null || "${PIP[@]}" sentencepiece
 
 # The converter's modules (conversion/, gguf-py/: ~40k lines) compiled once, as pip compiles a package: each
-# conversion is a new process that would otherwise compile them again (~0.5 CPU-s) where
+# conversion is a new process that would otherwise compile what it imports again (~0.2 CPU-s) where
 # PYTHONDONTWRITEBYTECODE=1 is set. A cache another user owns may be read-only: then they stay source.
 precompile() { "$VENV/bin/python" -m compileall -q "$DIR/src/conversion" "$DIR/src/gguf-py" >/dev/null 2>&1 || true; }
 

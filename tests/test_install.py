@@ -51,8 +51,8 @@ def _check_output(stdout: str, stderr: str, venv: str) -> None:
 
 def uncompiled(package: Path) -> list[str]:
     """The modules under ``package`` without a .pyc that Python would use for the source as it is now (the
-    cache file, its header's source mtime and size): each process importing one compiles it again where
-    PYTHONDONTWRITEBYTECODE=1 is set."""
+    cache file, its header's source mtime and size, or source hash): each process importing one compiles it
+    again where PYTHONDONTWRITEBYTECODE=1 is set."""
     import importlib.util
     import struct
 
@@ -64,28 +64,32 @@ def uncompiled(package: Path) -> list[str]:
             head = pyc.read_bytes()[:16]
         except OSError:
             head = b""
-        ok = len(head) == 16 and head[:4] == importlib.util.MAGIC_NUMBER and \
-            struct.unpack("<III", head[4:]) == (0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
+        ok = len(head) == 16 and head[:4] == importlib.util.MAGIC_NUMBER
+        if ok and struct.unpack("<I", head[4:8])[0] & 1:  # hash-based (compileall under SOURCE_DATE_EPOCH)
+            ok = head[8:16] == importlib.util.source_hash(src.read_bytes())
+        elif ok:  # timestamp-based: the source's mtime and size as they are now
+            ok = struct.unpack("<III", head[4:]) == (0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
         if not ok:
             missing.append(str(src.relative_to(package)))
     return missing
 
 
 def test_the_compiled_module_check_finds_a_missing_or_stale_one(tmp_path):
-    """``uncompiled``'s controls: a compiled module passes; one whose source changed after, and one never
-    compiled, are named."""
+    """``uncompiled``'s controls: compiled modules pass (by timestamp and by hash); ones whose source changed
+    after, and one never compiled, are named."""
     import py_compile
 
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "a.py").write_text("x = 1\n")
     (pkg / "b.py").write_text("y = 2\n")
-    for name in ("a.py", "b.py"):
-        py_compile.compile(str(pkg / name), doraise=True)
+    py_compile.compile(str(pkg / "a.py"), doraise=True)
+    py_compile.compile(str(pkg / "b.py"), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
     assert uncompiled(pkg) == []
     (pkg / "a.py").write_text("x = 11\n")  # a size Python's check sees (the mtime may tick within a second)
+    (pkg / "b.py").write_text("y = 3\n")  # the same size: only the hash tells
     (pkg / "c.py").write_text("z = 3\n")
-    assert uncompiled(pkg) == ["a.py", "c.py"]
+    assert uncompiled(pkg) == ["a.py", "b.py", "c.py"]
 
 
 def test_the_kept_install_output_is_the_one_read(tmp_path, monkeypatch):

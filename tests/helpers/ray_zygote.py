@@ -147,9 +147,9 @@ def _as_worker(argv: list[str]) -> list[str]:
     """What to run for Ray's ``argv``. A worker with a runtime environment comes as ``setup_worker.py ...
     default_worker.py ...``: Ray's setup_worker.py sets the environment's variables and then execs the
     worker with the environment's Python. Where that is all it would do (variables only, none that an
-    interpreter reads as it starts, this Python),
-    they are set here and the worker runs in this forked process (an exec would lose the preloaded
-    imports and this caller's watch); for anything more, setup_worker.py itself runs."""
+    interpreter reads as it starts, this Python), they are set here and the worker runs in this forked
+    process (an exec would lose the preloaded imports and this caller's watch); for anything more,
+    setup_worker.py itself runs."""
     if not argv or os.path.basename(argv[0]) != "setup_worker.py":
         return argv
     import argparse
