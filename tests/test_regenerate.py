@@ -309,15 +309,16 @@ def test_real_engine_greedy_equals_a_plain_argmax_loop(tok, target, tmp_path, da
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_ray_workers_write_what_one_process_writes(tok, target, tmp_path, data_file):
+def test_ray_workers_write_what_one_process_writes(tok, target, tmp_path, data_file, ray_session):
     """Two Ray workers regenerating the answers write, merged in source order, what one process writes.
-    Over 30 s beside the other pytest worker (53.6 s at 2c9a0be): two runs, each starting its own Ray
-    cluster (``ray.temp_dir`` of its own) and its workers, each loading the target."""
+    The runs join the session's cluster (tests/conftest.py), as a run given ``ray.address`` joins one; a
+    run that starts its own is the CLI tests' (tests/test_bad_input.py, tests/test_resume.py). Over 30 s
+    (42.6 s) in the recorded 4ebf4f1 run, when each run started a cluster of its own and spawned its
+    workers; alone, 41.8 -> 21.7 CPU-s with the session's cluster."""
     model_dir = tmp_path / "tiny"
     target.model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    common = [f"model.target_path={model_dir}", "model.aux_layer_ids=[0,1,2]", "regenerate.max_new_tokens=6",
-              "ray.num_cpus=3", "ray.temp_dir=/tmp/sfray-regen"]
+    common = [f"model.target_path={model_dir}", "model.aux_layer_ids=[0,1,2]", "regenerate.max_new_tokens=6"]
     rg.regenerate(make_cfg(tmp_path / "one", data_file, *common))
     s = rg.regenerate(make_cfg(tmp_path / "two", data_file, *common, "regenerate.num_workers=2"))
     one = sorted(out_rows(tmp_path / "one" / "out.jsonl"), key=lambda r: r["source_row"])
