@@ -311,8 +311,9 @@ def test_real_engine_greedy_equals_a_plain_argmax_loop(tok, target, tmp_path, da
 @pytest.mark.ray
 def test_ray_workers_write_what_one_process_writes(tok, target, tmp_path, data_file, ray_session):
     """Two Ray workers regenerating the answers write, merged in source order, what one process writes.
-    The runs join the session's cluster (tests/conftest.py), as a run given ``ray.address`` joins one; a
-    run that starts its own is the CLI tests' (tests/test_bad_input.py, tests/test_resume.py). Over 30 s
+    The runs join the session's cluster (tests/conftest.py), as a run does where Ray is already started
+    (``start_ray``); a run that starts its own is the CLI tests' (tests/test_bad_input.py,
+    tests/test_resume.py). Over 30 s
     (42.6 s) in the recorded 4ebf4f1 run, when each run started a cluster of its own and spawned its
     workers; alone, 41.8 -> 21.7 CPU-s with the session's cluster."""
     model_dir = tmp_path / "tiny"
