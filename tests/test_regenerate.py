@@ -313,9 +313,8 @@ def test_ray_workers_write_what_one_process_writes(tok, target, tmp_path, data_f
     """Two Ray workers regenerating the answers write, merged in source order, what one process writes.
     The runs join the session's cluster (tests/conftest.py), as a run does where Ray is already started
     (``start_ray``); a run that starts its own is the CLI tests' (tests/test_bad_input.py,
-    tests/test_resume.py). Over 30 s
-    (42.6 s) in the recorded 4ebf4f1 run, when each run started a cluster of its own and spawned its
-    workers; alone, 41.8 -> 21.7 CPU-s with the session's cluster."""
+    tests/test_resume.py). 42.6 s in the 4ebf4f1 run, when each run started a cluster of its own and
+    spawned its workers, 7.8 s in the 782977c run."""
     model_dir = tmp_path / "tiny"
     target.model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
