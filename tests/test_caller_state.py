@@ -109,4 +109,3 @@ def test_a_caller_that_asks_for_prestarted_ray_workers_gets_them(no_ray, monkeyp
         assert _workers_beside_two_actors(at_least=1) >= 1
     finally:
         ray.shutdown()
-
