@@ -191,8 +191,9 @@ def report(folder: Path) -> str:
     by_kind: dict[str, float] = collections.Counter()
     count: dict[str, int] = collections.Counter()
     for p in processes.values():
-        by_kind[kind_of(p["cmd"])] += p["series"][-1][1]
-        count[kind_of(p["cmd"])] += 1
+        kind = kind_of(p["cmd"])
+        by_kind[kind] += p["series"][-1][1]
+        count[kind] += 1
     total = sum(by_kind.values())
     out = [f"{total:,.0f} CPU-s sampled, {sum(per_test.values()):,.0f} of them during a test, {none:,.0f} in none "
            "(install, collection, between tests)", "",

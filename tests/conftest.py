@@ -173,23 +173,6 @@ def _ray_zygote(request, tmp_path_factory):
             os.unlink(sock)
 
 
-@contextlib.contextmanager
-def _environ(set_: dict, unset: tuple = ()):
-    """``os.environ`` with ``set_`` set and ``unset`` removed for the block; each key as it was after."""
-    old = {k: os.environ.get(k) for k in (*set_, *unset)}
-    os.environ.update(set_)
-    for k in unset:
-        os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def ray_session(_ray_cluster, _ray_zygote):
     """The session's Ray cluster, (re)started if a test before shut it down (tests of what starts and
@@ -212,9 +195,12 @@ def ray_session(_ray_cluster, _ray_zygote):
 
         # the engines its actors start are started as vLLM starts them (tests/helpers/vllm_fork: off); a
         # test's switches reach its workers through spawn_actors, not through the cluster's start
-        workers = {"TOKENIZERS_PARALLELISM": "false", VLLM_FORK: "0"}
         python = mock.patch.object(sys, "executable", _ray_zygote.python) if _ray_zygote else contextlib.nullcontext()
-        with _environ(workers, unset=(EMULATE_NCCL_ENV, failpoints.ENV, failpoints.DIR_ENV)), python:
+        with pytest.MonkeyPatch.context() as env, python:  # each key as it was after the start
+            env.setenv("TOKENIZERS_PARALLELISM", "false")
+            env.setenv(VLLM_FORK, "0")
+            for key in (EMULATE_NCCL_ENV, failpoints.ENV, failpoints.DIR_ENV):
+                env.delenv(key, raising=False)
             ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                      _temp_dir="/tmp/sfray")
             note_inherited(dict(os.environ))
