@@ -13,11 +13,11 @@ import pytest
 from tests.helpers import ray_zygote
 from tests.helpers.processes import gone
 
-SCRIPT = """import json, os, signal, sys, time
-preloaded = "torch" in sys.modules
+SCRIPT = """import gc, json, os, signal, sys, time
+preloaded, frozen = "torch" in sys.modules, gc.get_freeze_count()
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "set": os.environ.get("SPECFORGE_TEST_ZYGOTE"),
-                  "preloaded": preloaded, "pid": os.getpid(), "ppid": os.getppid()}), flush=True)
+                  "preloaded": preloaded, "frozen": frozen, "pid": os.getpid(), "ppid": os.getppid()}), flush=True)
 if sys.argv[1] == "wait":
     time.sleep(120)
 sys.exit(int(sys.argv[2]))
@@ -57,6 +57,8 @@ def test_a_forked_worker_runs_as_the_spawned_one_with_torch_already_imported(zyg
         assert got[key] == want[key], key
     assert want["set"] == "yes" and want["argv"] == ["exit", "3"]
     assert got["preloaded"] and not want["preloaded"]  # what the zygote is for
+    # the imports' objects frozen (no collection in the worker walks them again); a spawned one has none
+    assert got["frozen"] > 100_000 and want["frozen"] == 0, (got["frozen"], want["frozen"])
     assert got["pid"] != forked.pid and got["ppid"] != forked.pid  # forked by the zygote, not its caller
 
 
