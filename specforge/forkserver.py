@@ -24,8 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# what the fork server imports once; a module that fails to import is skipped by multiprocessing
-PRELOAD = ("torch", "torch.distributed", "transformers", "specforge.device")
+# what the fork server imports once, in this order; a module that fails to import is skipped by
+# multiprocessing. The last one freezes what the others made (specforge/frozen_imports.py).
+PRELOAD = ("torch", "torch.distributed", "transformers", "specforge.device", "specforge.frozen_imports")
 
 
 def context():

@@ -1,7 +1,8 @@
 """specforge.forkserver.run_script_in_child: a script run from the fork server behaves as
 ``python script args`` would (llama.cpp's converter runs so, specforge/engines/llamacpp.py): its
 ``__main__``, its argv, its folder first on sys.path, the caller's environment at the call, its
-output in the log, its exit status; and it comes from the fork server, not the caller."""
+output in the log, its exit status; and it comes from the fork server, not the caller, with the server's
+imports frozen out of its garbage collection."""
 
 import json
 import os
@@ -14,11 +15,12 @@ import pytest
 from specforge.forkserver import run_script_in_child
 
 SCRIPT = """\
-import json, os, sys
+import gc, json, os, sys
 import helper  # a module beside the script: its folder is on sys.path
 env = os.environ.get
 print(json.dumps({"name": __name__, "argv": sys.argv[1:], "helper": helper.X, "ppid": os.getppid(),
-                  "set": env("SPECFORGE_TEST_FORK_SET"), "gone": env("SPECFORGE_TEST_FORK_GONE")}))
+                  "set": env("SPECFORGE_TEST_FORK_SET"), "gone": env("SPECFORGE_TEST_FORK_GONE"),
+                  "frozen": gc.get_freeze_count()}))
 print("to stderr", file=sys.stderr)
 if "--fail" in sys.argv:
     sys.exit(3)
@@ -51,6 +53,9 @@ def test_a_script_runs_as_python_would_run_it(script, tmp_path, monkeypatch):
     assert got["name"] == "__main__" and got["argv"] == ["a", "--b=1"] and got["helper"] == 7
     assert got["set"] == "yes" and got["gone"] is None  # the caller's environment at the call
     assert got["ppid"] != os.getpid()  # forked by the fork server, not started by the caller
+    # the server's imports frozen (specforge/frozen_imports.py): no collection in the child walks them;
+    # the fresh interpreter, the control, has nothing frozen
+    assert got["frozen"] > 100_000 and ref["frozen"] == 0, (got["frozen"], ref["frozen"])
     assert err == "to stderr"
 
 
