@@ -7,8 +7,8 @@
   changes the math) is refused with a message naming every difference.
 * Train ranks that resumed at different steps are refused, not reconciled.
 * ``python -m specforge.ray_train`` stopped at fixed moments (the driver SIGKILLed mid-step, during a
-  save, during an eval; the Ray head killed), nothing of it left behind each time, then rerun unchanged,
-  logs per-step losses and evals equal to an uninterrupted run's.
+  save, during an eval; the Ray head killed), nothing of it left behind each time, rerun unchanged after
+  each and then resumed to its end, logs per-step losses and evals equal to an uninterrupted run's.
 * A driver that dies after the workers saved a step but before it logged that step's rows: the
   checkpoint carries them and the resumed run logs them (marked ``restored``), and a half-written
   last line of metrics.jsonl is cut instead of having the next row run into it.
@@ -191,19 +191,6 @@ def _kill_session(sid: int) -> None:
     assert not _session_pids(sid), "processes of the killed run survived"
 
 
-def _run(args, timeout=400) -> str:
-    p = _cli(args)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(30)
-            _kill_session(p.pid)
-    assert p.returncode == 0, out[-3000:]
-    return out
-
-
 def _shm_held(pids, since: float) -> set[str]:
     """The files under /dev/shm that ``pids`` map or hold open, and the OpenMP registrations named by them
     written since ``since`` (an older one is a dead process' of the same pid): what a killed process leaves
@@ -263,20 +250,22 @@ def short_tmp():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_path, short_tmp):
-    """The same command, run again after each fault and then to its end, logs the uninterrupted run's losses
-    and held-out evals. The faults, at fixed moments (``specforge.failpoints`` holds a train rank there):
+def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_path, short_tmp, capsys):
+    """The same command, run again after each fault, and then the same run to its end, log the uninterrupted
+    run's losses and held-out evals. The faults, at fixed moments (``specforge.failpoints`` holds a train rank there):
     the driver SIGKILLed while a rank writes step 4's checkpoint, after step 2's save (step 2 stays latest;
     the next run removes the partial save and says so); the driver SIGKILLed during the held-out eval
     after step 4; the Ray head (the GCS of the driver's own cluster) killed mid-step (the driver ends at once
     with one error line naming it and the last good checkpoint, status 1). After each: no process of the
     run's session within 30 s, nor a file it held in /dev/shm (control, checked: a cluster started without
-    its reaper outlives the driver). The uninterrupted run is ``fit`` in this process, on the session's
-    cluster. (A fourth fault, the driver SIGKILLed mid-step with no rank held, was dropped for time: the
-    same assertions hold after the two driver SIGKILLs above, and the head's loss is the mid-step fault;
-    benchmarks/chaos.py kills at random moments.) Over 30 s: four drivers (``python -m
-    specforge.ray_train``), each importing torch and starting its own Ray cluster and two train actors
-    (~30 CPU-s a driver on 2 cores), beside the uninterrupted run."""
+    its reaper outlives the driver). The uninterrupted run, and the last one that resumes after the head's
+    loss and runs to the end, are ``fit`` in this process, on the session's cluster: a resume reads only
+    the run's folder, and each faulted run above already starts a driver and a cluster of its own (a
+    fourth driver for the last run cost ~30 CPU-s). (A fourth fault, the driver SIGKILLed mid-step with no
+    rank held, was dropped for time: the same assertions hold after the two driver SIGKILLs above, and
+    the head's loss is the mid-step fault; benchmarks/chaos.py kills at random moments.) Over 30 s: three
+    drivers (``python -m specforge.ray_train``), each importing torch and starting its own Ray cluster and
+    two train actors (~30 CPU-s a driver on 2 cores), beside the two runs in this process."""
     import psutil
 
     from specforge.config import load_config
@@ -333,8 +322,9 @@ def test_a_run_stopped_at_any_moment_resumes_exactly(assets, ray_session, tmp_pa
     assert step() < KILL_STEPS, "the run was expected to stop before its end"
 
     resumed_at = step()
-    log = _run(args(out))  # 4. the same command, to the end
-    assert f"resuming at step {resumed_at}" in log
+    capsys.readouterr()
+    fit(load_config(None, run_args(out)))  # 4. the same run, to the end (here, as the uninterrupted one)
+    assert f"resuming at step {resumed_at}" in capsys.readouterr().out
     for kind in ("train", "eval"):
         want = {r["step"]: r["loss"] for r in losses(tmp_path / "straight", kind)}
         got = losses(out, kind)
