@@ -4,10 +4,13 @@ A head node (the driver and a rollout worker) and a train node, told apart by cu
 ``ray.rollout_resources`` / ``ray.train_resources`` pin each worker kind to its node; the driver
 joins through ``ray.address`` like on a real cluster. The disaggregated run trains the
 single-process reference's losses, with its features crossing nodes over the p2p data plane.
+Both nodes fork their workers from the suite's Ray zygote, as the session cluster does.
 """
 
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import pytest
 
@@ -17,7 +20,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture
-def cluster():
+def cluster(_ray_zygote):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
@@ -29,10 +32,15 @@ def cluster():
         ray.shutdown()
     # Two nodes (each is a raylet + workers; a third only slows a loaded box): the head hosts the
     # driver and the rollout worker, the other node the train workers.
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 1},
-                                                      "include_dashboard": False})
+    # Both nodes' raylets start their workers as the session cluster's do: forked from the suite's zygote
+    # (tests/conftest.py, _ray_zygote), ~1.5 CPU-s an actor against ~8 spawned on 2 busy cores.
+    python = mock.patch.object(sys, "executable", _ray_zygote.python) if _ray_zygote else contextlib.nullcontext()
+    with python:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 1},
+                                                          "include_dashboard": False})
     try:
-        nodes = {"rollout": c.head_node, "train": c.add_node(num_cpus=2, resources={"train_node": 2})}
+        with python:
+            nodes = {"rollout": c.head_node, "train": c.add_node(num_cpus=2, resources={"train_node": 2})}
         c.wait_for_nodes()
         yield c, {kind: node.node_id for kind, node in nodes.items()}
     finally:
