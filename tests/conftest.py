@@ -173,6 +173,14 @@ def _ray_zygote(request, tmp_path_factory):
             os.unlink(sock)
 
 
+def forking_workers(zygote):
+    """For the block, ``sys.executable`` is ``_ray_zygote``'s script: a Ray node started in it (``ray.init``,
+    ``ray.cluster_utils.Cluster``) forks its workers from the zygote. Nothing where the zygote is off (None)."""
+    from unittest import mock
+
+    return mock.patch.object(sys, "executable", zygote.python) if zygote else contextlib.nullcontext()
+
+
 @pytest.fixture(scope="module")
 def ray_session(_ray_cluster, _ray_zygote):
     """The session's Ray cluster, (re)started if a test before shut it down (tests of what starts and
@@ -181,8 +189,6 @@ def ray_session(_ray_cluster, _ray_zygote):
     processes inherit the workers' environment from this one at its start, as ``start_ray``'s clusters
     do, and no runtime environment (with one, Ray starts every worker through its setup_worker.py, a
     process importing Ray: ~0.3 CPU-s a worker)."""
-    from unittest import mock
-
     ray = pytest.importorskip("ray", minversion="2.40")  # pyproject's floor; a stand-in (no version) skips
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -195,8 +201,7 @@ def ray_session(_ray_cluster, _ray_zygote):
 
         # the engines its actors start are started as vLLM starts them (tests/helpers/vllm_fork: off); a
         # test's switches reach its workers through spawn_actors, not through the cluster's start
-        python = mock.patch.object(sys, "executable", _ray_zygote.python) if _ray_zygote else contextlib.nullcontext()
-        with pytest.MonkeyPatch.context() as env, python:  # each key as it was after the start
+        with pytest.MonkeyPatch.context() as env, forking_workers(_ray_zygote):  # each key as it was after the start
             env.setenv("TOKENIZERS_PARALLELISM", "false")
             env.setenv(VLLM_FORK, "0")
             for key in (EMULATE_NCCL_ENV, failpoints.ENV, failpoints.DIR_ENV):

@@ -7,13 +7,12 @@ single-process reference's losses, with its features crossing nodes over the p2p
 Both nodes fork their workers from the suite's Ray zygote, as the session cluster does.
 """
 
-import contextlib
 import os
 import sys
-from unittest import mock
 
 import pytest
 
+from tests.conftest import forking_workers
 from tests.helpers.ray_run import STEPS, assert_same_losses, make_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,12 +33,11 @@ def cluster(_ray_zygote):
     # driver and the rollout worker, the other node the train workers.
     # Both nodes' raylets start their workers as the session cluster's do: forked from the suite's zygote
     # (tests/conftest.py, _ray_zygote), ~1.5 CPU-s an actor against ~8 spawned on 2 busy cores.
-    python = mock.patch.object(sys, "executable", _ray_zygote.python) if _ray_zygote else contextlib.nullcontext()
-    with python:
+    with forking_workers(_ray_zygote):
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 1},
                                                           "include_dashboard": False})
     try:
-        with python:
+        with forking_workers(_ray_zygote):
             nodes = {"rollout": c.head_node, "train": c.add_node(num_cpus=2, resources={"train_node": 2})}
         c.wait_for_nodes()
         yield c, {kind: node.node_id for kind, node in nodes.items()}

@@ -20,8 +20,9 @@ zygote (``serve``, one per pytest process) to fork the worker from its imports.
 Only the preloaded modules differ from a spawned worker: what they read from the environment at import
 (torch's OpenMP thread count, which ``_start_child`` sets again from the worker's environment) is the
 pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Our modules are
-imported by the worker as usual. A runtime environment that only sets variables is applied in the forked
-worker (``_as_worker``) instead of by setup_worker.py, a process importing Ray that then execs the worker.
+imported by the worker as usual (but ``specforge.frozen_imports``, which reads nothing). A runtime
+environment that only sets variables is applied in the forked worker (``_as_worker``) instead of by
+setup_worker.py, a process importing Ray that then execs the worker.
 Runs of ours that start their own Ray cluster (the CLI tests, the chaos test) start their workers the usual
 way, so that path stays tested.
 """
@@ -37,8 +38,10 @@ import socket
 import struct
 import sys
 
+# the last one, as in our fork server's PRELOAD (specforge/forkserver.py), freezes what the others made: a
+# worker's target from_pretrained took 0.45 CPU-s before, 0.13 after (its first full collections walked them)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "transformers",
-           "transformers.modeling_utils")
+           "transformers.modeling_utils", "specforge.frozen_imports")
 READY = "ready"
 OFF_ENV = "SPECFORGE_TEST_SPAWN_RAY_WORKERS"  # =1: the suite's cluster spawns its workers as Ray does
 STATUS = struct.Struct("!i")
@@ -200,20 +203,10 @@ def _request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def serve(sock_path: str) -> list[str]:
     """The zygote's loop; returns (in a forked child only) the argv the child is to run."""
-    import atexit
-    import gc
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
-    # The imports' objects, collected once here and then left out of every collection in the children.
-    # Never collected, a fork's first full collections walked all of them (~0.3 CPU-s a worker: a target's
-    # from_pretrained took 0.45 CPU-s in a worker, 0.13 after the freeze).
-    # Unfrozen at exit (the zygote's and each child's, inherited): a finalization that met frozen objects
-    # left them uncollected, and nanobind (triton's bindings) printed a page of "leaked" lines.
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)
     if os.path.exists(sock_path):
         os.unlink(sock_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
