@@ -79,3 +79,80 @@ def test_a_caller_run_as_a_script_without_a_main_guard_gets_its_script_run(scrip
     assert done.returncode == 0, done.stderr[-2000:]
     rc, first = done.stdout.split(None, 2)[1:]
     assert rc == "0" and json.loads(first)["argv"] == ["x"]
+
+
+# ---------------------------------------------------------------- a module run as ``python -m`` (adapt's rounds)
+
+MODULE = """\
+import json, os, sys, time
+print(json.dumps({"name": __name__, "argv": sys.argv[1:], "cwd": os.getcwd(), "ppid": os.getppid(),
+                  "set": os.environ.get("SPECFORGE_TEST_FORK_SET")}), flush=True)
+if "--sleep" in sys.argv:
+    time.sleep(300)
+sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 0)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_module_runs_as_python_m_would_run_it(tmp_path, monkeypatch):
+    """``start_module``: ``python -m forkmod`` in the caller's folder (the module is found there, as
+    ``-m`` finds it), with the caller's environment at the call, its output appended to the log, its exit
+    status through Popen's calls; forked by the fork server, not started by the caller."""
+    from specforge.forkserver import start_module
+
+    (tmp_path / "forkmod.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECFORGE_TEST_FORK_SET", "yes")
+    log = tmp_path / "round.log"
+    log.write_text("kept\n")
+    p = start_module("forkmod", ["a", "3"], str(log))
+    assert p.wait(timeout=120) == 3 and p.returncode == 3 and p.poll() == 3
+    kept, out = log.read_text().splitlines()
+    got = json.loads(out)
+    assert kept == "kept"  # appended, as adapt's round log is across a resumed round
+    assert got == {"name": "__main__", "argv": ["a", "3"], "cwd": str(tmp_path), "ppid": got["ppid"], "set": "yes"}
+    assert got["ppid"] != os.getpid()  # the fork server's child
+    p = start_module("forkmod", ["--sleep"], str(tmp_path / "slow.log"))
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.5)
+    p.terminate()
+    assert p.wait(timeout=60) == -15
+
+
+def test_a_forked_module_goes_when_its_caller_is_killed(tmp_path):
+    """The caller SIGKILLed (no ``finally`` of its runs): the module it started goes too, as one
+    started through ``children.tied`` does, though the fork server, not the caller, is its parent."""
+    import signal
+    import time
+
+    (tmp_path / "forkmod.py").write_text(MODULE)
+    log = tmp_path / "slow.log"
+    code = (f"import time\nfrom specforge.forkserver import start_module\n"
+            f"p = start_module('forkmod', ['--sleep'], {str(log)!r})\nprint(p.pid, flush=True)\ntime.sleep(300)\n")
+    caller = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    child = 0
+    try:
+        child = int(caller.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not log.exists() or not log.read_text().strip():  # the module is running
+            assert time.monotonic() < deadline and caller.poll() is None, "the module never started"
+            time.sleep(0.05)
+        assert _alive(child) and json.loads(log.read_text())["ppid"] != caller.pid
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the module outlived its killed caller"
+    finally:
+        caller.kill()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)

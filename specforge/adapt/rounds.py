@@ -5,10 +5,10 @@ resumes the round where it was:
 
 1. ``capture``: the training rows of the ledger (``traffic.Ledger``) into the domain store,
    appended (the store's writer skips the samples it has: a rerun captures only the rest).
-2. ``train``: ``python -m specforge.train`` in a child process on the domain store, a share of the
-   reference store replayed beside it (``store.replay_dir``), starting from the live draft
-   (``draft.init_from``), for ``adapt.steps`` steps; its checkpoints make a killed round resume
-   exactly (the same command picks up its newest checkpoint).
+2. ``train``: ``python -m specforge.train`` in a child (forked from the fork server) on the domain
+   store, a share of the reference store replayed beside it (``store.replay_dir``), starting from
+   the live draft (``draft.init_from``), for ``adapt.steps`` steps; its checkpoints make a killed
+   round resume exactly (the same command picks up its newest checkpoint).
 3. ``gate``: live and candidate decode the same prompts against one greedy reference
    (``specforge.eval``): the newest held-out traffic prompts (acceptance must rise by more than
    ``adapt.min_gain``) and the general held-out prompts (may fall at most ``adapt.gate_margin``).
@@ -30,8 +30,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +40,6 @@ import yaml
 from specforge.adapt.proxy import TrafficProxy
 from specforge.adapt.traffic import Ledger
 from specforge.capture import capture_store
-from specforge.children import tied
 from specforge.compat import check_drafts
 from specforge.config import Config
 from specforge.data.heldout import eval_prompts, heldout_rows
@@ -67,6 +64,7 @@ from specforge.engines.llamacpp import (
 )
 from specforge.eval import Setting, evaluate_settings
 from specforge.files import open_safetensors
+from specforge.forkserver import start_module
 from specforge.models.target import load_target, resolve_target_path
 from specforge.models.vllm_engine import check_storage, engine_factory
 from specforge.preflight import check_writable
@@ -591,22 +589,22 @@ class Adapter:
         self.log(f"adapt: round {self.state.round}: fine-tuning {self.a.steps} steps from {self.state.live} "
                  f"(log: {log})")
 
-        with open(log, "ab") as f:  # the child goes when adapt does (a killed adapt resumes the round itself)
-            proc = subprocess.Popen(tied([sys.executable, "-m", "specforge.train", "--config", str(path)]),
-                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            try:
-                while proc.poll() is None:
-                    if not alive(self.server):
-                        proc.terminate()
-                        proc.wait(timeout=60)
-                        raise ServerDied(f"the live server exited (code {self.server.proc.returncode}) while the "
-                                         f"round trained; its checkpoints stay in {rdir}")
-                    time.sleep(min(self.a.poll_s, 1.0))
-            except BaseException:
-                if proc.poll() is None:
-                    proc.kill()
+        # forked from the fork server (its torch and transformers imported once: ~5 CPU-s a round less than
+        # a fresh interpreter); the child goes when adapt does (a killed adapt resumes the round itself)
+        proc = start_module("specforge.train", ["--config", str(path)], str(log))
+        try:
+            while proc.poll() is None:
+                if not alive(self.server):
+                    proc.terminate()
                     proc.wait(timeout=60)
-                raise
+                    raise ServerDied(f"the live server exited (code {self.server.proc.returncode}) while the "
+                                     f"round trained; its checkpoints stay in {rdir}")
+                time.sleep(min(self.a.poll_s, 1.0))
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
+            raise
         if proc.returncode != 0:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
             raise RuntimeError(f"adapt: round {self.state.round}'s fine-tune failed (exit {proc.returncode}); "
