@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers.processes import MONITORS, ray_monitors
 from tests.helpers.ray_run import make_cfg
 
 
@@ -50,6 +51,9 @@ def test_starting_ray_leaves_the_callers_environment(no_ray, monkeypatch):
     assert start_ray(load_config(None, []), 1)
     try:
         assert _workers_beside_two_actors() == 0  # no idle worker started ahead (RAY_START_ENV)
+        # the product's cluster keeps Ray's monitors (a run's workers log to its driver): the control of
+        # tests/test_ray_zygote.py's check that the suite's session cluster runs without them
+        assert ray_monitors() == sorted(MONITORS)
         ours = [*RAY_START_ENV, "TOKENIZERS_PARALLELISM"]  # (Ray writes keys of its own, e.g. PYTHONBREAKPOINT)
         assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours} == dict.fromkeys(ours)
         env, runtime_env = ray.get(spawn_actors(Probe, 1, num_cpus=0.5, timeout_s=120).actors[0].seen.remote(),

@@ -116,3 +116,15 @@ def test_the_session_clusters_actors_are_forked_with_their_own_environment(ray_s
         ray.kill(actor)
     assert "serve" in psutil.Process(seen["ppid"]).cmdline()
     assert seen["set"] == "actor" and seen["omp"] == "3" and seen["threads"] == 3, seen
+
+
+@pytest.mark.ray
+def test_the_session_cluster_runs_without_the_monitors(ray_session):
+    """tests/conftest.py's ``lean_cluster``: the session's cluster runs (its GCS and raylet are this
+    process' children) without a log monitor or an autoscaler monitor. The control, a cluster of ours started
+    the product's way, has both: checked in tests/test_caller_state.py."""
+    from specforge.runtime.actors import ray_processes
+    from tests.helpers.processes import ray_monitors
+
+    assert ray_session.is_initialized() and ray_processes()
+    assert ray_monitors() == []

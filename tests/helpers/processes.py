@@ -21,3 +21,20 @@ def gone(pid: int, within_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+MONITORS = ("log_monitor.py", "autoscaler/_private/monitor.py")  # what tests/conftest.py's lean_cluster leaves out
+
+
+def ray_monitors() -> list[str]:
+    """The Ray log monitor and autoscaler monitor among this process' children (a cluster it started)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children():
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        found += [m for m in MONITORS if m in cmd]
+    return sorted(found)
