@@ -95,14 +95,14 @@ def _redirect(log: str, append: bool) -> None:
     os.close(fd)
 
 
-def _term_when_gone(pid: int) -> None:
-    """In a child: SIGTERM to itself once process ``pid`` (its caller) has exited, as ``children.tied``
-    gives a spawned child (whose parent the caller is; a forked one's is the fork server, which outlives
+def die_with(pid: int, sig: int = signal.SIGTERM) -> None:
+    """In a child: signal ``sig`` to itself once process ``pid`` (its caller) has exited, as ``children.tied``
+    gives a spawned child SIGTERM (whose parent the caller is; a forked one's is the fork server, which outlives
     its caller while a child holds its pipe). A caller already gone: at once."""
     try:
         fd: Optional[int] = os.pidfd_open(pid)  # Linux 5.3+: readable once pid has exited
     except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
         return
     except (AttributeError, OSError):
         fd = None
@@ -119,7 +119,7 @@ def _term_when_gone(pid: int) -> None:
                 except PermissionError:
                     pass
                 select.select([], [], [], 0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
     threading.Thread(target=watch, name="specforge-caller-watch", daemon=True).start()
 
@@ -134,7 +134,7 @@ def run_module(module: str, argv: list[str], env: dict, cwd: str, log: str, call
     os.chdir(cwd)
     sys.path.insert(0, cwd)
     _redirect(log, append=True)
-    _term_when_gone(caller)
+    die_with(caller)
     sys.argv = [module, *argv]  # run_module puts the module's file first
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

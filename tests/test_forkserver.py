@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specforge.forkserver import run_script_in_child
+from tests.helpers.processes import gone
 
 SCRIPT = """\
 import gc, json, os, sys
@@ -93,14 +94,6 @@ sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 0)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_a_module_runs_as_python_m_would_run_it(tmp_path, monkeypatch):
     """``start_module``: ``python -m forkmod`` in the caller's folder (the module is found there, as
     ``-m`` finds it), with the caller's environment at the call, its output appended to the log, its exit
@@ -145,14 +138,11 @@ def test_a_forked_module_goes_when_its_caller_is_killed(tmp_path):
         while not log.exists() or not log.read_text().strip():  # the module is running
             assert time.monotonic() < deadline and caller.poll() is None, "the module never started"
             time.sleep(0.05)
-        assert _alive(child) and json.loads(log.read_text())["ppid"] != caller.pid
+        assert not gone(child, within_s=0.5) and json.loads(log.read_text())["ppid"] != caller.pid
         caller.send_signal(signal.SIGKILL)
         caller.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child), "the module outlived its killed caller"
+        assert gone(child, within_s=30), "the module outlived its killed caller"
     finally:
         caller.kill()
-        if child and _alive(child):
+        if child and not gone(child, within_s=0.1):
             os.kill(child, signal.SIGKILL)

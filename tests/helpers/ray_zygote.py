@@ -95,37 +95,6 @@ def run(sock_path: str, argv: list[str]) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _die_with(pid: int) -> None:
-    """In the worker: exit at once when the process Ray started (``run``) is gone, as a spawned worker
-    would have gone with it."""
-    import threading
-
-    try:
-        fd = os.pidfd_open(pid)  # Linux 5.3+: readable once the caller has exited
-    except (AttributeError, OSError):
-        fd = None
-
-    def watch():
-        if fd is not None:
-            select.select([fd], [], [])
-        else:  # no pidfd: look every half second
-            while _alive(pid):
-                select.select([], [], [], 0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="zygote-caller-watch", daemon=True).start()
-
-
 def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
     """In the forked child: become the worker ``req`` describes; returns its argv."""
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -134,7 +103,7 @@ def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    from specforge.forkserver import adopt_env  # stdlib only: nothing of ours read at import
+    from specforge.forkserver import adopt_env, die_with  # stdlib only: nothing of ours read at import
 
     adopt_env(req["env"])
     os.chdir(req["cwd"])
@@ -143,7 +112,7 @@ def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    _die_with(req["caller"])
+    die_with(req["caller"], signal.SIGKILL)  # as a spawned worker would have gone with the process Ray started
     return argv
 
 
