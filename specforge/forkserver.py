@@ -45,9 +45,12 @@ def context():
 
 
 def adopt_env(env: dict) -> None:
-    """In a child: the caller's environment at the call, not the fork server's from its start."""
+    """In a child: the caller's environment at the call, not the fork server's from its start; and the
+    temporary folder it names (``tempfile`` caches the one it found first: the server's imports asked)."""
     os.environ.clear()
     os.environ.update(env)
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"].tempdir = None  # read again from TMPDIR (TEMP, TMP) at the next use
 
 
 def run_script(script: str, argv: list[str], env: dict, log: str) -> None:

@@ -654,12 +654,15 @@ def test_a_failed_final_save_is_rescued_and_exits_non_zero(assets, tmp_path, mon
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch, no_ray):
+def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch, no_ray, _ray_zygote):
+    """The run starts its own cluster (its workers inherit this TMPDIR), forking its workers from the suite's
+    zygote and without Ray's monitors, as the session's cluster does (~7 CPU-s less than spawned)."""
     import tempfile
 
     import specforge.preflight as pf
     from specforge.ray_train import fit
     from specforge.runtime.actors import WorkerError
+    from tests.conftest import forking_workers, lean_cluster
 
     monkeypatch.setattr(pf, "check_outputs", lambda cfg: None)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the Ray worker's rescue folder
@@ -668,7 +671,8 @@ def test_a_failed_final_save_in_ray_exits_non_zero(assets, tmp_path, monkeypatch
     cfg = make_cfg(assets, tmp_path / "run", "train.num_workers=1", "train.max_steps=2", "placement.mode=colocated",
                    f"checkpoint.dir={READ_ONLY / 'ckpt'}", f"ray.temp_dir=/tmp/sfray-save-{os.getpid()}")
     with pytest.raises(WorkerError, match=r"could not write checkpoint step 2 .* saved in '.*specforge-rescue-"):
-        fit(cfg)
+        with forking_workers(_ray_zygote), lean_cluster():
+            fit(cfg)
     assert list((tmp_path / "tmp").glob("specforge-rescue-*/step-000002/model.safetensors"))
 
 

@@ -16,12 +16,12 @@ from specforge.forkserver import run_script_in_child
 from tests.helpers.processes import gone
 
 SCRIPT = """\
-import gc, json, os, sys
+import gc, json, os, sys, tempfile
 import helper  # a module beside the script: its folder is on sys.path
 env = os.environ.get
 print(json.dumps({"name": __name__, "argv": sys.argv[1:], "helper": helper.X, "ppid": os.getppid(),
                   "set": env("SPECFORGE_TEST_FORK_SET"), "gone": env("SPECFORGE_TEST_FORK_GONE"),
-                  "frozen": gc.get_freeze_count()}))
+                  "frozen": gc.get_freeze_count(), "tmp": tempfile.gettempdir()}))
 print("to stderr", file=sys.stderr)
 if "--fail" in sys.argv:
     sys.exit(3)
@@ -42,6 +42,7 @@ def test_a_script_runs_as_python_would_run_it(script, tmp_path, monkeypatch):
     assert run_script_in_child(script, ["--warm"], str(tmp_path / "warm.log")) == 0  # the server is up now
     monkeypatch.setenv("SPECFORGE_TEST_FORK_SET", "yes")
     monkeypatch.delenv("SPECFORGE_TEST_FORK_GONE")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # set after the server started (and its imports asked tempfile)
     log = tmp_path / "ok.log"
     assert run_script_in_child(script, ["a", "--b=1"], str(log)) == 0
     out, err = log.read_text().splitlines()
@@ -49,8 +50,9 @@ def test_a_script_runs_as_python_would_run_it(script, tmp_path, monkeypatch):
     # the same script run by a fresh interpreter: the reference
     ref = json.loads(subprocess.run([sys.executable, script, "a", "--b=1"], capture_output=True, text=True,
                                     check=True).stdout)
-    for k in ("name", "argv", "helper", "set", "gone"):
+    for k in ("name", "argv", "helper", "set", "gone", "tmp"):
         assert got[k] == ref[k], k
+    assert got["tmp"] == str(tmp_path)  # the caller's TMPDIR at the call, not the one the server cached
     assert got["name"] == "__main__" and got["argv"] == ["a", "--b=1"] and got["helper"] == 7
     assert got["set"] == "yes" and got["gone"] is None  # the caller's environment at the call
     assert got["ppid"] != os.getpid()  # forked by the fork server, not started by the caller
