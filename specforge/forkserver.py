@@ -53,15 +53,20 @@ def adopt_env(env: dict) -> None:
         sys.modules["tempfile"].tempdir = None  # read again from TMPDIR (TEMP, TMP) at the next use
 
 
+def _redirect(log: str, append: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    fd = os.open(log, flags, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def run_script(script: str, argv: list[str], env: dict, log: str) -> None:
     """In a child: ``python script *argv`` as the interpreter would run it (``__main__``, the
     script's folder first on ``sys.path``), stdout and stderr to the file ``log``. Its exit status
     is the child's (an uncaught exception: 1, its traceback in ``log``)."""
     adopt_env(env)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _redirect(log, append=False)
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
@@ -88,14 +93,6 @@ def run_script_in_child(script: str, argv: list[str], log: str) -> int:
     p.start()
     p.join()
     return p.exitcode
-
-
-def _redirect(log: str, append: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-    fd = os.open(log, flags, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def die_with(pid: int, sig: int = signal.SIGTERM) -> None:
