@@ -1,8 +1,10 @@
 """multiprocessing's fork server: where this process starts its short-lived Python processes.
 
 A fresh interpreter spends ~1 s of CPU importing torch and ~1 s more on transformers before its
-first line of work; the fork server (one per process, started on first use) imports them once
-(``PRELOAD``) and forks each child from there. It is a fresh interpreter that has run nothing but
+first line of work, and ~3 s more where it loads a model or wraps one with FSDP (transformers' loading
+code reaches ``torch.distributed.tensor``, and with it sympy; its masking code ``torch._dynamo``); the
+fork server (one per process, started on first use) imports them once (``PRELOAD``) and forks each
+child from there. It is a fresh interpreter that has run nothing but
 those imports (no threads, no OpenMP pool, no CUDA context), so forking it is as safe as spawning
 (Python 3.14 made it Linux's default start method). What a child does not get from it is the
 caller's environment at the time of the call: callers hand it over (``adopt_env``), as a spawned
@@ -32,8 +34,13 @@ from typing import Optional, Sequence
 from specforge.children import tied
 
 # what the fork server imports once, in this order; a module that fails to import is skipped by
-# multiprocessing. The last one freezes what the others made (specforge/frozen_imports.py).
-PRELOAD = ("torch", "torch.distributed", "transformers", "specforge.device", "specforge.frozen_imports")
+# multiprocessing. The last one freezes what the others made (specforge/frozen_imports.py). The server's
+# start takes ~3 CPU-s more for the distributed, dynamo and modeling imports (5.8 against 2.7); a child
+# that loads a model or an FSDP rank saves ~2.5 (four of the suite's SP modules: 95 -> 47 CPU-s). A
+# converter run, which loads no model, gains nothing from them.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo",
+           "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+           "specforge.device", "specforge.frozen_imports")
 
 
 def context():

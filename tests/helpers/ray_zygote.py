@@ -19,8 +19,9 @@ zygote (``serve``, one per pytest process) to fork the worker from its imports.
 
 Only the preloaded modules differ from a spawned worker: what they read from the environment at import
 (torch's OpenMP thread count, which ``_start_child`` sets again from the worker's environment) is the
-pytest process', as it is for the workers themselves (Ray's local cluster inherits it). Our modules are
-imported by the worker as usual (but ``specforge.frozen_imports``, which reads nothing). A runtime
+pytest process', as it is for the workers themselves (Ray's local cluster inherits it). The few of our
+modules in ``PRELOAD`` read nothing from the environment at import; the rest are imported by the worker
+as usual. A runtime
 environment that only sets variables is applied in the forked worker (``_as_worker``) instead of by
 setup_worker.py, a process importing Ray that then execs the worker.
 Runs of ours that start their own Ray cluster (the CLI tests, the chaos test) start their workers the usual
@@ -39,9 +40,21 @@ import struct
 import sys
 
 # the last one, as in our fork server's PRELOAD (specforge/forkserver.py), freezes what the others made: a
-# worker's target from_pretrained took 0.45 CPU-s before, 0.13 after (its first full collections walked them)
+# worker's target from_pretrained took 0.45 CPU-s before, 0.13 after (its first full collections walked them).
+# Between them, what nearly every worker imported after the fork (a dump of sys.modules in 76 workers of
+# test_ray_train and test_failures): the tiny targets' Llama modeling, pydantic (Ray's serialization
+# imports it), and our modules that import no Ray and read nothing from the environment at import
+# (test_failures + test_ray_train: 145 and 162 CPU-s before, 134 and 141 after, alternating runs). Not Ray:
+# a worker forked from a zygote that imported it fails as its core worker starts ("Check failed:
+# !job_id_env.empty()"). Nor pyarrow: its import starts jemalloc's background thread (numpy's OpenBLAS pool,
+# which re-creates itself after a fork, is the one other thread here), and its cost is small.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "transformers",
-           "transformers.modeling_utils", "specforge.frozen_imports")
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+           "transformers.generation.utils", "pydantic", "pydantic.v1", "specforge.training.trainer",
+           "specforge.models.target", "specforge.models.vllm_engine", "specforge.parallel.parallelize",
+           "specforge.registry", "specforge.data.prepare", "specforge.data.packing", "specforge.algorithms.eagle3",
+           "specforge.frozen_imports")
 READY = "ready"
 OFF_ENV = "SPECFORGE_TEST_SPAWN_RAY_WORKERS"  # =1: the suite's cluster spawns its workers as Ray does
 STATUS = struct.Struct("!i")
