@@ -5,7 +5,8 @@ first line of work, and ~3 s more where it loads a model or wraps one with FSDP 
 code reaches ``torch.distributed.tensor``, and with it sympy; its masking code ``torch._dynamo``); the
 fork server (one per process, started on first use) imports them once (``PRELOAD``) and forks each
 child from there. It is a fresh interpreter that has run nothing but
-those imports (no threads, no OpenMP pool, no CUDA context), so forking it is as safe as spawning
+those imports (no thread but numpy's OpenBLAS pool, which re-creates itself after a fork; no OpenMP
+pool, no CUDA context), so forking it is as safe as spawning
 (Python 3.14 made it Linux's default start method). What a child does not get from it is the
 caller's environment at the time of the call: callers hand it over (``adopt_env``), as a spawned
 process would inherit it. What a preloaded module read from the environment at its import (torch's
@@ -38,7 +39,7 @@ from specforge.children import tied
 # start takes ~3 CPU-s more for the distributed, dynamo and modeling imports (5.8 against 2.7); a child
 # that loads a model or an FSDP rank saves ~2.5 (four of the suite's SP modules: 95 -> 47 CPU-s), and so
 # does a converter run, whose transformers imports reach the same modules (test_targets_export's ~34
-# conversions in a suite run: 33 -> 13 CPU-s).
+# conversions in a suite run: 33 -> 13 CPU-s). The Llama modeling code: the embedded default's family.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            "specforge.device", "specforge.frozen_imports")
