@@ -10,6 +10,7 @@ data plane's own waits (``finish``) still see finished transfers, an abort and a
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from specforge.runtime.dataplane import P2PTransport, synthetic_features, wire_f
 from specforge.runtime.plan import plan_step
 
 SPEC = FeatureSpec.hidden_states(hidden_size=8)
-DELAY_S = 2.0  # rank 0 sends this long after rank 1 posted its receive (margin for a loaded machine)
+BOUND_S = 2.0  # what "at once" may take on a loaded machine; the waits below that must not block stay under it
+FALLBACK_S = 30.0  # rank 0 sends unasked after this: a wait that blocks (a defect) then ends, and fails its check
 
 
 def _recv_post(completion: Completion):
@@ -30,30 +32,42 @@ def _recv_post(completion: Completion):
     return buf, completion.post([dist.P2POp(dist.irecv, buf, peer=0)])
 
 
-def _send_late(delay_s: float = DELAY_S) -> None:
-    time.sleep(delay_s)
+def _go(marks: str, i: int) -> None:
+    """Rank 1 lets rank 0 send its ``i``-th tensor: at the moment the step needs it (after an abort or a
+    timeout the receive is still posted, and that send lands in it), not after a fixed delay."""
+    Path(marks, f"go{i}").touch()
+
+
+def _send_when_told(marks: str, i: int) -> None:
+    deadline = time.monotonic() + FALLBACK_S
+    while not Path(marks, f"go{i}").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
     dist.send(torch.arange(1.0, 5.0), dst=1)
 
 
-def _semantics(rank, world):
+def _semantics(rank, world, marks):
     if rank == 0:
-        for _ in range(7):
-            _send_late()
+        for i in range(7):
+            _send_when_told(marks, i)
         return
-    # 1. emulated: wait() returns at once and the buffer is not there yet (as under NCCL)
+    posted = []  # every receive posted here: each is completed by one of rank 0's 7 sends before the group goes
+    # 1. emulated: wait() returns at once and the buffer is not there yet (as under NCCL): rank 0 has not sent
     c = Completion(stream=False, timeout_s=30, emulate=True)
     buf, works = _recv_post(c)
     t0 = time.monotonic()
     for w in works:
         w.wait()
-    assert time.monotonic() - t0 < 0.2 * DELAY_S, "an emulated wait blocked"
+    assert time.monotonic() - t0 < 0.2 * BOUND_S, "an emulated wait blocked"
     assert not any(w.is_completed() for w in works)
     assert torch.equal(buf, torch.zeros(4))  # what code that trusts wait() alone would read
+    _go(marks, 0)
     c.finish(works, "recv 1")  # the data plane's wait: polls completion
     assert torch.equal(buf, torch.arange(1.0, 5.0)) and all(w.is_completed() for w in works)
 
-    # 2. negative control: gloo's own wait blocks, so the same reading code sees the data there
+    # 2. negative control: gloo's own wait blocks (the send comes 0.1 s after it began), so the same reading
+    # code sees the data there
     buf, works = _recv_post(Completion(stream=False, timeout_s=30, emulate=False))
+    threading.Timer(0.1, _go, args=(marks, 1)).start()
     for w in works:
         w.wait()
     assert torch.equal(buf, torch.arange(1.0, 5.0))
@@ -61,28 +75,34 @@ def _semantics(rank, world):
     # 3. the driver's abort (from another thread, as a Ray control method) ends a pending finish
     c = Completion(stream=False, timeout_s=30, emulate=True)
     buf, works = _recv_post(c)
+    posted += works
     threading.Timer(0.2, c.abort, args=("rollout worker rollout[0] died",)).start()
     t0 = time.monotonic()
     with pytest.raises(PeerLost, match=r"recv 3: rollout worker rollout\[0\] died"):
         c.finish(works, "recv 3")
-    assert time.monotonic() - t0 < DELAY_S and c.aborted
+    assert time.monotonic() - t0 < BOUND_S and c.aborted
     c.finish([], "nothing pending")  # an abort fails only what is not complete
+    _go(marks, 2)
 
     # 4. no abort: parallel.timeout_s bounds the wait
     c = Completion(stream=False, timeout_s=0.3, emulate=True)
     buf, works = _recv_post(c)
+    posted += works
     with pytest.raises(PeerLost, match=r"recv 4: not completed within parallel.timeout_s=0.3 s"):
         c.finish(works, "recv 4")
+    _go(marks, 3)
 
     # 5. gloo's own semantics (no emulation): finish returns with the data, and an abort ends a wait
     # that gloo's blocking wait would have held until the peer sent or died
     c = Completion(stream=False, timeout_s=30, emulate=False)
     buf, works = _recv_post(c)
+    _go(marks, 4)
     c.finish(works, "recv 5")
     assert torch.equal(buf, torch.arange(1.0, 5.0))
-    for emulate in (False, True):  # 6, 7: one abort wakes every waiter of the process at once
+    for i, emulate in ((5, False), (6, True)):  # 6, 7: one abort wakes every waiter of the process at once
         c = Completion(stream=False, timeout_s=30, emulate=emulate)
         works = _recv_post(c)[1]
+        posted += works
         raised: list = []
 
         def wait(works, c=c):
@@ -98,14 +118,19 @@ def _semantics(rank, world):
         t0 = time.monotonic()
         c.abort("rollout worker rollout[0] failed")
         for t in waiters:
-            t.join(DELAY_S)
+            t.join(BOUND_S)
         assert len(raised) == 3, (emulate, raised)
-        assert all(at - t0 < 0.5 * DELAY_S and "rollout[0] failed" in why for at, why in raised), (emulate, raised)
-    time.sleep(2 * DELAY_S)  # let rank 0's last sends land before the group goes
+        assert all(at - t0 < 0.5 * BOUND_S and "rollout[0] failed" in why for at, why in raised), (emulate, raised)
+        _go(marks, i)
+    deadline = time.monotonic() + FALLBACK_S  # rank 0's last sends land before the group goes
+    while not all(w.is_completed() for w in posted) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(w.is_completed() for w in posted), "a send of rank 0 never reached its receive"
 
 
 def test_emulated_nccl_completion(tmp_path):
-    run_ranks(_semantics, 2, workdir=tmp_path, backend="gloo", timeout_s=120)
+    (marks := tmp_path / "marks").mkdir()
+    run_ranks(_semantics, 2, str(marks), workdir=tmp_path, backend="gloo", timeout_s=120)
 
 
 def test_a_failed_post_never_completes_and_never_raises():
