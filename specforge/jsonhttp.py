@@ -94,11 +94,13 @@ def healthy(url: str, timeout_s: float) -> bool:
         return False
 
 
-def wait_healthy(url: str, deadline: float, exited: Callable[[], bool], poll_s: float = 0.5,
+def wait_healthy(url: str, deadline: float, exited: Callable[[], bool], poll_s: float = 0.1,
                  probe_timeout_s: float = 5) -> Literal["ready", "exited", "timeout"]:
     """Poll ``url`` (a starting server's ``/health``) until it answers 200 (``"ready"``), ``exited()``
     says the server's process has died (``"exited"``, asked first each round) or ``deadline``
-    (``time.monotonic()``) passes (``"timeout"``). The caller words the error of each."""
+    (``time.monotonic()``) passes (``"timeout"``). The caller words the error of each. Every ``poll_s``:
+    a refused connection or a 503 costs well under a millisecond, and a start (llama-server, vLLM) is
+    seen ~0.05 s after it is ready on average instead of ~0.25 s at a poll of 0.5 s."""
     while True:
         if exited():
             return "exited"
