@@ -422,9 +422,11 @@ class LlamaServer:
         self.stop()
 
     def _wait_healthy(self) -> None:
-        # /health is not 200 while the server loads (503) or before it listens
+        # /health is not 200 while the server loads (503) or before it listens. A probe that gets no answer
+        # within 0.5 s counts as not yet (the next round asks again): what holds a port it did not get (another
+        # process, listening) never answers, and the server's exit is seen at the next round, not 2 s later
         state = wait_healthy(f"{self.url}/health", time.monotonic() + self.start_timeout_s,
-                             exited=lambda: self.proc.poll() is not None, poll_s=0.2, probe_timeout_s=2)
+                             exited=lambda: self.proc.poll() is not None, probe_timeout_s=0.5)
         if state == "exited":
             raise self._fail(f"exited with code {self.proc.returncode} while starting")
         if state == "timeout":
