@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -138,6 +139,16 @@ def _check_outtype(outtype: str) -> None:
         raise ValueError(f"outtype {outtype!r}: one of {', '.join(OUTTYPES)} (llama.cpp's converter writes them)")
 
 
+def _how_it_ended(rc: int, out: Path) -> str:
+    """A failed conversion's end, as its log alone cannot tell it (a log that ends in success, and no file)."""
+    if rc < 0:
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:  # a number Python has no name for
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}" if rc else f"exit status 0, but it left no {out.name}"
+
+
 def _run_converter(args: Sequence[str], out_path: Path) -> Path:
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +165,7 @@ def _run_converter(args: Sequence[str], out_path: Path) -> Path:
         tmp.unlink(missing_ok=True)
         tail = "\n".join(output.strip().splitlines()[-15:])
         hint = (f" (the converter needs sentencepiece: run `{INSTALL}`)" if "sentencepiece" in tail else "")
-        raise ValueError(f"llama.cpp's converter failed{hint}: {' '.join(cmd)}\n{tail}")
+        raise ValueError(f"llama.cpp's converter failed{hint} ({_how_it_ended(rc, tmp)}): {' '.join(cmd)}\n{tail}")
     os.replace(tmp, out_path)  # atomic: a half-written GGUF is never seen
     return out_path
 
