@@ -1,3 +1,6 @@
+import importlib.metadata
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,3 +75,52 @@ def test_capture_attention_avoids_materialized_scores_where_transformers_can():
         assert capture_attention(replace(by_name["gpt_oss"], hf_class="NoFlexForTest"), gpu) == "eager"
     finally:
         del transformers.NoFlexForTest
+
+
+def test_the_embedded_conversion_is_shared_by_every_venv_with_the_same_package(tmp_path, monkeypatch):
+    """The converted embedded target is named by the package's version and the GGUF's name and size, not by
+    the venv it lies in: a second venv (a fresh clone's) reuses it. Controls: another size or another
+    version is converted again."""
+    from specforge.models import target as t
+
+    converted = []
+    monkeypatch.setattr(t, "_convert_embedded", lambda gguf, out: (converted.append(gguf), out.mkdir(),
+                                                                   (out / "config.json").write_text("{}")))
+    cfg = ModelConfig(cache_dir=str(tmp_path / "cache"))
+
+    def gguf_in(venv: str, size: int = 64) -> Path:
+        f = tmp_path / venv / t._GGUF_NAME
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"\0" * size)
+        monkeypatch.setattr(t, "embedded_gguf_path", lambda: f)
+        return f
+
+    gguf_in("venv-a")
+    first = resolve_target_path(cfg)
+    gguf_in("venv-b")
+    assert resolve_target_path(cfg) == first and len(converted) == 1
+    gguf_in("venv-c", size=65)  # control: another file
+    assert resolve_target_path(cfg) != first and len(converted) == 2
+    gguf_in("venv-d")
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9" if name == t._GGUF_DIST else version(name))
+    assert resolve_target_path(cfg) != first and len(converted) == 3  # control: another release of the package
+
+
+def test_a_conversion_published_first_by_another_process_is_kept(tmp_path):
+    """Two first uses at once (two runs, two test workers): the second to finish keeps the first's folder
+    instead of failing on it; a folder there that is not a finished conversion still fails."""
+    from specforge.models.target import _publish
+
+    out, mine = tmp_path / "model", tmp_path / ".convert-mine"
+    for d, text in ((out, "theirs"), (mine, "mine")):
+        d.mkdir()
+        (d / "config.json").write_text(text)
+    _publish(mine, out)
+    assert (out / "config.json").read_text() == "theirs"
+    (out / "config.json").rename(out / "partial")  # control: a folder without config.json is no conversion
+    with pytest.raises(OSError):
+        _publish(mine, out)
+    fresh = tmp_path / "fresh"
+    _publish(mine, fresh)
+    assert (fresh / "config.json").read_text() == "mine" and not mine.exists()

@@ -119,6 +119,14 @@ def embedded_gguf_path() -> Path:
     raise ValueError(f"package {_GGUF_DIST!r} is installed but ships no {_GGUF_NAME}")
 
 
+def embedded_stamp(gguf: Path) -> str:
+    """What names the embedded target's conversion in the cache: the package's version and the file's name
+    and size, not where it lies, so that every venv (a fresh clone's, CI's) with the same package reuses
+    the one conversion (~15 CPU-s; and the target GGUF llama.cpp serves, keyed by the converted files)."""
+    version = importlib.metadata.version(_GGUF_DIST)
+    return hashlib.sha256(f"{_GGUF_DIST}=={version}:{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+
+
 def _convert_embedded(gguf: Path, out_dir: Path) -> None:
     """Dequantize the GGUF once into a plain HF folder (the GGUF-loaded model cannot be saved as is)."""
     from transformers import (  # lazy: heavy (transformers)
@@ -140,9 +148,20 @@ def _convert_embedded(gguf: Path, out_dir: Path) -> None:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)  # atomic: a half-written folder is never seen as converted
+        _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move a finished conversion into place, atomically: a half-written folder is never seen as
+    converted. Where another process (a second run's first use, the other test worker) published its
+    own first, that one is kept and ours is left for the caller to remove: same package, same weights."""
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # a non-empty folder is already there (ENOTEMPTY/EEXIST)
+        if not (out_dir / "config.json").is_file():  # not a finished conversion: the error stands
+            raise
 
 
 def resolve_target_path(cfg: ModelConfig) -> str:
@@ -157,7 +176,7 @@ def resolve_target_path(cfg: ModelConfig) -> str:
             raise ValueError(f"model.target_path {cfg.target_path!r} does not exist (and is not a hub id)")
         return cfg.target_path  # hub id: from_pretrained will fetch it where a network exists
     gguf = embedded_gguf_path()
-    stamp = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    stamp = embedded_stamp(gguf)
     out = Path(cfg.cache_dir).expanduser() / "models" / f"smollm2-135m-instruct-{stamp}"
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
