@@ -11,6 +11,7 @@ line. Readers elsewhere call these; ``tests/test_bad_input.py`` hands each entry
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,17 @@ def check_writable(key: str, folder: str | Path) -> None:
     except OSError as e:
         raise ValueError(f"config key {key!r}={str(folder)!r} is not writable ({e.strerror} in {str(existing)!r}); "
                          "name a folder this user can write") from None
+
+
+def publish_folder(tmp: Path, out: Path, done: str) -> None:
+    """Move the finished folder ``tmp`` to ``out`` atomically: a half-written one is never seen. Where another
+    process (a concurrent builder of the same cache entry) published its own first, that one is kept, told by
+    its ``done`` file, and ``tmp`` is left for the caller to remove; any other folder there is an error."""
+    try:
+        os.replace(tmp, out)
+    except OSError:  # a non-empty folder is already there (ENOTEMPTY/EEXIST)
+        if not (Path(out) / done).is_file():  # not a finished one: the error stands
+            raise
 
 
 def human_bytes(n: float) -> str:

@@ -109,8 +109,12 @@ def test_the_embedded_conversion_is_shared_by_every_venv_with_the_same_package(t
 
 def test_a_conversion_published_first_by_another_process_is_kept(tmp_path):
     """Two first uses at once (two runs, two test workers): the second to finish keeps the first's folder
-    instead of failing on it; a folder there that is not a finished conversion still fails."""
-    from specforge.models.target import _publish
+    instead of failing on it; a folder there that is not a finished conversion still fails
+    (``files.publish_folder``, as the embedded conversion calls it)."""
+    from specforge.files import publish_folder
+
+    def _publish(tmp, out):
+        publish_folder(tmp, out, "config.json")
 
     out, mine = tmp_path / "model", tmp_path / ".convert-mine"
     for d, text in ((out, "theirs"), (mine, "mine")):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 import time
@@ -48,6 +47,7 @@ from specforge.config import DataConfig
 from specforge.data.sharegpt import Conversation, iter_conversations, resolve_data_files
 from specforge.data.template import TemplateError, resolve_chat_template, tokenize_conversation
 from specforge.environment import env_defaults
+from specforge.files import publish_folder
 
 PIPELINE_VERSION = "specforge-data-v1"
 NO_LOSS_TOKENS = "no loss tokens after truncation"
@@ -381,11 +381,7 @@ def prepare_dataset(
             "min_length": data_cfg.min_length, "join_parts": data_cfg.join_parts,
         }, indent=1))
         (tmp / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1))  # written last: marks complete
-        try:
-            os.replace(tmp, out)  # atomic; a concurrent builder that won the race is fine too
-        except OSError:
-            if not (out / "stats.json").is_file():
-                raise
+        publish_folder(tmp, out, "stats.json")  # atomic; a concurrent builder that won the race is fine too
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     stats.cache_path = str(out)

@@ -28,7 +28,7 @@ from torch import nn
 
 from specforge.config import EMBEDDED_TARGET, ModelConfig, default_feature_layers
 from specforge.device import host_device, pick_dtype, target_devices
-from specforge.files import open_safetensors
+from specforge.files import open_safetensors, publish_folder
 from specforge.models.features import Features
 from specforge.targets import Family, check_packing, family_of, logit_softcap, text_config
 
@@ -150,20 +150,9 @@ def _convert_embedded(gguf: Path, out_dir: Path) -> None:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _publish(tmp, out_dir)
+        publish_folder(tmp, out_dir, "config.json")  # two first uses at once: the first one's is kept
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish(tmp: Path, out_dir: Path) -> None:
-    """Move a finished conversion into place, atomically: a half-written folder is never seen as
-    converted. Where another process (a second run's first use, the other test worker) published its
-    own first, that one is kept and ours is left for the caller to remove: same package, same weights."""
-    try:
-        os.replace(tmp, out_dir)
-    except OSError:  # a non-empty folder is already there (ENOTEMPTY/EEXIST)
-        if not (out_dir / "config.json").is_file():  # not a finished conversion: the error stands
-            raise
 
 
 def resolve_target_path(cfg: ModelConfig) -> str:
