@@ -81,6 +81,51 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Inductor keys a compiled CPU kernel by its source and its compile command, and the command names the torch
+# it builds against by path (``-I <venv>/.../torch/include``, ``-L .../torch/lib``): every fresh clone, a new
+# venv at a new path, compiled every kernel of the compiled-math tests again, and first precompiled the kernels'
+# header (a 154 MB .gch a venv, left in /tmp; its hash reads the preprocessed header, whose __FILE__s name the
+# venv). Measured on a 2-core EPYC, tests/test_rmsnorm.py and tests/test_rotary_compiled.py in one process:
+# 13.0 s with the cache warm for the venv's path, 35.7 s at a new path. The suite keys the kernels by the
+# torch build instead (its version and commit: the same headers and libraries at any path; a compiled kernel
+# loads into the process's own torch libraries, not the ones it was linked beside) and compiles them without
+# the precompiled header. Measured there, the two modules: 7.2 s at a new path once any path compiled them;
+# from an empty cache 69.9 s, against 53.7 with the header (paid once a machine and torch build, not a clone).
+# A torch without these internals keeps its own keys (slower, not wrong). A fixture of the modules that
+# compile, not a start-up step: inductor's import takes ~2 s, and reaches triton (TRITON_INTERPRET, above).
+def torch_build() -> str:
+    """What names this torch in a kernel's key: its version and commit."""
+    return f"<torch {torch.__version__} {torch.version.git_version}>"
+
+
+def keyed_by_build(write, where: str, build: str):
+    """Inductor's ``codecache.write`` with the torch folder ``where`` named ``build`` in the key's command."""
+    import functools
+
+    @functools.wraps(write)
+    def keyed(content, extension, extra="", *args, **kwargs):
+        return write(content, extension, extra.replace(where, build), *args, **kwargs)
+
+    return keyed
+
+
+@pytest.fixture(scope="session")
+def kernels_keyed_by_torch_build() -> None:
+    try:
+        from torch._inductor import codecache
+        from torch._inductor import config as inductor_config
+        from torch.utils import cpp_extension
+    except ImportError:  # no inductor: the compiled tests skip
+        return
+
+    where, write = getattr(cpp_extension, "_TORCH_PATH", None), getattr(codecache, "write", None)
+    if not where or write is None or not hasattr(inductor_config, "cpp_cache_precompile_headers"):
+        return
+    if not hasattr(write, "__wrapped__"):  # once a process
+        inductor_config.cpp_cache_precompile_headers = False
+        codecache.write = keyed_by_build(write, where, torch_build())
+
+
 # ``SPECFORGE_GPU_REHEARSAL=cpu bash scripts/test.sh -m gpu`` runs the GPU suite's single-GPU entry-point
 # tests (those marked ``rehearsal``) on the CPU: the same runs and assertions, minus what only CUDA
 # measures, so the suite itself is checked on a machine without a GPU before a GPU runs it.

@@ -71,6 +71,7 @@ def test_it_keeps_its_input_and_the_row_scale_as_the_memory_model_counts():
     assert ref == rows * (8 * H + 4)
 
 
+@pytest.mark.usefixtures("kernels_keyed_by_torch_build")  # tests/conftest.py: any venv path reuses them
 @pytest.mark.parametrize("xd, wd", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_the_compiled_math_equals_the_eager_math(xd, wd):
     """``COMPILE_NORM``'s path (torch.compile of the forward and backward math; on a GPU only), compiled

@@ -7,6 +7,7 @@ import torch
 from specforge.models.layers import apply_rotary, rope_cos_sin, rope_inv_freq
 
 
+@pytest.mark.usefixtures("kernels_keyed_by_torch_build")  # tests/conftest.py: any venv path reuses them
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_the_compiled_rotary_equals_the_eager_ops(dtype, tol):
     pytest.importorskip("torch._inductor")
