@@ -47,11 +47,14 @@ PERIOD_S = 0.5
 
 def sample(out: Path) -> None:
     """Until SIGTERM: every ``PERIOD_S``, each process's CPU seconds; then ``out`` (JSON):
-    ``{"pid:start": {"cmd", "ppid", "series": [[time, cpu_s], ...]}}``, a point only where the CPU moved."""
+    ``{"pid:start": {"cmd", "ppid", "series": [[time, cpu_s], ...], "base": cpu_s}}``, a point only where the
+    CPU moved; ``base`` (processes already running at the first sweep: the machine's own, a kernel thread) the
+    CPU they had spent before the run, which is not the run's."""
     hz = os.sysconf("SC_CLK_TCK")
     seen: dict[str, dict] = {}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    first = True
     while not stop:
         now = time.time()
         for d in os.listdir("/proc"):
@@ -71,12 +74,15 @@ def sample(out: Path) -> None:
                         cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300] or "?"
                     if entry is None:
                         seen[key] = entry = {"cmd": cmd, "ppid": int(rest[1]), "series": [[now, cpu]]}
+                        if first:
+                            entry["base"] = cpu
                     else:
                         entry["series"].append([now, cpu])
                     if cmd != "?":
                         entry["cmd"] = cmd
             except (OSError, IndexError, ValueError):  # gone meanwhile
                 pass
+        first = False
         time.sleep(PERIOD_S)
     out.write_text(json.dumps(seen))
 
@@ -160,7 +166,7 @@ def attribute(processes: dict, workers: dict) -> tuple[dict, dict, float]:
         pid = int(key.split(":")[0])
         # the first hop from this process' own record: a pid reused by a later process has another parent
         w = pid if pid in workers else owner(p["ppid"])
-        kind, before = kind_of(p["cmd"]), 0.0
+        kind, before = kind_of(p["cmd"]), p.get("base", 0.0)
         for t, cpu in p["series"]:
             spent, before = cpu - before, cpu
             if spent <= 0:
@@ -192,7 +198,7 @@ def report(folder: Path) -> str:
     count: dict[str, int] = collections.Counter()
     for p in processes.values():
         kind = kind_of(p["cmd"])
-        by_kind[kind] += p["series"][-1][1]
+        by_kind[kind] += p["series"][-1][1] - p.get("base", 0.0)
         count[kind] += 1
     total = sum(by_kind.values())
     out = [f"{total:,.0f} CPU-s sampled, {sum(per_test.values()):,.0f} of them during a test, {none:,.0f} in none "
