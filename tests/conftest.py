@@ -90,7 +90,10 @@ def pytest_configure(config):
 # torch build instead (its version and commit: the same headers and libraries at any path; a compiled kernel
 # loads into the process's own torch libraries, not the ones it was linked beside) and compiles them without
 # the precompiled header. Measured there, the two modules: 7.2 s at a new path once any path compiled them;
-# from an empty cache 69.9 s, against 53.7 with the header (paid once a machine and torch build, not a clone).
+# from an empty cache 69.9 s, against 53.7 with the header (paid once a machine and torch build, not a clone;
+# a CI on a new machine pays it each run: 90 s of a worker in a suite run against 41). Not the header for an
+# empty cache only: it is in the kernel's key (-D TORCH_INDUCTOR_PRECOMPILE_HEADERS), so kernels compiled with
+# it are not found without it (measured: the next fresh clone compiled all again, 66 s).
 # A torch without these internals keeps its own keys (slower, not wrong). A fixture of the modules that
 # compile, not a start-up step: inductor's import takes ~2 s, and reaches triton (TRITON_INTERPRET, above).
 def torch_build() -> str:
