@@ -54,8 +54,8 @@ def test_kinds_of_processes():
 
 
 def test_the_sampler_keeps_what_a_process_spent_before_it_started(tmp_path):
-    """A process running at the sampler's first sweep (here: this one) gets its CPU then as its base; one
-    started later (a child that spins ~0.3 s) gets none, its CPU from zero."""
+    """Exactly the processes of the sampler's first sweep (here: this one) get their CPU then as their base;
+    one started later (a child that spins ~0.3 s, then waits to be seen) gets none: its CPU counts from zero."""
     import json
     import signal
     import subprocess
@@ -68,15 +68,15 @@ def test_the_sampler_keeps_what_a_process_spent_before_it_started(tmp_path):
     sampler = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "sample", str(out)])
     try:
         time.sleep(3 * PERIOD_S)
-        spin = "import time\nt = time.time()\nwhile time.time() - t < 0.3:\n    pass"
+        spin = f"import time\nt = time.time()\nwhile time.time() - t < 0.3:\n    pass\ntime.sleep({3 * PERIOD_S})"
         child = subprocess.Popen([sys.executable, "-S", "-c", spin])
         child.wait(timeout=30)
-        time.sleep(2 * PERIOD_S)
     finally:
         sampler.send_signal(signal.SIGTERM)
         sampler.wait(timeout=30)
     seen = json.loads(out.read_text())
-    me = next(p for k, p in seen.items() if k.startswith(f"{os.getpid()}:"))
-    assert me["base"] > 0  # pytest's own imports, before the sampler
+    first = min(p["series"][0][0] for p in seen.values())
+    assert all(("base" in p) == (p["series"][0][0] == first) for p in seen.values())
+    assert next(p for k, p in seen.items() if k.startswith(f"{os.getpid()}:"))["base"] > 0  # pytest's imports
     spun = [p for k, p in seen.items() if k.startswith(f"{child.pid}:")]
     assert spun and all("base" not in p for p in spun), spun  # control: a process of the run has no base
