@@ -98,7 +98,7 @@ def pytest_configure(config):
 # compile, not a start-up step: inductor's import takes ~2 s, and reaches triton (TRITON_INTERPRET, above).
 def torch_build() -> str:
     """What names this torch in a kernel's key: its version and commit."""
-    return f"<torch {torch.__version__} {torch.version.git_version}>"
+    return f"<torch {torch.__version__} {getattr(torch.version, 'git_version', '')}>"
 
 
 def keyed_by_build(write, where: str, build: str):
@@ -107,7 +107,7 @@ def keyed_by_build(write, where: str, build: str):
 
     @functools.wraps(write)
     def keyed(content, extension, extra="", *args, **kwargs):
-        return write(content, extension, extra.replace(where, build), *args, **kwargs)
+        return write(content, extension, extra.replace(where, build) if extra else extra, *args, **kwargs)
 
     return keyed
 
