@@ -124,9 +124,8 @@ def kernels_keyed_by_torch_build() -> None:
     where, write = getattr(cpp_extension, "_TORCH_PATH", None), getattr(codecache, "write", None)
     if not where or write is None or not hasattr(inductor_config, "cpp_cache_precompile_headers"):
         return
-    if not hasattr(write, "__wrapped__"):  # once a process
-        inductor_config.cpp_cache_precompile_headers = False
-        codecache.write = keyed_by_build(write, where, torch_build())
+    inductor_config.cpp_cache_precompile_headers = False
+    codecache.write = keyed_by_build(write, where, torch_build())  # once a process: the fixture's scope
 
 
 # ``SPECFORGE_GPU_REHEARSAL=cpu bash scripts/test.sh -m gpu`` runs the GPU suite's single-GPU entry-point
