@@ -206,15 +206,48 @@ def stop(proc) -> None:
     proc.wait()
 
 
+# What ends a process group (the guard's, and the suite's vLLM zygote's watcher: tests/helpers/vllm_zygote.py):
+# each process of the group SIGKILLed at once (vLLM's server catches SIGTERM and, while it starts, neither exits
+# nor stops its engine core and workers, which an orphaned server leaves running) but for Python's resource
+# trackers, which then unlink the named semaphores they were told of and exit; up to ``grace`` s for the group to
+# go, SIGKILL for what is left.
+GROUP = PROC + """
+def group(pgrp):  # the live processes of process group pgrp
+    return [pid for pid, (state, _, g, _) in table().items() if g == pgrp and state != "Z"]
+
+def tracker(pid):  # Python's resource tracker: it unlinks the semaphores and segments it was told of once
+    try:  # every process holding its pipe is gone (it ignores SIGTERM and SIGINT); SIGKILLed, it leaks them
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+def end_group(pgrp, grace):
+    deadline = time.monotonic() + grace
+    while (left := [pid for pid in group(pgrp) if not tracker(pid)]) and time.monotonic() < deadline:
+        for pid in left:  # all at once (the server's start-up ignores SIGTERM), but its trackers
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    while group(pgrp) and time.monotonic() < deadline:  # the trackers clean up and exit on their own
+        time.sleep(0.05)
+    try:
+        os.killpg(pgrp, signal.SIGKILL)
+    except OSError:
+        pass
+    while group(pgrp) and time.monotonic() < deadline + 1:
+        time.sleep(0.05)
+"""
+
 # The guard of an engine (``guarded``): it runs the command in a process group of its own and watches it.
-# When the command exits, or the guard gets SIGTERM (its front died, or forwarded one: see FRONT), it SIGKILLs
-# the whole group at once (vLLM's server catches SIGTERM and, while it starts, neither exits nor stops its
-# engine core and workers, which an orphaned server leaves running) but for Python's resource trackers, which
-# then unlink the named semaphores they were told of and exit; waits up to GUARD_GRACE_S for the group to go
-# (SIGKILL for what is left); and removes the shared-memory files the group's processes had mapped or open
-# (recorded every GUARD_POLL_S while they ran, and once more before the kill). It exits with the command's
-# status (143 after SIGTERM). A signal before the command started still ends it: the handlers come first.
-GUARD = PROC + """
+# When the command exits, or the guard gets SIGTERM (its front died, or forwarded one: see FRONT), it ends the
+# whole group (``end_group``, GUARD_GRACE_S at most) and removes the shared-memory files the group's processes
+# had mapped or open (recorded every GUARD_POLL_S while they ran, and once more before the kill). It exits with
+# the command's status (143 after SIGTERM). A signal before the command started still ends it: the handlers
+# come first.
+GUARD = GROUP + """
 grace, poll = float(sys.argv[1]), float(sys.argv[2])
 import subprocess
 segments, seen, stopped = set(), set(), False
@@ -232,11 +265,8 @@ for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
     signal.signal(sig, end)
 child = subprocess.Popen(sys.argv[3:], start_new_session=True)  # its own group: what the guard kills
 
-def group():  # the live processes of the command's group
-    return [pid for pid, (state, _, pgrp, _) in table().items() if pgrp == child.pid and state != "Z"]
-
 def record():
-    for pid in group():
+    for pid in group(child.pid):
         seen.add(pid)
         segments.update(shm_of(pid))
 
@@ -249,30 +279,7 @@ while not stopped and os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | o
     time.sleep(0.1)
 ignore()
 record()
-
-def tracker(pid):  # Python's resource tracker: it unlinks the semaphores and segments it was told of once
-    try:  # every process holding its pipe is gone (it ignores SIGTERM and SIGINT); SIGKILLed, it leaks them
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"multiprocessing.resource_tracker" in f.read()
-    except OSError:
-        return False
-
-deadline = time.monotonic() + grace
-while (left := [pid for pid in group() if not tracker(pid)]) and time.monotonic() < deadline:
-    for pid in left:  # all at once (the server's start-up ignores SIGTERM), but its trackers
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    time.sleep(0.05)
-while group() and time.monotonic() < deadline:  # the trackers clean up and exit on their own
-    time.sleep(0.05)
-try:
-    os.killpg(child.pid, signal.SIGKILL)
-except OSError:
-    pass
-while group() and time.monotonic() < deadline + 1:
-    time.sleep(0.05)
+end_group(child.pid, grace)
 status = child.wait()
 unlink_shm(segments, seen)
 os._exit(143 if stopped else status if status >= 0 else 128 - status)

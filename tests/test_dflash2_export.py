@@ -289,6 +289,7 @@ print(json.dumps(report))
 
 
 @torch.no_grad()
+@pytest.mark.usefixtures("vllm_python")
 def test_vllm_builds_the_draft_from_the_export_and_computes_its_convolution_and_selector(tiny, tmp_path, capsys):
     """vLLM's own parser, model registry, ``DFlash2Qwen3ForCausalLM`` and its ``load_weights`` on the
     export: every parameter is ours exactly (q/k/v and gate/up stacked as vLLM stacks them), except the

@@ -78,6 +78,7 @@ print(json.dumps(report))
 
 
 @torch.no_grad()
+@pytest.mark.usefixtures("vllm_python")
 def test_vllm_builds_the_dspark_draft_from_the_export_and_computes_its_heads(tiny, tmp_path, capsys):
     """vLLM's parser reads the export as a Qwen3 DSpark draft of our layers (ours + 1, "after k layers",
     less 1 again in its target_layer_ids), anchor-first, K drafts a round; its model holds our every

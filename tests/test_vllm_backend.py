@@ -43,6 +43,8 @@ from specforge.models.vllm_engine import (
 )
 from specforge.targets import text_config
 from specforge.training.batch import collate
+from tests.conftest import VLLM_PYTHON_ENV
+from tests.helpers.processes import gone
 from tests.helpers.targets import AUX, overrides, target_folder
 from tests.helpers.vllm_fork import sitecustomize as vllm_fork
 from tests.helpers.vllm_fork.sitecustomize import FLAG as FORK_FLAG
@@ -134,11 +136,14 @@ def monkeypatch_module():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _engines_fork(monkeypatch_module):
+def _engines_fork(monkeypatch_module, vllm_python):
     """The engines this module starts fork their core and workers from the server instead of spawning
     them (tests/helpers/vllm_fork: ~28 CPU-s and ~27 s less a start on 2 cores). The session cluster's
     actors have it off (tests/conftest.py); the killed-engine test gives it to its rollout workers. The test
-    of a starter killed while its engine starts unsets it, so vLLM's own spawn stays tested there."""
+    of a starter killed while its engine starts unsets it, so vLLM's own spawn stays tested there. The
+    servers themselves, and the module's scripts in vLLM's venv, fork from the session's vLLM zygote
+    (``vllm_python``, tests/helpers/vllm_zygote.py: ~15 CPU-s less each), but in those two tests, whose
+    claim is what the guard does to the group of a server started as vLLM's python starts it."""
     monkeypatch_module.setenv(FORK_FLAG, "1")
     path = [str(FORK_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
     monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join(path))
@@ -213,6 +218,81 @@ def test_the_fork_switch_acts_only_in_a_vllm_process_and_only_when_set(tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.splitlines() == ["shadowed ran", want], (flag, out.stdout)
 
+
+ZYGOTE_PROBE = """import json, os, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "set": os.environ.get("SPECFORGE_TEST_ZYGOTE"),
+                  "preloaded": "vllm.entrypoints.openai.api_server" in sys.modules,
+                  "session": os.getsid(0) == os.getpid()}))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _zygote_or_skip(vllm_python):
+    if vllm_python is None:
+        pytest.skip("the suite's vLLM processes start as vLLM's python starts them here (SPECFORGE_TEST_SPAWN_VLLM=1)")
+    return vllm_python
+
+
+def test_a_script_forked_from_the_vllm_zygote_runs_as_in_vllms_python(vllm_python, tmp_path):
+    """tests/helpers/vllm_zygote.py: ``python -c CODE ARGS`` through the zygote's ``python`` gets the caller's
+    arguments, folder, environment, stdout and exit status, as vLLM's own python gives them, with vLLM's API
+    server already imported (the control: vLLM's python, which has not) and in the caller's session; the rest
+    of the command lines (``--version``) go to vLLM's python; a script goes with its caller (SIGKILLed)."""
+    z = _zygote_or_skip(vllm_python)
+    env = {**os.environ, "SPECFORGE_TEST_ZYGOTE": "yes"}
+    got = {}
+    for name, python in (("zygote", z.python), ("real", z.real)):
+        out = subprocess.run([python, "-c", ZYGOTE_PROBE, "5", "x y"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 5, (name, out.stderr[-2000:])
+        got[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["zygote"].pop("preloaded") and not got["real"].pop("preloaded")
+    assert got["zygote"] == got["real"] == {"argv": ["-c", "5", "x y"], "cwd": str(tmp_path), "set": "yes",
+                                            "session": False}, got
+    version = [subprocess.run([p, "--version"], capture_output=True, text=True, timeout=60).stdout
+               for p in (z.python, z.real)]
+    assert version[0] == version[1] and version[0].startswith("Python 3")
+    caller = subprocess.Popen([z.python, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(caller.stdout.readline())
+        assert child != caller.pid  # forked by the zygote, not the caller itself
+    finally:
+        caller.kill()
+        caller.wait(timeout=30)
+    assert gone(child, within_s=10), "the script outlived its SIGKILLed caller"
+
+
+SERVER_MODULE = """import os, subprocess, sys, time
+held = open(sys.argv[1], "w")  # what the group holds in /dev/shm
+kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a core or worker of its own
+print(os.getpid(), kid.pid, os.getpgid(0), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_server_forked_from_the_vllm_zygote_goes_with_its_group_when_its_caller_goes(vllm_python, tmp_path):
+    """A ``python -m MODULE`` through the zygote (an engine's API server) leads a session of its own; once its
+    caller (what the engine's guard started, and kills with its group) is SIGKILLed, the zygote's watcher ends
+    the server's group, a process the server started included, and removes the /dev/shm file the group held,
+    as the guard does for a server started by vLLM's python (the killed-engine tests). Only the caller is
+    killed, not its group: nothing but the watcher signals the server's."""
+    z = _zygote_or_skip(vllm_python)
+    (tmp_path / "fake_server.py").write_text(SERVER_MODULE)
+    held = f"/dev/shm/specforge-test-zygote-{os.getpid()}"
+    caller = subprocess.Popen([z.python, "-m", "fake_server", held], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        server, kid, group = map(int, caller.stdout.readline().split())
+        assert group == server and os.getsid(server) == server  # its own session and group
+        assert os.getpgid(kid) == server and os.path.exists(held)
+    finally:
+        caller.kill()
+        caller.wait(timeout=30)
+    assert gone(server, within_s=15) and gone(kid, within_s=5), "the server's group outlived its caller"
+    deadline = time.monotonic() + 10
+    while os.path.exists(held) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(held), "the group's /dev/shm file was left"
 
 @pytest.mark.parametrize("name", [f for f in FAMILIES if f != TP2_FAMILY])
 def test_vllm_features_equal_the_transformers_capture(name, folders, request):
@@ -555,13 +635,16 @@ def _alive_in(group: int) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(folders, tmp_path, monkeypatch):
+def test_an_engine_goes_with_the_process_that_started_it_even_while_starting(folders, tmp_path, monkeypatch,
+                                                                              vllm_python):
     """The process that starts an engine is SIGKILLed while the engine starts (its core and workers
     up, the server not yet serving): the whole engine goes within seconds. vLLM's server catches
     SIGTERM and, during start-up, keeps running with its core and workers, so a plain parent-death
     signal to the server leaves them behind; the guard kills the group, and removes what it held in
     /dev/shm."""
     monkeypatch.delenv(FORK_FLAG)  # vLLM's own start: a server that spawns its core, which spawns a worker
+    if vllm_python is not None:  # started by vLLM's python, not forked from the zygote (``_engines_fork``)
+        monkeypatch.setenv(VLLM_PYTHON_ENV, vllm_python.real)
     storage = tmp_path / "marker-storage"
     storage.mkdir()
     code = ("import torch\n"

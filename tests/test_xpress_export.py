@@ -43,6 +43,7 @@ print(json.dumps({"types": sorted(SUPPORTED_SPECULATORS_TYPES),
 """
 
 
+@pytest.mark.usefixtures("vllm_python")
 def test_vllm_has_no_xpress_model():
     from specforge.models.vllm_engine import default_python
 

@@ -108,18 +108,26 @@ def run(sock_path: str, argv: list[str]) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
-    """In the forked child: become the worker ``req`` describes; returns its argv."""
+def take_over(conn: socket.socket, req: dict, fds: list[int]) -> None:
+    """In the forked child: the caller's stdio, environment and folder, the default signal handlers, and no
+    connection of the zygote's."""
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     conn.close()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    from specforge.forkserver import adopt_env, die_with  # stdlib only: nothing of ours read at import
+    from specforge.forkserver import adopt_env  # stdlib only: nothing of ours read at import
 
     adopt_env(req["env"])
     os.chdir(req["cwd"])
+
+
+def _start_child(conn: socket.socket, req: dict, fds: list[int]) -> list[str]:
+    """In the forked child: become the worker ``req`` describes; returns its argv."""
+    take_over(conn, req, fds)
+    from specforge.forkserver import die_with  # stdlib only: nothing of ours read at import
+
     argv = _as_worker(req["argv"])
     if "OMP_NUM_THREADS" in os.environ:
         import torch
@@ -183,11 +191,13 @@ def _request(conn: socket.socket) -> tuple[dict, list[int]]:
     return req, fds
 
 
-def serve(sock_path: str) -> list[str]:
-    """The zygote's loop; returns (in a forked child only) the argv the child is to run."""
+def serve(sock_path: str, preload=PRELOAD, start_child=None) -> list[str]:
+    """The zygote's loop; returns (in a forked child only) the argv the child is to run. ``start_child(conn, req,
+    fds)`` makes the forked child what the request asks and returns that argv (by default a Ray worker:
+    ``_start_child``); tests/helpers/vllm_zygote.py serves vLLM's processes with the same loop."""
     import importlib
 
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     if os.path.exists(sock_path):
         os.unlink(sock_path)
@@ -226,7 +236,7 @@ def serve(sock_path: str) -> list[str]:
             server.close()
             for other in callers.values():
                 other.close()
-            return _start_child(conn, req, fds)
+            return (start_child or _start_child)(conn, req, fds)
         for fd in fds:
             os.close(fd)
         conn.sendall(STATUS.pack(pid))
