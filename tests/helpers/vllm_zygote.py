@@ -12,7 +12,7 @@ environment, folder and arguments; the child's exit status back) and runs anythi
 
 A forked API server is not in the process group of the command its guard started (``children.guarded``
 kills that group and removes what it held in /dev/shm), nor are the core and workers it forks: it starts a
-session of its own, and a watcher (``WATCH``) ends that group as the guard ends its own (``children.GROUP``)
+session of its own, and a watcher (``watch_script``) ends that group as the guard ends its own (``children.GROUP``)
 and removes what the group held in /dev/shm, once the caller (the command the guard started) is gone. The
 guard's own clean-up of an engine's group is tested where the engines start as vLLM starts them: the test of
 a starter killed while its engine starts, and the killed-engine test (whose engines a Ray actor starts, with
@@ -84,7 +84,7 @@ def _start_child(conn, req: dict, fds: list[int]) -> list[str]:
                           str(GUARD_GRACE_S), str(WATCH_POLL_S)], start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL)
     else:  # the caller killed (subprocess.run's timeout) ends the script, as it ends vLLM's python
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(143 + _unregister_openmp()))
+        signal.signal(signal.SIGTERM, lambda *_: _quit(143))
         die_with(req["caller"], signal.SIGTERM)
     return argv
 
@@ -137,12 +137,12 @@ def main() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # no helper shadows a module
     from tests.helpers import ray_zygote
 
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(_unregister_openmp()))  # the fixture's terminate
+    signal.signal(signal.SIGTERM, lambda *_: _quit(0))  # the fixture's terminate
 
     argv = ray_zygote.serve(sock, PRELOAD, _start_child)
     if not argv:
         sys.exit(0)
-    os._exit(_exit_status(argv))
+    _quit(_exit_status(argv))
 
 
 def _exit_status(argv: list[str]) -> int:
@@ -168,15 +168,15 @@ def _exit_status(argv: list[str]) -> int:
             stream.flush()
         except (OSError, ValueError):
             pass
-    return status + _unregister_openmp()
+    return status
 
 
-def _unregister_openmp() -> int:
-    """What Intel OpenMP removes as its process exits, for an exit without the interpreter's teardown: its
-    registration file in /dev/shm, named by the pid. 0."""
+def _quit(status: int) -> None:
+    """``os._exit(status)``, once what Intel OpenMP removes as its process exits is removed: its registration
+    file in /dev/shm, named by the pid."""
     with contextlib.suppress(OSError):
         os.unlink(f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_{os.getuid()}")
-    return 0
+    os._exit(status)
 
 
 if __name__ == "__main__":
