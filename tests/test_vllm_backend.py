@@ -295,6 +295,7 @@ def test_a_server_forked_from_the_vllm_zygote_goes_with_its_group_when_its_calle
         time.sleep(0.1)
     assert not os.path.exists(held), "the group's /dev/shm file was left"
 
+
 @pytest.mark.parametrize("name", [f for f in FAMILIES if f != TP2_FAMILY])
 def test_vllm_features_equal_the_transformers_capture(name, folders, request):
     """Features through vLLM equal the transformers capture; a shifted layer's do not. Over 30 s: an
