@@ -148,7 +148,7 @@ def main() -> None:
 def _exit_status(argv: list[str]) -> int:
     """Run ``argv`` and say its exit status as the interpreter would, without the interpreter's teardown: the
     final collection over vLLM's imports took ~3 s of each forked child (its caller waits for it); what a run
-    leaves behind, its caller's guard or die_with ends."""
+    leaves behind, the watcher (a server's group) or die_with (a script) ends."""
     import traceback
 
     try:
