@@ -197,12 +197,10 @@ def _ray_zygote(request, tmp_path_factory):
         yield None
         return
     with _zygote([sys.executable, ray_zygote.__file__], "the Ray worker zygote", 120, prefix="sfz-") as sock:
-        python = tmp_path_factory.mktemp("ray-python") / "python"
-        py, run = shlex.quote(sys.executable), shlex.join([sys.executable, ray_zygote.__file__, "run", sock])
-        python.write_text(f'#!/bin/sh\ncase "$1" in\n  */default_worker.py|*/setup_worker.py) exec {run} "$@" ;;\n'
-                          f'esac\nexec {py} "$@"\n')
-        python.chmod(0o755)
-        yield types.SimpleNamespace(python=str(python), run=run)
+        run = shlex.join([sys.executable, ray_zygote.__file__, "run", sock])
+        python = ray_zygote.write_python(tmp_path_factory.mktemp("ray-python") / "python", sys.executable, run,
+                                         "*/default_worker.py|*/setup_worker.py")
+        yield types.SimpleNamespace(python=python, run=run)
 
 
 @contextlib.contextmanager

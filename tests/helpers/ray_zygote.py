@@ -82,6 +82,18 @@ def wait_ready(server, timeout_s: float) -> str:
     return server.stdout.readline().strip() if ready else f"nothing within {timeout_s:.0f} s"
 
 
+def write_python(path, python: str, run: str, handed: str) -> str:
+    """A ``python`` script at ``path`` that runs the command lines whose first argument matches the shell pattern
+    ``handed`` with ``run`` (a zygote's caller, as a shell command) and the rest with ``python``."""
+    import shlex
+    from pathlib import Path
+
+    path = Path(path)
+    path.write_text(f'#!/bin/sh\ncase "$1" in\n  {handed}) exec {run} "$@" ;;\nesac\nexec {shlex.quote(python)} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 def run(sock_path: str, argv: list[str]) -> int:
     """The caller: hand this process' stdio, environment, folder and arguments to the zygote, pass on
     the signals Ray sends, and exit as the forked worker did."""
@@ -191,7 +203,7 @@ def _request(conn: socket.socket) -> tuple[dict, list[int]]:
     return req, fds
 
 
-def serve(sock_path: str, preload=PRELOAD, start_child=None) -> list[str]:
+def serve(sock_path: str, preload=PRELOAD, start_child=_start_child) -> list[str]:
     """The zygote's loop; returns (in a forked child only) the argv the child is to run. ``start_child(conn, req,
     fds)`` makes the forked child what the request asks and returns that argv (by default a Ray worker:
     ``_start_child``); tests/helpers/vllm_zygote.py serves vLLM's processes with the same loop."""
@@ -236,7 +248,7 @@ def serve(sock_path: str, preload=PRELOAD, start_child=None) -> list[str]:
             server.close()
             for other in callers.values():
                 other.close()
-            return (start_child or _start_child)(conn, req, fds)
+            return start_child(conn, req, fds)
         for fd in fds:
             os.close(fd)
         conn.sendall(STATUS.pack(pid))

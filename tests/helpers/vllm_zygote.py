@@ -76,10 +76,9 @@ def _start_child(conn, req: dict, fds: list[int]) -> list[str]:
     from tests.helpers.ray_zygote import take_over
 
     argv = req["argv"]
-    if argv[0] == "-m":
-        os.setsid()
     take_over(conn, req, fds)
     if argv[0] == "-m":
+        os.setsid()
         subprocess.Popen([sys.executable, "-E", "-S", "-c", watch_script(), str(req["caller"]), str(os.getpid()),
                           str(GUARD_GRACE_S), str(WATCH_POLL_S)], start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL)
@@ -113,18 +112,16 @@ def wrapper(folder, real_python: str, sock: str) -> str:
     import shlex
     from pathlib import Path
 
+    from tests.helpers.ray_zygote import write_python
+
     folder, real = Path(folder), Path(real_python)
     (folder / "bin").mkdir(parents=True, exist_ok=True)
     (folder / "lib").mkdir(exist_ok=True)
     iomp = real.parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():
         (folder / "lib" / "libiomp5.so").symlink_to(iomp)
-    py = shlex.quote(str(real))
     run = shlex.join([str(real), "-E", "-S", os.path.abspath(__file__), "run", sock])
-    python = folder / "bin" / "python"
-    python.write_text(f'#!/bin/sh\ncase "$1" in\n  -m|-c) exec {run} "$@" ;;\nesac\nexec {py} "$@"\n')
-    python.chmod(0o755)
-    return str(python)
+    return write_python(folder / "bin" / "python", str(real), run, "-m|-c")
 
 
 def main() -> None:
