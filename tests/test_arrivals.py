@@ -11,6 +11,7 @@ from specforge.models.arrivals import Arrivals
 def _arrive_later(folder, names, delay_s, how="rename"):
     def write():
         time.sleep(delay_s)
+        stamps.append(time.monotonic())  # before the first file appears: a waiter cannot read it too early
         for name in names:
             part = folder / f"{name}.123.part"
             part.write_bytes(b"x")
@@ -18,7 +19,6 @@ def _arrive_later(folder, names, delay_s, how="rename"):
                 os.replace(part, folder / name)
             else:  # a hard link: no event the watcher asks for (the control)
                 os.link(part, folder / name)
-        stamps.append(time.monotonic())
 
     stamps: list[float] = []
     threading.Thread(target=write, daemon=True).start()
