@@ -97,20 +97,26 @@ def write_python(path, python: str, run: str, handed: str) -> str:
 def run(sock_path: str, argv: list[str]) -> int:
     """The caller: hand this process' stdio, environment, folder and arguments to the zygote, pass on
     the signals Ray sends, and exit as the forked worker did."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(sock_path)
-    msg = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "caller": os.getpid()}).encode()
-    _send(conn, msg, fds=[0, 1, 2])
-    (child,) = STATUS.unpack(_recv_exact(conn, STATUS.size))
+    child, pending = [], []  # a signal before the worker's pid is here (it may already run and print) waits
 
     def forward(signum, _frame):
+        if not child:
+            pending.append(signum)
+            return
         try:
-            os.kill(child, signum)
+            os.kill(child[0], signum)
         except ProcessLookupError:
             pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(sock_path)
+    msg = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "caller": os.getpid()}).encode()
+    _send(conn, msg, fds=[0, 1, 2])
+    child.extend(STATUS.unpack(_recv_exact(conn, STATUS.size)))
+    while pending:
+        forward(pending.pop(0), None)
     try:
         (status,) = STATUS.unpack(_recv_exact(conn, STATUS.size))
     except EOFError:
