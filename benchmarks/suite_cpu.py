@@ -45,11 +45,12 @@ PERIOD_S = 0.5
 # ---------------------------------------------------------------- the sampler (a process of its own)
 
 
-def sample(out: Path) -> None:
+def sample(out: Path, ready: Path | None = None) -> None:
     """Until SIGTERM: every ``PERIOD_S``, each process's CPU seconds; then ``out`` (JSON):
     ``{"pid:start": {"cmd", "ppid", "series": [[time, cpu_s], ...], "base": cpu_s}}``, a point only where the
     CPU moved; ``base`` (processes already running at the first sweep: the machine's own, a kernel thread) the
-    CPU they had spent before the run, which is not the run's."""
+    CPU they had spent before the run, which is not the run's. ``ready``, if given, is created after the first
+    sweep: a process started after it is the run's."""
     hz = os.sysconf("SC_CLK_TCK")
     seen: dict[str, dict] = {}
     stop = []
@@ -82,6 +83,8 @@ def sample(out: Path) -> None:
                         entry["cmd"] = cmd
             except (OSError, IndexError, ValueError):  # gone meanwhile
                 pass
+        if first and ready is not None:
+            ready.touch()
         first = False
         time.sleep(PERIOD_S)
     out.write_text(json.dumps(seen))
@@ -247,11 +250,12 @@ def main() -> int:
     r.add_argument("test_args", nargs=argparse.REMAINDER, help="after --: arguments for scripts/test.sh")
     s = sub.add_parser("sample", help="(internal) the sampler")
     s.add_argument("json", type=Path)
+    s.add_argument("--ready", type=Path, help="a file to create once the first sweep is done")
     p = sub.add_parser("report", help="the tables, from a run's folder")
     p.add_argument("folder", type=Path)
     args = ap.parse_args()
     if args.cmd == "sample":
-        sample(args.json)
+        sample(args.json, args.ready)
         return 0
     if args.cmd == "report":
         print(report(args.folder))

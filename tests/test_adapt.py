@@ -12,6 +12,14 @@ from specforge.adapt.traffic import Ledger, held_out, row_key
 from tests.helpers.upstream import FakeServer, chat
 
 
+def _until(done, timeout_s=30.0):
+    """Wait for ``done()``: a poll with a deadline instead of a sleep that a loaded machine can outrun."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
+
+
 def _chat_row(q, a):
     return {"messages": [{"role": "user", "content": q}], "completion": a}
 
@@ -81,13 +89,13 @@ def test_proxy_records_and_swaps_under_load_without_an_error(tmp_path):
 def test_proxy_without_drain_drops_requests(tmp_path):
     """The negative control: stopping the old server at the switch, without draining, fails the
     requests still on it, which the swap test above would catch."""
-    a, b = FakeServer("a", delay_s=0.5), FakeServer("b")
+    a, b = FakeServer("a", delay_s=2.0), FakeServer("b")
     with TrafficProxy(a.url, tmp_path / "traffic.jsonl") as proxy:
         results = []
         threads = [threading.Thread(target=lambda: results.append(chat(proxy.url, "q"))) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        _until(lambda: proxy.in_flight(a.url) == 3)  # all three on the old server, however slowly they started
         proxy.switch(b.url)
         a.die()
         for t in threads:
@@ -341,7 +349,7 @@ def test_adapt_answers_the_requests_in_flight_when_it_stops(adapt_base, tmp_path
     with ad:
         t = threading.Thread(target=lambda: results.append(chat(ad.proxy.url, "slow")))
         t.start()
-        time.sleep(0.3)  # the request is on the server when adapt stops
+        _until(lambda: ad.proxy.in_flight() == 1)  # the request is on the server when adapt stops
     t.join(timeout=30)
     assert results and results[0][0] == 200 and servers.started[0].proc.poll() is not None
 

@@ -361,12 +361,16 @@ def test_a_group_call_that_fails_tells_the_rank_that_names_the_bad_input(ray_ses
 
     @ray.remote
     def agreed(mark):  # fails first, knowing only that another rank failed
+        deadline = time.monotonic() + 30  # once its sibling runs: a worker slow to start is no late failure
+        while not os.path.exists(mark + ".started") and time.monotonic() < deadline:
+            time.sleep(0.01)
         open(mark, "w").close()
         raise RuntimeError("train rank 0 trained nothing since train step 3: another train rank's features "
                            "were lost")
 
     @ray.remote
     def unreadable(mark, delay):  # fails after it, naming the shard
+        open(mark + ".started", "w").close()
         while not os.path.exists(mark):
             time.sleep(0.01)
         time.sleep(delay)

@@ -64,10 +64,14 @@ def test_the_sampler_keeps_what_a_process_spent_before_it_started(tmp_path):
 
     from benchmarks.suite_cpu import PERIOD_S, REPO
 
-    out = tmp_path / "processes.json"
-    sampler = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "sample", str(out)])
+    out, ready = tmp_path / "processes.json", tmp_path / "ready"
+    sampler = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "sample", str(out),
+                                "--ready", str(ready)])
     try:
-        time.sleep(3 * PERIOD_S)
+        deadline = time.monotonic() + 60  # its first sweep done, however slowly it started
+        while not ready.exists():
+            assert sampler.poll() is None and time.monotonic() < deadline, "the sampler never swept once"
+            time.sleep(0.05)
         spin = f"import time\nt = time.time()\nwhile time.time() - t < 0.3:\n    pass\ntime.sleep({3 * PERIOD_S})"
         child = subprocess.Popen([sys.executable, "-S", "-c", spin])
         child.wait(timeout=30)
