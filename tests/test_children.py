@@ -191,7 +191,9 @@ def test_a_guarded_engine_leaves_no_process_or_shared_memory_when_its_starter_di
         starter, (guard, engine, kid, seg, kmp, sem) = _starter(GUARDED)
         try:
             assert all(map(os.path.exists, (seg, kmp, sem)))
-            time.sleep(0.5)  # the guard records what its group maps every 0.1 s here
+            # the guard records what its group maps every 0.1 s here; a SIGKILLed engine maps nothing more, so
+            # before killing it give the guard 20 looks (a loaded machine may hold it off the CPU for a while)
+            time.sleep(2.0 if victim == "engine" else 0.5)
             os.kill({"starter": starter.pid, "engine": int(engine), "front": int(guard)}[victim], signal.SIGKILL)
             assert _settled([guard, engine, kid], [seg, kmp, sem], 20) == [], victim
         finally:

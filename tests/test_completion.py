@@ -117,10 +117,10 @@ def _semantics(rank, world, marks):
         time.sleep(0.2)
         t0 = time.monotonic()
         c.abort("rollout worker rollout[0] failed")
-        for t in waiters:
-            t.join(BOUND_S)
+        for t in waiters:  # a late waiter is still counted (and fails the bound) rather than missed
+            t.join(5 * BOUND_S)
         assert len(raised) == 3, (emulate, raised)
-        assert all(at - t0 < 0.5 * BOUND_S and "rollout[0] failed" in why for at, why in raised), (emulate, raised)
+        assert all(at - t0 < BOUND_S and "rollout[0] failed" in why for at, why in raised), (emulate, raised)
         _go(marks, i)
     deadline = time.monotonic() + FALLBACK_S  # rank 0's last sends land before the group goes
     while not all(w.is_completed() for w in posted) and time.monotonic() < deadline:
