@@ -241,7 +241,7 @@ def _vllm_zygote(request, tmp_path_factory):
     python. None where vLLM is not installed (its tests say so), for the GPU suite, or with ``VLLM_SPAWN_ENV``."""
     from pathlib import Path
 
-    from specforge.models.vllm_engine import default_python
+    from specforge.models.vllm_engine import default_python, intel_openmp
     from tests.helpers import vllm_zygote
     from tests.helpers.vllm_fork.sitecustomize import __file__ as fork_site
 
@@ -254,7 +254,7 @@ def _vllm_zygote(request, tmp_path_factory):
     # the interpreter reads as it starts, and the OpenMP library vLLM's CPU build asks to be preloaded
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.dirname(fork_site),
                                                        *filter(None, [os.environ.get("PYTHONPATH")])]))
-    iomp = real.parent.parent / "lib" / "libiomp5.so"
+    iomp = intel_openmp(real)
     if iomp.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(iomp)
     with _zygote([str(real), vllm_zygote.__file__], "the vLLM zygote", 300, prefix="sfv-", env=env, cwd=repo) as sock:

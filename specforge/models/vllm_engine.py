@@ -147,14 +147,19 @@ class EngineSpec:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.cpu_kvcache_gib))))
-            # vLLM's CPU backend asks for Intel's OpenMP preloaded (its wheel ships it in the venv's lib/)
-            iomp = python.parent.parent / "lib" / "libiomp5.so" if python is not None else None
+            iomp = intel_openmp(python) if python is not None else None
             if iomp is not None and iomp.exists() and "LD_PRELOAD" not in env:
                 env["LD_PRELOAD"] = str(iomp)
             if self.tp_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
                 # its automatic binding wants a NUMA node per rank: give each rank its share of our cores
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), self.tp_size)
         return env
+
+
+def intel_openmp(python: Path) -> Path:
+    """The Intel OpenMP library vLLM's CPU backend asks to be preloaded: its wheel ships it in the lib/ of the
+    venv whose ``python`` runs the engine."""
+    return python.parent.parent / "lib" / "libiomp5.so"
 
 
 def cpu_binding(cores: Sequence[int], ranks: int) -> str:

@@ -112,16 +112,17 @@ def wrapper(folder, real_python: str, sock: str) -> str:
     import shlex
     from pathlib import Path
 
+    from specforge.models.vllm_engine import intel_openmp
     from tests.helpers.ray_zygote import write_python
 
     folder, real = Path(folder), Path(real_python)
-    (folder / "bin").mkdir(parents=True, exist_ok=True)
-    (folder / "lib").mkdir(exist_ok=True)
-    iomp = real.parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists():
-        (folder / "lib" / "libiomp5.so").symlink_to(iomp)
+    python = folder / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    if (iomp := intel_openmp(real)).exists():  # where EngineSpec.env looks for it beside this python
+        intel_openmp(python).parent.mkdir(exist_ok=True)
+        intel_openmp(python).symlink_to(iomp)
     run = shlex.join([str(real), "-E", "-S", os.path.abspath(__file__), "run", sock])
-    return write_python(folder / "bin" / "python", str(real), run, "-m|-c")
+    return write_python(python, str(real), run, "-m|-c")
 
 
 def main() -> None:
